@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make test` and `make demo`.
+# Each creates .venv when missing and (re)installs the project whenever
+# pyproject.toml or constraints.txt change; constraints.txt pins the versions CI uses.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ptx-installed
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# Test-only fixtures whose declared dependencies are heavy or unbuildable.
+NO_DEPS_FIXTURES :=
+
+.PHONY: test demo install constraints clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install -U pip
+	$(PIP) install -c constraints.txt -e ".[test,hf]"
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/ptx demo
+
+# Re-pin after a deliberate upgrade: writes what the current .venv holds.
+constraints: $(STAMP)
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+
+clean:
+	rm -rf $(VENV)

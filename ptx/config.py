@@ -1,0 +1,318 @@
+"""Typed, frozen configuration for every ptx job, and command-line overrides.
+
+A job's whole configuration is one `Config` tree of frozen dataclasses. Each
+field has a default and a comment. Overrides come from the command line as
+`--model.d_model=256`; `--model=llama3_8b` swaps in a whole registered preset
+first, so `--model=gemma2_2b --model.n_layers=2` works. The full tree is
+printed and saved as JSON at the start of every run (`to_dict` / `save`).
+
+This module sits at the bottom of the import graph: it imports nothing from
+ptx, and model families register their presets into `MODEL_PRESETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import types
+import typing
+from typing import Any, Callable, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling for context extension (HF `rope_scaling`)."""
+
+  # "none", "linear" (positions / factor) or "llama3" (Llama 3.1 band scaling).
+  kind: Literal["none", "linear", "llama3"] = "none"
+  # Context-extension factor (HF `factor`).
+  factor: float = 1.0
+  # Llama 3.1: wavelengths above original_max_positions / low_freq_factor are scaled.
+  low_freq_factor: float = 1.0
+  # Llama 3.1: wavelengths below original_max_positions / high_freq_factor are kept.
+  high_freq_factor: float = 4.0
+  # Llama 3.1: the pre-training context length (HF `original_max_position_embeddings`).
+  original_max_positions: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer covering Llama 3, Qwen2/2.5/3 and Gemma 2/3."""
+
+  # Vocabulary size (rows of the embedding table).
+  vocab_size: int = 512
+  # Width of the residual stream.
+  d_model: int = 128
+  # Number of decoder layers (stacked and scanned).
+  n_layers: int = 2
+  # Query heads.
+  n_heads: int = 4
+  # Key/value heads (grouped-query attention when fewer than n_heads).
+  n_kv_heads: int = 4
+  # Width of each attention head.
+  head_dim: int = 32
+  # Hidden width of the gated MLP.
+  mlp_dim: int = 384
+  # MLP gate activation: "silu" (SwiGLU: Llama, Qwen) or "gelu_tanh" (GeGLU: Gemma).
+  activation: Literal["silu", "gelu_tanh"] = "silu"
+  # RMSNorm epsilon.
+  norm_eps: float = 1e-5
+  # Gemma-style RMSNorm that scales by (1 + w) with w initialised at 0.
+  norm_plus_one: bool = False
+  # Gemma 2/3: extra RMSNorms on the outputs of attention and MLP.
+  post_norms: bool = False
+  # Qwen2/2.5: biases on the q, k and v projections.
+  qkv_bias: bool = False
+  # Qwen3/Gemma 3: RMSNorm over head_dim on queries and keys.
+  qk_norm: bool = False
+  # Gemma: multiply embeddings by sqrt(d_model).
+  embed_scale: bool = False
+  # Share the embedding table with the output projection.
+  tie_embeddings: bool = False
+  # RoPE base frequency (of global layers where local and global differ).
+  rope_theta: float = 10_000.0
+  # RoPE scaling for the global layers.
+  rope_scaling: RopeScaling = RopeScaling()
+  # Gemma 3: RoPE base of the sliding-window layers (None: same as rope_theta).
+  rope_local_theta: float | None = None
+  # Sliding-window size of local layers in tokens (None: every layer is global).
+  sliding_window: int | None = None
+  # Layer i is global when (i + 1) % pattern == 0, else local (Gemma 2: 2, Gemma 3: 6);
+  # 1 with a window makes every layer local.
+  sliding_window_pattern: int = 1
+  # Gemma 2: tanh soft-cap on attention logits (None: off).
+  attn_logit_softcap: float | None = None
+  # Gemma 2: tanh soft-cap on output logits (None: off).
+  final_logit_softcap: float | None = None
+  # Attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim).
+  query_pre_attn_scalar: float | None = None
+  # Standard deviation of the normal initialiser of weight matrices.
+  init_std: float = 0.02
+  # Storage dtype of the parameters.
+  param_dtype: str = "float32"
+  # Dtype of activations and matmuls; logits, softmax and losses stay float32.
+  compute_dtype: str = "float32"
+  # Rematerialisation of each layer: "none", "full", "dots" or "dots_no_batch".
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  # Attention implementation (see ptx.models.attention).
+  attention_impl: str = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the device mesh axes; -1 takes the remaining devices."""
+
+  # Pure data parallelism (replicated parameters).
+  data: int = 1
+  # Data parallelism with parameters and optimizer state sharded (FSDP/ZeRO-3).
+  fsdp: int = -1
+  # Tensor (model) parallelism over heads, MLP and vocabulary.
+  tensor: int = 1
+  # Sequence (context) parallelism, used by ring attention.
+  seq: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+  # Peak learning rate.
+  lr: float = 3e-4
+  # Steps of linear warmup from 0 to lr.
+  warmup_steps: int = 10
+  # Final learning rate as a fraction of lr at the end of the cosine decay.
+  min_lr_ratio: float = 0.1
+  # Adam beta1.
+  b1: float = 0.9
+  # Adam beta2.
+  b2: float = 0.95
+  # Adam epsilon.
+  eps: float = 1e-8
+  # Decoupled weight decay, applied to matrices only (not norms, biases).
+  weight_decay: float = 0.0
+  # Clip gradients to this global norm (0: no clipping).
+  clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training loop: batch shape, length, accumulation, logging."""
+
+  # Optimizer steps to run (also the length of the cosine schedule).
+  steps: int = 300
+  # Global batch size in sequences per optimizer step.
+  batch_size: int = 16
+  # Tokens per sequence.
+  seq_len: int = 64
+  # Micro-batches per optimizer step; gradients are accumulated in-graph.
+  grad_accum: int = 1
+  # Seed for parameter init, data order and the per-step RNG.
+  seed: int = 0
+  # Log metrics every this many steps.
+  log_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole configuration of a ptx job."""
+
+  # The model architecture and numerics.
+  model: ModelConfig = ModelConfig()
+  # The device mesh.
+  mesh: MeshConfig = MeshConfig()
+  # The optimizer and its schedule.
+  optim: OptimizerConfig = OptimizerConfig()
+  # The training loop.
+  train: TrainConfig = TrainConfig()
+
+
+# Registered model presets, filled in by the family modules (ptx.models.*).
+MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {}
+
+
+def register_preset(name: str) -> Callable[[Callable[[], ModelConfig]], Callable[[], ModelConfig]]:
+  """Registers a zero-argument function returning a ModelConfig under `name`."""
+
+  def wrap(fn: Callable[[], ModelConfig]) -> Callable[[], ModelConfig]:
+    if name in MODEL_PRESETS:
+      raise ValueError(f"model preset {name!r} is registered twice")
+    MODEL_PRESETS[name] = fn
+    return fn
+
+  return wrap
+
+
+class ConfigError(ValueError):
+  """A configuration override names an unknown field or has a bad value."""
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  """Returns the config tree as plain JSON-able dicts."""
+  return dataclasses.asdict(cfg)
+
+
+def dumps(cfg: Any) -> str:
+  """Returns the config tree as indented JSON, for printing at start-up."""
+  return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
+
+
+def save(cfg: Any, path: str | pathlib.Path) -> None:
+  """Writes the config tree as JSON to `path`."""
+  pathlib.Path(path).write_text(dumps(cfg) + "\n")
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+  """Builds dataclass `cls` from nested dicts (the inverse of `to_dict`).
+
+  Raises:
+    ConfigError: naming the dotted field for unknown keys or wrongly typed values.
+  """
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for key, value in data.items():
+    name = f"{where}{key}"
+    if key not in fields:
+      raise ConfigError(f"unknown config field {name!r}; {cls.__name__} has {sorted(fields)}")
+    kwargs[key] = _coerce(hints[key], value, name)
+  return cls(**kwargs)
+
+
+def apply_overrides(cfg: Config, args: list[str]) -> Config:
+  """Applies `--a.b=value` overrides (and `--model=PRESET`) in order.
+
+  Args:
+    cfg: the starting config.
+    args: command-line words, each `--dotted.field=value`.
+
+  Returns:
+    The new config; `cfg` is unchanged.
+
+  Raises:
+    ConfigError: naming the argument for unknown fields, presets or bad values.
+  """
+  for arg in args:
+    if not arg.startswith("--") or "=" not in arg:
+      raise ConfigError(f"override {arg!r} is not of the form --field.path=value")
+    path, raw = arg[2:].split("=", 1)
+    if path == "model":
+      if raw not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {raw!r}; known: {sorted(MODEL_PRESETS)}")
+      cfg = dataclasses.replace(cfg, model=MODEL_PRESETS[raw]())
+      continue
+    cfg = _replace_path(cfg, path.split("."), raw, path)
+  return cfg
+
+
+def _replace_path(node: Any, keys: list[str], raw: str, path: str) -> Any:
+  if not dataclasses.is_dataclass(node):
+    raise ConfigError(f"--{path}: {type(node).__name__} has no sub-fields")
+  fields = {f.name for f in dataclasses.fields(node)}
+  if keys[0] not in fields:
+    raise ConfigError(f"--{path}: unknown field {keys[0]!r}; {type(node).__name__} has {sorted(fields)}")
+  if len(keys) == 1:
+    value = _parse(typing.get_type_hints(type(node))[keys[0]], raw, path)
+  else:
+    value = _replace_path(getattr(node, keys[0]), keys[1:], raw, path)
+  return dataclasses.replace(node, **{keys[0]: value})
+
+
+def _parse(hint: Any, raw: str, path: str) -> Any:
+  """Parses a command-line string into the field's declared type."""
+  try:
+    value = json.loads(raw)
+  except json.JSONDecodeError:
+    value = raw  # bare strings: --model.activation=silu
+  if raw.lower() in ("none", "null"):
+    value = None
+  elif raw.lower() in ("true", "false"):
+    value = raw.lower() == "true"
+  return _coerce(hint, value, path)
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+  """Checks `value` against type `hint`, converting where lossless."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    errors = []
+    for option in typing.get_args(hint):
+      try:
+        return _coerce(option, value, path)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError(f"{path}: {value!r} matches none of {hint}")
+  if hint is type(None):
+    if value is None:
+      return None
+    raise ConfigError(f"{path}: expected None, got {value!r}")
+  if origin is Literal:
+    if value in typing.get_args(hint):
+      return value
+    raise ConfigError(f"{path}: {value!r} is not one of {typing.get_args(hint)}")
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{path}: expected a list, got {value!r}")
+    (item,) = typing.get_args(hint)[:1]
+    return tuple(_coerce(item, v, path) for v in value)
+  if dataclasses.is_dataclass(hint):
+    if isinstance(value, hint):
+      return value
+    if isinstance(value, dict):
+      return from_dict(hint, value, f"{path}.")
+    raise ConfigError(f"{path}: expected a {hint.__name__} object, got {value!r}")
+  if hint is bool:
+    if isinstance(value, bool):
+      return value
+  elif hint is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  elif hint is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif hint is str:
+    if isinstance(value, str):
+      return value
+  else:
+    raise ConfigError(f"{path}: unsupported field type {hint}")
+  raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
