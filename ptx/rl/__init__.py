@@ -1,0 +1,1 @@
+"""Tests for ptx.rl: sandbox, scheduler, environments, evaluation."""

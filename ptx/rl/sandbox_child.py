@@ -1,0 +1,133 @@
+"""The sandbox's child side: confine this process, then exec the program.
+
+Run as `python -I -S sandbox_child.py CONFIG_JSON`, never imported: it uses the
+standard library only. `ptx.rl.sandbox` starts it in a new session, inside the
+run's directory, with a scrubbed environment. Before the exec, in this order,
+it cuts the network (a new network namespace; as non-root, inside a new user
+namespace), sets the rlimits, drops to the run's uid when it has one, and
+restores the signal dispositions that Python changed. Every step happens before
+the exec so that the program never runs unconfined.
+
+It reports on the status pipe (one JSON line) what it achieved. The pipe is
+close-on-exec, so the parent reads up to EOF and learns that the exec happened;
+an exec failure is written there too, with exit status 127.
+
+With `--reap UID` it becomes UID and sends SIGKILL to every process that UID
+owns: kill(-1) by an unprivileged user reaches exactly that user's processes,
+including strays that left the process group.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+# os.execvpe imports it lazily, and after the uid drop the standard library may
+# be unreadable (a Python under /root): import it while still privileged.
+import warnings  # noqa: F401
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+
+
+def _unshare(flags):
+  """Returns "" on success, else the error text."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.unshare(flags) != 0:
+    return os.strerror(ctypes.get_errno())
+  return ""
+
+
+def _cut_network():
+  """Moves into a new, empty network namespace; returns "" or why it failed."""
+  if os.geteuid() == 0:
+    return _unshare(_CLONE_NEWNET)
+  uid, gid = os.geteuid(), os.getegid()
+  error = _unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
+  if error:
+    return error
+  # Map the caller to itself, so files it writes keep their owner outside.
+  try:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+  except OSError as e:
+    return f"user namespace map: {e.strerror}"
+  return ""
+
+
+def _own_process_count():
+  """Counts the processes of this user (RLIMIT_NPROC counts per user)."""
+  uid = os.getuid()
+  count = 0
+  for name in os.listdir("/proc"):
+    try:
+      count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+    except OSError:
+      pass
+  return count
+
+
+def _set_limits(cfg):
+  """Applies the rlimits; soft == hard except CPU, whose soft limit signals."""
+  processes = cfg["processes"]
+  if cfg["uid"] is None:
+    # Without a uid of its own the run shares the caller's process count.
+    processes += _own_process_count()
+  for which, value in (
+      (resource.RLIMIT_CPU, cfg["cpu_s"]),
+      (resource.RLIMIT_AS, cfg["memory_bytes"]),
+      (resource.RLIMIT_FSIZE, cfg["file_bytes"]),
+      (resource.RLIMIT_NPROC, processes),
+      (resource.RLIMIT_NOFILE, cfg["open_files"]),
+      (resource.RLIMIT_CORE, 0),
+  ):
+    # SIGXCPU at the soft limit, SIGKILL one second later.
+    hard = value + 1 if which == resource.RLIMIT_CPU else value
+    resource.setrlimit(which, (value, hard))
+
+
+def _become(uid):
+  """Drops every privilege: no groups, gid and uid both `uid`."""
+  os.setgroups([])
+  os.setgid(uid)
+  os.setuid(uid)
+
+
+def _launch(cfg):
+  """Confines this process and execs the program; returns only on failure."""
+  status = cfg["status_fd"]
+  report = {"net_error": _cut_network() if cfg["cut_network"] else "not requested"}
+  try:
+    _set_limits(cfg)
+    if cfg["uid"] is not None:
+      _become(cfg["uid"])
+    os.umask(0o077)
+    # Python ignores these; an exec'd program must get the defaults back.
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+      signal.signal(sig, signal.SIG_DFL)
+    os.write(status, (json.dumps(report) + "\n").encode())
+    os.set_inheritable(status, False)
+    argv = cfg["argv"]
+    os.execvpe(argv[0], argv, os.environ)
+  except Exception as e:  # noqa: BLE001  (any failure here is the sandbox's, not the program's)
+    os.write(status, (json.dumps({"exec_error": f"{cfg['argv'][0]}: {e}"}) + "\n").encode())
+  os._exit(127)
+
+
+def _reap(uid):
+  """Becomes `uid` and kills every process it owns."""
+  _become(uid)
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "--reap":
+    _reap(int(sys.argv[2]))
+  else:
+    _launch(json.loads(sys.argv[1]))
