@@ -1,7 +1,11 @@
 """The tokenizer protocol and the dependency-free byte-level tokenizer.
 
 Every pipeline in ptx takes any object with this protocol; the byte tokenizer
-is the default for tests and the tiny presets.
+is the default for tests and the tiny presets. `encode` never adds special
+tokens: callers add `bos_id`/`eos_id` (or a chat template renders them), so
+one text always has one encoding. A tokenizer may carry a chat template in a
+`chat_template` attribute (see `ptx.data.chat`); where it has none, chat
+records use the built-in ChatML template.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ from typing import Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Tokenizer(Protocol):
-  """What ptx needs from a tokenizer."""
+  """What ptx needs from a tokenizer.
+
+  `bos_id` may be None for vocabularies without a begin-of-sequence token
+  (Qwen); `pad_id` is always an id, borrowed from eos where the vocabulary
+  has no pad token (padding is masked by segment id 0, never trained on).
+  """
 
   @property
   def vocab_size(self) -> int: ...
@@ -20,7 +29,7 @@ class Tokenizer(Protocol):
   def pad_id(self) -> int: ...
 
   @property
-  def bos_id(self) -> int: ...
+  def bos_id(self) -> int | None: ...
 
   @property
   def eos_id(self) -> int: ...
@@ -31,9 +40,16 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-  """UTF-8 bytes as tokens: ids 0..2 are pad, bos, eos; byte b is id b + 3."""
+  """UTF-8 bytes as tokens: ids 0..2 are pad, bos, eos; byte b is id b + 3.
+
+  Args:
+    chat_template: an optional `ptx.data.chat.ChatTemplate` for chat records.
+  """
 
   OFFSET = 3
+
+  def __init__(self, chat_template=None):
+    self.chat_template = chat_template
 
   @property
   def vocab_size(self) -> int:

@@ -1,0 +1,41 @@
+"""Host-local batches assembled into global `jax.Array`s with the data sharding.
+
+Each host reads `batch_size / process_count` rows (its own shard of the
+stream, see `ptx.data.pipeline`); `to_global` hands them to
+`jax.make_array_from_process_local_data`, which places them on the host's
+devices under `ptx.sharding.batch_sharding(mesh)` (rows over the data axes,
+tokens over `seq`). Each host holds whole rows, so the `seq` mesh axis must
+not span hosts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ptx.sharding import batch_sharding
+
+
+def to_global(batch: dict[str, Any], mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """Turns every array of a host batch into a global, data-sharded jax.Array.
+
+  Args:
+    batch: a host batch; nested dicts (preference batches) are followed and
+      non-array values (RL task fields) stay on the host as they are.
+    mesh: the device mesh.
+
+  Returns:
+    The same structure with [B, T] numpy arrays replaced by global arrays of
+    shape [B * process_count, T].
+  """
+  out: dict[str, Any] = {}
+  for key, value in batch.items():
+    if isinstance(value, dict):
+      out[key] = to_global(value, mesh)
+    elif isinstance(value, np.ndarray):
+      out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim), value)
+    else:
+      out[key] = value
+  return out

@@ -1,0 +1,152 @@
+"""Random-access record sources: JSONL, ArrayRecord and in-memory.
+
+Each source has `__len__` and `__getitem__`, so grain's `MapDataset.source`
+can shuffle and shard it, and returns `RawRecord`s: the undecoded payload plus
+where it came from (`file:line`), so a bad record is reported by location.
+Decoding and validation happen later, in one place (`ptx.data.records`),
+under the pipeline's error policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+_CHUNK = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class RawRecord:
+  """One undecoded record: JSON bytes (files) or a dict (memory), and its location."""
+
+  payload: bytes | dict
+  where: str
+
+
+class JsonlSource:
+  """JSON lines files, read by a byte-offset index built once at construction.
+
+  Blank lines are not records; line numbers in errors count them anyway, so
+  they match an editor's.
+
+  Args:
+    paths: one path or several (read in order, as one sequence).
+  """
+
+  def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+    single = isinstance(paths, (str, os.PathLike))
+    self.paths = [str(p) for p in ([paths] if single else paths)]
+    starts, ends, lines, files = [], [], [], []
+    for f, path in enumerate(self.paths):
+      s, e, n = _index_lines(path)
+      starts.append(s), ends.append(e), lines.append(n), files.append(np.full(len(s), f, np.int32))
+    self._starts = np.concatenate(starts)
+    self._ends = np.concatenate(ends)
+    self._lines = np.concatenate(lines)
+    self._files = np.concatenate(files)
+    self._fds: dict[int, int] = {}
+
+  def __len__(self) -> int:
+    return len(self._starts)
+
+  def __getitem__(self, index: int) -> RawRecord:
+    f = int(self._files[index])
+    fd = self._fds.get(f)
+    if fd is None:
+      fd = os.open(self.paths[f], os.O_RDONLY)
+      kept = self._fds.setdefault(f, fd)
+      if kept != fd:  # another reader thread opened it first
+        os.close(fd)
+        fd = kept
+    start = int(self._starts[index])
+    # pread is positionless, so reader threads share one descriptor safely.
+    data = os.pread(fd, int(self._ends[index]) - start, start)
+    return RawRecord(data, f"{self.paths[f]}:{int(self._lines[index])}")
+
+  def __getstate__(self) -> dict[str, Any]:
+    # Descriptors do not cross process boundaries; each worker reopens.
+    return {**self.__dict__, "_fds": {}}
+
+  def __del__(self):
+    for fd in getattr(self, "_fds", {}).values():
+      os.close(fd)
+
+
+def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Start offsets, end offsets and 1-based line numbers of the non-blank lines."""
+  newlines = []
+  offset = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(_CHUNK):
+      newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + offset)
+      offset += len(chunk)
+  ends = np.concatenate(newlines + [np.asarray([offset], np.int64)]).astype(np.int64)
+  starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+  numbers = np.arange(1, len(starts) + 1, dtype=np.int64)
+  # Only fully empty lines (and the empty tail after a final newline) are
+  # dropped here; whitespace-only lines reach the decoder and are reported.
+  keep = ends > starts
+  return starts[keep], ends[keep], numbers[keep]
+
+
+class ArrayRecordSource:
+  """ArrayRecord files whose records are UTF-8 JSON objects.
+
+  Args:
+    paths: one path or several.
+  """
+
+  def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+    import grain
+
+    single = isinstance(paths, (str, os.PathLike))
+    self.paths = [str(p) for p in ([paths] if single else paths)]
+    self._source = grain.sources.ArrayRecordDataSource(self.paths)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> RawRecord:
+    return RawRecord(self._source[index], f"{','.join(self.paths)}[{index}]")
+
+
+def write_array_record(path: str | os.PathLike, records: Iterable[dict]) -> int:
+  """Writes records as JSON into an ArrayRecord file; returns how many.
+
+  `group_size:1` keeps random access to one record cheap (no group decode).
+  """
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  writer = ArrayRecordWriter(str(pathlib.Path(path)), "group_size:1")
+  n = 0
+  try:
+    for record in records:
+      writer.write(json.dumps(record, ensure_ascii=False).encode("utf-8"))
+      n += 1
+  finally:
+    writer.close()
+  return n
+
+
+class MemorySource:
+  """A list of record dicts held in memory.
+
+  Args:
+    records: the records; not copied.
+    name: how errors name this source.
+  """
+
+  def __init__(self, records: Sequence[dict], name: str = "memory"):
+    self.records = records
+    self.name = name
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def __getitem__(self, index: int) -> RawRecord:
+    return RawRecord(self.records[index], f"{self.name}[{index}]")

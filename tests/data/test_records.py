@@ -1,0 +1,104 @@
+"""Every bad-input case gives its documented outcome under both policies."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ptx.data.pipeline import PipelineConfig, make_pipeline
+from ptx.data.records import RecordError, decode, encode
+from ptx.data.sources import JsonlSource, RawRecord
+from ptx.data.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+GOOD = b'{"prompt": "1+1=", "completion": "2"}'
+
+# (line bytes, error text); each is line 3 of a file between good records.
+BAD = {
+    "malformed_json": (b'{"prompt": "1+1=", "completion": ', "malformed JSON"),
+    "not_an_object": (b'["1+1=", "2"]', "must be a JSON object"),
+    "missing_field": (b'{"prompt": "1+1="}', "missing field 'completion'"),
+    "wrong_type": (b'{"prompt": "1+1=", "completion": 2}', "'completion' must be a string, got int"),
+    "empty_completion": (b'{"prompt": "1+1=", "completion": "  "}', "'completion' is empty"),
+    "invalid_utf8": (b'{"prompt": "1+1=\xff", "completion": "2"}', "invalid UTF-8 at byte 16"),
+    "lone_surrogate": (b'{"prompt": "\\ud800", "completion": "2"}', "not valid UTF-8"),
+    "bad_messages": (b'{"messages": [{"role": "user", "content": "hi"}]}', "no non-empty assistant turn"),
+}
+
+
+def _file(tmp_path, bad_line):
+  path = tmp_path / "data.jsonl"
+  path.write_bytes(b"\n".join([GOOD, GOOD, bad_line, GOOD]) + b"\n")
+  return path
+
+
+def _run(path, **kw):
+  cfg = PipelineConfig(batch_size=1, seq_len=64, pack=False, shuffle=False, num_epochs=1, **kw)
+  it = iter(make_pipeline(JsonlSource(path), TOK, cfg))
+  return list(it), it.metrics()
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_raise_policy_names_file_and_line(tmp_path, case):
+  line, reason = BAD[case]
+  path = _file(tmp_path, line)
+  with pytest.raises(RecordError, match=f"{path}:3: .*") as info:
+    _run(path, on_error="raise")
+  assert reason in info.value.reason and info.value.where == f"{path}:3"
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_skip_policy_counts_and_keeps_the_good_records(tmp_path, case):
+  batches, metrics = _run(_file(tmp_path, BAD[case][0]), on_error="skip")
+  assert len(batches) == 3
+  assert (metrics["records"], metrics["skipped"], metrics["sequences"]) == (4, 1, 3)
+
+
+def _long_records():
+  return [{"prompt": "p" * 10, "completion": "c" * 100}, {"prompt": "p" * 100, "completion": "c"},
+          {"prompt": "ok", "completion": "fine"}]
+
+
+def test_overlong_truncate_keeps_the_head_and_drops_records_left_without_targets():
+  from ptx.data.sources import MemorySource
+
+  cfg = PipelineConfig(batch_size=3, seq_len=32, pack=False, shuffle=False, num_epochs=1)
+  it = iter(make_pipeline(MemorySource(_long_records()), TOK, cfg))
+  (batch,) = list(it)
+  assert it.metrics()["truncated"] == 1 and it.metrics()["dropped"] == 1
+  want = encode("sft", TOK, _long_records()[0], "x")
+  np.testing.assert_array_equal(batch["tokens"][0], want["tokens"][:32])
+  assert batch["segment_ids"][2].sum() == 0  # the filler row of the short last batch
+
+
+def test_overlong_drop_counts():
+  from ptx.data.sources import MemorySource
+
+  cfg = PipelineConfig(batch_size=1, seq_len=32, pack=False, shuffle=False, num_epochs=1, overlong="drop")
+  it = iter(make_pipeline(MemorySource(_long_records()), TOK, cfg))
+  assert len(list(it)) == 1 and it.metrics()["dropped"] == 2
+
+
+def test_preference_record_encodes_both_replies_with_the_same_prompt():
+  ex = encode("preference", TOK, {"prompt": "q", "chosen": "yes", "rejected": "no"}, "x")
+  assert TOK.decode(ex["chosen"]["tokens"][ex["chosen"]["loss_mask"] == 1]) == "yes"
+  assert TOK.decode(ex["rejected"]["tokens"][ex["rejected"]["loss_mask"] == 1]) == "no"
+  chat = encode("preference", TOK, {"prompt": [{"role": "user", "content": "q"}], "chosen": "yes",
+                                    "rejected": "no"}, "x")
+  assert TOK.decode(chat["chosen"]["tokens"][chat["chosen"]["loss_mask"] == 1]) == "yes<|im_end|>"
+  with pytest.raises(RecordError, match="'rejected' is empty"):
+    encode("preference", TOK, {"prompt": "q", "chosen": "yes", "rejected": ""}, "x")
+
+
+def test_rl_record_keeps_task_fields_and_requires_them():
+  ex = encode("rl", TOK, {"prompt": "2+2=", "answer": "4"}, "x", task_fields=("answer",))
+  assert TOK.decode(ex["tokens"]) == "2+2=" and ex["task"] == {"answer": "4"} and not ex["loss_mask"].any()
+  with pytest.raises(RecordError, match="x: missing field 'tests'"):
+    encode("rl", TOK, {"prompt": "2+2="}, "x", task_fields=("tests",))
+  chat = encode("rl", TOK, {"prompt": [{"role": "user", "content": "hi"}]}, "x")
+  assert TOK.decode(chat["tokens"]).endswith("<|im_start|>assistant\n")
+
+
+def test_decode_accepts_dicts_from_memory_and_json_bytes():
+  assert decode(RawRecord({"a": 1}, "m[0]")) == {"a": 1}
+  assert decode(RawRecord(json.dumps({"a": "é"}).encode(), "f:1")) == {"a": "é"}
