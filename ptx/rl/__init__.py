@@ -1,1 +1,1 @@
-"""Tests for ptx.rl: sandbox, scheduler, environments, evaluation."""
+"""Host-side RL: sandbox, scheduler, environments and verifiers, evaluation."""
