@@ -29,17 +29,12 @@ import logging
 from typing import Any, Literal, Sequence
 
 import grain
-import numpy as np
 
-from ptx.data.batch import pack_rows
+from ptx.data.batcher import Batcher, fit
 from ptx.data.chat import ChatTemplate
-from ptx.data.packing import BinPool
 from ptx.data.records import KINDS, RecordError, decode, encode
 from ptx.data.sources import RawRecord
 from ptx.data.tokenizer import Tokenizer
-
-_COUNTERS = ("records", "skipped", "truncated", "dropped", "sequences", "tokens", "slots")
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -132,78 +127,35 @@ class BatchIterator(grain.DatasetIterator):
     options = grain.ReadOptions(num_threads=ds.cfg.num_threads, prefetch_buffer_size=ds.cfg.prefetch)
     super().__init__(iter(ds.examples.to_iter_dataset(options)))
     self._ds = ds
-    self._pool = BinPool(ds.cfg.seq_len, ds.cfg.num_bins)
-    self._examples: dict[int, dict[str, Any]] = {}
-    self._ready: list[list[int]] = []
-    self._counts = dict.fromkeys(_COUNTERS, 0)
+    cfg = ds.cfg
+    self._batcher = Batcher(cfg.kind, cfg.seq_len, ds.batch_size, ds.pad_id, cfg.pack, cfg.num_bins)
     self._read = 0
 
   def __next__(self) -> dict[str, Any]:
-    n = self._ds.batch_size
-    while len(self._ready) < n:
+    while not self._batcher.full():
       try:
         element = next(self._parent)
       except StopIteration:
-        self._ready += self._pool.drain()
-        if not self._ready:
+        if not self._batcher.finish():
           raise
         break
-      self._take(self._read, element)
+      self._batcher.take(self._read, element)
       self._read += 1
-    rows, self._ready = self._ready[:n], self._ready[n:]
-    return self._batch(rows + [[]] * (n - len(rows)))
+    return self._batcher.batch()
 
   def metrics(self) -> dict[str, float]:
     """Counts so far: records read, skipped, truncated, dropped, packed; packing efficiency."""
-    out = dict(self._counts)
-    out["packing_efficiency"] = out["tokens"] / out["slots"] if out["slots"] else 0.0
-    return out
+    return self._batcher.metrics()
 
   def get_state(self) -> dict[str, Any]:
-    return {"parent": self._parent.get_state(), "read": self._read, "pool": self._pool.get_state(),
-            "ready": [list(r) for r in self._ready], "counts": dict(self._counts)}
+    return {"parent": self._parent.get_state(), "read": self._read, **self._batcher.get_state()}
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])
     self._read = state["read"]
-    self._pool.set_state(state["pool"])
-    self._ready = [list(r) for r in state["ready"]]
-    self._counts = dict(state["counts"])
-    # Sequences waiting in open rows are re-read by key: element k of the
-    # MapDataset is a pure function of k.
-    keys = self._pool.keys() + [k for row in self._ready for k in row]
-    self._examples = {k: self._ds.examples[k]["example"] for k in keys}
-
-  def _take(self, key: int, element: dict[str, Any]) -> None:
-    self._counts["records"] += 1
-    status = element["status"]
-    if status in ("skipped", "dropped"):
-      self._counts[status] += 1
-      return
-    if status == "truncated":
-      self._counts["truncated"] += 1
-    self._examples[key] = element["example"]
-    if not self._ds.cfg.pack:
-      self._ready.append([key])
-      return
-    closed = self._pool.add(key, _length(element["example"]))
-    if closed is not None:
-      self._ready.append(closed)
-
-  def _batch(self, rows: list[list[int]]) -> dict[str, Any]:
-    examples = [[self._examples.pop(k) for k in row] for row in rows]
-    cfg = self._ds.cfg
-    self._counts["sequences"] += sum(map(len, examples))
-    self._counts["slots"] += len(rows) * cfg.seq_len
-    self._counts["tokens"] += sum(_length(ex) for row in examples for ex in row)
-    if cfg.kind == "preference":
-      return {k: pack_rows([[ex[k] for ex in row] for row in examples], cfg.seq_len, self._ds.pad_id)
-              for k in ("chosen", "rejected")}
-    batch: dict[str, Any] = pack_rows(examples, cfg.seq_len, self._ds.pad_id)
-    if cfg.kind == "rl":
-      # Host-side task fields for the reward; an empty (filler) row has None.
-      batch["task"] = [row[0]["task"] if row else None for row in examples]
-    return batch
+    # Element k of the MapDataset is a pure function of k, so the examples
+    # waiting in open rows are re-read by key.
+    self._batcher.set_state(state, lambda keys: {k: self._ds.examples[k]["example"] for k in keys})
 
 
 def _prepare(raw: RawRecord, *, tokenizer: Tokenizer, cfg: PipelineConfig,
@@ -216,19 +168,4 @@ def _prepare(raw: RawRecord, *, tokenizer: Tokenizer, cfg: PipelineConfig,
       raise
     logging.warning("ptx.data: skipping bad record %s", e)
     return {"status": "skipped", "example": None}
-  if _length(example) <= cfg.seq_len:
-    return {"status": "ok", "example": example}
-  if cfg.overlong == "drop" or cfg.kind == "rl":
-    return {"status": "dropped", "example": None}
-  streams = [example[k] for k in ("chosen", "rejected")] if cfg.kind == "preference" else [example]
-  for s in streams:
-    s["tokens"], s["loss_mask"] = s["tokens"][: cfg.seq_len], s["loss_mask"][: cfg.seq_len]
-  if not all(s["loss_mask"].any() for s in streams):
-    return {"status": "dropped", "example": None}
-  return {"status": "truncated", "example": example}
-
-
-def _length(example: dict[str, Any]) -> int:
-  if "chosen" in example:
-    return max(len(example["chosen"]["tokens"]), len(example["rejected"]["tokens"]))
-  return len(example["tokens"])
+  return fit(example, cfg.kind, cfg.seq_len, cfg.overlong)
