@@ -1,6 +1,9 @@
 """The grain pipeline: sources, epochs, packing layout, exact resume, host shards."""
 
 import json
+import os
+import subprocess
+import sys
 
 import grain
 import jax
@@ -175,3 +178,20 @@ def test_to_global_makes_data_sharded_arrays(mesh):
   assert out["tokens"].shape == (8, 64) and out["tokens"].sharding == batch_sharding(mesh)
   np.testing.assert_array_equal(np.asarray(out["nested"]["x"]), host["tokens"])
   assert out["task"] == ["kept"] and isinstance(out["segment_ids"], jax.Array)
+
+
+def test_core_imports_neither_seqio_nor_tensorflow_and_exports_the_pipeline():
+  code = ("import sys, ptx.data as d; light = 'grain' not in sys.modules; d.make_pipeline, d.PipelineConfig; "
+          "import ptx.data.pipeline, ptx.data.global_batch; "
+          "assert light and not {'seqio', 'tensorflow'} & set(sys.modules), sorted(sys.modules)")
+  subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_chat_records_train_only_on_assistant_turns_after_packing():
+  chat = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"},
+                        {"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}]}
+          for i in range(6)]
+  cfg = PipelineConfig(batch_size=2, seq_len=256, num_bins=2, num_epochs=1, shuffle=False)
+  batches = list(make_pipeline(MemorySource(chat), TOK, cfg))
+  targets = [TOK.decode(np.asarray(t)[np.asarray(m) == 1]) for b in batches for t, m in _sequences(b)]
+  assert sorted(targets) == sorted(f"a{i}<|im_end|>done<|im_end|>" for i in range(6))
