@@ -2,4 +2,20 @@
 
 Installed from the folder `kernels/` under the import name `ptx_kernels`
 (PyPI's `kernels` is another project). Depends on jax only; never imports ptx.
+
+Layout everywhere: q [B, T, H, D], k/v [B, S, KV, D] with H a multiple of KV
+(head h reads kv head h // (H // KV)); every function returns (out, lse) with a
+natural-log lse [B, H, T] in float32.
 """
+
+from ptx_kernels.block_sizes import BlockSizes
+from ptx_kernels.flash import flash_attention
+from ptx_kernels.lse import merge_lse
+from ptx_kernels.reference import reference_attention
+
+__all__ = [
+    "BlockSizes",
+    "flash_attention",
+    "merge_lse",
+    "reference_attention",
+]

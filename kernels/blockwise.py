@@ -1,0 +1,232 @@
+"""Blockwise flash attention in pure JAX with an O(T)-memory custom VJP.
+
+The forward loops over query tiles, and inside each over key/value tiles with an
+online softmax; the backward loops over key/value tiles, and inside each over
+query tiles, recomputing P = exp(S - lse). The only residuals are q, k, v, out
+and the natural-log LSE, so memory is linear in sequence length (plain autodiff
+through the loops would keep every tile's P: quadratic). Tiles whose mask is all
+False are skipped with `lax.cond`, which halves causal work on CPU.
+
+Internal layout: q [B, T, KV, G, D] (a free reshape of [B, T, H, D] with head
+h = kv * G + g), so grouped-query attention never repeats K or V.
+`forward` and `backward` accept accumulators so the ring can fold every ring
+step into one set of buffers instead of materialising per-step copies.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ptx_kernels import lse as lse_lib
+from ptx_kernels import mask as mask_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Compile-time settings of one attention call."""
+
+  causal: bool
+  softcap: float | None
+  scale: float
+  block_q: int
+  block_kv: int
+
+
+def _logits(q_i, k_j, st: Static):
+  """Scaled (and soft-capped) f32 logits [B, KV, G, bq, bk] and d(cap)/d(x)."""
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j,
+                 preferred_element_type=jnp.float32) * st.scale
+  if st.softcap is None:
+    return s, None
+  t = jnp.tanh(s / st.softcap)
+  return st.softcap * t, 1.0 - t * t
+
+
+def _tile_mask(mi: mask_lib.MaskInputs, i, j, st: Static):
+  """Visibility [B, 1, 1, bq, bk] of kv tile j for query tile i."""
+  qsl = lambda x: lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, 1)
+  ksl = lambda x: lax.dynamic_slice_in_dim(x, j * st.block_kv, st.block_kv, 1)
+  ok = mask_lib.visible(
+      qsl(mi.q_segment_ids), ksl(mi.kv_segment_ids), qsl(mi.q_positions),
+      ksl(mi.kv_positions), causal=st.causal, window=mi.window)
+  return ok[:, None, None]
+
+
+def _attend_tile(q_i, k, v, mi, i, st: Static):
+  """Attention of query tile i over all keys: (out [B,bq,H,Dv] f32, lse [B,H,bq])."""
+  b, bq, kvh, g, _ = q_i.shape
+  dv = v.shape[-1]
+
+  def step(j, carry):
+    ok = _tile_mask(mi, i, j, st)
+
+    def compute(carry):
+      o, m, l = carry
+      k_j = lax.dynamic_slice_in_dim(k, j * st.block_kv, st.block_kv, 1)
+      v_j = lax.dynamic_slice_in_dim(v, j * st.block_kv, st.block_kv, 1)
+      s, _ = _logits(q_i, k_j, st)
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_j,
+                      preferred_element_type=jnp.float32)
+      return alpha[..., None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=-1)
+
+    return lax.cond(jnp.any(ok), compute, lambda c: c, carry)
+
+  init = (jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
+          jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
+          jnp.zeros((b, kvh, g, bq), jnp.float32))
+  o, m, l = lax.fori_loop(0, k.shape[1] // st.block_kv, step, init)
+  safe_l = jnp.where(l > 0, l, 1.0)
+  lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+  o = jnp.einsum("bkgqd->bqkgd", o / safe_l[..., None])
+  return o.reshape(b, bq, kvh * g, dv), lse.reshape(b, kvh * g, bq)
+
+
+def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
+  """Blockwise forward: (out [B,T,H,Dv], lse [B,H,T]).
+
+  Without `acc` the output is written in q.dtype. With `acc = (out f32, lse)`,
+  the result over these keys is merged into it (the ring's running state).
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  q5 = q.reshape(b, t, kvh, h // kvh, d)
+  if acc is None:
+    acc = (jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
+           jnp.zeros((b, h, t), jnp.float32))
+    merge = False
+  else:
+    merge = True
+
+  def step(i, acc):
+    out, lse = acc
+    q_i = lax.dynamic_slice_in_dim(q5, i * st.block_q, st.block_q, 1)
+    o_i, lse_i = _attend_tile(q_i, k, v, mi, i, st)
+    if merge:
+      prev_o = lax.dynamic_slice_in_dim(out, i * st.block_q, st.block_q, 1)
+      prev_l = lax.dynamic_slice_in_dim(lse, i * st.block_q, st.block_q, 2)
+      o_i, lse_i = lse_lib.merge_lse([prev_o, o_i], [prev_l, lse_i])
+    out = lax.dynamic_update_slice_in_dim(
+        out, o_i.astype(out.dtype), i * st.block_q, 1)
+    return out, lax.dynamic_update_slice_in_dim(lse, lse_i, i * st.block_q, 2)
+
+  return lax.fori_loop(0, t // st.block_q, step, acc)
+
+
+def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
+             grads):
+  """Blockwise backward; adds into `grads = (dq, dk, dv)` (float32) and returns them.
+
+  `lse` and `delta = rowsum(out * dout) - dlse` ([B, H, T]) must describe the
+  full attention (all keys), which makes a partial key set exact for the ring.
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  g = h // kvh
+  q5 = q.reshape(b, t, kvh, g, d)
+  do5 = dout.reshape(b, t, kvh, g, -1)
+  lse4 = lse.reshape(b, kvh, g, t)
+  delta4 = delta.reshape(b, kvh, g, t)
+  dq, dk, dv = grads
+  dq = dq.reshape(b, t, kvh, g, d)
+  bq, bk = st.block_q, st.block_kv
+
+  def kv_step(j, carry):
+    dq, dk, dv = carry
+    k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)
+    v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+
+    def q_step(i, inner):
+      ok = _tile_mask(mi, i, j, st)
+
+      def compute(inner):
+        dq, dk_j, dv_j = inner
+        q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, 1)
+        do_i = lax.dynamic_slice_in_dim(do5, i * bq, bq, 1)
+        lse_i = lax.dynamic_slice_in_dim(lse4, i * bq, bq, 3)
+        delta_i = lax.dynamic_slice_in_dim(delta4, i * bq, bq, 3)
+        s, dcap = _logits(q_i, k_j, st)
+        # Empty rows have lse = -inf; the mask zeroes them before exp.
+        p = jnp.exp(jnp.where(ok, s - lse_i[..., None], -jnp.inf))
+        dv_j += jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_i.dtype), do_i,
+                           preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, v_j,
+                        preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_i[..., None])
+        if dcap is not None:
+          ds *= dcap
+        ds = (ds * st.scale).astype(q.dtype)
+        dq_i = lax.dynamic_slice_in_dim(dq, i * bq, bq, 1) + jnp.einsum(
+            "bkgqs,bskd->bqkgd", ds, k_j, preferred_element_type=jnp.float32)
+        dk_j += jnp.einsum("bkgqs,bqkgd->bskd", ds, q_i,
+                           preferred_element_type=jnp.float32)
+        return lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, 1), dk_j, dv_j
+
+      return lax.cond(jnp.any(ok), compute, lambda c: c, inner)
+
+    init = (dq, lax.dynamic_slice_in_dim(dk, j * bk, bk, 1),
+            lax.dynamic_slice_in_dim(dv, j * bk, bk, 1))
+    dq, dk_j, dv_j = lax.fori_loop(0, t // bq, q_step, init)
+    return (dq, lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, 1),
+            lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, 1))
+
+  dq, dk, dv = lax.fori_loop(0, k.shape[1] // bk, kv_step, (dq, dk, dv))
+  return dq.reshape(b, t, h, d), dk, dv
+
+
+def delta_of(out, dout, dlse):
+  """delta [B, H, T] = rowsum(out * dout) - dlse, in float32."""
+  rows = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+                    dout.astype(jnp.float32))
+  return rows - dlse.astype(jnp.float32)
+
+
+def zero_grads(q, k, v):
+  """Float32 zero accumulators for (dq, dk, dv)."""
+  return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+
+def no_cotangent(mi: mask_lib.MaskInputs):
+  """Zero cotangents for the integer mask inputs of a custom VJP."""
+  return jax.tree.map(
+      lambda x: jnp.zeros(x.shape, jax.dtypes.float0), mi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention(q, k, v, mi: mask_lib.MaskInputs, st: Static):
+  """Blockwise attention (lengths must be tile multiples): (out, lse)."""
+  return forward(q, k, v, mi, st)
+
+
+def _attention_fwd(q, k, v, mi, st):
+  out, lse = forward(q, k, v, mi, st)
+  return (out, lse), (q, k, v, mi, out, lse)
+
+
+def _attention_bwd(st, res, cts):
+  q, k, v, mi, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv = backward(q, k, v, mi, st, lse, delta_of(out, dout, dlse), dout,
+                        zero_grads(q, k, v))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          no_cotangent(mi))
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def pad_to_tiles(x, multiple: int, value=0):
+  """Pads axis 1 of x up to a multiple of `multiple` with `value`."""
+  extra = -x.shape[1] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)

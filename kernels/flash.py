@@ -1,0 +1,65 @@
+"""`flash_attention`: the one entry point that validates inputs and picks a kernel."""
+
+import jax
+
+from ptx_kernels import blockwise
+from ptx_kernels import mask as mask_lib
+from ptx_kernels.block_sizes import BlockSizes
+
+IMPLS = ("blockwise",)
+
+
+def flash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids=None,
+    kv_segment_ids=None, q_positions=None, kv_positions=None,
+    causal: bool = True, window=None, softcap: float | None = None,
+    scale: float | None = None, impl: str = "blockwise",
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Memory-efficient softmax attention, differentiable in q, k and v.
+
+  Args:
+    q: queries [B, T, H, D]; H must be a multiple of the kv heads (GQA/MQA).
+    k: keys [B, S, KV, D].
+    v: values [B, S, KV, Dv].
+    q_segment_ids: int [B, T] packing ids, 0 = padding; default all ones.
+    kv_segment_ids: int [B, S], given together with q_segment_ids.
+    q_positions: int [B, T] global token positions; default arange(T).
+    kv_positions: int [B, S], given together with q_positions.
+    causal: mask keys with kv_position > q_position.
+    window: mask keys with q_position - kv_position >= window. A Python int,
+      None, or a traced int32 scalar (a per-layer window inside a scan; pass a
+      value >= the sequence length for a global layer).
+    softcap: if set, logits become softcap * tanh(logits / softcap).
+    scale: logit scale, default D ** -0.5.
+    impl: "blockwise" (pure JAX, any backend).
+    block_sizes: tile sizes; default BlockSizes().
+    interpret: run Pallas kernels in interpret mode (CPU tests).
+
+  Returns:
+    (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32 natural-log
+    log-sum-exp of the scaled logits). Rows with no visible key give out 0 and
+    lse -inf, and finite (zero) gradients.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  del interpret  # Only the Pallas kernels interpret.
+  mask_lib.check_qkv(q, k, v)
+  b, t, _, d = q.shape
+  s = k.shape[1]
+  mi = mask_lib.make_mask_inputs(
+      b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      q_positions=q_positions, kv_positions=kv_positions, window=window)
+  tiles = (block_sizes or BlockSizes()).clamp(t, s)
+  st = blockwise.Static(
+      causal=causal, softcap=None if softcap is None else float(softcap),
+      scale=d ** -0.5 if scale is None else float(scale),
+      block_q=tiles.block_q, block_kv=tiles.block_kv)
+  bq, bk = tiles.block_q, tiles.block_kv
+  pq = lambda x, value=0: blockwise.pad_to_tiles(x, bq, value)
+  pk = lambda x, value=0: blockwise.pad_to_tiles(x, bk, value)
+  # Padding carries segment id 0, so padded rows and keys are never visible.
+  mi = mask_lib.MaskInputs(pq(mi.q_segment_ids), pk(mi.kv_segment_ids),
+                           pq(mi.q_positions), pk(mi.kv_positions), mi.window)
+  out, lse = blockwise.attention(pq(q), pk(k), pk(v), mi, st)
+  return out[:, :t], lse[:, :, :t]

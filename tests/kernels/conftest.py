@@ -1,0 +1,52 @@
+"""Random attention inputs and error measures shared by the kernel tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def rel_err(got, want) -> float:
+  """max |got - want| / max |want|, in float64 on the host."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def make_qkv(seed, b, t, s, h, kv, d, dtype=jnp.float32):
+  """Fresh normal q [B,T,H,D], k/v [B,S,KV,D]."""
+  kq, kk, kv_ = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (b, t, h, d), dtype),
+          jax.random.normal(kk, (b, s, kv, d), dtype),
+          jax.random.normal(kv_, (b, s, kv, d), dtype))
+
+
+def ragged_segments(seed, b, t, max_docs=4):
+  """Packed segment ids [B, T]: random document lengths, then 0-padding."""
+  rng = np.random.default_rng(seed)
+  out = np.zeros((b, t), np.int32)
+  for row in range(b):
+    used = int(rng.integers(t // 2, t + 1))
+    cuts = np.sort(rng.choice(np.arange(1, used), size=max_docs - 1, replace=False))
+    out[row, :used] = np.searchsorted(cuts, np.arange(used), side="right") + 1
+  return jnp.asarray(out)
+
+
+def loss_terms(fn):
+  """A scalar of out and lse with random cotangents, for gradient checks."""
+  def loss(q, k, v):
+    out, lse = fn(q, k, v)
+    w_out = jax.random.normal(jax.random.key(7), out.shape, jnp.float32)
+    w_lse = jax.random.normal(jax.random.key(8), lse.shape, jnp.float32)
+    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(finite_lse * w_lse)
+  return loss
+
+
+@pytest.fixture
+def helpers():
+  """The helpers above, as a fixture (tests/ is not a package)."""
+  class H:
+    pass
+  for f in (rel_err, make_qkv, ragged_segments, loss_terms):
+    setattr(H, f.__name__, staticmethod(f))
+  return H
