@@ -39,7 +39,9 @@ def pad_batch(examples: Sequence[dict[str, np.ndarray]], seq_len: int, pad_id: i
   return pack_rows([[ex] for ex in examples], seq_len, pad_id)
 
 
-def pack_rows(rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def pack_rows(
+    rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
   """Lays out each row's examples one after another, then pads to `seq_len`.
 
   Args:

@@ -112,7 +112,8 @@ class Batcher:
 
   def get_state(self) -> dict[str, Any]:
     """Open rows, ready rows and counters, as JSON-able values."""
-    return {"pool": self._pool.get_state(), "ready": [list(r) for r in self._ready], "counts": dict(self._counts)}
+    return {"pool": self._pool.get_state(), "ready": [list(r) for r in self._ready],
+            "counts": dict(self._counts)}
 
   def set_state(self, state: dict[str, Any], read: Callable[[list[int]], dict[int, dict[str, Any]]]) -> None:
     """Restores `get_state`'s output; `read(keys)` returns those examples again."""

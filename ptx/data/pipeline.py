@@ -36,6 +36,7 @@ from ptx.data.records import KINDS, RecordError, decode, encode
 from ptx.data.sources import RawRecord
 from ptx.data.tokenizer import Tokenizer
 
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   """How records become batches."""
