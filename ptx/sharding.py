@@ -42,12 +42,22 @@ AxisRule = str | tuple[str, ...] | None
 Names = tuple[str | None, ...]
 
 
+def _as_tuple(rule: AxisRule) -> tuple[str, ...]:
+  if rule is None:
+    return ()
+  return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rules:
   """Logical axis -> mesh axes, one mapping for parameters, one for activations."""
 
   params: dict[str, AxisRule]
   activations: dict[str, AxisRule]
+
+  def __hash__(self):
+    # Rules are static configuration (held by modules, closed over by jit).
+    return hash(tuple(tuple(sorted(getattr(self, k).items())) for k in ("params", "activations")))
 
   def __post_init__(self):
     for kind in ("params", "activations"):
@@ -196,12 +206,6 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> N
   """The sharding of a [batch, seq, ...] input array."""
   names = ("batch", "seq") + (None,) * (ndim - 2)
   return NamedSharding(mesh, logical_to_spec(names[:ndim], rules, kind="activations"))
-
-
-def _as_tuple(rule: AxisRule) -> tuple[str, ...]:
-  if rule is None:
-    return ()
-  return (rule,) if isinstance(rule, str) else tuple(rule)
 
 
 def _fitting_axes(axes: tuple[str, ...], dim: int | None, mesh) -> tuple[str, ...]:

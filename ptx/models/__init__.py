@@ -1,1 +1,9 @@
-"""models."""
+"""Flax NNX decoder for the Llama 3, Qwen2/2.5/3 and Gemma 2/3 families."""
+
+from ptx.models import gemma, llama, qwen  # noqa: F401  (registers the presets)
+from ptx.models.attention import attention
+from ptx.models.decoder import Decoder, forward
+from ptx.models.params import (abstract_params, count_params, init_params, param_shardings, param_specs)
+
+__all__ = ["Decoder", "abstract_params", "attention", "count_params", "forward", "init_params",
+           "param_shardings", "param_specs"]

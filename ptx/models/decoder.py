@@ -1,0 +1,242 @@
+"""The decoder: a pure `forward(params, tokens, cfg)` and its Flax NNX module.
+
+One decoder covers the Llama 3, Qwen2/2.5/3 and Gemma 2/3 families through
+`ModelConfig`. The hot path is `forward`, a pure function of the parameter
+dict declared in `ptx.models.params`; layers run under `lax.scan` over the
+stacked `layers` axis, each optionally rematerialised. `Decoder` is the NNX
+module users hold: `model(tokens)` works eagerly, and
+`nnx.split(model)` / `nnx.state(model)` give the same parameter tree that
+training jits over.
+
+Numerics: parameters are stored in `param_dtype`, activations and matmuls run
+in `compute_dtype`; norms, RoPE, attention softmax and the output logits are
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models import params as params_lib
+from ptx.models import rope
+from ptx.models.attention import attention
+
+Params = dict[str, Any]
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32; Gemma scales by (1 + w)."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
+  scale = weight.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
+  return (normed * scale.reshape((1,) * (x.ndim - 1) + scale.shape)).astype(x.dtype)
+
+
+def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
+  """Per-layer sliding windows (int32 [L]); global layers get an unbounded one."""
+  if cfg.sliding_window is None:
+    return None
+  is_global = (np.arange(cfg.n_layers) + 1) % cfg.sliding_window_pattern == 0
+  if cfg.sliding_window_pattern == 1:
+    is_global[:] = False
+  return np.where(is_global, np.iinfo(np.int32).max, cfg.sliding_window).astype(np.int32)
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.Array:
+  """Runs the decoder on int32 tokens [B, T] and returns float32 logits [B, T, V].
+
+  Args:
+    params: the parameter tree of `ptx.models.params.param_specs(cfg)`.
+    tokens: int32 token ids [B, T].
+    cfg: the model config.
+    positions: int32 [B, T]; defaults to 0..T-1 on every row.
+    segment_ids: int32 [B, T]; tokens attend only within their segment and
+      0 marks padding; defaults to a single segment per row.
+    rules: the sharding rules for activation constraints (used under a mesh).
+
+  Returns:
+    float32 logits [B, T, V].
+  """
+  x = embed(params, tokens, cfg, rules)
+  x = decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  return unembed(params, x, cfg, rules)
+
+
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
+  """Looks up token embeddings [B, T, D] in the compute dtype."""
+  x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+  if cfg.embed_scale:
+    # HF Gemma rounds the sqrt(d) normaliser to the activation dtype first.
+    x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.compute_dtype)
+  return sharding.constrain(x, ("batch", "seq", "embed"), rules)
+
+
+def unembed(params: Params, x: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
+  """Final norm and output projection; the logits are float32 for the loss."""
+  x = rms_norm(x, params["final_norm"], cfg)
+  w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
+  if cfg.final_logit_softcap is not None:
+    logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+  return sharding.constrain(logits, ("batch", "seq", "vocab"), rules)
+
+
+def decode_layers(
+    layers: Params,
+    x: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None,
+    segment_ids: jax.Array | None,
+    rules: sharding.Rules,
+) -> jax.Array:
+  """Runs the stacked layers over the residual stream x [B, T, D] with a scan."""
+  B, T, _ = x.shape
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if segment_ids is None:
+    segment_ids = jnp.ones((B, T), jnp.int32)
+  global_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+  local_rope = global_rope
+  if cfg.rope_local_theta is not None:
+    local_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_theta))
+  windows = layer_windows(cfg)
+  per_layer = (layers, None if windows is None else jnp.asarray(windows))
+
+  def body(x, layer_and_window):
+    layer, window = layer_and_window
+    # Global layers have an int32-max window, so "is local" is a traced flag.
+    is_local = False if window is None else window < jnp.iinfo(jnp.int32).max
+    sin, cos = (jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, global_rope))
+    x = block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
+              segment_ids=segment_ids, rules=rules)
+    return x, None
+
+  if cfg.remat != "none":
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+  x, _ = jax.lax.scan(body, x, per_layer)
+  return x
+
+
+def block(
+    p: Params,
+    x: jax.Array,
+    cfg: ModelConfig,
+    *,
+    sin: jax.Array,
+    cos: jax.Array,
+    window: jax.Array | None,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    rules: sharding.Rules,
+) -> jax.Array:
+  """One pre-norm decoder layer. `cfg` flags select parameters, never values."""
+  dtype = cfg.compute_dtype
+  h = rms_norm(x, p["attn_norm"], cfg)
+  q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dtype))
+  k = jnp.einsum("btd,dnk->btnk", h, p["k"].astype(dtype))
+  v = jnp.einsum("btd,dnk->btnk", h, p["v"].astype(dtype))
+  if cfg.qkv_bias:
+    q, k, v = (x + p[f"{name}_bias"].astype(dtype)[None, None] for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  if cfg.qk_norm:
+    q, k = rms_norm(q, p["q_norm"], cfg), rms_norm(k, p["k_norm"], cfg)
+  q, k = rope.apply_rope(q, sin, cos), rope.apply_rope(k, sin, cos)
+  q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), rules)
+  k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
+  v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
+  scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+  out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
+                  window=window, softcap=cfg.attn_logit_softcap, scale=scale)
+  out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dtype))
+  if cfg.post_norms:
+    out = rms_norm(out, p["attn_post_norm"], cfg)
+  x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
+
+  h = rms_norm(x, p["mlp_norm"], cfg)
+  gate = _ACTIVATIONS[cfg.activation](jnp.einsum("btd,df->btf", h, p["gate"].astype(dtype)))
+  hidden = sharding.constrain(gate * jnp.einsum("btd,df->btf", h, p["up"].astype(dtype)), ("batch", "seq", "mlp"), rules)
+  out = jnp.einsum("btf,fd->btd", hidden, p["down"].astype(dtype))
+  if cfg.post_norms:
+    out = rms_norm(out, p["mlp_post_norm"], cfg)
+  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
+
+
+class Decoder(nnx.Module):
+  """The decoder as a Flax NNX module: `model(tokens) -> logits [B, T, V]`.
+
+  Its attributes mirror the parameter tree (`embed`, `layers`, `final_norm`,
+  `lm_head`), so `nnx.state(model, nnx.Param).to_pure_dict()` is exactly the
+  dict that `forward` and the training step take.
+  """
+
+  def __init__(
+      self,
+      cfg: ModelConfig,
+      *,
+      rngs: nnx.Rngs | None = None,
+      params: Params | None = None,
+      mesh: Mesh | None = None,
+      rules: sharding.Rules = sharding.DEFAULT_RULES,
+  ):
+    """Creates the model from fresh initialisation (`rngs`) or given `params`.
+
+    Args:
+      cfg: the model config.
+      rngs: initialise parameters from `rngs.params()`.
+      params: use this parameter tree instead (e.g. loaded or trained).
+      mesh: place freshly initialised parameters sharded on this mesh.
+      rules: the sharding rules for parameters and activations.
+    """
+    if (rngs is None) == (params is None):
+      raise ValueError("Decoder: pass exactly one of rngs= or params=")
+    self.cfg = cfg
+    self.rules = rules
+    if params is None:
+      out_shardings = None if mesh is None else params_lib.param_shardings(cfg, mesh, rules)
+      params = jax.jit(params_lib.init_params, static_argnums=0, out_shardings=out_shardings)(cfg, rngs.params())
+    expected = jax.tree.structure(params_lib.abstract_params(cfg))
+    if jax.tree.structure(params) != expected:
+      raise ValueError(f"Decoder: parameter tree {jax.tree.structure(params)} does not match the config's {expected}")
+    for name, value in params.items():
+      setattr(self, name, nnx.data(jax.tree.map(nnx.Param, value)))
+
+  @property
+  def params(self) -> Params:
+    """The parameter tree as a plain dict of arrays."""
+    return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+  def __call__(
+      self, tokens: jax.Array, *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+  ) -> jax.Array:
+    """Returns float32 logits [B, T, V] for int32 tokens [B, T] (see `forward`)."""
+    return _jitted_forward(self.params, tokens, self.cfg, positions=positions, segment_ids=segment_ids,
+                           rules=self.rules)
+
+
+# Eager module calls compile once per config and shape (inlined under an outer jit).
+_jitted_forward = jax.jit(forward, static_argnames=("cfg", "rules"))

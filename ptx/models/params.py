@@ -1,0 +1,134 @@
+"""Every decoder parameter declared once: shape, logical axes, initializer.
+
+`param_specs(cfg)` is the single source for a weight's shape and layout; it
+feeds initialisation, shardings, `jax.eval_shape`, checkpoint-restore targets
+and parameter counts. Per-layer weights carry a leading `layers` axis and are
+run with a scan.
+
+Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
+  embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
+  layers: attn_norm [L, D]; q [L, D, H, K]; k, v [L, D, N, K]; o [L, H, K, D];
+          mlp_norm [L, D]; gate, up [L, D, F]; down [L, F, D]
+          + q_bias [L, H, K], k_bias, v_bias [L, N, K]   (qkv_bias)
+          + q_norm, k_norm [L, K]                         (qk_norm)
+          + attn_post_norm, mlp_post_norm [L, D]          (post_norms)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from ptx import sharding
+from ptx.config import ModelConfig
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """The declaration of one parameter array."""
+
+  shape: tuple[int, ...]
+  logical_axes: tuple[str | None, ...]
+  init: Initializer
+
+  def __post_init__(self):
+    if len(self.shape) != len(self.logical_axes):
+      raise ValueError(f"ParamSpec: shape {self.shape} vs logical axes {self.logical_axes}")
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+  """Returns the nested dict of ParamSpec for a decoder config."""
+  L, D, H, N, K = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  F, V = cfg.mlp_dim, cfg.vocab_size
+  if H % N:
+    raise ValueError(f"model.n_heads={H} must be a multiple of model.n_kv_heads={N}")
+  weight = jax.nn.initializers.normal(cfg.init_std)
+  zeros = jax.nn.initializers.zeros
+  # (1 + w) norms start at w = 0 so that both kinds start as the identity scale.
+  norm = zeros if cfg.norm_plus_one else jax.nn.initializers.ones
+
+  def layer(shape, axes, init=weight):
+    return ParamSpec((L,) + shape, ("layers",) + axes, init)
+
+  layers = {
+      "attn_norm": layer((D,), ("embed",), norm),
+      "q": layer((D, H, K), ("embed", "heads", "head_dim")),
+      "k": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
+      "v": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
+      "o": layer((H, K, D), ("heads", "head_dim", "embed")),
+      "mlp_norm": layer((D,), ("embed",), norm),
+      "gate": layer((D, F), ("embed", "mlp")),
+      "up": layer((D, F), ("embed", "mlp")),
+      "down": layer((F, D), ("mlp", "embed")),
+  }
+  if cfg.qkv_bias:
+    layers["q_bias"] = layer((H, K), ("heads", "head_dim"), zeros)
+    layers["k_bias"] = layer((N, K), ("kv_heads", "head_dim"), zeros)
+    layers["v_bias"] = layer((N, K), ("kv_heads", "head_dim"), zeros)
+  if cfg.qk_norm:
+    layers["q_norm"] = layer((K,), ("head_dim",), norm)
+    layers["k_norm"] = layer((K,), ("head_dim",), norm)
+  if cfg.post_norms:
+    layers["attn_post_norm"] = layer((D,), ("embed",), norm)
+    layers["mlp_post_norm"] = layer((D,), ("embed",), norm)
+  specs = {
+      "embed": ParamSpec((V, D), ("vocab", "embed"), weight),
+      "layers": layers,
+      "final_norm": ParamSpec((D,), ("embed",), norm),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), weight)
+  return specs
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Initialises all parameters in `cfg.param_dtype` (jit it to place them sharded)."""
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  keys = jax.random.split(key, len(leaves))
+  dtype = jnp.dtype(cfg.param_dtype)
+  return jax.tree.unflatten(treedef, [s.init(k, s.shape, dtype) for s, k in zip(leaves, keys)])
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  """The parameter tree as ShapeDtypeStructs; nothing is allocated."""
+  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+  """The parameter tree with each leaf replaced by its logical axis names."""
+  return jax.tree.map(lambda s: s.logical_axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> Params:
+  """NamedSharding per parameter under the parameter rules of `rules`."""
+  specs = param_specs(cfg)
+  shapes = jax.tree.map(lambda s: s.shape, specs, is_leaf=_is_spec)
+  return sharding.named_shardings(logical_axes(cfg), shapes, mesh, rules, kind="params")
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Number of parameters, taken from `jax.eval_shape` of the real initialiser."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+def weight_decay_mask(cfg: ModelConfig) -> Params:
+  """True for matrices (decayed), False for norms and biases (not decayed)."""
+
+  def is_matrix(spec: ParamSpec) -> bool:
+    return sum(a not in ("layers", "head_dim") for a in spec.logical_axes) >= 2
+
+  return jax.tree.map(is_matrix, param_specs(cfg), is_leaf=_is_spec)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, ParamSpec)

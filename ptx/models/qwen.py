@@ -1,0 +1,27 @@
+"""Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm) presets."""
+
+from ptx.config import ModelConfig, register_preset
+
+
+@register_preset("qwen2_5_0_5b")
+def qwen2_5_0_5b() -> ModelConfig:
+  """Qwen2.5-0.5B: 494,032,768 parameters, tied embeddings."""
+  return ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                     mlp_dim=4864, qkv_bias=True, tie_embeddings=True, rope_theta=1_000_000.0,
+                     norm_eps=1e-6, param_dtype="bfloat16", compute_dtype="bfloat16")
+
+
+@register_preset("qwen2_5_7b")
+def qwen2_5_7b() -> ModelConfig:
+  """Qwen2.5-7B: 7,615,616,512 parameters."""
+  return ModelConfig(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                     mlp_dim=18944, qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6,
+                     param_dtype="bfloat16", compute_dtype="bfloat16")
+
+
+@register_preset("qwen3_8b")
+def qwen3_8b() -> ModelConfig:
+  """Qwen3-8B: 8,190,735,360 parameters."""
+  return ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                     mlp_dim=12288, qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6,
+                     param_dtype="bfloat16", compute_dtype="bfloat16")

@@ -1,0 +1,165 @@
+"""Properties of the decoder: causality, packing, padding, windows, presets."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import gemma_like
+from ptx.config import MODEL_PRESETS, RopeScaling
+from ptx import sharding
+from ptx.models import Decoder, count_params, init_params
+from ptx.models import forward as eager_forward
+from ptx.models.decoder import decode_layers, unembed
+
+forward = jax.jit(eager_forward, static_argnames=("cfg",))
+
+VARIANTS = {
+    "llama": lambda c: c,
+    "qwen2": lambda c: dataclasses.replace(c, qkv_bias=True, tie_embeddings=True),
+    "qwen3": lambda c: dataclasses.replace(c, qk_norm=True),
+    "llama31_rope": lambda c: dataclasses.replace(
+        c, rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_positions=16)),
+    "gemma": gemma_like,
+}
+
+
+def _params(cfg, seed=0):
+  params = init_params(cfg, jax.random.key(seed))
+  # Perturb the zero-initialised biases and (1 + w) norms so they matter.
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_causality_through_gradients(tiny_config, variant):
+  cfg = VARIANTS[variant](tiny_config)
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
+  t = 6
+
+  def logits_at_t(onehot):  # the decoder applied to one-hot inputs, so inputs have gradients
+    x = onehot @ params["embed"]
+    if cfg.embed_scale:
+      x = x * jnp.sqrt(jnp.float32(cfg.d_model))
+    x = decode_layers(params["layers"], x, cfg, positions=None, segment_ids=None, rules=sharding.DEFAULT_RULES)
+    return unembed(params, x, cfg, sharding.DEFAULT_RULES)[:, t].sum()
+
+  onehot = jax.nn.one_hot(tokens, cfg.vocab_size)
+  grad = jax.jit(jax.grad(logits_at_t))(onehot)
+  influence = np.abs(np.asarray(grad)).sum(axis=(0, 2))
+  assert np.all(influence[t + 1:] == 0), f"future tokens influence position {t}: {influence}"
+  assert np.all(influence[: t + 1] > 0), f"some past token has no influence: {influence}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_packed_equals_unpacked(tiny_config, variant):
+  cfg = VARIANTS[variant](tiny_config)
+  params = _params(cfg)
+  a = jax.random.randint(jax.random.key(3), (5,), 0, cfg.vocab_size)
+  b = jax.random.randint(jax.random.key(4), (7,), 0, cfg.vocab_size)
+  packed = jnp.concatenate([a, b, jnp.zeros(4, jnp.int32)])[None]
+  segments = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 4])
+  positions = jnp.asarray([list(range(5)) + list(range(7)) + [0] * 4])
+  logits = forward(params, packed, cfg, positions=positions, segment_ids=segments)
+  np.testing.assert_allclose(logits[0, :5], forward(params, a[None], cfg)[0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(logits[0, 5:12], forward(params, b[None], cfg)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_changes_nothing(tiny_config):
+  cfg = gemma_like(tiny_config)
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(5), (1, 9), 0, cfg.vocab_size)
+  padded = jnp.concatenate([tokens, jnp.full((1, 5), 7, jnp.int32)], axis=1)
+  segments = jnp.asarray([[1] * 9 + [0] * 5])
+  positions = jnp.asarray([list(range(9)) + [0] * 5])
+  logits = forward(params, padded, cfg, positions=positions, segment_ids=segments)
+  np.testing.assert_allclose(logits[0, :9], forward(params, tokens, cfg)[0], atol=1e-5, rtol=1e-5)
+  assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_sliding_window_limits_the_receptive_field(tiny_config):
+  # Every layer local with window 2 and one layer: position t sees only t-1 and t.
+  cfg = dataclasses.replace(tiny_config, n_layers=1, sliding_window=2, sliding_window_pattern=1)
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(6), (1, 10), 0, cfg.vocab_size)
+  changed = tokens.at[0, 3].set((tokens[0, 3] + 1) % cfg.vocab_size)
+  diff = np.abs(np.asarray(forward(params, tokens, cfg) - forward(params, changed, cfg))).max(axis=-1)[0]
+  assert np.all(diff[:3] == 0) and diff[3] > 0 and diff[4] > 0
+  assert np.all(diff[5:] == 0), f"a token outside the window changed the output: {diff}"
+
+
+def test_gemma_global_layers_see_past_the_window(tiny_config):
+  cfg = dataclasses.replace(gemma_like(tiny_config), n_layers=2)  # layer 0 local, layer 1 global
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(7), (1, 10), 0, cfg.vocab_size)
+  changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % cfg.vocab_size)
+  diff = np.abs(np.asarray(forward(params, tokens, cfg) - forward(params, changed, cfg))).max(axis=-1)[0]
+  assert diff[9] > 0
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_gives_the_same_gradients(tiny_config, remat):
+  cfg = tiny_config
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(8), (2, 8), 0, cfg.vocab_size)
+  loss = lambda p, c: forward(p, tokens, c).mean()
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  want = grad(params, cfg)
+  got = grad(params, dataclasses.replace(cfg, remat=remat))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), got, want)
+
+
+def test_bfloat16_compute_keeps_float32_logits(tiny_config):
+  cfg = dataclasses.replace(tiny_config, param_dtype="bfloat16", compute_dtype="bfloat16")
+  params = init_params(cfg, jax.random.key(0))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+  logits = forward(params, jnp.zeros((1, 4), jnp.int32), cfg)
+  assert logits.dtype == jnp.float32
+
+
+def test_nnx_module_matches_forward_and_splits(tiny_config):
+  model = Decoder(tiny_config, rngs=nnx.Rngs(0))
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+  graphdef, state = nnx.split(model)
+  np.testing.assert_array_equal(model(tokens), forward(nnx.to_pure_dict(state), tokens, tiny_config))
+  np.testing.assert_array_equal(nnx.merge(graphdef, state)(tokens), model(tokens))
+  with pytest.raises(ValueError, match="exactly one"):
+    Decoder(tiny_config)
+  with pytest.raises(ValueError, match="does not match"):
+    Decoder(tiny_config, params={"embed": model.params["embed"]})
+
+
+def test_sharded_module_init(tiny_config, mesh):
+  model = Decoder(tiny_config, rngs=nnx.Rngs(0), mesh=mesh)
+  q = model.params["layers"]["q"]
+  assert q.sharding.spec[2] == "tensor" and q.sharding.mesh == mesh
+  np.testing.assert_array_equal(q, Decoder(tiny_config, rngs=nnx.Rngs(0)).params["layers"]["q"])
+
+
+# Published parameter counts (model cards / safetensors index totals).
+PUBLISHED = {
+    "llama3_8b": 8_030_261_248,
+    "llama3_1_8b": 8_030_261_248,
+    "llama3_2_1b": 1_235_814_400,
+    "smollm2_135m": 134_515_008,
+    "qwen2_5_0_5b": 494_032_768,
+    "qwen2_5_7b": 7_615_616_512,
+    "qwen3_8b": 8_190_735_360,
+    "gemma2_2b": 2_614_341_888,
+    "gemma2_9b": 9_241_705_984,
+    "gemma3_1b": 999_885_952,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts_match_published(name):
+  assert count_params(MODEL_PRESETS[name]()) == PUBLISHED[name]
+
+
+def test_every_real_preset_has_a_published_count():
+  assert set(MODEL_PRESETS) - {"tiny"} == set(PUBLISHED)
