@@ -1,0 +1,66 @@
+"""Supervised fine-tuning: masked next-token cross-entropy, packing-aware.
+
+Token t predicts token t + 1 when both belong to the same non-padding segment
+and token t + 1 is a target (`loss_mask`). So no loss crosses a packed
+segment boundary, and the attention mask (segment ids) keeps segments apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models.decoder import forward
+
+Batch = dict[str, jax.Array]
+
+
+def next_token_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """Returns (targets [B, T-1], float32 weights [B, T-1]) for the shifted batch."""
+  seg = batch["segment_ids"]
+  same_segment = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+  weights = (batch["loss_mask"][:, 1:] != 0) & same_segment
+  return batch["tokens"][:, 1:], weights.astype(jnp.float32)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Negative log-likelihood [B, T] of integer targets under float32 logits [B, T, V]."""
+  # log-softmax in float32 whatever the compute dtype of the model.
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def loss(
+    params: Any,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    model: ModelConfig,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy over the target tokens of `batch`.
+
+  Args:
+    params: the model's parameter tree.
+    batch: int32 [B, T] `tokens`, `loss_mask`, `segment_ids`, `positions`.
+    rng: unused (SFT is deterministic); part of the loss-function contract.
+    model: the model config.
+    rules: sharding rules for activation constraints.
+
+  Returns:
+    (loss, metrics): `loss`, `accuracy` (argmax == target) and `weight` (the
+    number of target tokens, by which the trainer weights micro-batches).
+  """
+  del rng
+  logits = forward(params, batch["tokens"], model, positions=batch["positions"],
+                   segment_ids=batch["segment_ids"], rules=rules)[:, :-1]
+  targets, weights = next_token_targets(batch)
+  n_tokens = weights.sum()
+  denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0
+  mean_nll = (token_nll(logits, targets) * weights).sum() / denominator
+  accuracy = ((jnp.argmax(logits, axis=-1) == targets) * weights).sum() / denominator
+  return mean_nll, {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens}

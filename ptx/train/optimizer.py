@@ -1,0 +1,33 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from ptx.config import OptimizerConfig
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to `cfg.lr`, then cosine decay to `lr * min_lr_ratio`."""
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
+      end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = None) -> optax.GradientTransformation:
+  """Builds the optimizer once, before jit.
+
+  Args:
+    cfg: optimizer hyper-parameters.
+    total_steps: length of the schedule in optimizer steps.
+    decay_mask: pytree of bools (True: apply weight decay), e.g.
+      `ptx.models.params.weight_decay_mask(model_cfg)`; None decays everything.
+  """
+  adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay, mask=decay_mask)
+  if cfg.clip_norm <= 0:
+    return adamw
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

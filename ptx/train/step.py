@@ -1,0 +1,102 @@
+"""The training step: one jitted `step(state, batch) -> (state, metrics)`.
+
+The loss function is any `loss(params, batch, rng) -> (loss, metrics)` whose
+`metrics["weight"]` is the denominator of its mean (target tokens for SFT,
+pairs for DPO). Gradient accumulation splits the batch into micro-batches
+in-graph and weights each micro-batch's gradient and metrics by its weight,
+so the update equals the one from the whole batch at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ptx import sharding
+from ptx.train.state import TrainState
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Batch, rng: jax.Array,
+                         n_micro: int) -> tuple[Any, dict[str, jax.Array]]:
+  """Weighted mean of gradients and metrics over `n_micro` micro-batches.
+
+  Micro-batch i takes rows i, i + n_micro, ... so each stays spread over the
+  batch-sharded devices without any data movement.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if n_micro == 1:  # static: no scan, no extra weighting
+    (_, metrics), grads = grad_fn(params, batch, rng)
+    return grads, metrics
+
+  def split(x):
+    if x.shape[0] % n_micro:
+      raise ValueError(f"batch of {x.shape[0]} rows does not split into grad_accum={n_micro} micro-batches")
+    return jnp.swapaxes(x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]), 0, 1)
+
+  def body(carry, micro_and_index):
+    grad_sum, metric_sum = carry
+    micro, i = micro_and_index
+    (_, metrics), grads = grad_fn(params, micro, jax.random.fold_in(rng, i))
+    w = metrics["weight"]
+    grad_sum = jax.tree.map(lambda acc, g: acc + w * g, grad_sum, grads)
+    weighted = {k: v if k == "weight" else w * v for k, v in metrics.items()}
+    metric_sum = jax.tree.map(jnp.add, metric_sum, weighted)
+    return (grad_sum, metric_sum), None
+
+  micro_batches = jax.tree.map(split, batch)
+  zeros_like = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+  abstract_metrics = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches), rng)[0][1])
+  init = (zeros_like(params), zeros_like(abstract_metrics))
+  (grad_sum, metric_sum), _ = jax.lax.scan(body, init, (micro_batches, jnp.arange(n_micro)))
+  total = jnp.maximum(metric_sum["weight"], 1.0)
+  grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grad_sum, params)
+  metrics = {k: v if k == "weight" else v / total for k, v in metric_sum.items()}
+  return grads, metrics
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    state_shardings: TrainState,
+    grad_accum: int = 1,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+  """Jits the training step once, with explicit shardings and a donated state.
+
+  Args:
+    loss_fn: `loss(params, batch, rng) -> (loss, metrics)` with static
+      configuration already bound (functools.partial).
+    optimizer: the optax transformation the state was initialised with.
+    mesh: the device mesh.
+    state_shardings: from `ptx.train.state.state_shardings`.
+    grad_accum: micro-batches per step.
+    rules: sharding rules for the [batch, seq] inputs.
+
+  Returns:
+    `step(state, batch) -> (state, metrics)`; metrics are float32 scalars:
+    the loss function's metrics plus `grad_norm`.
+  """
+
+  def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    rng = jax.random.fold_in(state.rng, state.step)
+    # The model's activation constraints resolve against this mesh.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      grads, metrics = accumulate_gradients(loss_fn, state.params, batch, rng, grad_accum)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  batch_sharding = sharding.batch_sharding(mesh, rules=rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, replicated), donate_argnums=0)
