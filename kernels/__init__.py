@@ -12,10 +12,16 @@ from ptx_kernels.block_sizes import BlockSizes
 from ptx_kernels.flash import flash_attention
 from ptx_kernels.lse import merge_lse
 from ptx_kernels.reference import reference_attention
+from ptx_kernels.ring import from_zigzag
+from ptx_kernels.ring import ring_attention
+from ptx_kernels.ring import to_zigzag
 
 __all__ = [
     "BlockSizes",
     "flash_attention",
     "merge_lse",
+    "from_zigzag",
     "reference_attention",
+    "ring_attention",
+    "to_zigzag",
 ]

@@ -45,6 +45,30 @@ def _logits(q_i, k_j, st: Static):
   return st.softcap * t, 1.0 - t * t
 
 
+def vary_like(tree, *refs):
+  """Marks fresh arrays as varying over every manual axis that refs vary over.
+
+  Inside `shard_map` loop carries and `cond` branches must agree on which mesh
+  axes a value varies over; zeros built here vary over none until told.
+  """
+  axes = set().union(*(jax.typeof(r).manual_axis_type.varying
+                       for r in jax.tree.leaves(refs)))
+  if not axes:
+    return tree
+  return jax.tree.map(lambda x: lax.pcast(x, tuple(sorted(axes)), to="varying"),
+                      tree)
+
+
+def _tile(x, start, size: int, axis: int = 1):
+  """A tile of x, fenced so its dtype conversion cannot leave the loop.
+
+  Backends without native bf16 matmuls (XLA:CPU) convert operands to f32; the
+  barrier stops XLA hoisting that convert out of the loop, which would keep a
+  float32 copy of the whole q, k, v or dout alive.
+  """
+  return lax.optimization_barrier(lax.dynamic_slice_in_dim(x, start, size, axis))
+
+
 def _tile_mask(mi: mask_lib.MaskInputs, i, j, st: Static):
   """Visibility [B, 1, 1, bq, bk] of kv tile j for query tile i."""
   qsl = lambda x: lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, 1)
@@ -65,8 +89,8 @@ def _attend_tile(q_i, k, v, mi, i, st: Static):
 
     def compute(carry):
       o, m, l = carry
-      k_j = lax.dynamic_slice_in_dim(k, j * st.block_kv, st.block_kv, 1)
-      v_j = lax.dynamic_slice_in_dim(v, j * st.block_kv, st.block_kv, 1)
+      k_j = _tile(k, j * st.block_kv, st.block_kv)
+      v_j = _tile(v, j * st.block_kv, st.block_kv)
       s, _ = _logits(q_i, k_j, st)
       s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -79,9 +103,9 @@ def _attend_tile(q_i, k, v, mi, i, st: Static):
 
     return lax.cond(jnp.any(ok), compute, lambda c: c, carry)
 
-  init = (jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
-          jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
-          jnp.zeros((b, kvh, g, bq), jnp.float32))
+  init = vary_like((jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
+                    jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
+                    jnp.zeros((b, kvh, g, bq), jnp.float32)), q_i, k, v, mi)
   o, m, l = lax.fori_loop(0, k.shape[1] // st.block_kv, step, init)
   safe_l = jnp.where(l > 0, l, 1.0)
   lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
@@ -99,15 +123,15 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
   kvh = k.shape[2]
   q5 = q.reshape(b, t, kvh, h // kvh, d)
   if acc is None:
-    acc = (jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
-           jnp.zeros((b, h, t), jnp.float32))
+    acc = vary_like((jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
+                     jnp.zeros((b, h, t), jnp.float32)), q, k, v, mi)
     merge = False
   else:
     merge = True
 
   def step(i, acc):
     out, lse = acc
-    q_i = lax.dynamic_slice_in_dim(q5, i * st.block_q, st.block_q, 1)
+    q_i = _tile(q5, i * st.block_q, st.block_q)
     o_i, lse_i = _attend_tile(q_i, k, v, mi, i, st)
     if merge:
       prev_o = lax.dynamic_slice_in_dim(out, i * st.block_q, st.block_q, 1)
@@ -140,16 +164,16 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
 
   def kv_step(j, carry):
     dq, dk, dv = carry
-    k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, 1)
-    v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+    k_j = _tile(k, j * bk, bk)
+    v_j = _tile(v, j * bk, bk)
 
     def q_step(i, inner):
       ok = _tile_mask(mi, i, j, st)
 
       def compute(inner):
         dq, dk_j, dv_j = inner
-        q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, 1)
-        do_i = lax.dynamic_slice_in_dim(do5, i * bq, bq, 1)
+        q_i = _tile(q5, i * bq, bq)
+        do_i = _tile(do5, i * bq, bq)
         lse_i = lax.dynamic_slice_in_dim(lse4, i * bq, bq, 3)
         delta_i = lax.dynamic_slice_in_dim(delta4, i * bq, bq, 3)
         s, dcap = _logits(q_i, k_j, st)
@@ -183,14 +207,16 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
 
 def delta_of(out, dout, dlse):
   """delta [B, H, T] = rowsum(out * dout) - dlse, in float32."""
-  rows = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
-                    dout.astype(jnp.float32))
-  return rows - dlse.astype(jnp.float32)
+  # An elementwise product and reduce fuses; an f32 einsum would first
+  # materialise float32 copies of out and dout.
+  rows = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+  return jnp.swapaxes(rows, 1, 2) - dlse.astype(jnp.float32)
 
 
-def zero_grads(q, k, v):
+def zero_grads(q, k, v, mi, dout):
   """Float32 zero accumulators for (dq, dk, dv)."""
-  return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+  return vary_like(tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)),
+                   q, k, v, mi, dout)
 
 
 def no_cotangent(mi: mask_lib.MaskInputs):
@@ -214,7 +240,7 @@ def _attention_bwd(st, res, cts):
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   dq, dk, dv = backward(q, k, v, mi, st, lse, delta_of(out, dout, dlse), dout,
-                        zero_grads(q, k, v))
+                        zero_grads(q, k, v, mi, dout))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
           no_cotangent(mi))
 
