@@ -9,6 +9,7 @@ natural-log lse [B, H, T] in float32.
 """
 
 from ptx_kernels.block_sizes import BlockSizes
+from ptx_kernels.decode import decode_attention
 from ptx_kernels.flash import flash_attention
 from ptx_kernels.lse import merge_lse
 from ptx_kernels.reference import reference_attention
@@ -18,6 +19,7 @@ from ptx_kernels.ring import to_zigzag
 
 __all__ = [
     "BlockSizes",
+    "decode_attention",
     "flash_attention",
     "merge_lse",
     "from_zigzag",

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
+from ptx_kernels import partition
 from ptx_kernels.block_sizes import BlockSizes
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -118,11 +119,6 @@ def _ring_bwd(st, axis_name, n, res, cts):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _present(mesh, names) -> tuple[str, ...] | None:
-  names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-  return names or None
-
-
 def ring_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, mesh=None,
     axis_name: str = "seq", layout: str = "contiguous", q_segment_ids=None,
@@ -177,7 +173,8 @@ def ring_attention(
       causal=causal, softcap=None if softcap is None else float(softcap),
       scale=d ** -0.5 if scale is None else float(scale),
       block_q=tiles.block_q, block_kv=tiles.block_kv)
-  bax, hax = _present(mesh, batch_axes), _present(mesh, head_axes)
+  bax = partition.present_axes(mesh, batch_axes)
+  hax = partition.present_axes(mesh, head_axes)
   x_spec, ids_spec = P(bax, axis_name, hax, None), P(bax, axis_name)
   mi_spec = mask_lib.MaskInputs(
       ids_spec, ids_spec, ids_spec, ids_spec, None if mi.window is None else P())
