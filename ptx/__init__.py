@@ -1,3 +1,26 @@
-"""ptx: JAX/TPU-first post-training for LLMs (SFT, DPO, GRPO) in one SPMD program."""
+"""ptx: JAX/TPU-first post-training for LLMs (SFT, DPO, GRPO) in one SPMD program.
+
+The names below are the promised API; everything else is importable but may
+change. Internal modules never import this facade (a test enforces it).
+"""
 
 __version__ = "0.1.0"
+
+from ptx import data, models
+from ptx.algorithms import sft
+from ptx.config import (Config, MeshConfig, ModelConfig, OptimizerConfig, RopeScaling, TrainConfig,
+                        apply_overrides)
+from ptx.config import MODEL_PRESETS as presets
+from ptx.data.tokenizer import ByteTokenizer, Tokenizer
+from ptx.models import Decoder, attention, count_params, forward, init_params
+from ptx.sharding import DEFAULT_RULES, Rules, make_mesh
+from ptx.train.optimizer import make_optimizer
+from ptx.train.state import TrainState, init_state, state_shardings
+from ptx.train.step import make_train_step
+
+__all__ = [
+    "ByteTokenizer", "Config", "DEFAULT_RULES", "Decoder", "MeshConfig", "ModelConfig", "OptimizerConfig",
+    "RopeScaling", "Rules", "Tokenizer", "TrainConfig", "TrainState", "apply_overrides", "attention",
+    "count_params", "data", "forward", "init_params", "init_state", "make_mesh", "make_optimizer",
+    "make_train_step", "models", "presets", "sft", "state_shardings",
+]

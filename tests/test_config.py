@@ -1,0 +1,67 @@
+"""Config overrides, presets, errors and round trips."""
+
+import json
+
+import pytest
+
+import ptx.models  # noqa: F401  (registers the presets)
+from ptx import config as config_lib
+from ptx.config import Config, ConfigError, RopeScaling, apply_overrides
+
+
+def test_overrides_parse_into_declared_types():
+  cfg = apply_overrides(Config(), [
+      "--model.d_model=256", "--optim.lr=1e-5", "--model.qk_norm=true", "--model.activation=gelu_tanh",
+      "--model.sliding_window=128", "--model.final_logit_softcap=30", "--model.rope_scaling.kind=llama3",
+      "--mesh.fsdp=-1",
+  ])
+  assert cfg.model.d_model == 256 and cfg.optim.lr == 1e-5 and cfg.model.qk_norm is True
+  assert cfg.model.activation == "gelu_tanh" and cfg.model.sliding_window == 128
+  assert cfg.model.final_logit_softcap == 30.0 and isinstance(cfg.model.final_logit_softcap, float)
+  assert cfg.model.rope_scaling == RopeScaling(kind="llama3")
+  assert apply_overrides(cfg, ["--model.sliding_window=none"]).model.sliding_window is None
+
+
+def test_a_preset_then_field_overrides():
+  cfg = apply_overrides(Config(), ["--model=gemma2_2b", "--model.n_layers=2"])
+  assert cfg.model.n_layers == 2 and cfg.model.d_model == 2304 and cfg.model.attn_logit_softcap == 50.0
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--model.d_modle=3", "unknown field 'd_modle'"),
+    ("--modle.d_model=3", "unknown field 'modle'"),
+    ("--model.d_model=3.5", "model.d_model: expected int"),
+    ("--model.d_model=true", "expected int"),
+    ("--model.activation=relu", "is not one of"),
+    ("--model.d_model.x=1", "has no sub-fields"),
+    ("--model=gpt5", "unknown model preset 'gpt5'"),
+    ("model.d_model=3", "not of the form"),
+    ("--train.steps", "not of the form"),
+])
+def test_bad_overrides_name_the_field(arg, message):
+  with pytest.raises(ConfigError, match=message):
+    apply_overrides(Config(), [arg])
+
+
+def test_config_round_trips_through_json(tmp_path):
+  cfg = apply_overrides(Config(), ["--model=gemma3_1b", "--train.steps=7"])
+  config_lib.save(cfg, tmp_path / "config.json")
+  again = config_lib.from_dict(Config, json.loads((tmp_path / "config.json").read_text()))
+  assert again == cfg
+
+
+def test_from_dict_names_the_bad_key():
+  with pytest.raises(ConfigError, match="model.rope_scaling.kindd"):
+    config_lib.from_dict(Config, {"model": {"rope_scaling": {"kindd": "linear"}}})
+
+
+def test_every_field_has_a_comment():
+  import dataclasses
+  import inspect
+
+  for cls in (config_lib.ModelConfig, config_lib.MeshConfig, config_lib.OptimizerConfig,
+              config_lib.TrainConfig, config_lib.Config, config_lib.RopeScaling):
+    source = inspect.getsource(cls).splitlines()
+    for field in dataclasses.fields(cls):
+      line = next(i for i, l in enumerate(source) if l.strip().startswith(f"{field.name}:"))
+      assert source[line - 1].strip().startswith("#"), f"{cls.__name__}.{field.name} has no comment"
