@@ -93,7 +93,7 @@ def make_train_step(
       grads, metrics = accumulate_gradients(loss_fn, state.params, batch, rng, grad_accum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   batch_sharding = sharding.batch_sharding(mesh, rules=rules)
