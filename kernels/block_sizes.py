@@ -24,7 +24,8 @@ class BlockSizes:
       if not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a positive power of two, got {value!r}")
 
-  def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
-    """Returns tiles no longer than the (power-of-two rounded) sequences."""
+  def clamp(self, q_len: int, kv_len: int, minimum: int = 1) -> "BlockSizes":
+    """Tiles no longer than the (power-of-two rounded) sequences, >= minimum."""
     up = lambda n: 1 << max(n - 1, 0).bit_length()
-    return BlockSizes(min(self.block_q, up(q_len)), min(self.block_kv, up(kv_len)))
+    fit = lambda block, n: max(min(block, up(n)), minimum)
+    return BlockSizes(fit(self.block_q, q_len), fit(self.block_kv, kv_len))

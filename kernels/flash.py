@@ -4,9 +4,12 @@ import jax
 
 from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
+from ptx_kernels import pallas_gpu
 from ptx_kernels.block_sizes import BlockSizes
 
-IMPLS = ("blockwise",)
+IMPLS = ("blockwise", "pallas_gpu")
+# Triton's tensor-core dots need tiles of at least 16 rows.
+_MIN_TILE = {"blockwise": 1, "pallas_gpu": 16}
 
 
 def flash_attention(
@@ -32,7 +35,8 @@ def flash_attention(
       value >= the sequence length for a global layer).
     softcap: if set, logits become softcap * tanh(logits / softcap).
     scale: logit scale, default D ** -0.5.
-    impl: "blockwise" (pure JAX, any backend).
+    impl: "blockwise" (pure JAX, any backend) or "pallas_gpu" (Triton
+      kernels; head_dim a power of two >= 16).
     block_sizes: tile sizes; default BlockSizes().
     interpret: run Pallas kernels in interpret mode (CPU tests).
 
@@ -43,14 +47,15 @@ def flash_attention(
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  del interpret  # Only the Pallas kernels interpret.
   mask_lib.check_qkv(q, k, v)
   b, t, _, d = q.shape
   s = k.shape[1]
   mi = mask_lib.make_mask_inputs(
       b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, window=window)
-  tiles = (block_sizes or BlockSizes()).clamp(t, s)
+  if impl == "pallas_gpu":
+    pallas_gpu.check_head_dims(d, v.shape[-1])
+  tiles = (block_sizes or BlockSizes()).clamp(t, s, minimum=_MIN_TILE[impl])
   st = blockwise.Static(
       causal=causal, softcap=None if softcap is None else float(softcap),
       scale=d ** -0.5 if scale is None else float(scale),
@@ -61,5 +66,8 @@ def flash_attention(
   # Padding carries segment id 0, so padded rows and keys are never visible.
   mi = mask_lib.MaskInputs(pq(mi.q_segment_ids), pk(mi.kv_segment_ids),
                            pq(mi.q_positions), pk(mi.kv_positions), mi.window)
-  out, lse = blockwise.attention(pq(q), pk(k), pk(v), mi, st)
+  if impl == "blockwise":
+    out, lse = blockwise.attention(pq(q), pk(k), pk(v), mi, st)
+  else:
+    out, lse = pallas_gpu.attention(pq(q), pk(k), pk(v), mi, st, interpret)
   return out[:, :t], lse[:, :, :t]

@@ -108,3 +108,16 @@ def visible(
   if window is not None:
     ok &= dist < window
   return ok
+
+
+def key_bounds(mi: MaskInputs, causal: bool) -> tuple[jax.Array, jax.Array]:
+  """Each query's visible key positions as an interval (lo, hi], int32 [B, T].
+
+  Equivalent to the position part of `visible` (segments are checked apart):
+  kernels compare two vectors instead of carrying a traced window scalar.
+  """
+  limits = jnp.iinfo(jnp.int32)
+  pos = mi.q_positions
+  hi = pos if causal else jnp.full_like(pos, limits.max)
+  lo = jnp.full_like(pos, limits.min) if mi.window is None else pos - mi.window
+  return lo, hi

@@ -1,0 +1,234 @@
+"""Flash attention for GPUs as Triton-style Pallas kernels, forward and backward.
+
+Three kernels, each a grid of independent tiles:
+  forward  grid (B, H, T/bq): one query tile against all key tiles, online
+           softmax, writes out and the natural-log LSE;
+  dq       grid (B, H, T/bq): recomputes P = exp(S - lse), accumulates dQ;
+  dk/dv    grid (B, KV, S/bk): one key tile against every query tile of the
+           G query heads that share it, so GQA gradients need no reduction.
+A key tile that no query of the tile can see is skipped (`lax.cond`), which
+covers causal, window and packing sparsity for any positions. Masks arrive
+as per-query visible key-position intervals (`mask.key_bounds`). The logits
+use the natural exponent, so the LSE needs no base-2 correction.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ptx_kernels import blockwise
+from ptx_kernels import mask as mask_lib
+
+
+def check_head_dims(d: int, dv: int) -> None:
+  """Raises ValueError unless both head dims are powers of two >= 16."""
+  for name, n in (("head_dim", d), ("value head_dim", dv)):
+    if n < 16 or n & (n - 1):
+      raise ValueError(f"pallas_gpu needs {name} a power of two >= 16, got {n}")
+
+
+def _logits(q, k, st: blockwise.Static):
+  """Scaled, soft-capped f32 logits [bq, bk] and d(cap)/d(x) (or None)."""
+  s = plgpu.dot(q, k, trans_b=True) * st.scale
+  if st.softcap is None:
+    return s, None
+  t = jnp.tanh(s / st.softcap)
+  return st.softcap * t, 1.0 - t * t
+
+
+def _visible(qseg, lo, hi, kseg, kpos):
+  """Boolean [bq, bk]: same non-zero segment, key position in (lo, hi]."""
+  return ((qseg[:, None] == kseg[None, :]) & (qseg[:, None] != 0)
+          & (kpos[None, :] <= hi[:, None]) & (kpos[None, :] > lo[:, None]))
+
+
+def _any(ok):
+  return jnp.max(ok.astype(jnp.int32)) > 0
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, lo_ref, hi_ref, kseg_ref,
+                kpos_ref, o_ref, lse_ref, *, st: blockwise.Static):
+  q, qseg, lo, hi = q_ref[...], qseg_ref[...], lo_ref[...], hi_ref[...]
+  bq, bk = q.shape[0], st.block_kv
+
+  def body(j, carry):
+    sl = pl.ds(j * bk, bk)
+    ok = _visible(qseg, lo, hi, kseg_ref[sl], kpos_ref[sl])
+
+    def compute(carry):
+      o, m, l = carry
+      s, _ = _logits(q, k_ref[sl, :], st)
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[:, None])
+      alpha = jnp.exp(m - m_safe)
+      pv = plgpu.dot(p.astype(v_ref.dtype), v_ref[sl, :])
+      return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+    return lax.cond(_any(ok), compute, lambda c: c, carry)
+
+  init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+          jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+  o, m, l = lax.fori_loop(0, k_ref.shape[0] // bk, body, init)
+  safe = jnp.where(l > 0, l, 1.0)
+  o_ref[...] = (o / safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
+               lo_ref, hi_ref, kseg_ref, kpos_ref, dq_ref, *,
+               st: blockwise.Static):
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  qseg, lo, hi = qseg_ref[...], lo_ref[...], hi_ref[...]
+  bk = st.block_kv
+
+  def body(j, dq):
+    sl = pl.ds(j * bk, bk)
+    ok = _visible(qseg, lo, hi, kseg_ref[sl], kpos_ref[sl])
+
+    def compute(dq):
+      k = k_ref[sl, :]
+      s, dcap = _logits(q, k, st)
+      p = jnp.exp(jnp.where(ok, s - lse[:, None], -jnp.inf))
+      ds = p * (plgpu.dot(do, v_ref[sl, :], trans_b=True) - delta[:, None])
+      if dcap is not None:
+        ds *= dcap
+      return dq + plgpu.dot((ds * st.scale).astype(k.dtype), k)
+
+    return lax.cond(_any(ok), compute, lambda d: d, dq)
+
+  dq = lax.fori_loop(0, k_ref.shape[0] // bk, body,
+                     jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
+                lo_ref, hi_ref, kseg_ref, kpos_ref, dk_ref, dv_ref, *,
+                st: blockwise.Static):
+  k, v, kseg, kpos = k_ref[...], v_ref[...], kseg_ref[...], kpos_ref[...]
+  bq = st.block_q
+
+  def body(i, carry, g):
+    sl = pl.ds(i * bq, bq)
+    ok = _visible(qseg_ref[sl], lo_ref[sl], hi_ref[sl], kseg, kpos)
+
+    def compute(carry):
+      dk, dv = carry
+      q, do = q_ref[sl, g, :], do_ref[sl, g, :]
+      s, dcap = _logits(q, k, st)
+      p = jnp.exp(jnp.where(ok, s - lse_ref[g, sl][:, None], -jnp.inf))
+      dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+      ds = p * (plgpu.dot(do, v, trans_b=True) - delta_ref[g, sl][:, None])
+      if dcap is not None:
+        ds *= dcap
+      dk += plgpu.dot((ds * st.scale).astype(q.dtype), q, trans_a=True)
+      return dk, dv
+
+    return lax.cond(_any(ok), compute, lambda c: c, carry)
+
+  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  for g in range(q_ref.shape[1]):  # The G query heads sharing this kv head.
+    carry = lax.fori_loop(0, q_ref.shape[0] // bq, functools.partial(body, g=g),
+                          carry)
+  dk_ref[...] = carry[0].astype(dk_ref.dtype)
+  dv_ref[...] = carry[1].astype(dv_ref.dtype)
+
+
+def _params(d: int):
+  return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+def _forward(q, k, v, mi, st, interpret):
+  b, t, h, d = q.shape
+  s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
+  g = h // kvh
+  lo, hi = mask_lib.key_bounds(mi, st.causal)
+  q_tile = pl.BlockSpec((None, st.block_q, None, d), lambda b, h, i: (b, i, h, 0))
+  kv_full = lambda width: pl.BlockSpec(
+      (None, s, None, width), lambda b, h, i: (b, 0, h // g, 0))
+  q_ids = pl.BlockSpec((None, st.block_q), lambda b, h, i: (b, i))
+  kv_ids = pl.BlockSpec((None, s), lambda b, h, i: (b, 0))
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, st=st),
+      grid=(b, h, t // st.block_q),
+      in_specs=[q_tile, kv_full(d), kv_full(dv), q_ids, q_ids, q_ids, kv_ids,
+                kv_ids],
+      out_specs=[
+          pl.BlockSpec((None, st.block_q, None, dv), lambda b, h, i: (b, i, h, 0)),
+          pl.BlockSpec((None, None, st.block_q), lambda b, h, i: (b, h, i))],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+      compiler_params=_params(d), interpret=interpret, name="ptx_flash_fwd",
+  )(q, k, v, mi.q_segment_ids, lo, hi, mi.kv_segment_ids, mi.kv_positions)
+
+
+def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
+  b, t, h, d = q.shape
+  s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
+  g = h // kvh
+  lo, hi = mask_lib.key_bounds(mi, st.causal)
+  ids = (mi.q_segment_ids, lo, hi, mi.kv_segment_ids, mi.kv_positions)
+  # dQ: query tiles over all keys of their kv head.
+  q_tile = lambda w: pl.BlockSpec((None, st.block_q, None, w),
+                                  lambda b, h, i: (b, i, h, 0))
+  kv_full = lambda w: pl.BlockSpec((None, s, None, w),
+                                   lambda b, h, i: (b, 0, h // g, 0))
+  row_tile = pl.BlockSpec((None, None, st.block_q), lambda b, h, i: (b, h, i))
+  q_ids = pl.BlockSpec((None, st.block_q), lambda b, h, i: (b, i))
+  kv_ids = pl.BlockSpec((None, s), lambda b, h, i: (b, 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st),
+      grid=(b, h, t // st.block_q),
+      in_specs=[q_tile(d), kv_full(d), kv_full(dv), q_tile(dv), row_tile,
+                row_tile, q_ids, q_ids, q_ids, kv_ids, kv_ids],
+      out_specs=q_tile(d),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_params(d), interpret=interpret, name="ptx_flash_dq",
+  )(q, k, v, dout, lse, delta, *ids)
+  # dK/dV: key tiles over all queries of the G heads that read them.
+  group = lambda w: pl.BlockSpec((None, t, g, w), lambda b, kh, j: (b, 0, kh, 0))
+  kv_tile = lambda w: pl.BlockSpec((None, st.block_kv, None, w),
+                                   lambda b, kh, j: (b, j, kh, 0))
+  group_rows = pl.BlockSpec((None, g, t), lambda b, kh, j: (b, kh, 0))
+  q_full = pl.BlockSpec((None, t), lambda b, kh, j: (b, 0))
+  kv_ids = pl.BlockSpec((None, st.block_kv), lambda b, kh, j: (b, j))
+  dk, dv_ = pl.pallas_call(
+      functools.partial(_dkv_kernel, st=st),
+      grid=(b, kvh, s // st.block_kv),
+      in_specs=[group(d), kv_tile(d), kv_tile(dv), group(dv), group_rows,
+                group_rows, q_full, q_full, q_full, kv_ids, kv_ids],
+      out_specs=[kv_tile(d), kv_tile(dv)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(d), interpret=interpret, name="ptx_flash_dkv",
+  )(q, k, v, dout, lse, delta, *ids)
+  return dq, dk, dv_
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def attention(q, k, v, mi: mask_lib.MaskInputs, st: blockwise.Static,
+              interpret: bool):
+  """GPU flash attention (lengths must be tile multiples): (out, lse)."""
+  return _forward(q, k, v, mi, st, interpret)
+
+
+def _attention_fwd(q, k, v, mi, st, interpret):
+  out, lse = _forward(q, k, v, mi, st, interpret)
+  return (out, lse), (q, k, v, mi, out, lse)
+
+
+def _attention_bwd(st, interpret, res, cts):
+  q, k, v, mi, out, lse = res
+  dout, dlse = cts
+  delta = blockwise.delta_of(out, dout, dlse)
+  dq, dk, dv = _backward(q, k, v, mi, st, lse, delta, dout.astype(q.dtype),
+                         interpret)
+  return dq, dk, dv, blockwise.no_cotangent(mi)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,78 @@
+"""GPU Pallas (Triton-style) flash attention, interpreted on CPU, == reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ptx_kernels as pk
+from ptx_kernels import mask as mask_lib
+
+TILES = pk.BlockSizes(block_q=32, block_kv=16)
+
+
+def _gpu(**kw):
+  return functools.partial(pk.flash_attention, impl="pallas_gpu", interpret=True,
+                           block_sizes=TILES, **kw)
+
+
+@pytest.mark.parametrize("h, kv, kw", [
+    (8, 2, dict(packed=True)),
+    (8, 1, dict(window=9, softcap=7.5)),
+    (4, 4, dict(causal=False)),
+])
+def test_matches_reference_f32(helpers, h, kv, kw):
+  b, t, d = 2, 64, 16
+  q, k, v = helpers.make_qkv(h * kv, b, t, t, h, kv, d)
+  kw = dict(kw)
+  if kw.pop("packed", False):
+    seg = helpers.ragged_segments(1, b, t)
+    kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+  slow = functools.partial(pk.reference_attention, **kw)
+  out, lse = jax.jit(_gpu(**kw))(q, k, v)
+  ref_out, ref_lse = slow(q, k, v)
+  assert helpers.rel_err(out, ref_out) < 1e-5
+  finite = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  assert helpers.rel_err(np.asarray(lse)[finite], np.asarray(ref_lse)[finite]) < 1e-5
+  grads = jax.jit(jax.grad(helpers.loss_terms(_gpu(**kw)), (0, 1, 2)))(q, k, v)
+  ref_grads = jax.jit(jax.grad(helpers.loss_terms(slow), (0, 1, 2)))(q, k, v)
+  for g, r in zip(grads, ref_grads):
+    assert np.all(np.isfinite(g)) and helpers.rel_err(g, r) < 1e-5
+
+
+def test_bf16_and_explicit_positions(helpers):
+  q, k, v = helpers.make_qkv(3, 1, 32, 48, 8, 1, 32, jnp.bfloat16)
+  pos = dict(q_positions=jnp.arange(16, 48)[None], kv_positions=jnp.arange(48)[None])
+  out, _ = jax.jit(_gpu(**pos))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  slow = functools.partial(pk.reference_attention, **pos)
+  assert out.dtype == jnp.bfloat16
+  assert helpers.rel_err(out, slow(*f32)[0]) < 1e-2
+  grads = jax.jit(jax.grad(helpers.loss_terms(_gpu(**pos)), (0, 1, 2)))(q, k, v)
+  ref_grads = jax.jit(jax.grad(helpers.loss_terms(slow), (0, 1, 2)))(*f32)
+  for g, r in zip(grads, ref_grads):
+    assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, r) < 1e-2
+
+
+def test_key_bounds_equal_the_visibility_rule():
+  rng = np.random.default_rng(0)
+  qp = jnp.asarray(rng.integers(0, 50, (2, 30)), jnp.int32)
+  kp = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
+  ones_q, ones_k = jnp.ones((2, 30), jnp.int32), jnp.ones((2, 40), jnp.int32)
+  for causal in (True, False):
+    for window in (None, 1, 7):
+      mi = mask_lib.make_mask_inputs(2, 30, 40, q_positions=qp, kv_positions=kp,
+                                     window=window)
+      lo, hi = mask_lib.key_bounds(mi, causal)
+      want = mask_lib.visible(ones_q, ones_k, qp, kp, causal=causal, window=mi.window)
+      got = (kp[:, None, :] <= hi[:, :, None]) & (kp[:, None, :] > lo[:, :, None])
+      np.testing.assert_array_equal(got, want)
+
+
+def test_head_dim_must_suit_triton():
+  x = jnp.zeros((1, 16, 1, 24))
+  with pytest.raises(ValueError, match="power of two"):
+    pk.flash_attention(x, x, x, impl="pallas_gpu", interpret=True)
