@@ -1,0 +1,198 @@
+"""Evaluates a sampler on an environment: pass@k, mean@k, outcome counts, a JSON report.
+
+`evaluate(generate, env, tasks, k=...)` asks `generate(prompts, k)` for k
+completions of every task's prompt, then plays each completion as its own
+episode. Multi-turn episodes continue with `generate(transcripts, 1)`, one call
+per turn for all live episodes, where a transcript is the prompt followed by
+each action and observation on their own lines. Scoring runs on the
+`ptx.rl.scheduler.Scheduler` in threads, so sandboxed programs run
+concurrently; a scoring step that hits an infrastructure fault is retried.
+
+pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
+for n samples with c correct, computed as a product that neither overflows
+nor cancels. mean@k is the mean reward over all samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import math
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ptx.rl.environments.base import Environment, Episode, Outcome, Step
+from ptx.rl.scheduler import Job, Scheduler
+
+Generate = Callable[[list[str], int], list[list[str]]]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Returns the unbiased pass@k estimate for one task.
+
+  Args:
+    n: samples drawn.
+    c: samples that were correct.
+    k: the k in pass@k, at most n.
+
+  Returns:
+    The probability that at least one of k samples (drawn without replacement
+    from the n) is correct.
+  """
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _ks(k: int) -> list[int]:
+  """Powers of two below k, and k."""
+  return sorted({2 ** i for i in range(k.bit_length()) if 2 ** i < k} | {k})
+
+
+def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, Any]], *, k: int,
+             concurrency: int = 32) -> dict[str, Any]:
+  """Samples k completions per task, plays them, and returns the report.
+
+  Args:
+    generate: `generate(prompts, k) -> completions`, k per prompt, in order.
+    env: the environment that scores them.
+    tasks: task records for `env.reset`.
+    k: samples per task.
+    concurrency: scoring steps run at once.
+
+  Returns:
+    The report: "env", "tasks", "k", "pass@k" (for each power of two below k
+    and k), "mean@k", "outcomes" (counts), and "per_task" details.
+  """
+  if k < 1:
+    raise ValueError(f"evaluate: k must be >= 1, got {k}")
+  if not tasks:
+    raise ValueError("evaluate: tasks is empty")
+  episodes = [[env.reset(task) for _ in range(k)] for task in tasks]
+  try:
+    finals = _play(generate, env, episodes, k, concurrency)
+  finally:
+    for episode in (e for row in episodes for e in row):
+      episode.close()
+  return _report(env.name, finals, k)
+
+
+def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k: int,
+          concurrency: int) -> list[list[Step]]:
+  """Runs every episode to its final Step, turn by turn."""
+  completions = generate([row[0].prompt for row in episodes], k)
+  if len(completions) != len(episodes) or any(len(c) != k for c in completions):
+    raise ValueError(f"generate returned {[len(c) for c in completions]} completions; wanted {k} for each of "
+                     f"{len(episodes)} prompts")
+  flat = [e for row in episodes for e in row]
+  actions = [a for row in completions for a in row]
+  transcripts = [e.prompt for e in flat]
+  finals: list[Step | None] = [None] * len(flat)
+  live = list(range(len(flat)))
+  for turn in range(env.max_turns):
+    steps = _run([lambda e=flat[i], a=a: e.step(a) for i, a in zip(live, actions)], concurrency)
+    still = []
+    for i, action, step in zip(live, actions, steps):
+      if step.done or turn == env.max_turns - 1:
+        finals[i] = step if step.done else Step.final(Outcome.NO_ANSWER, "out of turns")
+      else:
+        transcripts[i] += f"{action}\n{step.observation}\n"
+        still.append(i)
+    live = still
+    if not live:
+      break
+    actions = [c[0] for c in generate([transcripts[i] for i in live], 1)]
+  return [finals[r * k:(r + 1) * k] for r in range(len(episodes))]
+
+
+def _run(steps: list[Callable[[], Step]], concurrency: int) -> list[Step]:
+  """Runs blocking step calls on the scheduler, `concurrency` threads at once."""
+
+  async def main(pool: concurrent.futures.Executor) -> list[Step]:
+    loop = asyncio.get_running_loop()
+    async with Scheduler(concurrency) as scheduler:
+      results = await scheduler.run(Job(lambda s=s: loop.run_in_executor(pool, s), key=i) for i, s in
+                                    enumerate(steps))
+    # A step that raised is the environment's fault, never the model's.
+    return [r.value if isinstance(r.value, Step) else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}")
+            for r in results]
+
+  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    try:
+      asyncio.get_running_loop()
+    except RuntimeError:
+      return asyncio.run(main(pool))
+    # Called from a running loop (a notebook): give the scheduler a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as runner:
+      return runner.submit(asyncio.run, main(pool)).result()
+
+
+def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:
+  per_task, outcomes = [], collections.Counter()
+  for index, steps in enumerate(finals):
+    outcomes.update(str(s.outcome) for s in steps)
+    per_task.append({"index": index, "correct": sum(s.outcome == Outcome.OK for s in steps),
+                     "rewards": [s.reward for s in steps], "outcomes": [str(s.outcome) for s in steps],
+                     "reasons": [s.reason for s in steps]})
+  rewards = [r for t in per_task for r in t["rewards"]]
+  return {
+      "env": env_name, "tasks": len(finals), "k": k,
+      "pass@k": {str(j): sum(pass_at_k(k, t["correct"], j) for t in per_task) / len(per_task) for j in _ks(k)},
+      "mean@k": sum(rewards) / len(rewards),
+      "outcomes": dict(sorted(outcomes.items())),
+      "per_task": per_task,
+  }
+
+
+def write_report(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
+  """Writes a report as indented JSON."""
+  pathlib.Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def read_report(path: str | pathlib.Path) -> dict[str, Any]:
+  """Reads a report written by `write_report`."""
+  report = json.loads(pathlib.Path(path).read_text())
+  for key in ("pass@k", "mean@k", "outcomes", "tasks", "k"):
+    if key not in report:
+      raise ValueError(f"{path} is not an evaluation report: it lacks {key!r}")
+  return report
+
+
+def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.0) -> str:
+  """Returns a table of A vs B: pass@k, mean@k and outcome rates, regressions flagged.
+
+  Args:
+    a: the baseline report.
+    b: the candidate report.
+    tolerance: drops no larger than this are not flagged.
+
+  Returns:
+    The table, one metric per line; a pass@k or mean@k that fell by more than
+    `tolerance`, or an "ok" rate that did, is marked REGRESSION.
+  """
+  rows = [(f"pass@{j}", a["pass@k"].get(j), b["pass@k"].get(j)) for j in sorted(
+      set(a["pass@k"]) | set(b["pass@k"]), key=int)]
+  rows.append(("mean@k", a["mean@k"], b["mean@k"]))
+  total_a, total_b = sum(a["outcomes"].values()) or 1, sum(b["outcomes"].values()) or 1
+  for label in sorted(set(a["outcomes"]) | set(b["outcomes"])):
+    rows.append((f"rate {label}", a["outcomes"].get(label, 0) / total_a, b["outcomes"].get(label, 0) / total_b))
+  lines = [f"A: {a.get('env', '?')}, {a['tasks']} tasks x {a['k']}   B: {b.get('env', '?')}, {b['tasks']} tasks x {b['k']}",
+           f"{'metric':<20}{'A':>10}{'B':>10}{'delta':>10}"]
+  for name, x, y in rows:
+    if x is None or y is None:
+      lines.append(f"{name:<20}{_cell(x)}{_cell(y)}")
+      continue
+    # Outcome rates other than "ok" are context: more timeouts need not be worse.
+    watched = not name.startswith("rate ") or name == "rate ok"
+    flag = "  REGRESSION" if watched and x - y > tolerance else ""
+    lines.append(f"{name:<20}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{flag}")
+  return "\n".join(lines)
+
+
+def _cell(x: float | None) -> str:
+  return f"{'-':>10}" if x is None else f"{x:>10.4f}"

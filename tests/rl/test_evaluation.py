@@ -1,0 +1,131 @@
+"""ptx.rl.evaluation: pass@k against the estimator, the driver, reports and compare."""
+
+import asyncio
+import dataclasses
+import fractions
+import math
+
+import pytest
+
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.rl import evaluation, sandbox
+from ptx.rl.environments import base, exact_answer, shell
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (1, 1, 1, 1.0), (1, 0, 1, 0.0), (2, 1, 1, 0.5), (2, 1, 2, 1.0), (5, 2, 2, 0.7), (10, 3, 5, 1 - 21 / 252),
+    (200, 0, 100, 0.0), (200, 1, 1, 0.005), (4, 3, 2, 1.0), (8, 1, 4, 0.5),
+])
+def test_pass_at_k_hand_made_cases(n, c, k, expected):
+  assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 500, 3000])
+def test_pass_at_k_matches_the_exact_binomial_estimator(n):
+  for c in sorted({0, 1, n // 3, n // 2, n - 1, n} & set(range(n + 1))):
+    for k in sorted({1, 2, n // 4, n // 2, n} & set(range(1, n + 1))):
+      exact = 1 - fractions.Fraction(math.comb(n - c, k), math.comb(n, k))
+      assert evaluation.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_rejects_bad_counts():
+  with pytest.raises(ValueError, match="k <= n"):
+    evaluation.pass_at_k(4, 1, 5)
+  with pytest.raises(ValueError, match="c <= n"):
+    evaluation.pass_at_k(4, 5, 1)
+
+
+def _arithmetic_run(correct_per_task, k=4):
+  """Task i gets correct_per_task[i] right answers among its k samples."""
+  tasks = [ArithmeticTask(seed=1)[i] for i in range(len(correct_per_task))]
+  answers = {t["prompt"]: t["answer"] for t in tasks}
+
+  def generate(prompts, n):
+    assert n == k
+    out = []
+    for prompt in prompts:
+      c = correct_per_task[list(answers).index(prompt)]
+      out.append([answers[prompt]] * c + ["no idea"] + [str(int(answers[prompt]) + 1)] * (k - c - 1)
+                 if c < k else [answers[prompt]] * k)
+    return [row[:k] for row in out]
+
+  return evaluation.evaluate(generate, exact_answer.ExactAnswerEnv(), tasks, k=k)
+
+
+def test_evaluate_single_turn_report():
+  correct = [0, 1, 2, 4]
+  report = _arithmetic_run(correct)
+  assert report["tasks"] == 4 and report["k"] == 4 and report["env"] == "exact_answer"
+  assert set(report["pass@k"]) == {"1", "2", "4"}
+  for j in (1, 2, 4):
+    want = sum(evaluation.pass_at_k(4, c, j) for c in correct) / 4
+    assert report["pass@k"][str(j)] == pytest.approx(want)
+  assert report["mean@k"] == pytest.approx(7 / 16)
+  assert report["outcomes"] == {"ok": 7, "no_answer": 3, "wrong": 6}
+  assert [t["correct"] for t in report["per_task"]] == correct
+
+
+def test_evaluate_multi_turn_shell_task():
+  task = {"prompt": "Sort data.txt into sorted.txt.", "files": {"data.txt": "3\n10\n2\n"},
+          "check": "printf '2\\n3\\n10\\n' | cmp - sorted.txt"}
+  seen = []
+
+  def generate(prompts, n):
+    if n == 2:  # the first turn: one good and one bad plan
+      return [["sort -n data.txt > sorted.txt", "sort data.txt > sorted.txt"] for _ in prompts]
+    seen.extend(prompts)
+    return [["DONE"] for _ in prompts]
+
+  env = shell.ShellEnv(max_turns=3, limits=sandbox.Limits(timeout_s=2.0, cpu_s=1))
+  report = evaluation.evaluate(generate, env, [task], k=2)
+  assert report["outcomes"] == {"ok": 1, "wrong": 1}
+  assert report["pass@k"] == {"1": 0.5, "2": 1.0}
+  assert len(seen) == 2 and all("sorted.txt\n[exit 0] \n" in p for p in seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenEnv:
+  name: str = "broken"
+  max_turns: int = 1
+
+  def reset(self, task):
+    def score(action):
+      raise RuntimeError("verifier bug")
+    return base.SingleTurn("p", score)
+
+
+def test_a_scoring_step_that_raises_is_an_infra_error_not_a_wrong_answer():
+  report = evaluation.evaluate(lambda prompts, k: [["x"] * k for _ in prompts], BrokenEnv(), [{}], k=2)
+  assert report["outcomes"] == {"infra_error": 2}
+  assert "verifier bug" in report["per_task"][0]["reasons"][0]
+
+
+def test_generate_with_the_wrong_shape_is_rejected():
+  with pytest.raises(ValueError, match="wanted 2"):
+    evaluation.evaluate(lambda prompts, k: [["x"]], exact_answer.ExactAnswerEnv(),
+                        [{"prompt": "1+1=", "answer": "2"}], k=2)
+
+
+def test_evaluate_works_inside_a_running_event_loop():
+  async def notebook_cell():
+    return _arithmetic_run([1, 4])
+
+  assert asyncio.run(notebook_cell())["outcomes"]["ok"] == 5
+
+
+def test_report_round_trip_and_compare(tmp_path):
+  a, b = _arithmetic_run([2, 4, 4, 1]), _arithmetic_run([2, 4, 0, 1])
+  evaluation.write_report(a, tmp_path / "a.json")
+  evaluation.write_report(b, tmp_path / "b.json")
+  a2, b2 = evaluation.read_report(tmp_path / "a.json"), evaluation.read_report(tmp_path / "b.json")
+  assert a2 == a
+  table = evaluation.compare(a2, b2)
+  lines = {line.split()[0] + (" " + line.split()[1] if line.startswith("rate") else ""): line
+           for line in table.splitlines()[2:]}
+  assert "REGRESSION" in lines["pass@1"] and "REGRESSION" in lines["mean@k"] and "REGRESSION" in lines["rate ok"]
+  assert "REGRESSION" not in lines["rate wrong"]
+  assert "REGRESSION" not in evaluation.compare(a2, a2)
+  assert "REGRESSION" not in evaluation.compare(b2, a2)
+  (tmp_path / "bad.json").write_text("{}")
+  with pytest.raises(ValueError, match="lacks 'pass@k'"):
+    evaluation.read_report(tmp_path / "bad.json")
