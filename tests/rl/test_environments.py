@@ -1,5 +1,6 @@
 """ptx.rl.environments: math, arithmetic, countdown, Python tests, the shell task."""
 
+import dataclasses
 import os
 
 import pytest
@@ -8,7 +9,8 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.rl import sandbox
 from ptx.rl.environments import base, countdown, exact_answer, python_tests, shell
 
-FAST = sandbox.Limits(timeout_s=2.0, cpu_s=1, memory_bytes=256 << 20)
+# cpu_s well below timeout_s, so a busy loop meets the CPU limit first even on a loaded machine.
+FAST = sandbox.Limits(timeout_s=20.0, cpu_s=1, memory_bytes=256 << 20)
 
 
 def _one(env, task, action):
@@ -82,12 +84,14 @@ CODE_ENV = python_tests.PythonTestsEnv(limits=FAST)
     ("```python\ndef add(a, b):\n  return a - b\n```", "wrong"),
     ("def add(a, b) return", "wrong"),
     ("```python\ndef add(a, b):\n  while True: pass\n```", "limit"),
-    ("```python\nimport time\ndef add(a, b):\n  time.sleep(10)\n```", "timeout"),
+    ("```python\nimport time\ndef add(a, b):\n  time.sleep(100)\n```", "timeout"),
     ("```python\nimport os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n```", "crashed"),
     ("```python\n```", "no_answer"),
 ])
 def test_python_tests(action, outcome):
-  step = _one(CODE_ENV, CODE_TASK, action)
+  short = dataclasses.replace(FAST, timeout_s=1.0)
+  env = python_tests.PythonTestsEnv(limits=short) if outcome == "timeout" else CODE_ENV
+  step = _one(env, CODE_TASK, action)
   assert step.done and step.outcome == outcome, step.reason
 
 

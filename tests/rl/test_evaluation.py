@@ -76,7 +76,7 @@ def test_evaluate_multi_turn_shell_task():
     seen.extend(prompts)
     return [["DONE"] for _ in prompts]
 
-  env = shell.ShellEnv(max_turns=3, limits=sandbox.Limits(timeout_s=2.0, cpu_s=1))
+  env = shell.ShellEnv(max_turns=3, limits=sandbox.Limits(timeout_s=20.0, cpu_s=1))
   report = evaluation.evaluate(generate, env, [task], k=2)
   assert report["outcomes"] == {"ok": 1, "wrong": 1}
   assert report["pass@k"] == {"1": 0.5, "2": 1.0}

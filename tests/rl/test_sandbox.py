@@ -4,6 +4,7 @@ Every attack runs under small limits (1-2 s) and ends with `_assert_contained`:
 no process of the run's uid is left alive and this test process still runs.
 """
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -15,8 +16,11 @@ import pytest
 
 from ptx.rl import sandbox, strays
 
-LIMITS = sandbox.Limits(timeout_s=2.0, cpu_s=1, memory_bytes=256 << 20, file_bytes=1 << 20,
+# The wall clock is generous so a loaded machine cannot turn a limit into a
+# timeout; the attacks that only a timeout stops set a short one themselves.
+LIMITS = sandbox.Limits(timeout_s=20.0, cpu_s=1, memory_bytes=256 << 20, file_bytes=1 << 20,
                         processes=16, open_files=32, output_bytes=1 << 16)
+SHORT = dataclasses.replace(LIMITS, timeout_s=1.5)
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="only root gets a private uid per run")
 
@@ -78,7 +82,7 @@ def test_bad_limits_and_argv_name_the_field():
 
 def test_attack_fork_bomb():
   """Forks until RLIMIT_NPROC refuses, in every child, forever."""
-  result = _py("import os\nwhile True:\n  try: os.fork()\n  except OSError: pass")
+  result = _py("import os\nwhile True:\n  try: os.fork()\n  except OSError: pass", limits=SHORT)
   assert result.outcome in (sandbox.Outcome.TIMEOUT, sandbox.Outcome.LIMIT), result.reason
   _assert_contained(result)
 
@@ -90,7 +94,7 @@ def test_attack_infinite_busy_loop_hits_the_cpu_limit():
 
 
 def test_attack_infinite_sleeping_loop_hits_the_wall_clock():
-  result = _py("import time\nwhile True: time.sleep(1)")
+  result = _py("import time\nwhile True: time.sleep(1)", limits=SHORT)
   assert result.outcome == sandbox.Outcome.TIMEOUT
   _assert_contained(result)
 
