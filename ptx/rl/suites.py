@@ -1,0 +1,59 @@
+"""Named evaluation suites: what `ptx eval --task NAME` evaluates.
+
+A suite is an environment plus its task records. The generated suites
+(`arithmetic`, `countdown`) need no files: records 0..n-1 of a seeded stream.
+The file suites (`math`, `code`, `shell`) read a JSONL file of records in the
+format their environment documents.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.data.records import decode
+from ptx.data.sources import JsonlSource
+from ptx.rl.environments.base import Environment
+from ptx.rl.environments.countdown import CountdownEnv, CountdownTask
+from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.rl.environments.python_tests import PythonTestsEnv
+from ptx.rl.environments.shell import ShellEnv
+
+_BOXED = " Put the final answer in \\boxed{}."
+_GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
+    "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*")),
+    "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed)),
+}
+_FILES: dict[str, Callable[[], Environment]] = {
+    "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
+}
+NAMES = tuple(_GENERATED) + tuple(_FILES)
+
+
+def load(name: str, *, n: int = 100, seed: int = 0,
+         path: str | os.PathLike | None = None) -> tuple[Environment, list[dict[str, Any]]]:
+  """Returns the environment and task records of suite `name`.
+
+  Args:
+    name: one of NAMES.
+    n: how many records (the first n of the stream or the file).
+    seed: the stream of a generated suite.
+    path: the JSONL file of a file suite.
+
+  Returns:
+    (environment, records).
+  """
+  if n < 1:
+    raise ValueError(f"suites.load: n must be >= 1, got {n}")
+  if name in _GENERATED:
+    make_env, make_tasks = _GENERATED[name]
+    tasks = make_tasks(seed)
+    return make_env(), [tasks[i] for i in range(n)]
+  if name not in _FILES:
+    raise ValueError(f"unknown evaluation suite {name!r}; known: {', '.join(NAMES)}")
+  if path is None:
+    raise ValueError(f"suite {name!r} reads task records from a JSONL file: pass path")
+  source = JsonlSource(path)
+  return _FILES[name](), [decode(source[i]) for i in range(min(n, len(source)))]
