@@ -3,7 +3,9 @@
 from ptx.models import gemma, llama, qwen  # noqa: F401  (registers the presets)
 from ptx.models.attention import attention
 from ptx.models.decoder import Decoder, forward
+from ptx.models.hf_load import load_hf
+from ptx.models.hf_save import save_hf
 from ptx.models.params import (abstract_params, count_params, init_params, param_shardings, param_specs)
 
 __all__ = ["Decoder", "abstract_params", "attention", "count_params", "forward", "init_params",
-           "param_shardings", "param_specs"]
+           "load_hf", "param_shardings", "param_specs", "save_hf"]

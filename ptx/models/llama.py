@@ -1,6 +1,29 @@
-"""Llama 3 family presets (and SmolLM2, a Llama-architecture model)."""
+"""Llama 3 family presets (and SmolLM2, a Llama-architecture model) and the HF name map."""
 
 from ptx.config import ModelConfig, RopeScaling, register_preset
+from ptx.models.hf_config import HFFamily, register
+
+# ptx parameter path -> HF tensor name; "{i}" is the layer. Qwen extends it.
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "layers/attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "layers/q": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers/k": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers/v": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers/o": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers/mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers/gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers/up": "model.layers.{i}.mlp.up_proj.weight",
+    "layers/down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+HF_LLAMA = register(HFFamily(
+    model_type="llama", architecture="LlamaForCausalLM", names=HF_NAMES,
+    features={"qkv_bias": False, "qk_norm": False, "norm_plus_one": False, "post_norms": False,
+              "embed_scale": False},
+    defaults={"rms_norm_eps": 1e-6, "hidden_act": "silu"}))
 
 _LLAMA31_ROPE = RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_positions=8192)

@@ -1,6 +1,21 @@
-"""Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm) presets."""
+"""Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm) presets and their HF name maps."""
 
 from ptx.config import ModelConfig, register_preset
+from ptx.models.hf_config import HFFamily, register
+from ptx.models.llama import HF_NAMES as _LLAMA_NAMES
+
+_FEATURES = {"norm_plus_one": False, "post_norms": False, "embed_scale": False}
+_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "use_sliding_window": False}
+
+HF_QWEN2 = register(HFFamily(
+    model_type="qwen2", architecture="Qwen2ForCausalLM",
+    names={**_LLAMA_NAMES, **{f"layers/{x}_bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"}},
+    features={**_FEATURES, "qkv_bias": True, "qk_norm": False}, defaults=_DEFAULTS))
+
+HF_QWEN3 = register(HFFamily(
+    model_type="qwen3", architecture="Qwen3ForCausalLM",
+    names={**_LLAMA_NAMES, **{f"layers/{x}_norm": f"model.layers.{{i}}.self_attn.{x}_norm.weight" for x in "qk"}},
+    features={**_FEATURES, "qkv_bias": False, "qk_norm": True}, defaults=_DEFAULTS))
 
 
 @register_preset("qwen2_5_0_5b")

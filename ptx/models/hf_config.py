@@ -1,0 +1,235 @@
+"""HF `config.json` <-> `ModelConfig`, and the registry of HF model families.
+
+A family (`HFFamily`, declared in the family files llama.py, qwen.py and
+gemma.py) says which `model_type` it reads, which `ModelConfig` fields it
+fixes, and the HF name of every ptx parameter. `model_config` reads both the
+transformers 4 keys (`rope_theta`, `rope_scaling`, `sliding_window_pattern`,
+`rope_local_base_freq`) and the transformers 5 ones (`rope_parameters`,
+`layer_types`); `hf_config` writes the 4-style keys plus `layer_types`, which
+every transformers version since 4.53 reads.
+
+Anything that ptx's decoder cannot represent (an unknown rope type, an output
+bias, a layer pattern that is not "every p-th layer global") raises
+`HFConfigError` instead of loading a subtly different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ptx.config import ModelConfig, RopeScaling
+
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# ModelConfig field -> config.json key, for the Gemma-only attention options.
+_GEMMA_KEYS = (("attn_logit_softcap", "attn_logit_softcapping"), ("final_logit_softcap", "final_logit_softcapping"),
+               ("query_pre_attn_scalar", "query_pre_attn_scalar"))
+
+
+class HFConfigError(ValueError):
+  """A config.json that ptx cannot represent exactly (or a ModelConfig HF cannot)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+  """How one HF `model_type` maps onto the ptx decoder."""
+
+  # config.json `model_type` this family reads (and writes, unless `nested`).
+  model_type: str
+  # transformers class name written to `architectures`.
+  architecture: str
+  # ptx parameter path ("embed", "layers/q") -> HF tensor name; "{i}" is the layer.
+  names: dict[str, str]
+  # ModelConfig fields that the family fixes, e.g. Gemma's norm_plus_one=True.
+  features: dict[str, Any]
+  # config.json defaults of the transformers class, for keys a file may omit.
+  defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Key of the text config inside a multimodal config.json (Gemma 3: "text_config").
+  nested: str | None = None
+  # Checkpoint name prefixes rewritten before matching (multimodal wrappers).
+  aliases: tuple[tuple[str, str], ...] = ()
+  # Checkpoint name prefixes that belong to other towers and are skipped.
+  ignored: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, HFFamily] = {}
+
+
+def register(family: HFFamily) -> HFFamily:
+  """Registers `family` under its model_type (called by the family files)."""
+  if family.model_type in FAMILIES:
+    raise ValueError(f"HF model_type {family.model_type!r} is registered twice")
+  FAMILIES[family.model_type] = family
+  return family
+
+
+def family_of(hf: dict[str, Any], where: str) -> HFFamily:
+  """Returns the family of a config.json dict, or raises naming the model_type."""
+  model_type = hf.get("model_type")
+  if model_type not in FAMILIES:
+    raise HFConfigError(f"{where}: unsupported model_type {model_type!r}; ptx reads {sorted(FAMILIES)}")
+  return FAMILIES[model_type]
+
+
+def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None, where: str = "config.json") -> ModelConfig:
+  """Builds the ModelConfig of a config.json dict.
+
+  Args:
+    hf: the parsed config.json.
+    family: its family (see `family_of`).
+    dtype: param and compute dtype; None takes the file's `torch_dtype`/`dtype`.
+    where: the file, for error messages.
+
+  Returns:
+    The ModelConfig.
+
+  Raises:
+    HFConfigError: naming the key that ptx cannot represent.
+  """
+  dtype = dtype or _DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype")), "float32")
+  if family.nested:
+    hf = hf.get(family.nested) or {}
+  c = {**family.defaults, **hf}
+
+  def need(key):
+    if c.get(key) is None:
+      raise HFConfigError(f"{where}: missing {key!r}")
+    return c[key]
+
+  for key in ("mlp_bias", "attention_bias", "use_bidirectional_attention"):
+    if c.get(key):
+      raise HFConfigError(f"{where}: {key}=true is not supported by the ptx decoder")
+  activation = c.get("hidden_activation") or c.get("hidden_act")
+  if activation not in _ACTIVATIONS:
+    raise HFConfigError(f"{where}: hidden activation {activation!r} is not one of {sorted(_ACTIVATIONS)}")
+  n_heads, d_model = need("num_attention_heads"), need("hidden_size")
+  n_layers = need("num_hidden_layers")
+  global_rope, local_rope = _rope(c, where)
+  pattern = _window_pattern(_layer_types(c, n_layers), where)
+  cfg = ModelConfig(
+      vocab_size=need("vocab_size"), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+      n_kv_heads=c.get("num_key_value_heads") or n_heads, head_dim=c.get("head_dim") or d_model // n_heads,
+      mlp_dim=need("intermediate_size"), activation=_ACTIVATIONS[activation], norm_eps=need("rms_norm_eps"),
+      tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(global_rope[0]),
+      rope_scaling=global_rope[1], rope_local_theta=None if local_rope is None else float(local_rope),
+      sliding_window=None if pattern is None else need("sliding_window"),
+      sliding_window_pattern=pattern or 1, attn_logit_softcap=c.get("attn_logit_softcapping"),
+      final_logit_softcap=c.get("final_logit_softcapping"), param_dtype=dtype, compute_dtype=dtype)
+  if "query_pre_attn_scalar" in c:
+    cfg = dataclasses.replace(cfg, query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
+  return dataclasses.replace(cfg, **family.features)
+
+
+def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
+  """Returns the config.json dict of `cfg` as `family` (which must fit it exactly).
+
+  Raises:
+    HFConfigError: when the family cannot express a field of `cfg`.
+  """
+  for field, value in family.features.items():
+    if getattr(cfg, field) != value:
+      raise HFConfigError(f"{family.model_type} needs model.{field}={value!r}, got {getattr(cfg, field)!r}")
+  if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
+    raise HFConfigError(f"{family.model_type} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
+  if cfg.rope_local_theta is not None and "rope_local_base_freq" not in family.defaults:
+    raise HFConfigError(f"{family.model_type} has one RoPE base; got model.rope_local_theta={cfg.rope_local_theta}")
+  for field, key in _GEMMA_KEYS:
+    value = getattr(cfg, field)
+    if value is not None and key not in family.defaults and not (key == "query_pre_attn_scalar" and value == cfg.head_dim):
+      raise HFConfigError(f"{family.model_type} has no {key}; got model.{field}={value}")
+  windows = _layer_windows(cfg)
+  out = {
+      "architectures": [family.architecture], "model_type": family.model_type,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_dim, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling_dict(cfg.rope_scaling),
+      "torch_dtype": cfg.param_dtype,
+  }
+  out["hidden_activation" if cfg.activation == "gelu_tanh" else "hidden_act"] = (
+      "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu")
+  if "sliding_window" in family.defaults:
+    out["sliding_window"] = cfg.sliding_window
+    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+    out["sliding_window_pattern"] = cfg.sliding_window_pattern
+  if "rope_local_base_freq" in family.defaults:
+    out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
+  for field, key in _GEMMA_KEYS[:2]:
+    if key in family.defaults:
+      out[key] = getattr(cfg, field)
+  if "query_pre_attn_scalar" in family.defaults:
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants int
+  return out
+
+
+def _rope(c: dict[str, Any], where: str) -> tuple[tuple[float, RopeScaling], float | None]:
+  """((global theta, global scaling), local theta or None) from either key style."""
+  params = c.get("rope_parameters")
+  if params and "full_attention" in params:
+    full, local = params["full_attention"], params.get("sliding_attention")
+    if local is not None and local.get("rope_type", "default") != "default":
+      raise HFConfigError(f"{where}: sliding-layer rope_type {local['rope_type']!r} is not supported")
+    return (float(full["rope_theta"]), _scaling(full, where)), None if local is None else local["rope_theta"]
+  if params:
+    return (float(params["rope_theta"]), _scaling(params, where)), None
+  local = c.get("rope_local_base_freq")
+  return (float(c.get("rope_theta", 10_000.0)), _scaling(c.get("rope_scaling") or {}, where)), local
+
+
+def _scaling(rope: dict[str, Any], where: str) -> RopeScaling:
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    raise HFConfigError(f"{where}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+  if kind == "default":
+    return RopeScaling()
+  if kind == "linear":
+    return RopeScaling(kind="linear", factor=float(rope["factor"]))
+  if kind == "llama3":
+    return RopeScaling(kind="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                       high_freq_factor=float(rope["high_freq_factor"]),
+                       original_max_positions=int(rope["original_max_position_embeddings"]))
+  raise HFConfigError(f"{where}: rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _rope_scaling_dict(s: RopeScaling) -> dict[str, Any] | None:
+  if s.kind == "none":
+    return None
+  if s.kind == "linear":
+    return {"rope_type": "linear", "factor": s.factor}
+  return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+          "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_positions}
+
+
+def _layer_types(c: dict[str, Any], n_layers: int) -> list[bool]:
+  """True for sliding-window layers, following the transformers rules per key."""
+  if c.get("layer_types"):
+    return [t == "sliding_attention" for t in c["layer_types"]]
+  if "use_sliding_window" in c:  # Qwen2/3: layers from max_window_layers on slide
+    start = c.get("max_window_layers") or 0
+    return [bool(c["use_sliding_window"] and c.get("sliding_window")) and i >= start for i in range(n_layers)]
+  pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern")
+  if pattern and c.get("sliding_window"):
+    return [(i + 1) % pattern != 0 for i in range(n_layers)]
+  return [False] * n_layers
+
+
+def _window_pattern(sliding: list[bool], where: str) -> int | None:
+  """The ptx pattern p (layer i global iff (i + 1) % p == 0), None if all global."""
+  if not any(sliding):
+    return None
+  if all(sliding):
+    return 1
+  p = sliding.index(False) + 1
+  if sliding != [(i + 1) % p != 0 for i in range(len(sliding))]:
+    raise HFConfigError(f"{where}: layer_types {sliding} is not 'every {p}-th layer global'")
+  return p
+
+
+def _layer_windows(cfg: ModelConfig) -> list[bool]:
+  if cfg.sliding_window is None:
+    return [False] * cfg.n_layers
+  if cfg.sliding_window_pattern == 1:
+    return [True] * cfg.n_layers
+  return [(i + 1) % cfg.sliding_window_pattern != 0 for i in range(cfg.n_layers)]

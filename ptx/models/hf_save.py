@@ -1,0 +1,119 @@
+"""Writing a ptx model as an HF directory that `transformers` loads.
+
+`save_hf` writes `config.json` and the weights in HF names and layouts, as
+`model.safetensors` or, above `max_shard_bytes`, as numbered shards plus
+`model.safetensors.index.json`. Parameters are fetched one at a time and
+files are written as they fill, so host memory holds one parameter and one
+shard at most. On multi-host runs every process takes part in gathering and
+process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Iterable, Iterator
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ptx.config import ModelConfig
+from ptx.models import hf_layout
+from ptx.models.decoder import Decoder
+from ptx.models.hf_config import FAMILIES, HFFamily, hf_config
+from ptx.models.params import param_specs
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> pathlib.Path:
+  """Writes `model` as an HF checkpoint directory.
+
+  Args:
+    model: the ptx Decoder (its config picks the family unless `model_type`).
+    path: the directory; created if needed.
+    model_type: the HF family to write as (e.g. "qwen2"); None infers it
+      from the config's features.
+    max_shard_bytes: split the weights into shards of at most this size.
+
+  Returns:
+    The directory.
+
+  Raises:
+    HFConfigError: when the family cannot express the model's config.
+  """
+  cfg = model.cfg
+  family = FAMILIES[model_type or infer_model_type(cfg)]
+  config = hf_config(cfg, family)
+  path = pathlib.Path(path)
+  writer = jax.process_index() == 0
+  if writer:
+    path.mkdir(parents=True, exist_ok=True)
+  params = model.params
+  tensors = _hf_tensors(params, cfg, family, writer)
+  if writer:
+    write_tensors(tensors, path, max_shard_bytes)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  else:
+    for _ in tensors:  # every process joins each gather
+      pass
+  return path
+
+
+def infer_model_type(cfg: ModelConfig) -> str:
+  """The HF model_type whose architecture has exactly the config's features."""
+  if cfg.post_norms:
+    return "gemma3_text" if cfg.qk_norm else "gemma2"
+  if cfg.qk_norm:
+    return "qwen3"
+  return "qwen2" if cfg.qkv_bias else "llama"
+
+
+def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path, max_shard_bytes: int) -> None:
+  """Writes named HF tensors as safetensors, sharded with an index above `max_shard_bytes`."""
+  from safetensors.numpy import save_file
+
+  files: list[dict[str, np.ndarray]] = []  # tensor names per written shard
+  shard: dict[str, np.ndarray] = {}
+  size = total = 0
+  for name, array in tensors:
+    if shard and size + array.nbytes > max_shard_bytes:
+      save_file(shard, str(path / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+      files.append(list(shard))
+      shard, size = {}, 0
+    shard[name] = array
+    size += array.nbytes
+    total += array.nbytes
+  if not files:
+    save_file(shard, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return
+  save_file(shard, str(path / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+  files.append(list(shard))
+  # Final names carry the shard count, known only once all are written.
+  weight_map = {}
+  for i, names in enumerate(files):
+    final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+    (path / f"part-{i}.safetensors").rename(path / final)
+    weight_map.update(dict.fromkeys(names, final))
+  index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields (HF name, array) per layer and parameter, fetching one parameter at a time."""
+  specs = param_specs(cfg)
+  for key, value in specs.items():
+    for leaf, spec in (value.items() if isinstance(value, dict) else [(key, value)]):
+      array = params[key][leaf] if isinstance(value, dict) else params[key]
+      host = np.asarray(array) if array.is_fully_addressable else multihost_utils.process_allgather(array, tiled=True)
+      if not writer:
+        yield "", host
+        continue
+      path = f"{key}/{leaf}" if isinstance(value, dict) else key
+      if spec.logical_axes[0] == "layers":
+        for i in range(cfg.n_layers):
+          yield family.names[path].format(i=i), hf_layout.to_hf(host[i], leaf, spec.logical_axes[1:])
+      else:
+        yield family.names[path], hf_layout.to_hf(host, leaf, spec.logical_axes)

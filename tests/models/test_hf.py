@@ -1,0 +1,189 @@
+"""Parity with HF transformers on tiny random checkpoints of every family.
+
+Each checkpoint is made by transformers itself (`XxxForCausalLM(config)`,
+weights redrawn so that biases and (1 + w) norms matter, `save_pretrained`),
+then loaded by ptx; logits must match transformers' at 1e-4 in float32 on
+sequences longer than the sliding window and the Llama 3.1 rope window.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ptx.config import MeshConfig
+from ptx.models import hf_config, load_hf, save_hf
+from ptx.models.hf_load import CheckpointError
+from ptx.models.params import param_shardings
+from ptx.sharding import make_mesh
+
+torch = pytest.importorskip("torch", reason="HF parity tests need torch (installed by `make test`)")
+transformers = pytest.importorskip("transformers", reason="HF parity tests need transformers (`make test`)")
+
+pytestmark = pytest.mark.slow
+
+T = 24  # longer than the sliding window (5) and the rope-scaling window (16)
+_COMMON = dict(vocab_size=264, hidden_size=40, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=14, rope_theta=10_000.0, rms_norm_eps=1e-6)
+_GEMMA = dict(hidden_activation="gelu_pytorch_tanh", sliding_window=5, query_pre_attn_scalar=20)
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama31_rope": ("llama", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", {}),
+    "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3_text": ("gemma3_text", dict(_GEMMA, sliding_window_pattern=3, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+}
+
+
+def _randomize(model, seed):
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  return model.eval()
+
+
+def _hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
+
+
+def _ptx_logits(model, tokens):
+  return np.asarray(model(jnp.asarray(tokens, jnp.int32)))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+  """(name, directory, tokens, transformers logits) of a saved tiny random model."""
+  model_type, extra = FAMILIES[request.param]
+  config = transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **extra})
+  model = _randomize(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"), 0)
+  path = tmp_path_factory.mktemp(request.param)
+  # A small shard size makes transformers write an index and several files.
+  model.save_pretrained(path, max_shard_size="40KB" if request.param in ("llama31_rope", "gemma2") else "50GB")
+  tokens = np.random.default_rng(1).integers(0, _COMMON["vocab_size"], (2, T))
+  return request.param, path, tokens, _hf_logits(model, tokens)
+
+
+def test_load_matches_transformers(checkpoint):
+  name, path, tokens, expected = checkpoint
+  model = load_hf(path)
+  np.testing.assert_allclose(_ptx_logits(model, tokens), expected, atol=1e-4, rtol=0, err_msg=name)
+
+
+def test_config_maps_features(checkpoint):
+  name, path, _, _ = checkpoint
+  cfg = load_hf(path).cfg
+  if name == "llama31_rope":
+    assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.original_max_positions == 16
+  if name == "gemma2":
+    assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.attn_logit_softcap) == (5, 2, 5.0)
+  if name == "gemma3_text":
+    assert (cfg.sliding_window_pattern, cfg.rope_local_theta, cfg.rope_scaling.factor) == (3, 100.0, 4.0)
+  if name == "qwen2":
+    assert cfg.qkv_bias and cfg.tie_embeddings
+
+
+def test_save_hf_loads_in_transformers(checkpoint, tmp_path):
+  name, path, tokens, expected = checkpoint
+  model = load_hf(path)
+  save_hf(model, tmp_path, max_shard_bytes=60_000)
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+  np.testing.assert_allclose(_hf_logits(reloaded.eval(), tokens), expected, atol=1e-4, rtol=0, err_msg=name)
+  assert load_hf(tmp_path).cfg == model.cfg
+
+
+def test_sharded_load_matches_single_device(checkpoint):
+  name, path, tokens, expected = checkpoint
+  mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+  model = load_hf(path, mesh=mesh)
+  want = param_shardings(model.cfg, mesh)
+  for (where, array), sharding in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(want)):
+    assert array.sharding == sharding, where
+  assert model.params["layers"]["gate"].sharding.shard_shape(model.params["layers"]["gate"].shape)[-1] == 24
+  np.testing.assert_allclose(_ptx_logits(model, tokens), _ptx_logits(load_hf(path), tokens), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(_ptx_logits(model, tokens), expected, atol=1e-4, rtol=0, err_msg=name)
+
+
+def test_bfloat16_load(checkpoint):
+  _, path, tokens, expected = checkpoint
+  model = load_hf(path, dtype="bfloat16")
+  assert model.params["layers"]["q"].dtype == jnp.bfloat16 and model.cfg.compute_dtype == "bfloat16"
+  assert np.abs(_ptx_logits(model, tokens) - expected).mean() < 0.1 * np.abs(expected).mean()
+
+
+def test_gemma3_multimodal_checkpoint(tmp_path):
+  text = {**_COMMON, **_GEMMA, "sliding_window_pattern": 2, "rope_local_base_freq": 100.0}
+  vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14)
+  config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     image_token_index=_COMMON["vocab_size"] - 1)
+  model = _randomize(transformers.Gemma3ForConditionalGeneration(config), 0)
+  model.save_pretrained(tmp_path)
+  tokens = np.random.default_rng(2).integers(0, _COMMON["vocab_size"] - 1, (2, T))
+  np.testing.assert_allclose(_ptx_logits(load_hf(tmp_path), tokens), _hf_logits(model, tokens), atol=1e-4, rtol=0)
+
+
+def _tiny_llama(tmp_path):
+  config = transformers.LlamaConfig(**_COMMON)
+  _randomize(transformers.LlamaForCausalLM(config), 0).save_pretrained(tmp_path)
+  return tmp_path
+
+
+def _edit_tensors(path, edit):
+  from safetensors.numpy import load_file, save_file
+
+  tensors = load_file(path / "model.safetensors")
+  edit(tensors)
+  save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+  path = _tiny_llama(tmp_path)
+  _edit_tensors(path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(40, np.float32)}))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors.*unexpected tensor 'model\.layers\.0\.self_attn"):
+    load_hf(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+  path = _tiny_llama(tmp_path)
+  _edit_tensors(path, lambda t: t.pop("model.layers.3.mlp.up_proj.weight"))
+  with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\.mlp\.up_proj\.weight'"):
+    load_hf(path)
+
+
+def test_wrong_shape_is_named(tmp_path):
+  path = _tiny_llama(tmp_path)
+  _edit_tensors(path, lambda t: t.update({"model.norm.weight": np.ones(41, np.float32)}))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[41\], "
+                                            r"expected \[40\]"):
+    load_hf(path)
+
+
+def test_unknown_model_type_and_options_are_refused(tmp_path):
+  path = _tiny_llama(tmp_path)
+  config = json.loads((path / "config.json").read_text())
+  for change, message in (({"model_type": "mamba"}, "unsupported model_type 'mamba'"),
+                          ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+                           "rope_type 'yarn'"),
+                          ({"attention_bias": True}, "attention_bias=true")):
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(hf_config.HFConfigError, match=message):
+      load_hf(path)
+
+
+def test_save_refuses_what_the_family_cannot_express(tiny_config, tmp_path):
+  from ptx.models import Decoder
+  from flax import nnx
+
+  cfg = dataclasses.replace(tiny_config, attn_logit_softcap=5.0)
+  with pytest.raises(hf_config.HFConfigError, match="attn_logit_softcap"):
+    save_hf(Decoder(cfg, rngs=nnx.Rngs(0)), tmp_path)
