@@ -9,10 +9,12 @@ killed). The child side lives in `sandbox_child.py`.
 
 When the caller is root, every workspace also gets a fresh unprivileged uid:
 the program cannot signal, trace or read the environment of any other process,
-cannot touch files outside its directory, and RLIMIT_NPROC (which root ignores)
-binds. After each run every process of that uid is killed, including ones that
-escaped the process group. Without root those protections are weaker and the
-result says so in `notes`.
+cannot change files it does not own, and RLIMIT_NPROC (which root ignores)
+binds. It also gets empty private /tmp, /var/tmp and /dev/shm (small tmpfs
+mounts that vanish with the run), so the only lasting place it can write is its
+directory. After each run every process of that uid is killed, including ones
+that escaped the process group. Without root those protections are weaker and
+the result says so in `notes`.
 
 Linux only (`os.pidfd_open`, /proc, namespaces). Thread-safe: runs may proceed
 concurrently from many threads.
@@ -224,6 +226,7 @@ class _Capture:
     self.killed_for = ""  # why we killed it, if we did
     self.truncated = False
     self.rusage = None
+    self.survivors: list[int] = []  # processes of the uid that would not die
     self.sel = selectors.DefaultSelector()
     self.pidfd = os.pidfd_open(proc.pid)
     self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
@@ -267,7 +270,7 @@ class _Capture:
     # yet: kill the rest of the group first, then the uid's escapees.
     _kill_group(self.proc.pid)
     if self.uid is not None:
-      strays.kill_user(self.uid, _CHILD)
+      self.survivors = strays.kill_user(self.uid, _CHILD)
     _, status, self.rusage = os.wait4(self.proc.pid, 0)
     self.proc.returncode = os.waitstatus_to_exitcode(status)
     self._close(self.pidfd)
@@ -307,8 +310,12 @@ class _Capture:
     report = {k: v for line in lines for k, v in line.items()}
     net_error = report.get("net_error", "the child did not report")
     notes = [] if not net_error else [f"network not isolated: {net_error}"]
+    if report.get("tmp_error"):
+      notes.append(f"shared /tmp, /var/tmp, /dev/shm: {report['tmp_error']}")
+    if self.survivors:
+      notes.append(f"processes {self.survivors} of uid {self.uid} survived SIGKILL")
     if self.uid is None:
-      notes.append("not root: runs as the caller's uid (can signal the caller's processes)")
+      notes.append("not root: runs as the caller's uid (can signal the caller's processes), shares /tmp")
     ru = self.rusage
     usage = Usage(wall_s, ru.ru_utime, ru.ru_stime, ru.ru_maxrss * 1024)
     outcome, reason = self._classify(report, limits, ru.ru_utime + ru.ru_stime)
@@ -319,6 +326,8 @@ class _Capture:
     code = self.proc.returncode
     if "exec_error" in report:
       return Outcome.INFRA_ERROR, f"could not exec: {report['exec_error']}"
+    if not report:  # the launcher died before the exec; the program never ran
+      return Outcome.INFRA_ERROR, f"the sandbox launcher failed (exit {code}): {_last_line(self.out['stderr'])}"
     if self.killed_for == "timeout":
       return Outcome.TIMEOUT, f"killed at the {limits.timeout_s} s wall-clock limit"
     if self.killed_for:
@@ -336,6 +345,11 @@ class _Capture:
     if code != 0 and hit is not None:
       return Outcome.LIMIT, f"exit {code} after {hit.decode()}"
     return (Outcome.OK, "exit 0") if code == 0 else (Outcome.FAILED, f"exit {code}")
+
+
+def _last_line(data: bytearray) -> str:
+  lines = bytes(data).decode("utf-8", "replace").strip().splitlines()
+  return lines[-1] if lines else ""
 
 
 def _kill_group(pgid: int) -> None:

@@ -4,8 +4,9 @@ Run as `python -I -S sandbox_child.py CONFIG_JSON`, never imported: it uses the
 standard library only. `ptx.rl.sandbox` starts it in a new session, inside the
 run's directory, with a scrubbed environment. Before the exec, in this order,
 it cuts the network (a new network namespace; as non-root, inside a new user
-namespace), sets the rlimits, drops to the run's uid when it has one, and
-restores the signal dispositions that Python changed. Every step happens before
+namespace), gives the run private temporary directories (as root), sets the
+rlimits, drops to the run's uid when it has one, and restores the signal
+dispositions that Python changed. Every step happens before
 the exec so that the program never runs unconfined.
 
 It reports on the status pipe (one JSON line) what it achieved. The pipe is
@@ -27,15 +28,56 @@ import sys
 # be unreadable (a Python under /root): import it while still privileged.
 import warnings  # noqa: F401
 
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+_SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: each run gets empty ones
+_TMP_SIZE = "size=16m,mode=1777"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _unshare(flags):
   """Returns "" on success, else the error text."""
-  libc = ctypes.CDLL(None, use_errno=True)
-  if libc.unshare(flags) != 0:
+  if _libc.unshare(flags) != 0:
     return os.strerror(ctypes.get_errno())
+  return ""
+
+
+def _mount(source, target, fstype, flags, data):
+  if _libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                 data and data.encode()) != 0:
+    raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
+
+
+def _private_tmp():
+  """Gives the run empty /tmp, /var/tmp and /dev/shm of its own; returns "" or why not.
+
+  They are tmpfs mounts in a new mount namespace, gone when the run ends. The
+  workspace usually lives under /tmp, so it is bind-mounted back at its path
+  from a descriptor opened before the cover went on.
+  """
+  workspace = os.getcwd()
+  error = _unshare(_CLONE_NEWNS)
+  if error:
+    return error
+  # Opened inside the new namespace: a bind mount's source must belong to it.
+  keep = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)  # keep our mounts from the host
+    for path in _SHARED_TMP:
+      if os.path.isdir(path):
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMP_SIZE)
+    if not (os.path.isdir(workspace) and os.path.samestat(os.stat(workspace), os.fstat(keep))):
+      os.makedirs(workspace, exist_ok=True)
+      _mount(f"/proc/self/fd/{keep}", workspace, None, _MS_BIND, None)
+    os.chdir(workspace)
+  except OSError as e:
+    return str(e)
+  finally:
+    os.close(keep)
   return ""
 
 
@@ -101,6 +143,8 @@ def _launch(cfg):
   status = cfg["status_fd"]
   report = {"net_error": _cut_network() if cfg["cut_network"] else "not requested"}
   try:
+    if cfg["uid"] is not None:
+      report["tmp_error"] = _private_tmp()
     _set_limits(cfg)
     if cfg["uid"] is not None:
       _become(cfg["uid"])

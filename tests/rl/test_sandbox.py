@@ -212,6 +212,20 @@ def test_attack_deleting_files_outside_its_directory(tmp_path):
 
 
 @needs_root
+def test_attack_writing_to_shared_temporary_directories_leaves_nothing():
+  """Drops files in /tmp, /var/tmp and /dev/shm (world-writable on the host)."""
+  name = f"ptx-sandbox-escape-{os.getpid()}"
+  code = (f"import os\nfor d in ('/tmp', '/var/tmp', '/dev/shm'):\n  open(os.path.join(d, {name!r}), 'w').write('x')\n"
+          "print(os.listdir('/tmp'))")
+  result = _py(code)
+  assert result.outcome == sandbox.Outcome.OK, result.stderr_text
+  assert name in result.stdout_text and result.notes == ()
+  for d in ("/tmp", "/var/tmp", "/dev/shm"):
+    assert not os.path.exists(os.path.join(d, name)), f"the run left a file in {d}"
+  _assert_contained(result)
+
+
+@needs_root
 def test_concurrent_runs_get_distinct_uids_and_workspaces():
   results = [None] * 8
 
