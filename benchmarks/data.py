@@ -22,7 +22,8 @@ import time
 import grain
 import numpy as np
 
-from ptx.data.pipeline import PipelineConfig, make_pipeline
+from ptx.config import DataConfig
+from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource
 from ptx.data.tokenizer import ByteTokenizer
 
@@ -60,7 +61,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     path = pathlib.Path(tmp) / "records.jsonl"
     lengths = _write_records(path, args.records, args.min_len, args.max_len, args.seed)
-    cfg = PipelineConfig(batch_size=args.batch_size, seq_len=args.seq_len, num_bins=args.num_bins,
+    cfg = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len, num_bins=args.num_bins,
                          num_epochs=1, seed=args.seed, num_threads=args.threads)
     start = time.perf_counter()
     it = iter(make_pipeline(JsonlSource(path), ByteTokenizer(), cfg))

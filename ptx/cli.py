@@ -1,16 +1,22 @@
-"""The `ptx` command line: `ptx version`, `ptx demo`, and the training jobs as they land.
+"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`.
 
-Every job takes `--out DIR` and config overrides `--section.field=value`
-(`--model=PRESET` swaps in a registered model preset first).
+Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
+such as a run's saved config.json) and overrides `--section.field=value`
+applied after it (`--model=PRESET` swaps in a registered model preset).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import pathlib
 import sys
 
 import ptx
+
+_ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
+               "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,9 +28,18 @@ def _parser() -> argparse.ArgumentParser:
   demo = sub.add_parser("demo", help="SFT a tiny model on built-in arithmetic; before/after exact match",
                         description="Train the tiny preset by SFT on 2-digit addition and report held-out "
                         "exact match before and after. Accepts config overrides, e.g. --train.steps=100.")
-  demo.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/demo"), help="output directory")
-  demo.add_argument("--no-progress", action="store_true", help="print log lines instead of a progress bar")
+  _job_arguments(demo, default_out="out/demo")
+  for name, help_text in _ALGORITHMS.items():
+    job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
+    job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
+    _job_arguments(job, default_out=f"out/{name}")
   return parser
+
+
+def _job_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out), help="run directory")
+  parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,11 +60,58 @@ def main(argv: list[str] | None = None) -> int:
   from ptx import demo
 
   try:
-    cfg = config_lib.apply_overrides(demo.default_config(), overrides)
-  except config_lib.ConfigError as e:
+    if args.command == "demo":
+      cfg = config_lib.apply_overrides(demo.default_config(), overrides)
+    else:
+      base = config_lib.Config()
+      if args.config is not None:
+        base = config_lib.from_dict(config_lib.Config, json.loads(args.config.read_text()))
+      cfg = config_lib.apply_overrides(base, overrides)
+  except (config_lib.ConfigError, OSError, json.JSONDecodeError) as e:
     parser.error(str(e))
-  demo.run(cfg, args.out, progress=not args.no_progress and sys.stderr.isatty())
+  progress = not args.no_progress and sys.stderr.isatty()
+  if args.command == "demo":
+    demo.run(cfg, args.out, resume=args.resume, progress=progress)
+  else:
+    _train(args.command, cfg, args.out, resume=args.resume, progress=progress, error=parser.error)
   return 0
+
+
+def _train(algorithm: str, cfg, out: pathlib.Path, *, resume: bool, progress: bool, error) -> None:
+  """Builds the data pipeline and loss for `algorithm` and runs the training loop."""
+  import dataclasses
+
+  import jax
+
+  from ptx.algorithms import dpo, sft
+  from ptx.data.hf_tokenizer import load_tokenizer
+  from ptx.data.pipeline import make_pipeline
+  from ptx.data.sources import JsonlSource
+  from ptx.data.tokenizer import ByteTokenizer
+  from ptx.train.loop import fit
+
+  if not cfg.data.train_files:
+    error(f"ptx {algorithm}: set --data.train_files='[\"train.jsonl\"]'")
+  kind = {"sft": "sft", "dpo": "preference"}[algorithm]
+  data_cfg = dataclasses.replace(cfg.data, kind=kind, pack=cfg.data.pack and kind == "sft")
+  cfg = dataclasses.replace(cfg, data=data_cfg)
+  tokenizer = ByteTokenizer() if data_cfg.tokenizer == "byte" else load_tokenizer(data_cfg.tokenizer)
+  if cfg.model.vocab_size < tokenizer.vocab_size:
+    error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  train = pipeline(JsonlSource(data_cfg.train_files), cfg=data_cfg)
+  evaluation = None
+  if data_cfg.eval_files:
+    eval_cfg = dataclasses.replace(data_cfg, shuffle=False, num_epochs=1)
+    evaluation = list(pipeline(JsonlSource(data_cfg.eval_files), cfg=eval_cfg))
+  if algorithm == "sft":
+    loss_fn, prepare = functools.partial(sft.loss, model=cfg.model), None
+  else:
+    loss_fn = functools.partial(dpo.loss, model=cfg.model, dpo=cfg.dpo)
+    prepare = None if cfg.dpo.loss_type == "simpo" else functools.partial(dpo.prepare, model=cfg.model)
+  fit(cfg, loss_fn=loss_fn, train_data=train, out=out, resume=resume, eval_data=evaluation, prepare=prepare,
+      progress=progress)
 
 
 if __name__ == "__main__":

@@ -137,20 +137,82 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """The training loop: batch shape, length, accumulation, logging."""
+  """The training loop: length, accumulation, seed, logging."""
 
   # Optimizer steps to run (also the length of the cosine schedule).
   steps: int = 300
-  # Global batch size in sequences per optimizer step.
-  batch_size: int = 16
-  # Tokens per sequence.
-  seq_len: int = 64
   # Micro-batches per optimizer step; gradients are accumulated in-graph.
   grad_accum: int = 1
   # Seed for parameter init, data order and the per-step RNG.
   seed: int = 0
   # Log metrics every this many steps.
   log_every: int = 10
+  # Evaluate on the eval data every this many steps (and after the last).
+  eval_every: int = 100
+  # Save a checkpoint every this many steps (and after the last, and on SIGTERM).
+  checkpoint_every: int = 100
+  # Keep the newest this many checkpoints.
+  keep_checkpoints: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where records come from and how they become [batch, seq] arrays."""
+
+  # JSONL files of training records (read in order as one sequence).
+  train_files: tuple[str, ...] = ()
+  # JSONL files of evaluation records (empty: no evaluation).
+  eval_files: tuple[str, ...] = ()
+  # "byte" for the built-in byte tokenizer, or a directory with tokenizer.json.
+  tokenizer: str = "byte"
+  # Record kind: "sft", "preference" or "rl" (see ptx.data.records).
+  kind: Literal["sft", "preference", "rl"] = "sft"
+  # Sequences per step over all hosts; each host makes batch_size / process_count.
+  batch_size: int = 16
+  # Tokens per row (T).
+  seq_len: int = 2048
+  # First-fit packing of several sequences per row ("sft" only); else one per row.
+  pack: bool = True
+  # Open rows of the packer per host (more: denser, more held back).
+  num_bins: int = 64
+  # Seed of the shuffle; each epoch gets its own order from it.
+  seed: int = 0
+  # Shuffle records (off: source order).
+  shuffle: bool = True
+  # Passes over the source; None repeats forever.
+  num_epochs: int | None = None
+  # Bad records: "raise" (error naming file and line) or "skip" (counted).
+  on_error: Literal["raise", "skip"] = "raise"
+  # Records longer than seq_len: "truncate" (keep the head) or "drop" (counted).
+  overlong: Literal["truncate", "drop"] = "truncate"
+  # Fields an "rl" record must carry for its environment (e.g. ("answer",)).
+  task_fields: tuple[str, ...] = ()
+  # Reader threads for decoding and tokenizing.
+  num_threads: int = 2
+  # Elements read ahead of the packer.
+  prefetch: int = 128
+
+  def __post_init__(self):
+    if self.kind not in ("sft", "preference", "rl"):
+      raise ValueError(f"DataConfig.kind must be sft, preference or rl, got {self.kind!r}")
+    if self.on_error not in ("raise", "skip") or self.overlong not in ("truncate", "drop"):
+      raise ValueError(f"DataConfig: bad policy on_error={self.on_error!r} overlong={self.overlong!r}")
+    if self.pack and self.kind != "sft":
+      raise ValueError(f"DataConfig: packing is for sft records; set pack=False for {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  """Preference optimisation losses (see ptx.algorithms.dpo for the formulas)."""
+
+  # "sigmoid" (DPO; with label_smoothing > 0: conservative DPO), "ipo", "hinge" or "simpo".
+  loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+  # Inverse temperature of the implicit reward.
+  beta: float = 0.1
+  # Conservative DPO: assumed probability that a preference label is flipped.
+  label_smoothing: float = 0.0
+  # SimPO: target reward margin gamma (in reward units, i.e. after beta).
+  simpo_gamma: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +227,10 @@ class Config:
   optim: OptimizerConfig = OptimizerConfig()
   # The training loop.
   train: TrainConfig = TrainConfig()
+  # The data pipeline and batch shape.
+  data: DataConfig = DataConfig()
+  # Preference optimisation (ptx dpo).
+  dpo: DPOConfig = DPOConfig()
 
 
 # Registered model presets, filled in by the family modules (ptx.models.*).

@@ -37,7 +37,7 @@ def test_bad_override_names_the_field(capsys):
 def test_demo_trains_and_writes_its_outputs(tmp_path, capsys):
   out = tmp_path / "demo"
   cli.main(["demo", "--out", str(out), "--no-progress", "--train.steps=40", "--train.log_every=20",
-            "--train.batch_size=16", "--mesh.data=2", "--mesh.fsdp=4"])
+            "--data.batch_size=16", "--mesh.data=2", "--mesh.fsdp=4"])
   config = json.loads((out / "config.json").read_text())
   assert config["train"]["steps"] == 40 and config["mesh"]["data"] == 2
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

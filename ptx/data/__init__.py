@@ -1,6 +1,6 @@
 """ptx.data: tokenizers, chat templates, record kinds, grain pipelines and packing.
 
-The grain-backed names (`PipelineConfig`, `make_pipeline`) load on first use,
+`make_pipeline` (grain-backed) loads on first use,
 so `from ptx.data import ByteTokenizer` does not import grain. The seqio
 adapter (`ptx.data.seqio_adapter`, the `ptx[seqio]` extra) is never imported
 from here.
@@ -17,7 +17,7 @@ from ptx.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from ptx.data.sources import ArrayRecordSource, JsonlSource, MemorySource, write_array_record
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer
 
-_PIPELINE = ("PipelineConfig", "make_pipeline")
+_PIPELINE = ("make_pipeline",)
 
 __all__ = [
     "ArrayRecordSource", "ByteTokenizer", "CHATML", "ChatMLTemplate", "ChatTemplate", "HFTokenizer",

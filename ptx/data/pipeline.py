@@ -23,61 +23,21 @@ question would be cut), is dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import grain
 
+from ptx.config import DataConfig
 from ptx.data.batcher import Batcher, fit
 from ptx.data.chat import ChatTemplate
-from ptx.data.records import KINDS, RecordError, decode, encode
+from ptx.data.records import RecordError, decode, encode
 from ptx.data.sources import RawRecord
 from ptx.data.tokenizer import Tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-  """How records become batches."""
-
-  # Record kind: "sft", "preference" or "rl" (see ptx.data.records).
-  kind: Literal["sft", "preference", "rl"] = "sft"
-  # Sequences per step over all hosts; each host makes batch_size / process_count.
-  batch_size: int = 16
-  # Tokens per row (T).
-  seq_len: int = 2048
-  # First-fit packing of several sequences per row ("sft" only); else one per row.
-  pack: bool = True
-  # Open rows of the packer per host (more: denser, more held back).
-  num_bins: int = 64
-  # Seed of the shuffle; each epoch gets its own order from it.
-  seed: int = 0
-  # Shuffle records (off: source order).
-  shuffle: bool = True
-  # Passes over the source; None repeats forever.
-  num_epochs: int | None = None
-  # Bad records: "raise" (error naming file and line) or "skip" (counted).
-  on_error: Literal["raise", "skip"] = "raise"
-  # Records longer than seq_len: "truncate" (keep the head) or "drop" (counted).
-  overlong: Literal["truncate", "drop"] = "truncate"
-  # Fields an "rl" record must carry for its environment (e.g. ("answer",)).
-  task_fields: tuple[str, ...] = ()
-  # Reader threads for decoding and tokenizing.
-  num_threads: int = 2
-  # Elements read ahead of the packer.
-  prefetch: int = 128
-
-  def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"PipelineConfig.kind must be one of {KINDS}, got {self.kind!r}")
-    if self.on_error not in ("raise", "skip") or self.overlong not in ("truncate", "drop"):
-      raise ValueError(f"PipelineConfig: bad policy on_error={self.on_error!r} overlong={self.overlong!r}")
-    if self.pack and self.kind != "sft":
-      raise ValueError(f"PipelineConfig: packing is for sft records; set pack=False for {self.kind!r}")
-
-
-def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: PipelineConfig, *,
+def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataConfig, *,
                   template: ChatTemplate | None = None, process_index: int = 0,
                   process_count: int = 1) -> "BatchDataset":
   """Builds this host's pipeline.
@@ -110,7 +70,7 @@ def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: Pipeli
 class BatchDataset(grain.IterDataset):
   """Packs or pads a MapDataset of prepared examples into host batches."""
 
-  def __init__(self, examples: grain.MapDataset, cfg: PipelineConfig, pad_id: int, batch_size: int):
+  def __init__(self, examples: grain.MapDataset, cfg: DataConfig, pad_id: int, batch_size: int):
     super().__init__()
     self.examples = examples
     self.cfg = cfg
@@ -159,7 +119,7 @@ class BatchIterator(grain.DatasetIterator):
     self._batcher.set_state(state, lambda keys: {k: self._ds.examples[k]["example"] for k in keys})
 
 
-def _prepare(raw: RawRecord, *, tokenizer: Tokenizer, cfg: PipelineConfig,
+def _prepare(raw: RawRecord, *, tokenizer: Tokenizer, cfg: DataConfig,
              template: ChatTemplate | None) -> dict[str, Any]:
   """Decode, validate, tokenize and fit one record; runs in reader threads."""
   try:

@@ -23,7 +23,7 @@ import grain
 import numpy as np
 
 from ptx.data.batcher import Batcher, fit
-from ptx.data.pipeline import PipelineConfig
+from ptx.config import DataConfig
 from ptx.data.records import RecordError
 
 
@@ -50,7 +50,7 @@ class SeqioBatches:
     process_count: hosts; each reads its own seqio shard.
   """
 
-  def __init__(self, task: Any, cfg: PipelineConfig, *, split: str = "train",
+  def __init__(self, task: Any, cfg: DataConfig, *, split: str = "train",
                feature_lengths: Mapping[str, int] | None = None, bos_id: int = 0,
                process_index: int = 0, process_count: int = 1):
     seqio = _seqio()

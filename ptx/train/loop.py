@@ -1,76 +1,200 @@
-"""The host loop: keeps the device busy and reads metrics only when logging.
+"""The host loop of a training job: steps, logging, evaluation, checkpoints, preemption.
 
-Step N + 1 is dispatched before step N's metrics are fetched, so the host
-never waits for the device between steps; metrics cross to the host only on
-logging steps.
+The loop never waits on the device between steps: step N + 1 is dispatched
+before step N's metrics are fetched, and metrics cross to the host only on
+logging steps. Checkpoints (state + data position) are written
+asynchronously every `checkpoint_every` steps and at the end. SIGTERM (a
+preemption notice) makes the loop save at the next step boundary and return
+normally; `resume=True` restores the newest complete checkpoint, so a
+resumed run computes exactly the steps an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import pathlib
+import signal
+import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import numpy as np
 import tqdm
 
-from ptx.train.state import TrainState
+from ptx import config as config_lib
+from ptx.config import Config
+from ptx.data.global_batch import to_global
+from ptx.models.params import weight_decay_mask
+from ptx.sharding import make_mesh
+from ptx.train.checkpoint import Checkpointer
+from ptx.train.metrics import MetricsWriter
+from ptx.train.optimizer import learning_rate_schedule, make_optimizer
+from ptx.train.state import TrainState, init_state, state_shardings
+from ptx.train.step import LossFn, make_train_step
 
-StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
-LogFn = Callable[[dict[str, float]], None]
 
-
-def run(
-    step_fn: StepFn,
-    state: TrainState,
-    batches: Iterator[Any],
+def fit(
+    cfg: Config,
     *,
-    steps: int,
-    log_every: int,
-    on_log: LogFn,
+    loss_fn: LossFn,
+    train_data: Iterable[dict[str, Any]],
+    out: pathlib.Path,
+    resume: bool = False,
+    eval_data: Iterable[dict[str, Any]] | None = None,
+    prepare: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None,
     progress: bool = True,
-    tokens_per_step: int | None = None,
-) -> TrainState:
-  """Runs `step_fn` until `state.step == steps`, logging every `log_every` steps.
+) -> tuple[TrainState, dict[str, Any]]:
+  """Trains `cfg.train.steps` steps of `loss_fn` on `train_data`, writing to `out`.
 
   Args:
-    step_fn: the jitted `step(state, batch) -> (state, metrics)`.
-    state: the starting state (its `step` may be past 0 when resuming).
-    batches: yields one global batch per step.
-    steps: the step count to stop at.
-    log_every: log every this many steps, and after the last one.
-    on_log: receives `{"step", "tokens_per_s", "steps_per_s", **metrics}` as floats.
-    progress: show a progress bar (on a terminal, a researcher wants to see it).
-    tokens_per_step: tokens in one global batch, for `tokens_per_s`.
+    cfg: the job config (printed and saved as `out/config.json`).
+    loss_fn: `loss(params, batch, rng) -> (loss, metrics)`, static config bound.
+    train_data: iterable of host batches whose iterator has get_state/set_state
+      (a `ptx.data.make_pipeline` dataset), so checkpoints hold its position.
+    out: run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/.
+    resume: continue from the newest restorable checkpoint in `out`, if any.
+    eval_data: a finite iterable of host batches, evaluated every
+      `cfg.train.eval_every` steps and at the end.
+    prepare: the algorithm's batch preparation from a frozen reference copy
+      of the initial parameters (`TrainState.ref_params`), e.g. DPO.
+    progress: show a progress bar.
 
   Returns:
-    The final state.
+    (state, summary): the final state, and the final step, last logged
+    metrics, wall time and whether the run stopped for preemption.
   """
+  out.mkdir(parents=True, exist_ok=True)
+  print(config_lib.dumps(cfg), flush=True)
+  config_lib.save(cfg, out / "config.json")
+  mesh = make_mesh(cfg.mesh)
+  optimizer = make_optimizer(cfg.optim, cfg.train.steps, weight_decay_mask(cfg.model))
+  with_reference = prepare is not None
+  shardings = state_shardings(cfg.model, optimizer, mesh, with_reference=with_reference)
+  step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, state_shardings=shardings,
+                            grad_accum=cfg.train.grad_accum, prepare=prepare)
+  checkpointer = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
+  data = iter(train_data)
+  state, resumed_from = None, None
+  if resume:
+    abstract = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
+                            jax.eval_shape(functools.partial(init_state, cfg.model, optimizer, cfg.train.seed,
+                                                             mesh, with_reference=with_reference)))
+    restored = checkpointer.restore(abstract, data)
+    if restored is not None:
+      resumed_from, state = restored
+      print(f"resumed from checkpoint step {resumed_from}", flush=True)
+  if state is None:
+    state = init_state(cfg.model, optimizer, cfg.train.seed, mesh, with_reference=with_reference)
+  writer = MetricsWriter(out, resume_step=resumed_from)
+  evaluate = _evaluator(loss_fn, prepare, shardings, mesh, eval_data)
+  schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+  started = time.perf_counter()
+  try:
+    with _preemption_notice() as preempted:
+      state, last = _steps(cfg, step_fn, state, data, mesh, checkpointer, writer, evaluate, schedule,
+                           preempted, progress)
+    checkpointer.wait()
+  finally:
+    checkpointer.close()
+    writer.close()
+  summary = {"step": int(state.step), "preempted": preempted.is_set(), "resumed_from": resumed_from,
+             "wall_s": round(time.perf_counter() - started, 3), **last}
+  print(json.dumps({"summary": summary}), flush=True)
+  return state, summary
+
+
+def _steps(cfg, step_fn, state, data, mesh, checkpointer, writer, evaluate, schedule, preempted, progress):
+  """The loop proper; returns the final state and the last logged record."""
+  train = cfg.train
   start = int(state.step)
-  bar = tqdm.tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-  pending: tuple[int, dict[str, jax.Array]] | None = None
-  last_time, last_step = time.perf_counter(), start
-  for step in range(start + 1, steps + 1):
-    state, metrics = step_fn(state, next(batches))
-    if pending is not None:  # the previous step's metrics, read after this step was dispatched
-      last_time, last_step = _report(pending, last_time, last_step, tokens_per_step, on_log, bar)
+  bar = tqdm.tqdm(total=train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+  pending, last = None, {}
+  clock = (time.perf_counter(), start, 0)  # time, step and tokens at the previous log
+  tokens = 0
+  for step in range(start + 1, train.steps + 1):
+    host_batch = next(data)
+    tokens += _token_count(host_batch)
+    state, metrics = step_fn(state, to_global(host_batch, mesh))
+    if pending is not None:  # read step N's metrics only now that step N + 1 is queued
+      last, clock = _log(pending, clock, tokens, schedule, writer, bar)
       pending = None
-    if step % log_every == 0 or step == steps:
+    if step % train.log_every == 0 or step == train.steps or preempted.is_set():
       pending = (step, metrics)
+    if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
+      writer.write({"step": step, **evaluate(state)})
+    if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
+      checkpointer.save(step, state, data)
     bar.update(1)
+    if preempted.is_set():
+      break
   if pending is not None:
-    _report(pending, last_time, last_step, tokens_per_step, on_log, bar)
+    last, _ = _log(pending, clock, tokens, schedule, writer, bar)
   bar.close()
-  return state
+  return state, last
 
 
-def _report(pending, last_time, last_step, tokens_per_step, on_log, bar):
+def _log(pending, clock, tokens, schedule, writer, bar):
   step, metrics = pending
-  record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  then, then_step, then_tokens = clock
   now = time.perf_counter()
-  steps_per_s = (step - last_step) / max(now - last_time, 1e-9)
-  record = {"step": step, **record, "steps_per_s": steps_per_s}
-  if tokens_per_step is not None:
-    record["tokens_per_s"] = steps_per_s * tokens_per_step
-  bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k in ("loss", "accuracy", "tokens_per_s")})
-  on_log(record)
-  return now, step
+  record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+  record["lr"] = float(schedule(step - 1))
+  record["steps_per_s"] = (step - then_step) / max(now - then, 1e-9)
+  record["tokens_per_s"] = (tokens - then_tokens) / max(now - then, 1e-9)
+  bar.set_postfix(loss=f"{record['loss']:.4g}", tok_s=f"{record['tokens_per_s']:.3g}")
+  writer.write(record)
+  return record, (now, step, tokens)
+
+
+def _token_count(batch: dict[str, Any]) -> int:
+  """Token slots in a host batch (every `tokens` array, padding included)."""
+  return sum(int(np.size(v)) for k, v in _flat(batch) if k == "tokens")
+
+
+def _flat(batch: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+  for key, value in batch.items():
+    yield from (_flat(value) if isinstance(value, dict) else [(key, value)])
+
+
+def _evaluator(loss_fn, prepare, shardings, mesh, eval_data) -> Callable[[TrainState], dict[str, float]] | None:
+  """Returns `evaluate(state) -> {"eval/...": mean}`, weighted like the training loss."""
+  if eval_data is None:
+    return None
+
+  @functools.partial(jax.jit, in_shardings=(shardings, None))
+  def metrics(state, batch):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      if prepare is not None:
+        batch = prepare(state.ref_params, batch)
+      return loss_fn(state.params, batch, state.rng)[1]
+
+  batches = [to_global(b, mesh) for b in eval_data]
+
+  def evaluate(state):
+    totals: dict[str, float] = {}
+    for batch in batches:
+      m = jax.device_get(metrics(state, batch))
+      w = float(m["weight"])
+      for key, value in m.items():
+        totals[key] = totals.get(key, 0.0) + (w if key == "weight" else w * float(value))
+    weight = max(totals.get("weight", 0.0), 1.0)
+    return {f"eval/{k}": (v if k == "weight" else v / weight) for k, v in totals.items()}
+
+  return evaluate
+
+
+@contextlib.contextmanager
+def _preemption_notice() -> Iterator[threading.Event]:
+  """Sets the yielded event on SIGTERM (main thread only); restores the old handler after."""
+  event = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield event
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+  try:
+    yield event
+  finally:
+    signal.signal(signal.SIGTERM, previous)

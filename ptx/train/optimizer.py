@@ -18,7 +18,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = None) -> optax.GradientTransformation:
-  """Builds the optimizer once, before jit.
+  """Builds the optimizer once, before jit; steps with non-finite gradients are skipped.
 
   Args:
     cfg: optimizer hyper-parameters.
@@ -28,6 +28,15 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = Non
   """
   adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
-  if cfg.clip_norm <= 0:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  inner = adamw if cfg.clip_norm <= 0 else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  # A step whose gradients are not finite leaves parameters and moments untouched
+  # and is counted in the state (`skipped_steps`); it is never applied.
+  return optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
+
+
+def skipped_steps(opt_state: Any) -> Any:
+  """The number of steps skipped for non-finite gradients so far (an int32 scalar)."""
+  return optax.tree_utils.tree_get(opt_state, "total_notfinite")
+
+
+_NEVER = 2**31 - 1

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx import sharding
+from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -69,6 +70,7 @@ def make_train_step(
     state_shardings: TrainState,
     grad_accum: int = 1,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    prepare: Callable[[Any, Batch], Batch] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """Jits the training step once, with explicit shardings and a donated state.
 
@@ -80,20 +82,26 @@ def make_train_step(
     state_shardings: from `ptx.train.state.state_shardings`.
     grad_accum: micro-batches per step.
     rules: sharding rules for the [batch, seq] inputs.
+    prepare: `prepare(ref_params, batch) -> batch`, the algorithm's batch
+      preparation from the frozen reference (e.g. DPO's reference
+      log-probs); runs in the same program, without gradients.
 
   Returns:
-    `step(state, batch) -> (state, metrics)`; metrics are float32 scalars:
-    the loss function's metrics plus `grad_norm`.
+    `step(state, batch) -> (state, metrics)`; metrics are scalars: the loss
+    function's metrics plus `grad_norm` and `skipped_steps` (steps so far
+    whose non-finite gradients were not applied).
   """
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     rng = jax.random.fold_in(state.rng, state.step)
     # The model's activation constraints resolve against this mesh.
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      if prepare is not None:
+        batch = jax.lax.stop_gradient(prepare(state.ref_params, batch))
       grads, metrics = accumulate_gradients(loss_fn, state.params, batch, rng, grad_accum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "skipped_steps": skipped_steps(opt_state)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   batch_sharding = sharding.batch_sharding(mesh, rules=rules)

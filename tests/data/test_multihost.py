@@ -8,11 +8,12 @@ import sys
 
 import numpy as np
 
-from ptx.data import ByteTokenizer, MemorySource, PipelineConfig, make_pipeline
+from ptx.config import DataConfig
+from ptx.data import ByteTokenizer, MemorySource, make_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECORDS = [{"prompt": f"#{i} q", "completion": "a" * (i % 7 + 1)} for i in range(40)]
-CONFIG = PipelineConfig(batch_size=4, seq_len=32, num_bins=4, num_epochs=1)
+CONFIG = DataConfig(batch_size=4, seq_len=32, num_bins=4, num_epochs=1)
 
 
 def test_global_batch_is_the_hosts_batches_stacked_in_process_order(tmp_path):

@@ -13,7 +13,8 @@ import pytest
 
 from ptx.data.batch import sft_example
 from ptx.data.global_batch import to_global
-from ptx.data.pipeline import PipelineConfig, make_pipeline
+from ptx.config import DataConfig
+from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import ArrayRecordSource, JsonlSource, MemorySource, write_array_record
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.sharding import batch_sharding
@@ -55,7 +56,7 @@ def test_jsonl_arrayrecord_and_memory_sources_give_the_same_batches(tmp_path):
   records = _records(40)
   (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   write_array_record(tmp_path / "d.array_record", records)
-  cfg = PipelineConfig(batch_size=4, seq_len=96, num_bins=4, num_epochs=1)
+  cfg = DataConfig(batch_size=4, seq_len=96, num_bins=4, num_epochs=1)
   runs = [list(make_pipeline(src, TOK, cfg)) for src in (
       MemorySource(records), JsonlSource(tmp_path / "d.jsonl"), ArrayRecordSource(tmp_path / "d.array_record"))]
   for other in runs[1:]:
@@ -66,7 +67,7 @@ def test_jsonl_arrayrecord_and_memory_sources_give_the_same_batches(tmp_path):
 
 
 def test_each_epoch_is_a_new_permutation():
-  cfg = PipelineConfig(batch_size=1, seq_len=96, pack=False, num_epochs=3, seed=7)
+  cfg = DataConfig(batch_size=1, seq_len=96, pack=False, num_epochs=3, seed=7)
   ids = _ids(make_pipeline(MemorySource(_records(30)), TOK, cfg))
   epochs = [ids[i * 30:(i + 1) * 30] for i in range(3)]
   assert all(sorted(e) == list(range(30)) for e in epochs)
@@ -75,7 +76,7 @@ def test_each_epoch_is_a_new_permutation():
 
 def test_packed_batch_layout_reproduces_each_example():
   records = _records(60)
-  cfg = PipelineConfig(batch_size=4, seq_len=128, num_bins=8, num_epochs=1)
+  cfg = DataConfig(batch_size=4, seq_len=128, num_bins=8, num_epochs=1)
   it = iter(make_pipeline(MemorySource(records), TOK, cfg))
   batches = list(it)
   seen = []
@@ -99,14 +100,14 @@ def test_packed_batch_layout_reproduces_each_example():
 
 
 def test_padding_mode_puts_one_sequence_per_row():
-  cfg = PipelineConfig(batch_size=4, seq_len=96, pack=False, num_epochs=1)
+  cfg = DataConfig(batch_size=4, seq_len=96, pack=False, num_epochs=1)
   for b in make_pipeline(MemorySource(_records(12)), TOK, cfg):
     assert (b["segment_ids"].max(axis=1) == 1).all()
 
 
 @pytest.mark.parametrize("pack", [True, False])
 def test_resume_from_saved_state_matches_an_uninterrupted_run(pack):
-  cfg = PipelineConfig(batch_size=2, seq_len=96, pack=pack, num_bins=6, num_epochs=2, num_threads=2, prefetch=16)
+  cfg = DataConfig(batch_size=2, seq_len=96, pack=pack, num_bins=6, num_epochs=2, num_threads=2, prefetch=16)
   ds = make_pipeline(MemorySource(_records(50)), TOK, cfg)
   full = list(ds)
   it = iter(ds)
@@ -125,7 +126,7 @@ def test_resume_from_saved_state_matches_an_uninterrupted_run(pack):
 
 
 def test_resume_through_an_orbax_checkpoint(tmp_path):
-  cfg = PipelineConfig(batch_size=2, seq_len=96, num_bins=6, seed=3)
+  cfg = DataConfig(batch_size=2, seq_len=96, num_bins=6, seed=3)
   ds = make_pipeline(MemorySource(_records(50)), TOK, cfg)
   it = iter(ds)
   for _ in range(5):
@@ -144,35 +145,35 @@ def test_resume_through_an_orbax_checkpoint(tmp_path):
 
 def test_two_processes_read_disjoint_shards_that_make_up_the_whole_stream():
   records = _records(80)
-  single = _ids(make_pipeline(MemorySource(records), TOK, PipelineConfig(
+  single = _ids(make_pipeline(MemorySource(records), TOK, DataConfig(
       batch_size=4, seq_len=96, pack=False, num_epochs=1)))
-  cfg = PipelineConfig(batch_size=4, seq_len=96, num_bins=4, num_epochs=1)
+  cfg = DataConfig(batch_size=4, seq_len=96, num_bins=4, num_epochs=1)
   shards = [_ids(make_pipeline(MemorySource(records), TOK, cfg, process_index=p, process_count=2))
             for p in range(2)]
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(single) == list(range(80))
   # Before packing, host p's stream is every second element of the single stream from p.
-  unpacked = [_ids(make_pipeline(MemorySource(records), TOK, PipelineConfig(
+  unpacked = [_ids(make_pipeline(MemorySource(records), TOK, DataConfig(
       batch_size=2, seq_len=96, pack=False, num_epochs=1), process_index=p, process_count=2)) for p in range(2)]
   assert unpacked[0] == single[0::2] and unpacked[1] == single[1::2]
 
 
 def test_preference_and_rl_batches():
   pref = [{"prompt": "q", "chosen": "good", "rejected": "bad answer"}] * 3
-  cfg = PipelineConfig(kind="preference", batch_size=2, seq_len=32, pack=False, num_epochs=1, shuffle=False)
+  cfg = DataConfig(kind="preference", batch_size=2, seq_len=32, pack=False, num_epochs=1, shuffle=False)
   first = next(iter(make_pipeline(MemorySource(pref), TOK, cfg)))
   assert set(first) == {"chosen", "rejected"} and first["chosen"]["tokens"].shape == (2, 32)
   rl = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
-  cfg = PipelineConfig(kind="rl", batch_size=2, seq_len=16, pack=False, num_epochs=1, shuffle=False,
+  cfg = DataConfig(kind="rl", batch_size=2, seq_len=16, pack=False, num_epochs=1, shuffle=False,
                        task_fields=("answer",))
   batch = next(iter(make_pipeline(MemorySource(rl), TOK, cfg)))
   assert batch["task"] == [{"answer": "4"}, {"answer": "6"}] and not batch["loss_mask"].any()
   with pytest.raises(ValueError, match="packing is for sft"):
-    PipelineConfig(kind="rl")
+    DataConfig(kind="rl")
 
 
 def test_to_global_makes_data_sharded_arrays(mesh):
-  cfg = PipelineConfig(batch_size=8, seq_len=64, num_bins=8)
+  cfg = DataConfig(batch_size=8, seq_len=64, num_bins=8)
   host = next(iter(make_pipeline(MemorySource(_records(40)), TOK, cfg)))
   out = to_global({**host, "nested": {"x": host["tokens"]}, "task": ["kept"]}, mesh)
   assert out["tokens"].shape == (8, 64) and out["tokens"].sharding == batch_sharding(mesh)
@@ -181,7 +182,7 @@ def test_to_global_makes_data_sharded_arrays(mesh):
 
 
 def test_core_imports_neither_seqio_nor_tensorflow_and_exports_the_pipeline():
-  code = ("import sys, ptx.data as d; light = 'grain' not in sys.modules; d.make_pipeline, d.PipelineConfig; "
+  code = ("import sys, ptx.data as d; light = 'grain' not in sys.modules; d.make_pipeline; "
           "import ptx.data.pipeline, ptx.data.global_batch; "
           "assert light and not {'seqio', 'tensorflow'} & set(sys.modules), sorted(sys.modules)")
   subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -191,7 +192,7 @@ def test_chat_records_train_only_on_assistant_turns_after_packing():
   chat = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"},
                         {"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}]}
           for i in range(6)]
-  cfg = PipelineConfig(batch_size=2, seq_len=256, num_bins=2, num_epochs=1, shuffle=False)
+  cfg = DataConfig(batch_size=2, seq_len=256, num_bins=2, num_epochs=1, shuffle=False)
   batches = list(make_pipeline(MemorySource(chat), TOK, cfg))
   targets = [TOK.decode(np.asarray(t)[np.asarray(m) == 1]) for b in batches for t, m in _sequences(b)]
   assert sorted(targets) == sorted(f"a{i}<|im_end|>done<|im_end|>" for i in range(6))

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from ptx.data.pipeline import PipelineConfig, make_pipeline
+from ptx.config import DataConfig
+from ptx.data.pipeline import make_pipeline
 from ptx.data.records import RecordError, decode, encode
 from ptx.data.sources import JsonlSource, RawRecord
 from ptx.data.tokenizer import ByteTokenizer
@@ -33,7 +34,7 @@ def _file(tmp_path, bad_line):
 
 
 def _run(path, **kw):
-  cfg = PipelineConfig(batch_size=1, seq_len=64, pack=False, shuffle=False, num_epochs=1, **kw)
+  cfg = DataConfig(batch_size=1, seq_len=64, pack=False, shuffle=False, num_epochs=1, **kw)
   it = iter(make_pipeline(JsonlSource(path), TOK, cfg))
   return list(it), it.metrics()
 
@@ -62,7 +63,7 @@ def _long_records():
 def test_overlong_truncate_keeps_the_head_and_drops_records_left_without_targets():
   from ptx.data.sources import MemorySource
 
-  cfg = PipelineConfig(batch_size=3, seq_len=32, pack=False, shuffle=False, num_epochs=1)
+  cfg = DataConfig(batch_size=3, seq_len=32, pack=False, shuffle=False, num_epochs=1)
   it = iter(make_pipeline(MemorySource(_long_records()), TOK, cfg))
   (batch,) = list(it)
   assert it.metrics()["truncated"] == 1 and it.metrics()["dropped"] == 1
@@ -74,7 +75,7 @@ def test_overlong_truncate_keeps_the_head_and_drops_records_left_without_targets
 def test_overlong_drop_counts():
   from ptx.data.sources import MemorySource
 
-  cfg = PipelineConfig(batch_size=1, seq_len=32, pack=False, shuffle=False, num_epochs=1, overlong="drop")
+  cfg = DataConfig(batch_size=1, seq_len=32, pack=False, shuffle=False, num_epochs=1, overlong="drop")
   it = iter(make_pipeline(MemorySource(_long_records()), TOK, cfg))
   assert len(list(it)) == 1 and it.metrics()["dropped"] == 2
 

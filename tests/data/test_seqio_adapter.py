@@ -6,7 +6,7 @@ import pytest
 seqio = pytest.importorskip("seqio")
 tf = pytest.importorskip("tensorflow")
 
-from ptx.data.pipeline import PipelineConfig  # noqa: E402
+from ptx.config import DataConfig  # noqa: E402
 from ptx.data.seqio_adapter import SeqioBatches  # noqa: E402
 
 PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a in range(12) for b in range(5)]
@@ -51,7 +51,7 @@ def _expected():
 
 
 def test_packed_batches_hold_every_example_with_targets_masked(task):
-  cfg = PipelineConfig(batch_size=4, seq_len=32, num_bins=8, num_epochs=1, seed=1)
+  cfg = DataConfig(batch_size=4, seq_len=32, num_bins=8, num_epochs=1, seed=1)
   it = iter(SeqioBatches(task, cfg))
   batches = list(it)
   assert set(batches[0]) == {"tokens", "loss_mask", "segment_ids", "positions"}
@@ -61,7 +61,7 @@ def test_packed_batches_hold_every_example_with_targets_masked(task):
 
 
 def test_resume_matches_an_uninterrupted_run(task):
-  cfg = PipelineConfig(batch_size=2, seq_len=32, num_bins=4, num_epochs=2, seed=1)
+  cfg = DataConfig(batch_size=2, seq_len=32, num_bins=4, num_epochs=2, seed=1)
   ds = SeqioBatches(task, cfg)
   full = list(ds)
   it = iter(ds)
@@ -77,7 +77,7 @@ def test_resume_matches_an_uninterrupted_run(task):
 
 
 def test_two_hosts_read_disjoint_shards_of_the_whole(task):
-  cfg = PipelineConfig(batch_size=4, seq_len=32, num_bins=4, num_epochs=1, shuffle=False)
+  cfg = DataConfig(batch_size=4, seq_len=32, num_bins=4, num_epochs=1, shuffle=False)
   shards = [_sequences(SeqioBatches(task, cfg, process_index=p, process_count=2)) for p in range(2)]
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(_expected())

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from ptx.algorithms import sft
@@ -71,7 +72,7 @@ def test_sharded_parameters_are_really_sharded(tiny_config):
   _, state, *_ = _setup(tiny_config, "fsdp8")
   # embed [V, D] with D = 40 over fsdp 8: 5 columns per device.
   assert state.params["embed"].addressable_shards[0].data.shape == (264, 5)
-  mu = state.opt_state[1][0].mu["embed"]
+  mu = optax.tree_utils.tree_get(state.opt_state, "mu")["embed"]
   assert mu.sharding == state.params["embed"].sharding
 
 
