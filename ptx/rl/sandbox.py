@@ -125,20 +125,31 @@ class Workspace:
     # A random uid in a range no system assigns: collisions are negligible even
     # across processes, and no file on the host belongs to it.
     self.uid = 3_000_000_000 + secrets.randbelow(1_000_000_000) if os.geteuid() == 0 else None
-    self.write(files or {})
+    try:
+      self._own(self.path)
+      self.write(files or {})
+    except BaseException:
+      shutil.rmtree(self.path, ignore_errors=True)
+      raise
 
   def write(self, files: Mapping[str, str | bytes]) -> None:
-    """Writes `files` (relative path -> content) into the workspace."""
+    """Writes `files` (relative path -> content) into the workspace (between runs only)."""
+    root = self.path.resolve()
     for name, content in files.items():
-      target = (self.path / name).resolve()
-      if pathlib.PurePath(name).is_absolute() or self.path.resolve() not in target.parents:
+      target = self.path / name
+      # resolve() follows any symlink a run planted, so this also refuses
+      # writing through one to a file outside.
+      if pathlib.PurePath(name).is_absolute() or root not in target.resolve().parents:
         raise ValueError(f"Workspace file name must stay inside the workspace, got {name!r}")
       target.parent.mkdir(parents=True, exist_ok=True)
-      data = content.encode() if isinstance(content, str) else content
-      target.write_bytes(data)
+      target.write_bytes(content.encode() if isinstance(content, str) else content)
+      for path in (target, *target.relative_to(self.path).parents):
+        self._own(self.path / path)
+
+  def _own(self, path: pathlib.Path) -> None:
+    """Gives `path` to the workspace's uid (when it has one)."""
     if self.uid is not None:
-      for path in [self.path, *self.path.rglob("*")]:
-        os.lchown(path, self.uid, self.uid)
+      os.lchown(path, self.uid, self.uid)
 
   def close(self) -> None:
     """Kills what is left of the workspace's processes and deletes it."""
