@@ -249,7 +249,7 @@ class _Capture:
       self.sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
 
   def kill(self, why: str) -> None:
-    """Kills the whole group (and the uid's strays) once, remembering why."""
+    """Kills the whole group once, remembering why (strays of the uid die at exit)."""
     if not self.killed_for:
       self.killed_for = why
       _kill_group(self.proc.pid)

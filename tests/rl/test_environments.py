@@ -152,3 +152,8 @@ def test_shell_commands_leave_no_processes_behind():
     assert strays.live_pids(episode.workspace.uid) == []
   finally:
     episode.close()
+
+
+def test_shell_task_turns_cannot_exceed_the_environment():
+  with pytest.raises(ValueError, match="'max_turns' must be in 1..8"):
+    shell.ShellEnv().reset({**SHELL_TASK, "max_turns": 9})

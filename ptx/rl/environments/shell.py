@@ -1,7 +1,7 @@
 """A multi-turn shell task: the model runs commands, then a check decides.
 
 Task records are `{"prompt": str, "files": {path: content}, "check": str}`
-with an optional `"max_turns": int`. Each episode gets a sandbox workspace
+with an optional `"max_turns": int` (at most the environment's). Each episode gets a sandbox workspace
 holding `files` (the fixed initial state). Every action is one shell command,
 the last fenced code block of the output or else the whole output, run with
 `sh -c` in the workspace; its exit status and capped output are the next
@@ -69,7 +69,7 @@ class ShellEnv:
   """Multi-turn shell tasks in a sandboxed working directory.
 
   Attributes:
-    max_turns: commands allowed when the record sets none.
+    max_turns: commands allowed when the record sets none, and the most it may set.
     limits: sandbox limits for each command and for the check.
   """
 
@@ -83,6 +83,6 @@ class ShellEnv:
     files = field(task, "files", dict, self.name)
     check = field(task, "check", str, self.name)
     turns = int(task.get("max_turns", self.max_turns))
-    if turns < 1:
-      raise ValueError(f"{self.name} task field 'max_turns' must be >= 1, got {turns}")
+    if not 1 <= turns <= self.max_turns:
+      raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns}")
     return ShellEpisode(prompt + _INSTRUCTIONS, check, turns, self.limits, sandbox.Workspace(files))
