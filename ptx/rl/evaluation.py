@@ -119,8 +119,8 @@ def _run(steps: list[Callable[[], Step]], concurrency: int) -> list[Step]:
       results = await scheduler.run(Job(lambda s=s: loop.run_in_executor(pool, s), key=i) for i, s in
                                     enumerate(steps))
     # A step that raised is the environment's fault, never the model's.
-    return [r.value if isinstance(r.value, Step) else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}")
-            for r in results]
+    return [r.value if isinstance(r.value, Step)
+            else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}") for r in results]
 
   with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
     try:
@@ -181,7 +181,8 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.
   total_a, total_b = sum(a["outcomes"].values()) or 1, sum(b["outcomes"].values()) or 1
   for label in sorted(set(a["outcomes"]) | set(b["outcomes"])):
     rows.append((f"rate {label}", a["outcomes"].get(label, 0) / total_a, b["outcomes"].get(label, 0) / total_b))
-  lines = [f"A: {a.get('env', '?')}, {a['tasks']} tasks x {a['k']}   B: {b.get('env', '?')}, {b['tasks']} tasks x {b['k']}",
+  lines = [f"A: {a.get('env', '?')}, {a['tasks']} tasks x {a['k']}   "
+           f"B: {b.get('env', '?')}, {b['tasks']} tasks x {b['k']}",
            f"{'metric':<20}{'A':>10}{'B':>10}{'delta':>10}"]
   for name, x, y in rows:
     if x is None or y is None:

@@ -18,11 +18,13 @@ import re
 from ptx.rl import latex_expr
 from ptx.rl.symbolic import SymbolicChecker, default_checker
 
-_UNITS = ("units", "unit", "square", "sq", "cubic", "cm", "mm", "km", "m", "meters", "meter", "metres", "kg",
-          "g", "grams", "mg", "lb", "lbs", "pounds", "oz", "ounces", "s", "sec", "seconds", "second", "minutes",
-          "minute", "min", "hours", "hour", "hrs", "days", "day", "weeks", "years", "dollars", "dollar", "cents",
-          "degrees", "degree", "inches", "inch", "in", "feet", "foot", "ft", "miles", "mile", "mph", "yards",
-          "liters", "l", "ml", "people", "students", "apples")
+# Multi-letter words only: a single letter after a number is more often a
+# variable ("2m") than a unit.
+_UNITS = ("units", "unit", "square", "sq", "cubic", "cm", "mm", "km", "meters", "meter", "metres", "kg",
+          "grams", "mg", "lb", "lbs", "pounds", "oz", "ounces", "sec", "seconds", "second", "minutes", "minute",
+          "min", "hours", "hour", "hrs", "days", "day", "weeks", "years", "dollars", "dollar", "cents", "degrees",
+          "degree", "inches", "inch", "feet", "foot", "ft", "miles", "mile", "mph", "yards", "liters", "ml",
+          "people", "students", "apples")
 _UNIT_TAIL = re.compile(r"(?<=[\d})\s])\s*(?:(?:%s)\s*(?:\^\{?[23]\}?)?\s*)+\.?$" % "|".join(_UNITS))
 _WRAPPERS = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
 _DROP = (r"\left", r"\right", r"\displaystyle", r"\!", r"\,", r"\;", r"\:", r"\quad", r"\qquad", "\\ ",

@@ -32,7 +32,8 @@ PAIRS = [
     ("5 cm", "5", True), (r"5\text{ cm}", "5", True), (r"12\text{ meters}", "12", True), ("3 hours", "3", True),
     (r"\$5", "5", True), (r"\$5.00", "5", True), ("5 dollars", "5", True), (r"90^\circ", "90", True),
     (r"90^{\circ}", "90", True), ("90°", "90", True), (r"6\text{ cm}^2", "6", True), ("5 cm", "6", False),
-    (r"45^\circ", "90", False), ("10 apples", "10", True), (r"20\mbox{ units}", "20", True),
+    (r"45^\circ", "90", False), ("10 apples", "10", True), (r"20\mbox{ units}", "20", True), ("2m", "2", False),
+    ("7 km", "7", True),
     # thousands separators
     ("1,000", "1000", True), ("1{,}000", "1000", True), (r"1\,000", "1000", True), ("12,345,678", "12345678", True),
     (r"\$1,234.50", "1234.5", True), ("1,000", "100", False), ("10,000", "1000", False),
@@ -42,7 +43,8 @@ PAIRS = [
     # intervals
     ("(0,1]", "(0, 1]", True), (r"[1,\infty)", r"[1, \infty)", True), ("(0,1)", "[0,1]", False),
     ("(0,1]", "[0,1)", False), (r"(-\infty,0)\cup(1,\infty)", r"(1,\infty)\cup(-\infty,0)", True),
-    (r"(-\infty, 0) \cup (1, \infty)", r"(-\infty,0)\cup[1,\infty)", False), (r"\left[\frac{1}{2}, 2\right)", "[0.5,2)", True),
+    (r"(-\infty, 0) \cup (1, \infty)", r"(-\infty,0)\cup[1,\infty)", False),
+    (r"\left[\frac{1}{2}, 2\right)", "[0.5,2)", True),
     (r"[-\sqrt{2}, \sqrt{2}]", r"[-\sqrt2,\sqrt2]", True), ("[2,3]", "[2,4]", False),
     # tuples, sets and lists
     ("(1,2)", "(1, 2)", True), ("(1,2)", "(2,1)", False), (r"\left(\frac{1}{2}, 3\right)", "(0.5,3)", True),

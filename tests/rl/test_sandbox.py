@@ -128,7 +128,8 @@ def test_attack_connecting_to_a_listener_on_localhost():
     listener.listen()
     listener.setblocking(False)
     port = listener.getsockname()[1]
-    result = _py(f"import socket\ntry:\n  socket.create_connection(('127.0.0.1', {port}), timeout=1); print('connected')\n"
+    result = _py("import socket\ntry:\n"
+                 f"  socket.create_connection(('127.0.0.1', {port}), timeout=1); print('connected')\n"
                  "except OSError as e: print('refused', e)")
     if not result.network_isolated:
       pytest.skip(f"this OS gave no network namespace: {result.notes}")
