@@ -34,7 +34,6 @@ _LHS = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*=\s*")
 _DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _FRAC = re.compile(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 _MIXED = re.compile(r"(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}")
-_OPEN_CLOSE = {"(": ")", "[": "]"}
 
 
 def normalize(answer: str) -> str:
@@ -76,6 +75,16 @@ def _split_top(s: str, sep: str) -> list[str]:
   return parts + [s[start:]]
 
 
+def _wrapped(s: str) -> bool:
+  """Whether the first bracket closes only at the end: "(1,2)" yes, "(1,2),(3,4)" no."""
+  depth = 0
+  for i, ch in enumerate(s):
+    depth += (ch in "([{") - (ch in ")]}")
+    if depth == 0 and i < len(s) - 1:
+      return False
+  return depth == 0
+
+
 def _structure(s: str) -> tuple[str, str, list[str]]:
   """Returns (kind, brackets, items): kind is "union", "set", "seq", "list" or "scalar"."""
   for cup in (r"\cup", "∪"):
@@ -83,9 +92,9 @@ def _structure(s: str) -> tuple[str, str, list[str]]:
       return "union", "", s.split(cup)
   if s.startswith(r"\{") and s.endswith(r"\}"):
     return "set", "", _split_top(s[2:-2], ",")
-  if len(s) >= 2 and s[0] in _OPEN_CLOSE and s[-1] in ")]":
+  if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _wrapped(s):
     inner = _split_top(s[1:-1], ",")
-    if len(inner) > 1 and not any(_split_top(s[1:-1], ch) != [s[1:-1]] for ch in ")]"):
+    if len(inner) > 1:
       return "seq", s[0] + s[-1], inner
   parts = _split_top(s, ",")
   return ("list", "", parts) if len(parts) > 1 else ("scalar", "", [s])

@@ -50,7 +50,7 @@ PAIRS = [
     ("(1,2)", "(1, 2)", True), ("(1,2)", "(2,1)", False), (r"\left(\frac{1}{2}, 3\right)", "(0.5,3)", True),
     ("(1,2,3)", "(1,2)", False), (r"\{1,2,3\}", r"\{3,2,1\}", True), (r"\{1,2\}", r"\{1,3\}", False),
     ("1, 2", "2, 1", True), ("x=1, 2", "1,2", True), ("1,2,2", "1,2", False), ("(3, -1)", "(3,-1)", True),
-    (r"(\sqrt{4}, 1)", "(2, 1)", True),
+    (r"(\sqrt{4}, 1)", "(2, 1)", True), ("(1,2),(3,4)", "(3, 4), (1, 2)", True), ("(1,2),(3,4)", "(1,2),(4,3)", False),
     # equations, text and multiple choice
     ("x = 5", "5", True), ("y=-2", "-2", True), ("x = 5", "6", False), (r"\text{(B)}", "B", True),
     ("(C)", "c", True), ("(A)", "B", False), ("Yes", "yes", True), ("no", "yes", False), (r"\text{odd}", "odd", True),
