@@ -73,8 +73,13 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
     raise ValueError(f"evaluate: k must be >= 1, got {k}")
   if not tasks:
     raise ValueError("evaluate: tasks is empty")
-  episodes = [[env.reset(task) for _ in range(k)] for task in tasks]
+  episodes: list[list[Episode]] = []
   try:
+    for index, task in enumerate(tasks):
+      try:
+        episodes.append([env.reset(task) for _ in range(k)])
+      except ValueError as e:
+        raise ValueError(f"evaluate: task {index}: {e}") from None
     finals = _play(generate, env, episodes, k, concurrency)
   finally:
     for episode in (e for row in episodes for e in row):

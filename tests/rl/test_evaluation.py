@@ -100,6 +100,14 @@ def test_a_scoring_step_that_raises_is_an_infra_error_not_a_wrong_answer():
   assert "verifier bug" in report["per_task"][0]["reasons"][0]
 
 
+def test_a_bad_task_record_is_named_and_earlier_episodes_are_closed():
+  env = shell.ShellEnv()
+  good = {"prompt": "p", "files": {}, "check": "true"}
+  with pytest.raises(ValueError, match="task 1: shell task record needs field 'check'"):
+    evaluation.evaluate(lambda prompts, k: [["DONE"] * k for _ in prompts], env, [good, {"prompt": "p", "files": {}}],
+                        k=2)
+
+
 def test_generate_with_the_wrong_shape_is_rejected():
   with pytest.raises(ValueError, match="wanted 2"):
     evaluation.evaluate(lambda prompts, k: [["x"]], exact_answer.ExactAnswerEnv(),
