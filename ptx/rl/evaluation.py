@@ -4,9 +4,8 @@
 completions of every task's prompt, then plays each completion as its own
 episode. Multi-turn episodes continue with `generate(transcripts, 1)`, one call
 per turn for all live episodes, where a transcript is the prompt followed by
-each action and observation on their own lines. Scoring runs on the
-`ptx.rl.scheduler.Scheduler` in threads, so sandboxed programs run
-concurrently; a scoring step that hits an infrastructure fault is retried.
+each action and observation on their own lines. Scoring runs through
+`ptx.rl.rewards.run_steps`: concurrent, with infrastructure faults retried.
 
 pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
 for n samples with c correct, computed as a product that neither overflows
@@ -15,9 +14,7 @@ nor cancels. mean@k is the mean reward over all samples.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import json
 import math
 import pathlib
@@ -25,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ptx.rl.environments.base import Environment, Episode, Outcome, Step
-from ptx.rl.scheduler import Job, Scheduler
+from ptx.rl.rewards import run_steps
 
 Generate = Callable[[list[str], int], list[list[str]]]
 
@@ -100,7 +97,7 @@ def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k
   finals: list[Step | None] = [None] * len(flat)
   live = list(range(len(flat)))
   for turn in range(env.max_turns):
-    steps = _run([lambda e=flat[i], a=a: e.step(a) for i, a in zip(live, actions)], concurrency)
+    steps = run_steps([lambda e=flat[i], a=a: e.step(a) for i, a in zip(live, actions)], concurrency)
     still = []
     for i, action, step in zip(live, actions, steps):
       if step.done or turn == env.max_turns - 1:
@@ -113,28 +110,6 @@ def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k
       break
     actions = [c[0] for c in generate([transcripts[i] for i in live], 1)]
   return [finals[r * k:(r + 1) * k] for r in range(len(episodes))]
-
-
-def _run(steps: list[Callable[[], Step]], concurrency: int) -> list[Step]:
-  """Runs blocking step calls on the scheduler, `concurrency` threads at once."""
-
-  async def main(pool: concurrent.futures.Executor) -> list[Step]:
-    loop = asyncio.get_running_loop()
-    async with Scheduler(concurrency) as scheduler:
-      results = await scheduler.run(Job(lambda s=s: loop.run_in_executor(pool, s), key=i) for i, s in
-                                    enumerate(steps))
-    # A step that raised is the environment's fault, never the model's.
-    return [r.value if isinstance(r.value, Step)
-            else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}") for r in results]
-
-  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-    try:
-      asyncio.get_running_loop()
-    except RuntimeError:
-      return asyncio.run(main(pool))
-    # Called from a running loop (a notebook): give the scheduler a thread of its own.
-    with concurrent.futures.ThreadPoolExecutor(1) as runner:
-      return runner.submit(asyncio.run, main(pool)).result()
 
 
 def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:

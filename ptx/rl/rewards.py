@@ -1,0 +1,73 @@
+"""Host rewards: scores a batch of completions with an environment, concurrently.
+
+This is what GRPO's host-reward mode calls on batch k while the device samples
+batch k+1, and what the evaluation harness uses for every turn. Each step runs
+in a thread under a `ptx.rl.scheduler.Scheduler` (sandboxed programs block), so
+up to `concurrency` programs run at once; steps whose result is an
+infrastructure fault are retried, and a step that raises is scored as an
+infrastructure error (the environment failed, not the model), never as wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ptx.rl.environments.base import Environment, Outcome, Step
+from ptx.rl.scheduler import Job, Scheduler
+
+
+def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32) -> list[Step]:
+  """Runs blocking step calls, `concurrency` at once, and returns their Steps in order.
+
+  Args:
+    steps: zero-argument calls, each returning a Step (usually `episode.step(action)`).
+    concurrency: most calls running at once.
+
+  Returns:
+    One Step per call.
+  """
+
+  async def main(pool: concurrent.futures.Executor) -> list[Step]:
+    loop = asyncio.get_running_loop()
+    async with Scheduler(concurrency) as scheduler:
+      results = await scheduler.run(Job(lambda s=s: loop.run_in_executor(pool, s), key=i)
+                                    for i, s in enumerate(steps))
+    return [r.value if isinstance(r.value, Step)
+            else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}") for r in results]
+
+  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    try:
+      asyncio.get_running_loop()
+    except RuntimeError:
+      return asyncio.run(main(pool))
+    # Called from a running loop (a notebook): give the scheduler a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as runner:
+      return runner.submit(asyncio.run, main(pool)).result()
+
+
+def score(env: Environment, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], *,
+          concurrency: int = 32) -> list[Step]:
+  """Scores one completion per task with a single-turn environment.
+
+  Args:
+    env: the environment (its episodes must finish in one step).
+    tasks: task records, one per completion (repeat a record for a group).
+    completions: the model's outputs.
+    concurrency: most episodes scored at once.
+
+  Returns:
+    The final Step of each episode: reward, outcome and reason.
+  """
+  if len(tasks) != len(completions):
+    raise ValueError(f"rewards.score: {len(tasks)} tasks but {len(completions)} completions")
+  if env.max_turns != 1:
+    raise ValueError(f"rewards.score: {env.name} is multi-turn ({env.max_turns} turns); use evaluation.evaluate")
+  episodes = [env.reset(task) for task in tasks]
+  try:
+    return run_steps([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)], concurrency)
+  finally:
+    for episode in episodes:
+      episode.close()
