@@ -1,4 +1,9 @@
-"""ptx.rl imports only ptx.data, ptx.config and itself; its child scripts import no ptx."""
+"""ptx.rl never imports upwards (ptx.train, ptx.cli) nor the facade; its child scripts import no ptx.
+
+tests/test_imports.py checks the whole layer order; this adds what is particular
+to ptx.rl: the scripts it runs by path as separate processes (`python -I`)
+must work without ptx on the path at all.
+"""
 
 import ast
 import pathlib
@@ -6,8 +11,7 @@ import pathlib
 import pytest
 
 RL = pathlib.Path(__file__).resolve().parents[2] / "ptx" / "rl"
-ALLOWED = ("ptx.rl", "ptx.data", "ptx.config")
-# Run by path as separate processes (python -I), so they must not need ptx at all.
+FORBIDDEN = ("ptx.train", "ptx.cli")
 SCRIPTS = ("sandbox_child.py", "symbolic_worker.py")
 
 
@@ -17,7 +21,7 @@ def _ptx_imports(path: pathlib.Path) -> list[str]:
     if isinstance(node, ast.Import):
       names += [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module:
-      names.append(node.module)
+      names += [f"ptx.{a.name}" for a in node.names] if node.module == "ptx" else [node.module]
   return [n for n in names if n == "ptx" or n.startswith("ptx.")]
 
 
@@ -26,5 +30,5 @@ def test_rl_imports_only_lower_layers(path):
   imports = _ptx_imports(path)
   if path.name in SCRIPTS:
     assert imports == [], f"{path.name} runs without ptx but imports {imports}"
-  bad = [n for n in imports if not any(n == a or n.startswith(a + ".") for a in ALLOWED)]
-  assert not bad, f"{path.relative_to(RL)} imports {bad}; ptx/rl may use only {ALLOWED}"
+  bad = [n for n in imports if n == "ptx" or any(n == f or n.startswith(f + ".") for f in FORBIDDEN)]
+  assert not bad, f"{path.relative_to(RL)} imports {bad}; ptx/rl may not import {FORBIDDEN} or the facade"
