@@ -72,7 +72,8 @@ def family_of(hf: dict[str, Any], where: str) -> HFFamily:
   return FAMILIES[model_type]
 
 
-def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None, where: str = "config.json") -> ModelConfig:
+def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
+                 where: str = "config.json") -> ModelConfig:
   """Builds the ModelConfig of a config.json dict.
 
   Args:
@@ -130,15 +131,20 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
   for field, value in family.features.items():
     if getattr(cfg, field) != value:
       raise HFConfigError(f"{family.model_type} needs model.{field}={value!r}, got {getattr(cfg, field)!r}")
+  name = family.model_type
   if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
-    raise HFConfigError(f"{family.model_type} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
-  if cfg.rope_local_theta is not None and "rope_local_base_freq" not in family.defaults:
-    raise HFConfigError(f"{family.model_type} has one RoPE base; got model.rope_local_theta={cfg.rope_local_theta}")
+    raise HFConfigError(f"{name} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
+  if "rope_local_base_freq" in family.defaults:
+    # Gemma 3's local layers never scale RoPE; ptx's do when they share the global base.
+    if cfg.rope_local_theta is None and cfg.rope_scaling.kind != "none" and any(_layer_windows(cfg)):
+      raise HFConfigError(f"{name}: local layers would lose the RoPE scaling; set model.rope_local_theta")
+  elif cfg.rope_local_theta is not None:
+    raise HFConfigError(f"{name} has one RoPE base; got model.rope_local_theta={cfg.rope_local_theta}")
   for field, key in _GEMMA_KEYS:
     value = getattr(cfg, field)
-    if value is not None and key not in family.defaults and not (key == "query_pre_attn_scalar" and value == cfg.head_dim):
-      raise HFConfigError(f"{family.model_type} has no {key}; got model.{field}={value}")
-  windows = _layer_windows(cfg)
+    default_scale = key == "query_pre_attn_scalar" and value == cfg.head_dim
+    if value is not None and key not in family.defaults and not default_scale:
+      raise HFConfigError(f"{name} has no {key}; got model.{field}={value}")
   out = {
       "architectures": [family.architecture], "model_type": family.model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
@@ -151,7 +157,7 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
       "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu")
   if "sliding_window" in family.defaults:
     out["sliding_window"] = cfg.sliding_window
-    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in _layer_windows(cfg)]
     out["sliding_window_pattern"] = cfg.sliding_window_pattern
   if "rope_local_base_freq" in family.defaults:
     out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta

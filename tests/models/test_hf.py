@@ -180,10 +180,11 @@ def test_unknown_model_type_and_options_are_refused(tmp_path):
       load_hf(path)
 
 
-def test_save_refuses_what_the_family_cannot_express(tiny_config, tmp_path):
-  from ptx.models import Decoder
-  from flax import nnx
-
-  cfg = dataclasses.replace(tiny_config, attn_logit_softcap=5.0)
+def test_save_refuses_what_the_family_cannot_express(tiny_config):
+  llama = hf_config.FAMILIES["llama"]
   with pytest.raises(hf_config.HFConfigError, match="attn_logit_softcap"):
-    save_hf(Decoder(cfg, rngs=nnx.Rngs(0)), tmp_path)
+    hf_config.hf_config(dataclasses.replace(tiny_config, attn_logit_softcap=5.0), llama)
+  with pytest.raises(hf_config.HFConfigError, match="qkv_bias"):
+    hf_config.hf_config(dataclasses.replace(tiny_config, qkv_bias=True), llama)
+  with pytest.raises(hf_config.HFConfigError, match="sliding_window"):
+    hf_config.hf_config(dataclasses.replace(tiny_config, sliding_window=8), llama)
