@@ -5,11 +5,13 @@ import jax
 from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
 from ptx_kernels import pallas_gpu
+from ptx_kernels import pallas_tpu
 from ptx_kernels.block_sizes import BlockSizes
 
-IMPLS = ("blockwise", "pallas_gpu")
-# Triton's tensor-core dots need tiles of at least 16 rows.
-_MIN_TILE = {"blockwise": 1, "pallas_gpu": 16}
+IMPLS = ("blockwise", "pallas_gpu", "pallas_tpu")
+# Triton's tensor-core dots need tiles of at least 16 rows; TPU tiles are
+# (8, 128) vregs.
+_MIN_TILE = {"blockwise": 1, "pallas_gpu": 16, "pallas_tpu": 128}
 
 
 def flash_attention(
@@ -35,10 +37,13 @@ def flash_attention(
       value >= the sequence length for a global layer).
     softcap: if set, logits become softcap * tanh(logits / softcap).
     scale: logit scale, default D ** -0.5.
-    impl: "blockwise" (pure JAX, any backend) or "pallas_gpu" (Triton
-      kernels; head_dim a power of two >= 16).
+    impl: "blockwise" (pure JAX, any backend), "pallas_gpu" (Triton
+      kernels; head_dim a power of two >= 16) or "pallas_tpu" (Mosaic
+      kernels; tiles >= 128).
     block_sizes: tile sizes; default BlockSizes().
-    interpret: run Pallas kernels in interpret mode (CPU tests).
+    interpret: run the Pallas kernels on CPU: the generic interpreter for
+      "pallas_gpu", the TPU interpreter (`pltpu.InterpretParams`) for
+      "pallas_tpu".
 
   Returns:
     (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32 natural-log
@@ -69,5 +74,6 @@ def flash_attention(
   if impl == "blockwise":
     out, lse = blockwise.attention(pq(q), pk(k), pk(v), mi, st)
   else:
-    out, lse = pallas_gpu.attention(pq(q), pk(k), pk(v), mi, st, interpret)
+    kernel = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
+    out, lse = kernel.attention(pq(q), pk(k), pk(v), mi, st, interpret)
   return out[:, :t], lse[:, :, :t]

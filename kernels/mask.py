@@ -121,3 +121,32 @@ def key_bounds(mi: MaskInputs, causal: bool) -> tuple[jax.Array, jax.Array]:
   hi = pos if causal else jnp.full_like(pos, limits.max)
   lo = jnp.full_like(pos, limits.min) if mi.window is None else pos - mi.window
   return lo, hi
+
+
+def tile_summaries(mi: MaskInputs, lo: jax.Array, hi: jax.Array,
+                   block_q: int, block_kv: int) -> tuple[jax.Array, jax.Array]:
+  """Per-tile bounds that let a kernel skip tiles no query can see.
+
+  Returns int32 q [B, T/block_q, 4] (min seg, max seg, min lo, max hi) and kv
+  [B, S/block_kv, 4] (min seg, max seg, min pos, max pos), over non-padding
+  tokens only. `tiles_may_see` on one row of each is a conservative test:
+  False guarantees the whole tile pair is masked.
+  """
+  limits = jnp.iinfo(jnp.int32)
+
+  def summarize(seg, low, high, block):
+    b, n = seg.shape
+    tiles = lambda x: x.reshape(b, n // block, block)
+    live = tiles(seg) != 0
+    least = lambda x: jnp.min(jnp.where(live, tiles(x), limits.max), axis=-1)
+    most = lambda x: jnp.max(jnp.where(live, tiles(x), limits.min), axis=-1)
+    return jnp.stack([least(seg), most(seg), least(low), most(high)], axis=-1)
+
+  return (summarize(mi.q_segment_ids, lo, hi, block_q),
+          summarize(mi.kv_segment_ids, mi.kv_positions, mi.kv_positions, block_kv))
+
+
+def tiles_may_see(q_tile, kv_tile):
+  """Whether a query tile may see a key tile, from `tile_summaries` rows."""
+  return ((q_tile[0] <= kv_tile[1]) & (kv_tile[0] <= q_tile[1])
+          & (kv_tile[2] <= q_tile[3]) & (kv_tile[3] > q_tile[2]))

@@ -42,11 +42,37 @@ def loss_terms(fn):
   return loss
 
 
+def outputs_and_grads(fn, q, k, v):
+  """(out, lse, (dq, dk, dv)) from one jitted program (one compile)."""
+  def loss(q, k, v):
+    out, lse = fn(q, k, v)
+    return loss_terms(lambda *_: (out, lse))(q, k, v), (out, lse)
+  (_, (out, lse)), grads = jax.jit(
+      jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+  return out, lse, grads
+
+
+def assert_matches(fast, slow, q, k, v, tol=1e-5):
+  """fast == slow on out, finite lse and gradients; slow runs in float32."""
+  out, lse, grads = outputs_and_grads(fast, q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref_out, ref_lse, ref_grads = outputs_and_grads(slow, *f32)
+  assert out.dtype == q.dtype and rel_err(out, ref_out) < tol
+  finite = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  assert rel_err(np.asarray(lse)[finite], np.asarray(ref_lse)[finite]) < tol
+  for g, r, x in zip(grads, ref_grads, (q, k, v)):
+    assert g.dtype == x.dtype and np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert rel_err(g, r) < tol
+  return out, lse, grads
+
+
 @pytest.fixture
 def helpers():
   """The helpers above, as a fixture (tests/ is not a package)."""
   class H:
     pass
-  for f in (rel_err, make_qkv, ragged_segments, loss_terms):
+  for f in (rel_err, make_qkv, ragged_segments, loss_terms, outputs_and_grads,
+            assert_matches):
     setattr(H, f.__name__, staticmethod(f))
   return H

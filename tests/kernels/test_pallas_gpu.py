@@ -30,31 +30,15 @@ def test_matches_reference_f32(helpers, h, kv, kw):
   if kw.pop("packed", False):
     seg = helpers.ragged_segments(1, b, t)
     kw.update(q_segment_ids=seg, kv_segment_ids=seg)
-  slow = functools.partial(pk.reference_attention, **kw)
-  out, lse = jax.jit(_gpu(**kw))(q, k, v)
-  ref_out, ref_lse = slow(q, k, v)
-  assert helpers.rel_err(out, ref_out) < 1e-5
-  finite = np.isfinite(np.asarray(ref_lse))
-  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-  assert helpers.rel_err(np.asarray(lse)[finite], np.asarray(ref_lse)[finite]) < 1e-5
-  grads = jax.jit(jax.grad(helpers.loss_terms(_gpu(**kw)), (0, 1, 2)))(q, k, v)
-  ref_grads = jax.jit(jax.grad(helpers.loss_terms(slow), (0, 1, 2)))(q, k, v)
-  for g, r in zip(grads, ref_grads):
-    assert np.all(np.isfinite(g)) and helpers.rel_err(g, r) < 1e-5
+  helpers.assert_matches(_gpu(**kw), functools.partial(pk.reference_attention, **kw),
+                         q, k, v)
 
 
 def test_bf16_and_explicit_positions(helpers):
   q, k, v = helpers.make_qkv(3, 1, 32, 48, 8, 1, 32, jnp.bfloat16)
   pos = dict(q_positions=jnp.arange(16, 48)[None], kv_positions=jnp.arange(48)[None])
-  out, _ = jax.jit(_gpu(**pos))(q, k, v)
-  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  slow = functools.partial(pk.reference_attention, **pos)
-  assert out.dtype == jnp.bfloat16
-  assert helpers.rel_err(out, slow(*f32)[0]) < 1e-2
-  grads = jax.jit(jax.grad(helpers.loss_terms(_gpu(**pos)), (0, 1, 2)))(q, k, v)
-  ref_grads = jax.jit(jax.grad(helpers.loss_terms(slow), (0, 1, 2)))(*f32)
-  for g, r in zip(grads, ref_grads):
-    assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, r) < 1e-2
+  helpers.assert_matches(_gpu(**pos), functools.partial(pk.reference_attention, **pos),
+                         q, k, v, tol=1e-2)
 
 
 def test_key_bounds_equal_the_visibility_rule():
