@@ -134,7 +134,8 @@ def test_gemma3_multimodal_checkpoint(tmp_path):
 
   def older_names(tensors):  # transformers 4 wrote language_model.model.* and top-level towers
     for name in list(tensors):
-      new = name.replace("model.language_model.", "language_model.model.").replace("model.vision_tower.", "vision_tower.")
+      new = name.replace("model.language_model.", "language_model.model.")
+      new = new.replace("model.vision_tower.", "vision_tower.")
       tensors[new] = tensors.pop(name)
 
   _edit_tensors(tmp_path, older_names)
