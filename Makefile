@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -U pip
-	$(PIP) install -c constraints.txt -e ".[test,hf]"
+	$(PIP) install -c constraints.txt -e ".[test,hf,rl]"
 	touch $@
 
 install: $(STAMP)

@@ -40,6 +40,12 @@ def _job_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out), help="run directory")
   parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+  multi = parser.add_argument_group("multi-host (run the same command on every host)")
+  multi.add_argument("--distributed", action="store_true",
+                     help="jax.distributed.initialize() with auto-detection (TPU pods, GKE, SLURM)")
+  multi.add_argument("--coordinator", metavar="HOST:PORT", help="explicit coordinator (e.g. CPU clusters)")
+  multi.add_argument("--num-processes", type=int, help="with --coordinator: number of processes")
+  multi.add_argument("--process-id", type=int, help="with --coordinator: this process's index")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
 
   # Pinned so RNG streams do not change when JAX's default does (STYLE 17).
   jax.config.update("jax_threefry_partitionable", True)
+  if args.coordinator:
+    if args.num_processes is None or args.process_id is None:
+      parser.error("--coordinator needs --num-processes and --process-id")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; ignored by TPU/GPU
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+  elif args.distributed:
+    jax.distributed.initialize()
   from ptx import config as config_lib
   from ptx import demo
 

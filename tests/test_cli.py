@@ -46,3 +46,36 @@ def test_demo_trains_and_writes_its_outputs(tmp_path, capsys):
   assert {"loss", "accuracy", "grad_norm", "lr", "tokens_per_s"} <= set(records[0])
   printed = capsys.readouterr().out
   assert '"steps": 40' in printed and "held-out exact match" in printed
+
+
+def _jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_sft_and_dpo_commands_train_from_jsonl(tmp_path, capsys):
+  sft_file = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(64)])
+  pref_file = _jsonl(tmp_path / "pref.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "no"}
+                                              for i in range(64)])
+  common = ["--no-progress", "--model=tiny", "--model.n_layers=1", "--train.steps=4", "--train.log_every=2",
+            "--data.batch_size=8", "--data.seq_len=32", "--mesh.data=2", "--mesh.fsdp=4"]
+  cli.main(["sft", "--out", str(tmp_path / "sft"), f"--data.train_files=[\"{sft_file}\"]",
+            f"--data.eval_files=[\"{sft_file}\"]", "--train.eval_every=4", *common])
+  records = [json.loads(l) for l in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+  assert any("eval/loss" in r for r in records) and records[-1]["step"] == 4
+  assert list((tmp_path / "sft" / "tensorboard").iterdir()), "no TensorBoard event file"
+  cli.main(["dpo", "--out", str(tmp_path / "dpo"), f"--data.train_files=[\"{pref_file}\"]", *common])
+  last = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
+  assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+          "logps/rejected"} <= set(last)
+  # A saved config.json is a valid --config file.
+  cli.main(["sft", "--config", str(tmp_path / "sft" / "config.json"), "--out", str(tmp_path / "again"),
+            "--train.steps=2", "--no-progress"])
+  assert json.loads((tmp_path / "again" / "config.json").read_text())["model"]["n_layers"] == 1
+  assert '"summary"' in capsys.readouterr().out
+
+
+def test_sft_without_data_is_a_clear_error(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["sft", "--model=tiny"])
+  assert "--data.train_files" in capsys.readouterr().err

@@ -66,9 +66,12 @@ def fit(
     (state, summary): the final state, and the final step, last logged
     metrics, wall time and whether the run stopped for preemption.
   """
+  # Every process runs this loop; only the first writes logs (checkpoints are collective).
+  primary = jax.process_index() == 0
   out.mkdir(parents=True, exist_ok=True)
-  print(config_lib.dumps(cfg), flush=True)
-  config_lib.save(cfg, out / "config.json")
+  if primary:
+    print(config_lib.dumps(cfg), flush=True)
+    config_lib.save(cfg, out / "config.json")
   mesh = make_mesh(cfg.mesh)
   optimizer = make_optimizer(cfg.optim, cfg.train.steps, weight_decay_mask(cfg.model))
   with_reference = prepare is not None
@@ -85,24 +88,26 @@ def fit(
     restored = checkpointer.restore(abstract, data)
     if restored is not None:
       resumed_from, state = restored
-      print(f"resumed from checkpoint step {resumed_from}", flush=True)
+      if primary:
+        print(f"resumed from checkpoint step {resumed_from}", flush=True)
   if state is None:
     state = init_state(cfg.model, optimizer, cfg.train.seed, mesh, with_reference=with_reference)
-  writer = MetricsWriter(out, resume_step=resumed_from)
+  writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
   evaluate = _evaluator(loss_fn, prepare, shardings, mesh, eval_data)
   schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
   started = time.perf_counter()
   try:
     with _preemption_notice() as preempted:
       state, last = _steps(cfg, step_fn, state, data, mesh, checkpointer, writer, evaluate, schedule,
-                           preempted, progress)
+                           preempted, progress and primary)
     checkpointer.wait()
   finally:
     checkpointer.close()
     writer.close()
   summary = {"step": int(state.step), "preempted": preempted.is_set(), "resumed_from": resumed_from,
              "wall_s": round(time.perf_counter() - started, 3), **last}
-  print(json.dumps({"summary": summary}), flush=True)
+  if primary:
+    print(json.dumps({"summary": summary}), flush=True)
   return state, summary
 
 

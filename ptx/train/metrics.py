@@ -20,10 +20,14 @@ class MetricsWriter:
   Args:
     out: the run directory.
     resume_step: keep existing records up to this step (None: start afresh).
+    enabled: False on the non-primary processes of a multi-host job, which write nothing.
   """
 
-  def __init__(self, out: pathlib.Path, *, resume_step: int | None = None):
+  def __init__(self, out: pathlib.Path, *, resume_step: int | None = None, enabled: bool = True):
+    self.enabled = enabled
     self.path = out / "metrics.jsonl"
+    if not enabled:
+      return
     kept = []
     if resume_step is not None and self.path.exists():
       kept = [line for line in self.path.read_text().splitlines()
@@ -34,6 +38,8 @@ class MetricsWriter:
 
   def write(self, record: dict[str, float]) -> None:
     """Appends one record; `record["step"]` is the x-axis."""
+    if not self.enabled:
+      return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     step = int(record["step"])
@@ -45,5 +51,7 @@ class MetricsWriter:
 
   def close(self) -> None:
     """Flushes and closes the files."""
+    if not self.enabled:
+      return
     self._file.close()
     self._tensorboard.close()

@@ -1,0 +1,88 @@
+"""SFT training throughput on the config of shared/anchors/tunix_bench.py; prints one JSON line.
+
+Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
+MLP 1024, vocab 512, float32, untied), AdamW, batch 8 x 256 random tokens with
+every target counted, one device. Each step is timed blocked, after warm-up.
+
+  .venv/bin/python benchmarks/train.py --steps 10
+  /tmp/tunix-venv/bin/python ../shared/anchors/tunix_bench.py --parts sft   # the peer, same machine
+
+MFU divides achieved model FLOP/s (6 x parameters x tokens for the matmuls,
+plus 12 x layers x T x d_model per token for attention scores) by a peak you
+pass with --peak-gflops (default: this 2-core AVX-512 CPU at 2.3 GHz, 2 FMA
+units x 16 float32 lanes x 2 flops x 2 cores = 294 GFLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from ptx.algorithms import sft
+from ptx.config import MeshConfig, ModelConfig, OptimizerConfig
+from ptx.models import count_params
+from ptx.sharding import make_mesh
+from ptx.train.optimizer import make_optimizer
+from ptx.train.state import init_state, state_shardings
+from ptx.train.step import make_train_step
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=256)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--peak-gflops", type=float, default=294.4)
+  args = parser.parse_args()
+
+  cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
+                    rope_theta=500_000.0, norm_eps=1e-5)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
+  optimizer = make_optimizer(OptimizerConfig(lr=1e-5, warmup_steps=0, weight_decay=0.0, clip_norm=0.0),
+                             args.warmup + args.steps)
+  state = init_state(cfg, optimizer, 0, mesh)
+  step = make_train_step(functools.partial(sft.loss, model=cfg), optimizer, mesh=mesh,
+                         state_shardings=state_shardings(cfg, optimizer, mesh))
+  rng = np.random.default_rng(0)
+  shape = (args.batch, args.seq_len)
+  batch = {"tokens": rng.integers(3, cfg.vocab_size, shape).astype(np.int32), "loss_mask": np.ones(shape, np.int32),
+           "segment_ids": np.ones(shape, np.int32),
+           "positions": np.broadcast_to(np.arange(args.seq_len, dtype=np.int32), shape).copy()}
+  batch = jax.device_put(batch)
+
+  times, losses = [], []
+  for i in range(args.warmup + args.steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))  # blocks, as the anchor's timing does
+    times.append(time.perf_counter() - start)
+  timed = times[args.warmup:]
+  tokens = args.batch * args.seq_len
+  n_params = count_params(cfg)
+  flops_per_token = 6 * n_params + 12 * cfg.n_layers * args.seq_len * cfg.d_model
+  mean = statistics.mean(timed)
+  print(json.dumps({
+      "framework": "ptx", "jax_version": jax.__version__, "backend": jax.default_backend(), "devices": 1,
+      "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "n_params": n_params,
+      "sft": {
+          "batch": args.batch, "seq_len": args.seq_len, "tokens_per_s": tokens / mean,
+          "tokens_per_s_median": tokens / statistics.median(timed), "tokens_per_s_best": tokens / min(timed),
+          "step_s": mean, "step_s_min": min(timed), "step_s_median": statistics.median(timed),
+          "first_step_s": times[0], "mfu": flops_per_token * tokens / statistics.median(timed) / (args.peak_gflops * 1e9),
+          "loss_first": losses[0], "loss_last": losses[-1],
+      },
+      "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+  }))
+
+
+if __name__ == "__main__":
+  main()
