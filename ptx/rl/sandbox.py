@@ -10,9 +10,11 @@ killed). The child side lives in `sandbox_child.py`.
 When the caller is root, every workspace also gets a fresh unprivileged uid:
 the program cannot signal, trace or read the environment of any other process,
 cannot change files it does not own, and RLIMIT_NPROC (which root ignores)
-binds. It also gets empty private /tmp, /var/tmp and /dev/shm (small tmpfs
-mounts that vanish with the run), so the only lasting place it can write is its
-directory. After each run every process of that uid is killed, including ones
+binds. It also gets a filesystem root of its own: the host's system
+directories (/usr, /etc, /bin, /lib...), /dev and /proc, its workspace, and empty
+private /tmp, /var/tmp and /dev/shm (a small tmpfs that vanishes with the run).
+It cannot see home directories, datasets or the repository, and the only
+lasting place it can write is its workspace. After each run every process of that uid is killed, including ones
 that escaped the process group. Without root those protections are weaker and
 the result says so in `notes`.
 
@@ -321,12 +323,12 @@ class _Capture:
     report = {k: v for line in lines for k, v in line.items()}
     net_error = report.get("net_error", "the child did not report")
     notes = [] if not net_error else [f"network not isolated: {net_error}"]
-    if report.get("tmp_error"):
-      notes.append(f"shared /tmp, /var/tmp, /dev/shm: {report['tmp_error']}")
+    if report.get("root_error"):
+      notes.append(f"the host filesystem is visible: {report['root_error']}")
     if self.survivors:
       notes.append(f"processes {self.survivors} of uid {self.uid} survived SIGKILL")
     if self.uid is None:
-      notes.append("not root: runs as the caller's uid (can signal the caller's processes), shares /tmp")
+      notes.append("not root: runs as the caller's uid (can signal the caller's processes) and sees its files")
     ru = self.rusage
     usage = Usage(wall_s, ru.ru_utime, ru.ru_stime, ru.ru_maxrss * 1024)
     outcome, reason = self._classify(report, limits, ru.ru_utime + ru.ru_stime)

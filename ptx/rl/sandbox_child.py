@@ -4,7 +4,7 @@ Run as `python -I -S sandbox_child.py CONFIG_JSON`, never imported: it uses the
 standard library only. `ptx.rl.sandbox` starts it in a new session, inside the
 run's directory, with a scrubbed environment. Before the exec, in this order,
 it cuts the network (a new network namespace; as non-root, inside a new user
-namespace), gives the run private temporary directories (as root), sets the
+namespace), gives the run a private filesystem root (as root), sets the
 rlimits, drops to the run's uid when it has one, and restores the signal
 dispositions that Python changed. Every step happens before
 the exec so that the program never runs unconfined.
@@ -32,8 +32,10 @@ _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-_SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: each run gets empty ones
-_TMP_SIZE = "size=16m,mode=1777"
+# What a program may see of the host's filesystem, besides /dev and /proc.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_NEW_ROOT = "/tmp"  # where the new root's tmpfs is mounted before chroot
+_TMPFS = "size=16m,mode={mode}"  # the root (and /tmp in it), and /dev/shm
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -52,12 +54,15 @@ def _mount(source, target, fstype, flags, data):
     raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
 
 
-def _private_tmp():
-  """Gives the run empty /tmp, /var/tmp and /dev/shm of its own; returns "" or why not.
+def _private_root():
+  """Confines the run's view of the filesystem; returns "" or why it could not.
 
-  They are tmpfs mounts in a new mount namespace, gone when the run ends. The
-  workspace usually lives under /tmp, so it is bind-mounted back at its path
-  from a descriptor opened before the cover went on.
+  In a new mount namespace, a fresh tmpfs becomes the root: the system
+  directories programs need (`_SYSTEM_DIRS`) bound in from the host, /dev and
+  /proc bound in, and empty /tmp, /var/tmp and /dev/shm of its own. Nothing else
+  of the host (home directories, datasets, the repository) is visible. The
+  workspace is bound back at its own path from a descriptor, since the tmpfs
+  covers /tmp, where it usually lives. Everything vanishes with the run.
   """
   workspace = os.getcwd()
   error = _unshare(_CLONE_NEWNS)
@@ -67,12 +72,22 @@ def _private_tmp():
   keep = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
   try:
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)  # keep our mounts from the host
-    for path in _SHARED_TMP:
-      if os.path.isdir(path):
-        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMP_SIZE)
-    if not (os.path.isdir(workspace) and os.path.samestat(os.stat(workspace), os.fstat(keep))):
-      os.makedirs(workspace, exist_ok=True)
-      _mount(f"/proc/self/fd/{keep}", workspace, None, _MS_BIND, None)
+    _mount("tmpfs", _NEW_ROOT, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS.format(mode="0755"))
+    for path in _SYSTEM_DIRS + ("/dev", "/proc"):
+      inside = _NEW_ROOT + path
+      if os.path.islink(path):
+        os.symlink(os.readlink(path), inside)  # merged /usr: /bin -> usr/bin
+      elif os.path.isdir(path):
+        os.makedirs(inside)
+        _mount(path, inside, None, _MS_BIND | _MS_REC, None)
+    for path in ("/tmp", "/var/tmp", "/dev/shm"):
+      os.makedirs(_NEW_ROOT + path, exist_ok=True)
+      os.chmod(_NEW_ROOT + path, 0o1777)
+    # The host's /dev/shm came in with /dev: cover it.
+    _mount("tmpfs", _NEW_ROOT + "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS.format(mode="1777"))
+    os.makedirs(_NEW_ROOT + workspace, exist_ok=True)
+    _mount(f"/proc/self/fd/{keep}", _NEW_ROOT + workspace, None, _MS_BIND, None)
+    os.chroot(_NEW_ROOT)
     os.chdir(workspace)
   except OSError as e:
     return str(e)
@@ -144,7 +159,7 @@ def _launch(cfg):
   report = {"net_error": _cut_network() if cfg["cut_network"] else "not requested"}
   try:
     if cfg["uid"] is not None:
-      report["tmp_error"] = _private_tmp()
+      report["root_error"] = _private_root()
     _set_limits(cfg)
     if cfg["uid"] is not None:
       _become(cfg["uid"])

@@ -227,6 +227,21 @@ def test_attack_writing_to_shared_temporary_directories_leaves_nothing():
 
 
 @needs_root
+def test_attack_reading_world_readable_host_files():
+  """Reads this repository (world-readable on the host) and lists the root."""
+  repo_file = pathlib.Path(sandbox.__file__).resolve()
+  assert repo_file.stat().st_mode & 0o004
+  code = (f"import os\ntry: print(open({str(repo_file)!r}).read()[:20])\n"
+          "except OSError as e: print('denied', e.errno)\nprint(sorted(os.listdir('/')))")
+  result = _py(code)
+  assert result.outcome == sandbox.Outcome.OK, result.stderr_text
+  assert result.stdout_text.startswith("denied"), result.stdout_text
+  top = repo_file.parts[1]  # e.g. "work" or "home"
+  assert f"'{top}'" not in result.stdout_text and "'root'" not in result.stdout_text
+  _assert_contained(result)
+
+
+@needs_root
 def test_concurrent_runs_get_distinct_uids_and_workspaces():
   results = [None] * 8
 
