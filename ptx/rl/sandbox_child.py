@@ -80,8 +80,8 @@ def _private_root():
       elif os.path.isdir(path):
         os.makedirs(inside)
         _mount(path, inside, None, _MS_BIND | _MS_REC, None)
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
-      os.makedirs(_NEW_ROOT + path, exist_ok=True)
+    for path in ("/tmp", "/var/tmp"):
+      os.makedirs(_NEW_ROOT + path)
       os.chmod(_NEW_ROOT + path, 0o1777)
     # The host's /dev/shm came in with /dev: cover it.
     _mount("tmpfs", _NEW_ROOT + "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS.format(mode="1777"))
