@@ -1,1 +1,1 @@
-"""Host-side RL: sandbox, scheduler, environments and verifiers, evaluation."""
+"""Host-side RL: sandbox, scheduler, environments and verifiers, host rewards, evaluation."""
