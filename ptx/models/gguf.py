@@ -65,24 +65,27 @@ def convert_gguf(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str
   arch = meta.get("general.architecture")
   if arch != "llama":
     raise GGUFError(f"{src}: general.architecture {arch!r} is not supported (llama)")
-  names = {t.name for t in reader.tensors}
-  cfg = _model_config(meta, tied="output.weight" not in names, dtype=dtype)
-  dst.mkdir(parents=True, exist_ok=True)
-  write_tensors(_hf_tensors(reader, cfg, np.dtype(jnp.dtype(dtype)), src), dst, max_shard_bytes)
+  # Everything is checked before the first byte is written.
+  names = _hf_names(reader, src)
+  cfg = _model_config(meta, tied="lm_head.weight" not in names, dtype=dtype)
   special = {f"{hf}_token_id": int(meta[f"tokenizer.ggml.{key}_token_id"])
              for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
              if f"tokenizer.ggml.{key}_token_id" in meta}
   config = {**hf_config(cfg, HF_LLAMA), **special, "max_position_embeddings": meta.get("llama.context_length", 2048)}
+  tokenizer, tokenizer_config = _tokenizer(meta, src)
+  dst.mkdir(parents=True, exist_ok=True)
+  write_tensors(_hf_tensors(reader, names, cfg, np.dtype(jnp.dtype(dtype))), dst, max_shard_bytes)
   (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   (dst / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
-  _write_tokenizer(meta, dst, src)
+  tokenizer.save(str(dst / "tokenizer.json"))
+  (dst / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
   return dst
 
 
 def _model_config(meta: dict[str, Any], *, tied: bool, dtype: str) -> ModelConfig:
   """The ModelConfig of a llama GGUF from its `llama.*` metadata."""
   if "llama.rope.scaling.type" in meta or "llama.rope.freq_scale" in meta:
-    raise GGUFError("RoPE scaling metadata in GGUF files is not supported")
+    raise GGUFError("llama.rope.scaling.* / freq_scale: GGUF RoPE scaling is not supported")
   n_heads, d_model = int(meta["llama.attention.head_count"]), int(meta["llama.embedding_length"])
   return ModelConfig(
       vocab_size=int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])), d_model=d_model,
@@ -100,22 +103,29 @@ def _short(x: float) -> float:
   return float(f"{float(x):.7g}")
 
 
-def _hf_tensors(reader: Any, cfg: ModelConfig, dtype: np.dtype, src: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_names(reader: Any, src: pathlib.Path) -> list[str]:
+  """The HF name of each GGUF tensor, in file order; raises on an unknown one."""
+  names = []
+  for t in reader.tensors:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+    if t.name in _TOP:
+      names.append(_TOP[t.name])
+    elif m and m.group(2) in _LAYER:
+      names.append(f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight")
+    else:
+      raise GGUFError(f"{src}: unexpected tensor {t.name!r}")
+  return names
+
+
+def _hf_tensors(reader: Any, names: list[str], cfg: ModelConfig, dtype: np.dtype) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (HF name, array [out, in]) per GGUF tensor, dequantised one at a time."""
   from gguf.quants import dequantize
 
-  for t in reader.tensors:
-    if t.name in _TOP:
-      name = _TOP[t.name]
-    else:
-      m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-      if not m or m.group(2) not in _LAYER:
-        raise GGUFError(f"{src}: unexpected tensor {t.name!r}")
-      name = f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+  for t, name in zip(reader.tensors, names):
     w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-    if t.name.endswith("attn_q.weight"):
+    if name.endswith("q_proj.weight"):
       w = _unpermute(w, cfg.n_heads)
-    elif t.name.endswith("attn_k.weight"):
+    elif name.endswith("k_proj.weight"):
       w = _unpermute(w, cfg.n_kv_heads)
     yield name, np.ascontiguousarray(w.astype(dtype))
 
@@ -126,8 +136,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _write_tokenizer(meta: dict[str, Any], dst: pathlib.Path, src: pathlib.Path) -> None:
-  """Writes tokenizer.json and tokenizer_config.json rebuilt from the GGUF metadata."""
+def _tokenizer(meta: dict[str, Any], src: pathlib.Path) -> tuple[Any, dict[str, Any]]:
+  """The `tokenizers.Tokenizer` and tokenizer_config.json rebuilt from the GGUF metadata."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
   kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
@@ -148,7 +158,6 @@ def _write_tokenizer(meta: dict[str, Any], dst: pathlib.Path, src: pathlib.Path)
   tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                           for i, t in enumerate(types) if t == _CONTROL])
   tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED])
-  tok.save(str(dst / "tokenizer.json"))
 
   def token(key: str) -> str | None:
     i = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -159,5 +168,4 @@ def _write_tokenizer(meta: dict[str, Any], dst: pathlib.Path, src: pathlib.Path)
             "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             "model_max_length": int(meta.get("llama.context_length", 2048)),
             "clean_up_tokenization_spaces": False, "chat_template": meta.get("tokenizer.chat_template")}
-  (dst / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
-                                                        indent=2) + "\n")
+  return tok, {k: v for k, v in config.items() if v is not None}
