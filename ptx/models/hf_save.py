@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from ptx.config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
-from ptx.models.hf_config import FAMILIES, HFFamily, hf_config
+from ptx.models.hf_config import FAMILIES, HFConfigError, HFFamily, hf_config
 from ptx.models.params import param_specs
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -42,10 +42,15 @@ def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None 
     The directory.
 
   Raises:
-    HFConfigError: when the family cannot express the model's config.
+    HFConfigError: for an unknown model_type, or one that cannot express the
+      model's config.
   """
   cfg = model.cfg
-  family = FAMILIES[model_type or infer_model_type(cfg)]
+  model_type = model_type or infer_model_type(cfg)
+  writable = sorted(name for name, f in FAMILIES.items() if not f.nested)
+  if model_type not in writable:
+    raise HFConfigError(f"save_hf writes model_type {writable}, not {model_type!r}")
+  family = FAMILIES[model_type]
   config = hf_config(cfg, family)
   path = pathlib.Path(path)
   writer = jax.process_index() == 0
@@ -75,6 +80,9 @@ def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path,
   """Writes named HF tensors as safetensors, sharded with an index above `max_shard_bytes`."""
   from safetensors.numpy import save_file
 
+  # A previous save's weights would shadow or mix with these ones.
+  for stale in [*path.glob("model*.safetensors"), *path.glob("model.safetensors.index.json")]:
+    stale.unlink()
   files: list[dict[str, np.ndarray]] = []  # tensor names per written shard
   shard: dict[str, np.ndarray] = {}
   size = total = 0

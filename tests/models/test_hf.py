@@ -94,11 +94,14 @@ def test_config_maps_features(checkpoint):
 def test_save_hf_loads_in_transformers(checkpoint, tmp_path):
   name, path, tokens, expected = checkpoint
   model = load_hf(path)
+  save_hf(model, tmp_path)  # then overwritten by a sharded save, which must not mix with it
   save_hf(model, tmp_path, max_shard_bytes=60_000)
-  assert (tmp_path / "model.safetensors.index.json").exists()
+  assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
   np.testing.assert_allclose(_hf_logits(reloaded.eval(), tokens), expected, atol=1e-4, rtol=0, err_msg=name)
   assert load_hf(tmp_path).cfg == model.cfg
+  with pytest.raises(hf_config.HFConfigError, match="not 'gemma3'"):
+    save_hf(model, tmp_path / "multimodal", model_type="gemma3")
 
 
 def test_sharded_load_matches_single_device(checkpoint):
