@@ -31,9 +31,15 @@ def check_head_dims(d: int, dv: int) -> None:
       raise ValueError(f"pallas_gpu needs {name} a power of two >= 16, got {n}")
 
 
+def _mm(a, b, trans_a: bool = False, trans_b: bool = False):
+  """f32-accumulated matmul; float32 inputs stay IEEE (Triton would use tf32)."""
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b,
+                   allow_tf32=False if a.dtype == jnp.float32 else None)
+
+
 def _logits(q, k, st: blockwise.Static):
   """Scaled, soft-capped f32 logits [bq, bk] and d(cap)/d(x) (or None)."""
-  s = plgpu.dot(q, k, trans_b=True) * st.scale
+  s = _mm(q, k, trans_b=True) * st.scale
   if st.softcap is None:
     return s, None
   t = jnp.tanh(s / st.softcap)
@@ -67,7 +73,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, lo_ref, hi_ref, kseg_ref,
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe[:, None])
       alpha = jnp.exp(m - m_safe)
-      pv = plgpu.dot(p.astype(v_ref.dtype), v_ref[sl, :])
+      pv = _mm(p.astype(v_ref.dtype), v_ref[sl, :])
       return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
 
     return lax.cond(_any(ok), compute, lambda c: c, carry)
@@ -95,10 +101,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
       k = k_ref[sl, :]
       s, dcap = _logits(q, k, st)
       p = jnp.exp(jnp.where(ok, s - lse[:, None], -jnp.inf))
-      ds = p * (plgpu.dot(do, v_ref[sl, :], trans_b=True) - delta[:, None])
+      ds = p * (_mm(do, v_ref[sl, :], trans_b=True) - delta[:, None])
       if dcap is not None:
         ds *= dcap
-      return dq + plgpu.dot((ds * st.scale).astype(k.dtype), k)
+      return dq + _mm((ds * st.scale).astype(k.dtype), k)
 
     return lax.cond(_any(ok), compute, lambda d: d, dq)
 
@@ -122,11 +128,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
       q, do = q_ref[sl, g, :], do_ref[sl, g, :]
       s, dcap = _logits(q, k, st)
       p = jnp.exp(jnp.where(ok, s - lse_ref[g, sl][:, None], -jnp.inf))
-      dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
-      ds = p * (plgpu.dot(do, v, trans_b=True) - delta_ref[g, sl][:, None])
+      dv += _mm(p.astype(do.dtype), do, trans_a=True)
+      ds = p * (_mm(do, v, trans_b=True) - delta_ref[g, sl][:, None])
       if dcap is not None:
         ds *= dcap
-      dk += plgpu.dot((ds * st.scale).astype(q.dtype), q, trans_a=True)
+      dk += _mm((ds * st.scale).astype(q.dtype), q, trans_a=True)
       return dk, dv
 
     return lax.cond(_any(ok), compute, lambda c: c, carry)
