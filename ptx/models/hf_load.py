@@ -48,7 +48,7 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
     path: a directory with `config.json` and `model.safetensors` or a sharded
       `model.safetensors.index.json`.
     mesh: place every parameter with its sharding on this mesh; None puts the
-      model on the first device.
+      model on this process's first device.
     dtype: parameter and compute dtype; None keeps the checkpoint's
       `torch_dtype` (float32 when it has none).
     rules: the sharding rules of the model.
@@ -68,7 +68,7 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
   specs = param_specs(cfg)
   sources = _match(specs, cfg, family, _headers(path), path)
   if mesh is None:
-    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), specs, is_leaf=_is_spec)
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), specs, is_leaf=_is_spec)
   else:
     shardings = param_shardings(cfg, mesh, rules)
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
