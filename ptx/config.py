@@ -216,6 +216,59 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """The GRPO loss family (shared/specs/grpo-loss.md); `GRPO_PRESETS` names the standard mixes."""
+
+  # Sequences sampled per prompt (G).
+  group_size: int = 4
+  # "grpo", "grpo_no_std" (Dr.GRPO), "grpo_batch_std", "rloo" or "reinforce_pp_baseline".
+  advantage: Literal["grpo", "grpo_no_std", "grpo_batch_std", "rloo", "reinforce_pp_baseline"] = "grpo"
+  # Epsilon added to the standard deviation of std-normalised advantages.
+  advantage_eps: float = 1e-6
+  # Surrogate: "ppo_clip" (token ratios), "gspo" (sequence ratio) or "cispo" (clipped-IS REINFORCE).
+  surrogate: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+  # Lower clip range of the ratio (1 - epsilon_low).
+  epsilon_low: float = 0.2
+  # Upper clip range of the ratio (1 + epsilon_high); DAPO clip-higher uses 0.28.
+  epsilon_high: float = 0.2
+  # Dual-clip constant c > 1 bounding the loss of negative advantages (None: off).
+  dual_clip: float | None = None
+  # "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm" or "prompt_mean".
+  loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                         "prompt_mean"] = "token_mean"
+  # Maximum response tokens: Dr.GRPO's constant C and the overlong cap L_max.
+  max_response_tokens: int = 256
+  # KL to the reference: "none", "loss" (added to the loss) or "reward" (subtracted from rewards).
+  kl_placement: Literal["none", "loss", "reward"] = "loss"
+  # KL estimator: "k1", "k2" or "k3".
+  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+  # KL coefficient beta; a reference model exists only when beta > 0 and kl_placement != "none".
+  beta: float = 0.001
+  # Entropy bonus coefficient c_H (entropy is always logged).
+  entropy_coef: float = 0.0
+  # DAPO soft overlong punishment buffer L_cache in tokens (0: off).
+  overlong_buffer: int = 0
+  # Weight lambda of the overlong punishment.
+  overlong_penalty: float = 1.0
+  # Truncated importance-sampling cap C on exp(old - sampler) per token (None: off).
+  tis_cap: float | None = None
+
+
+# The spec's presets (section 5.9), selectable as --grpo=NAME.
+GRPO_PRESETS: dict[str, GRPOConfig] = {
+    "grpo_paper": GRPOConfig(loss_agg_mode="seq_mean_token_mean", beta=0.04),
+    "grpo": GRPOConfig(),
+    "dapo": GRPOConfig(epsilon_high=0.28, kl_placement="none", beta=0.0, overlong_buffer=4096,
+                       max_response_tokens=20480),
+    "dr_grpo": GRPOConfig(advantage="grpo_no_std", loss_agg_mode="seq_mean_token_sum_norm", kl_placement="none",
+                          beta=0.0),
+    "gspo": GRPOConfig(surrogate="gspo", epsilon_low=3e-4, epsilon_high=4e-4, loss_agg_mode="seq_mean_token_mean",
+                       kl_placement="none", beta=0.0),
+    "rloo": GRPOConfig(advantage="rloo", kl_placement="reward", kl_estimator="k1"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole configuration of a ptx job."""
 
@@ -231,6 +284,8 @@ class Config:
   data: DataConfig = DataConfig()
   # Preference optimisation (ptx dpo).
   dpo: DPOConfig = DPOConfig()
+  # Reinforcement learning with verifiable rewards (ptx grpo).
+  grpo: GRPOConfig = GRPOConfig()
 
 
 # Registered model presets, filled in by the family modules (ptx.models.*).
@@ -286,7 +341,7 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:
-  """Applies `--a.b=value` overrides (and `--model=PRESET`) in order.
+  """Applies `--a.b=value` overrides (and `--model=PRESET`, `--grpo=PRESET`) in order.
 
   Args:
     cfg: the starting config.
@@ -302,6 +357,11 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
     if not arg.startswith("--") or "=" not in arg:
       raise ConfigError(f"override {arg!r} is not of the form --field.path=value")
     path, raw = arg[2:].split("=", 1)
+    if path == "grpo":
+      if raw not in GRPO_PRESETS:
+        raise ConfigError(f"unknown GRPO preset {raw!r}; known: {sorted(GRPO_PRESETS)}")
+      cfg = dataclasses.replace(cfg, grpo=GRPO_PRESETS[raw])
+      continue
     if path == "model":
       if raw not in MODEL_PRESETS:
         raise ConfigError(f"unknown model preset {raw!r}; known: {sorted(MODEL_PRESETS)}")

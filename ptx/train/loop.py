@@ -185,7 +185,7 @@ def _evaluator(loss_fn, prepare, shardings, mesh, eval_data) -> Callable[[TrainS
       w = float(m["weight"])
       for key, value in m.items():
         totals[key] = totals.get(key, 0.0) + (w if key == "weight" else w * float(value))
-    weight = max(totals.get("weight", 0.0), 1.0)
+    weight = totals.get("weight", 0.0) or 1.0
     return {f"eval/{k}": (v if k == "weight" else v / weight) for k, v in totals.items()}
 
   return evaluate

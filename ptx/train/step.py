@@ -56,7 +56,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Batch, rng: jax.Ar
   abstract_metrics = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches), rng)[0][1])
   init = (zeros_like(params), zeros_like(abstract_metrics))
   (grad_sum, metric_sum), _ = jax.lax.scan(body, init, (micro_batches, jnp.arange(n_micro)))
-  total = jnp.maximum(metric_sum["weight"], 1.0)
+  weight = metric_sum["weight"]
+  total = jnp.where(weight > 0, weight, 1.0)  # weights need not be counts (GRPO: fractions)
   grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grad_sum, params)
   metrics = {k: v if k == "weight" else v / total for k, v in metric_sum.items()}
   return grads, metrics

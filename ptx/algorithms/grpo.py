@@ -1,0 +1,167 @@
+"""The GRPO policy loss family: PPO-clip (DAPO clip-higher, dual-clip), GSPO, CISPO.
+
+Implements shared/specs/grpo-loss.md sections 5.3 to 5.6. A batch holds N
+sequences [N, S] (`tokens`, `positions`, `segment_ids`, and `loss_mask` = 1
+on policy-generated tokens only) and, aligned with tokens (index t holds
+the log-prob of token t; index 0 is unused):
+  old_logps     behaviour-policy log-probs [N, S]
+  ref_logps     reference log-probs [N, S] (KL in the loss only)
+  sampler_logps the sampler's log-probs [N, S] (truncated IS only)
+  advantages    [N] (ptx.algorithms.advantages)
+  agg_weights   [N, S] per-token weights from `aggregation_weights`, computed
+                once over the whole optimizer mini-batch, so the loss and its
+                gradient do not depend on the micro-batch split
+  agg_total     [N], every entry sum(agg_weights) over the whole mini-batch.
+The mini-batch loss is sum(w * (rho + beta * k - c_H * H)) over its tokens.
+A micro-batch returns agg_total * (its weighted mean) with `weight` = its
+sum(w); gradient accumulation, which averages micro-batches by `weight`,
+then reproduces the whole-batch loss and gradient exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ptx import sharding
+from ptx.config import GRPOConfig, ModelConfig
+from ptx.models.decoder import forward
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                "prompt_mean")
+
+
+def aggregation_weights(loss_mask: jax.Array, mode: str, *, group_size: int, max_tokens: int) -> jax.Array:
+  """Per-token weights w [N, S] with loss = sum(w * rho), normalisers taken over the whole batch.
+
+  Args:
+    loss_mask: {0, 1} [N, S] over the whole optimizer mini-batch.
+    mode: one of AGGREGATIONS (spec section 5.4).
+    group_size: G, for `prompt_mean`.
+    max_tokens: the constant C of `seq_mean_token_sum_norm` (max response tokens).
+  """
+  if mode not in AGGREGATIONS:
+    raise ValueError(f"grpo.loss_agg_mode: unknown {mode!r}; known: {AGGREGATIONS}")
+  m = loss_mask.astype(jnp.float32)
+  lengths = m.sum(axis=1, keepdims=True)  # L_i
+  n_seqs = jnp.maximum((lengths > 0).sum(), 1)  # N_M: sequences with at least one token
+  if mode == "token_mean":
+    return m / jnp.maximum(m.sum(), 1.0)
+  if mode == "seq_mean_token_mean":
+    return m / (jnp.maximum(lengths, 1.0) * n_seqs)
+  if mode == "seq_mean_token_sum":
+    return m / n_seqs
+  if mode == "seq_mean_token_sum_norm":
+    return m / (n_seqs * max_tokens)
+  group_tokens = lengths.reshape(-1, group_size).sum(axis=1)  # prompt_mean
+  per_seq = jnp.repeat(1.0 / jnp.maximum(group_tokens, 1.0), group_size)[:, None]
+  return m * per_seq / (loss_mask.shape[0] // group_size)
+
+
+def aggregation_inputs(loss_mask: jax.Array, cfg: GRPOConfig) -> dict[str, jax.Array]:
+  """`agg_weights` and `agg_total` for a whole optimizer mini-batch (before any micro-batch split)."""
+  w = aggregation_weights(loss_mask, cfg.loss_agg_mode, group_size=cfg.group_size,
+                          max_tokens=cfg.max_response_tokens)
+  return {"agg_weights": w, "agg_total": jnp.full(loss_mask.shape[:1], w.sum())}
+
+
+def token_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """log p(token t | tokens < t) [N, S] in float32 from logits [N, S, V]; index 0 is 0."""
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def token_entropy(logits: jax.Array) -> jax.Array:
+  """Entropy of the next-token distribution, aligned like `token_logps` [N, S]."""
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  return jnp.pad(-(jnp.exp(logp) * logp).sum(axis=-1), ((0, 0), (1, 0)))
+
+
+def kl_estimate(logps: jax.Array, ref_logps: jax.Array, estimator: str) -> jax.Array:
+  """Per-token KL estimate k1, k2 or k3 of the policy from the reference."""
+  delta = jnp.clip(logps - ref_logps, -20.0, 20.0)
+  if estimator == "k1":
+    return delta
+  if estimator == "k2":
+    return 0.5 * delta**2
+  if estimator == "k3":
+    return jnp.clip(jnp.exp(-delta) + delta - 1.0, -10.0, 10.0)
+  raise ValueError(f"grpo.kl_estimator: unknown {estimator!r}")
+
+
+def surrogate(logps: jax.Array, old_logps: jax.Array, adv: jax.Array, mask: jax.Array,
+              cfg: GRPOConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-token policy-gradient loss rho [N, S] (to minimise) and per-token clip indicators.
+
+  Args:
+    logps: current log-probs [N, S].
+    old_logps: behaviour log-probs [N, S].
+    adv: advantages broadcast to tokens [N, S].
+    mask: {0, 1} float [N, S].
+    cfg: surrogate, clip ranges, dual clip.
+  """
+  lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+  log_ratio = jnp.clip(logps - old_logps, -20.0, 20.0)
+  if cfg.surrogate == "gspo":
+    seq = (log_ratio * mask).sum(axis=1, keepdims=True) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    log_ratio = jnp.minimum(jax.lax.stop_gradient(seq) + logps - jax.lax.stop_gradient(logps), 10.0)
+  ratio = jnp.exp(log_ratio)
+  if cfg.surrogate == "cispo":
+    rho = -jax.lax.stop_gradient(jnp.clip(ratio, lo, hi)) * adv * logps
+  else:
+    unclipped, clipped = -ratio * adv, -jnp.clip(ratio, lo, hi) * adv
+    rho = jnp.maximum(unclipped, clipped)
+    if cfg.dual_clip is not None:
+      rho = jnp.where(adv < 0, jnp.minimum(rho, -cfg.dual_clip * adv), rho)
+  stats = {
+      "actor/pg_clipfrac": (jnp.maximum(-ratio * adv, -jnp.clip(ratio, lo, hi) * adv) > -ratio * adv),
+      "actor/clip_low": (ratio < lo) & (adv < 0),
+      "actor/clip_high": (ratio > hi) & (adv > 0),
+      "actor/pg_clipfrac_lower": (adv < 0) & (cfg.dual_clip is not None)
+                                 & (-jnp.clip(ratio, lo, hi) * adv > -(cfg.dual_clip or 0.0) * adv),
+      "actor/ppo_kl": old_logps - logps,
+  }
+  return rho, stats
+
+
+def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: ModelConfig, grpo: GRPOConfig,
+         rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The GRPO-family loss of one micro-batch, weighted by the global `agg_weights`.
+
+  Returns:
+    (loss, metrics): `loss` = agg_total * sum(w * (rho + beta k - c_H H)) / sum(w); metrics
+    `actor/pg_loss`, `actor/pg_clipfrac`, `actor/clip_low`, `actor/clip_high`,
+    `actor/pg_clipfrac_lower`, `actor/ppo_kl`, `actor/entropy`,
+    `actor/kl_loss` (KL in the loss), `actor/is_weight` (truncated IS), and
+    `weight` = sum(w), all token averages under the same weights.
+  """
+  del rng
+  logits = forward(params, batch["tokens"], model, positions=batch["positions"],
+                   segment_ids=batch["segment_ids"], rules=rules)
+  mask = batch["loss_mask"].astype(jnp.float32)
+  w = batch["agg_weights"] * mask
+  total = w.sum()
+  denominator = jnp.where(total > 0, total, 1.0)
+  logps = token_logps(logits, batch["tokens"])
+  adv = batch["advantages"][:, None] * mask
+  rho, stats = surrogate(logps, batch["old_logps"], adv, mask, grpo)
+  if grpo.tis_cap is not None:  # truncated importance sampling for stale or mismatched rollouts
+    is_weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(batch["old_logps"] - batch["sampler_logps"]),
+                                                  grpo.tis_cap))
+    rho = rho * is_weight
+    stats["actor/is_weight"] = is_weight
+  entropy = token_entropy(logits)
+  per_token = rho - grpo.entropy_coef * entropy
+  mean = lambda x: (w * x).sum() / denominator
+  metrics = {k: mean(v.astype(jnp.float32)) for k, v in stats.items()}
+  metrics["actor/pg_loss"] = mean(rho)
+  metrics["actor/entropy"] = mean(entropy)
+  if grpo.kl_placement == "loss" and grpo.beta > 0:
+    kl = kl_estimate(logps, batch["ref_logps"], grpo.kl_estimator)
+    per_token = per_token + grpo.beta * kl
+    metrics["actor/kl_loss"] = mean(kl)
+  value = batch["agg_total"][0] * mean(per_token)
+  return value, {"loss": value, **metrics, "weight": total}
