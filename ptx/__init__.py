@@ -12,7 +12,7 @@ from ptx.config import (Config, MeshConfig, ModelConfig, OptimizerConfig, RopeSc
                         apply_overrides)
 from ptx.config import MODEL_PRESETS as presets
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer
-from ptx.models import Decoder, attention, count_params, forward, init_params
+from ptx.models import Decoder, attention, count_params, forward, init_params, load_hf, save_hf
 from ptx.sharding import DEFAULT_RULES, Rules, make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import TrainState, init_state, state_shardings
@@ -21,6 +21,6 @@ from ptx.train.step import make_train_step
 __all__ = [
     "ByteTokenizer", "Config", "DEFAULT_RULES", "Decoder", "MeshConfig", "ModelConfig", "OptimizerConfig",
     "RopeScaling", "Rules", "Tokenizer", "TrainConfig", "TrainState", "apply_overrides", "attention",
-    "count_params", "data", "forward", "init_params", "init_state", "make_mesh", "make_optimizer",
-    "make_train_step", "models", "presets", "sft", "state_shardings",
+    "count_params", "data", "forward", "init_params", "init_state", "load_hf", "make_mesh", "make_optimizer",
+    "make_train_step", "models", "presets", "save_hf", "sft", "state_shardings",
 ]

@@ -1,4 +1,4 @@
-"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`.
+"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx convert`.
 
 Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
 such as a run's saved config.json) and overrides `--section.field=value`
@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train the tiny preset by SFT on 2-digit addition and report held-out "
                         "exact match before and after. Accepts config overrides, e.g. --train.steps=100.")
   _job_arguments(demo, default_out="out/demo")
+  convert = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face directory")
+  convert.add_argument("format", choices=["gguf"], help="source format")
+  convert.add_argument("src", type=pathlib.Path, help="source file (e.g. model.gguf)")
+  convert.add_argument("dst", type=pathlib.Path, help="HF directory to write (weights, config, tokenizer)")
+  convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="stored dtype")
   for name, help_text in _ALGORITHMS.items():
     job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
     job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
@@ -57,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     print(f"ptx {ptx.__version__} (jax {jax.__version__}, flax {flax.__version__})")
+    return 0
+  if args.command == "convert":
+    if overrides:
+      parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    from ptx.models.gguf import GGUFError, convert_gguf
+
+    try:
+      print(convert_gguf(args.src, args.dst, dtype=args.dtype))
+    except (GGUFError, OSError) as e:
+      parser.error(str(e))
     return 0
   import jax
 

@@ -118,3 +118,14 @@ def test_other_architectures_are_refused(llama, tmp_path):
   _write_gguf(tmp_path / "tiny.gguf", llama, arch="qwen2")
   with pytest.raises(GGUFError, match="general.architecture 'qwen2' is not supported"):
     convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf")
+
+
+def test_ptx_convert_gguf_command(llama, tmp_path, capsys):
+  from ptx import cli
+
+  _write_gguf(tmp_path / "tiny.gguf", llama)
+  assert cli.main(["convert", "gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), "--dtype=float32"]) == 0
+  assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
+  with pytest.raises(SystemExit):
+    cli.main(["convert", "gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "hf2")])
+  assert "missing.gguf" in capsys.readouterr().err
