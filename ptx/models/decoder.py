@@ -6,7 +6,8 @@ dict declared in `ptx.models.params`; layers run under `lax.scan` over the
 stacked `layers` axis, each optionally rematerialised. `Decoder` is the NNX
 module users hold: `model(tokens)` works eagerly, and
 `nnx.split(model)` / `nnx.state(model)` give the same parameter tree that
-training jits over.
+training jits over. `forward_with_cache` runs the same layers over new
+tokens against a KV cache (`ptx.models.kv_cache`) for sampling.
 
 Numerics: parameters are stored in `param_dtype`, activations and matmuls run
 in `compute_dtype`; norms, RoPE, attention softmax and the output logits are
@@ -27,6 +28,7 @@ from jax.sharding import Mesh
 
 from ptx import sharding
 from ptx.config import ModelConfig
+from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
@@ -106,6 +108,55 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig, rules: sharding.Rule
   return sharding.constrain(logits, ("batch", "seq", "vocab"), rules)
 
 
+def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Log-probabilities [B, T] of int32 tokens [B, T] under logits [B, T, V]."""
+  # log-softmax in float32 whatever the dtype of the logits.
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def forward_with_cache(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    cache: kv_cache_lib.KVCache,
+    *,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    last_only: bool = False,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+  """Runs the decoder on T new tokens against a KV cache, as `forward` does on a whole sequence.
+
+  The tokens' K/V are written at slots [cache.index, cache.index + T) and
+  every token attends over the whole cache, masked by the slots' positions
+  and segment ids: prefill is a call with the prompts, decoding a call per
+  token. The layers run unrolled (see `unstack_layers`; a decode loop should
+  pass params unstacked once, outside the loop).
+
+  Args:
+    params: the parameter tree of `ptx.models.params.param_specs(cfg)`.
+    tokens: int32 token ids [B, T].
+    cfg: the model config.
+    cache: the cache (`ptx.models.kv_cache.init_cache`), B rows.
+    positions: int32 [B, T] positions of the tokens in their sequences.
+    segment_ids: int32 [B, T]: 1 for tokens, 0 for padding (never attended to).
+    last_only: return the logits of the last token only, [B, 1, V] (prefill
+      needs no more, and [B, T, V] logits can be large).
+    rules: the sharding rules for activation constraints (used under a mesh).
+
+  Returns:
+    (float32 logits [B, T, V] or [B, 1, V], the cache with the tokens written).
+  """
+  cache = kv_cache_lib.write_slots(cache, positions, segment_ids)
+  x = embed(params, tokens, cfg, rules)
+  x, cache = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
+                         segment_ids=segment_ids, rules=rules, cache=cache)
+  if last_only:
+    x = x[:, -1:]
+  return unembed(params, x, cfg, rules), kv_cache_lib.advance(cache, tokens.shape[1])
+
+
 def decode_layers(
     layers: Params,
     x: jax.Array,
@@ -116,6 +167,25 @@ def decode_layers(
     rules: sharding.Rules,
 ) -> jax.Array:
   """Runs the stacked layers over the residual stream x [B, T, D] with a scan."""
+  return _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None)[0]
+
+
+def _run_layers(
+    layers: Params,
+    x: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None,
+    segment_ids: jax.Array | None,
+    rules: sharding.Rules,
+    cache: kv_cache_lib.KVCache | None,
+) -> tuple[jax.Array, kv_cache_lib.KVCache | None]:
+  """The layers of `decode_layers`, reading and writing `cache` when one is given.
+
+  Stacked `layers` run under a scan (cache None); a tuple of per-layer trees
+  (`unstack_layers`) runs the same body once per layer, unrolled, as a cache
+  of one array per layer requires.
+  """
   B, T, _ = x.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -126,21 +196,40 @@ def decode_layers(
   if cfg.rope_local_theta is not None:
     local_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_theta))
   windows = layer_windows(cfg)
-  per_layer = (layers, None if windows is None else jnp.asarray(windows))
 
-  def body(x, layer_and_window):
-    layer, window = layer_and_window
+  def body(x_and_cache, layer_window_index):
+    x, cache = x_and_cache
+    layer, window, index = layer_window_index
     # Global layers have an int32-max window, so "is local" is a traced flag.
     is_local = False if window is None else window < jnp.iinfo(jnp.int32).max
     sin, cos = (jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, global_rope))
-    x = block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
-              segment_ids=segment_ids, rules=rules)
-    return x, None
+    x, cache = block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
+                     segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index)
+    return (x, cache), None
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-  x, _ = jax.lax.scan(body, x, per_layer)
-  return x
+  if isinstance(layers, tuple):
+    for index, layer in enumerate(layers):
+      (x, cache), _ = body((x, cache), (layer, None if windows is None else windows[index], index))
+    return x, cache
+  per_layer = (layers, None if windows is None else jnp.asarray(windows), None)
+  (x, cache), _ = jax.lax.scan(body, (x, cache), per_layer)
+  return x, cache
+
+
+def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
+  """The parameter tree with `layers` as a tuple of per-layer trees, for decode loops.
+
+  Slicing one layer out of the stacked weights is a copy. Inside a decode
+  loop a scan would repeat it for every token (XLA does not hoist slices out
+  of loops), so samplers slice once before the loop and run the layers
+  unrolled. Already unstacked params are returned as they are.
+  """
+  if isinstance(params["layers"], tuple):
+    return params
+  layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(cfg.n_layers))
+  return {**params, "layers": layers}
 
 
 def block(
@@ -154,8 +243,15 @@ def block(
     positions: jax.Array,
     segment_ids: jax.Array,
     rules: sharding.Rules,
-) -> jax.Array:
-  """One pre-norm decoder layer. `cfg` flags select parameters, never values."""
+    cache: kv_cache_lib.KVCache | None = None,
+    layer_index: int | None = None,
+) -> tuple[jax.Array, kv_cache_lib.KVCache | None]:
+  """One pre-norm decoder layer. `cfg` flags select parameters, never values.
+
+  Without a cache the tokens attend to each other; with one, their K/V are
+  written into layer `layer_index` of the cache first and they attend over all
+  of its slots. Returns (x, cache).
+  """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
   q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dtype))
@@ -170,8 +266,13 @@ def block(
   k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
   v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
   scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+  kv_masks = {}
+  if cache is not None:
+    cache = kv_cache_lib.write_layer(cache, layer_index, k, v, rules)
+    k, v = kv_cache_lib.read_layer(cache, layer_index, q.dtype)
+    kv_masks = {"kv_segment_ids": cache.segment_ids, "kv_positions": cache.positions}
   out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
-                  window=window, softcap=cfg.attn_logit_softcap, scale=scale)
+                  window=window, softcap=cfg.attn_logit_softcap, scale=scale, **kv_masks)
   out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dtype))
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)
@@ -183,7 +284,7 @@ def block(
   out = jnp.einsum("btf,fd->btd", hidden, p["down"].astype(dtype))
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
-  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
+  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache
 
 
 class Decoder(nnx.Module):

@@ -1,0 +1,216 @@
+"""In-graph generation: one prefill of the prompts, then a decode loop over a KV cache.
+
+`generate_padded` is a pure function of arrays, to be jitted alone or inside
+a larger program (an RL step); `generate` is the host entry point that pads
+ragged prompts into shape buckets (`ptx.sampling.buckets`) and calls one
+compiled program per bucket.
+
+Layout: prompts are left-padded to P columns, so prompt b holds slots
+[P - len_b, P) of the cache and generated token t of every row goes to slot
+P + t. With `group_size` G each prompt is prefilled once; its cache and last
+logits are then repeated to G consecutive rows (row b * G + g is sample g of
+prompt b), which share the prefill compute. The decode loop is a
+`lax.while_loop` that stops at `max_new_tokens` or as soon as every row has
+emitted one of its stop ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models import kv_cache
+from ptx.models.decoder import Params, forward_with_cache, token_log_probs, unstack_layers
+from ptx.sampling import buckets
+from ptx.sampling.rules import SamplingConfig, sample_tokens
+
+# Finish reasons.
+STOP = 1  # the row emitted one of its stop ids (counted in its length)
+LENGTH = 2  # the row reached max_new_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """Sampled continuations of R = B * G rows; row b * G + g is sample g of prompt b."""
+
+  # int32 [R, N]: the generated tokens; pad_id after a row's length.
+  tokens: jax.Array
+  # int32 [R]: generated tokens per row, the stop token included.
+  lengths: jax.Array
+  # int32 [R]: STOP or LENGTH.
+  finish_reasons: jax.Array
+  # float32 [R, N]: log-prob of each token under the raw policy (temperature 1,
+  # no truncation), as the training forward computes it; 0 after a row's length.
+  log_probs: jax.Array
+
+
+class _Loop(NamedTuple):
+  """The decode loop's carry."""
+
+  t: jax.Array  # int32 []: tokens emitted so far by every row
+  cache: kv_cache.KVCache
+  tokens: jax.Array  # int32 [R, N]
+  log_probs: jax.Array  # float32 [R, N]
+  done: jax.Array  # bool [R]: the row has emitted a stop id
+  lengths: jax.Array  # int32 [R]
+
+
+def generate_padded(
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    stop_ids: jax.Array,
+    rng: jax.Array,
+    max_new_tokens: jax.Array | int,
+    *,
+    cfg: ModelConfig,
+    sampling: SamplingConfig,
+    budget: int,
+    group_size: int = 1,
+    kv_int8: bool = False,
+    pad_id: int = 0,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> Generation:
+  """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
+
+  Args:
+    params: the decoder's parameter tree.
+    prompt_tokens: int32 [B, P], each prompt right-aligned (left-padded).
+    prompt_lengths: int32 [B] prompt lengths, each in 1..P.
+    stop_ids: int32 [B, K] stop ids of each prompt, padded with -1.
+    rng: a PRNG key; every uniform the sampler uses is drawn from it up front.
+    max_new_tokens: int32 scalar <= budget (traced, so one program serves
+      every value up to its budget).
+    cfg: the model config.
+    sampling: the sampling rules.
+    budget: static generation capacity N (the width of the outputs).
+    group_size: samples per prompt G.
+    kv_int8: keep the KV cache in int8 with per-slot, per-head scales.
+    pad_id: the token written after a row stops.
+    rules: sharding rules for activations and the cache.
+
+  Returns:
+    A Generation of B * G rows and N columns.
+  """
+  B, P = prompt_tokens.shape
+  R = B * group_size
+  params = unstack_layers(params, cfg)
+  # The last token is sampled but never fed back, so P + N - 1 slots suffice.
+  cache = kv_cache.init_cache(cfg, B, P + budget - 1, int8=kv_int8, rules=rules)
+  columns = jnp.arange(P, dtype=jnp.int32)[None, :]
+  first_BP = jnp.broadcast_to((P - prompt_lengths)[:, None], (B, P))
+  prefill_logits, cache = forward_with_cache(
+      params, prompt_tokens, cfg, cache, positions=jnp.maximum(columns - first_BP, 0),
+      segment_ids=(columns >= first_BP).astype(jnp.int32), last_only=True, rules=rules)
+  cache = kv_cache.repeat(cache, group_size, rules)
+  lengths_R = jnp.repeat(prompt_lengths, group_size)
+  stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
+  uniforms_NR = sharding.constrain(jax.random.uniform(rng, (budget, R)), (None, "batch"), rules)
+
+  def emit(loop: _Loop, logits_RV: jax.Array) -> _Loop:
+    logits_RV = sharding.constrain(logits_RV, ("batch", "vocab"), rules)
+    token = sample_tokens(logits_RV, uniforms_NR[loop.t], sampling)
+    log_prob = token_log_probs(logits_RV[:, None], token[:, None])[:, 0]
+    live = ~loop.done
+    token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
+    column = (jnp.zeros((), jnp.int32), loop.t)
+    stopped = live & jnp.any(token[:, None] == stop_RK, axis=-1)
+    return loop._replace(
+        t=loop.t + 1,
+        tokens=jax.lax.dynamic_update_slice(loop.tokens, token[:, None], column),
+        log_probs=jax.lax.dynamic_update_slice(loop.log_probs, log_prob[:, None], column),
+        done=loop.done | stopped, lengths=loop.lengths + live.astype(jnp.int32))
+
+  def step(loop: _Loop) -> _Loop:
+    last_R1 = jax.lax.dynamic_slice_in_dim(loop.tokens, loop.t - 1, 1, axis=1)
+    positions_R1 = (lengths_R + loop.t - 1)[:, None]
+    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1,
+                                       segment_ids=jnp.ones((R, 1), jnp.int32), rules=rules)
+    return emit(loop._replace(cache=cache), logits[:, 0])
+
+  def running(loop: _Loop) -> jax.Array:
+    return (loop.t < max_new_tokens) & ~jnp.all(loop.done)
+
+  start = _Loop(t=jnp.zeros((), jnp.int32), cache=cache,
+                tokens=jnp.full((R, budget), pad_id, jnp.int32),
+                log_probs=jnp.zeros((R, budget), jnp.float32),
+                done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32))
+  loop = jax.lax.while_loop(running, step, emit(start, jnp.repeat(prefill_logits[:, 0], group_size, axis=0)))
+  return Generation(tokens=loop.tokens, lengths=loop.lengths,
+                    finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
+
+
+_generate_jit = jax.jit(generate_padded, static_argnames=(
+    "cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "rules"))
+
+
+def generate(
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    cfg: ModelConfig,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    rng: jax.Array,
+    stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+    group_size: int = 1,
+    mesh: Mesh | None = None,
+    kv_int8: bool = False,
+    pad_id: int = 0,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> Generation:
+  """Samples continuations of ragged prompts with one compiled program per shape bucket.
+
+  Args:
+    params: the decoder's parameter tree (a TrainState's `.params`, or
+      `Decoder.params`), placed as training placed it.
+    prompts: B token-id sequences, each non-empty.
+    cfg: the model config.
+    max_new_tokens: tokens to generate at most per row.
+    sampling: the sampling rules.
+    rng: a PRNG key.
+    stop_ids: ids that end a row, shared by all prompts or one sequence per prompt.
+    group_size: samples per prompt G; each prompt is prefilled once.
+    mesh: run sharded on this mesh (batch over the data axes, KV heads over
+      `tensor`); None runs on the default device.
+    kv_int8: keep the KV cache in int8 (per-slot, per-head scales).
+    pad_id: the token that pads prompts and follows a stopped row.
+    rules: the sharding rules.
+
+  Returns:
+    A Generation of B * G rows and `max_new_tokens` columns.
+  """
+  rows = buckets.bucket(len(prompts), 1 if mesh is None else _batch_devices(mesh, rules))
+  tokens, lengths = buckets.left_pad(prompts, rows, buckets.bucket(max(len(p) for p in prompts), 8), pad_id)
+  arrays = (tokens, lengths, buckets.stop_table(stop_ids, len(prompts), rows))
+  context = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+  if mesh is not None:
+    arrays = tuple(jax.device_put(x, _batch_sharding(x, mesh, rules)) for x in arrays)
+  with context:
+    out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
+                        budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
+                        pad_id=pad_id, rules=rules)
+  n = len(prompts) * group_size
+  return Generation(tokens=out.tokens[:n, :max_new_tokens], lengths=out.lengths[:n],
+                    finish_reasons=out.finish_reasons[:n], log_probs=out.log_probs[:n, :max_new_tokens])
+
+
+def _batch_sharding(x: np.ndarray, mesh: Mesh, rules: sharding.Rules) -> NamedSharding:
+  names = ("batch",) + (None,) * (x.ndim - 1)
+  return NamedSharding(mesh, sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh))
+
+
+def _batch_devices(mesh: Mesh, rules: sharding.Rules) -> int:
+  """How many ways the batch is split on `mesh`: the padded batch is a multiple of it."""
+  axes = sharding.logical_to_spec(("batch",), rules, mesh=mesh)[0] or ()
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))

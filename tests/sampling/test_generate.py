@@ -1,0 +1,129 @@
+"""Generation: greedy equals full-forward argmax, log-probs equal training's, sharding changes nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import gemma_like
+from ptx.models import init_params
+from ptx.models.decoder import forward, token_log_probs
+from ptx.models.params import param_shardings
+from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
+from ptx.sampling import generation as generation_lib
+
+forward_jit = jax.jit(forward, static_argnames=("cfg",))
+PROMPTS = [[5, 17, 9], [200, 3, 3, 41, 7, 90, 11], [12], [64, 65]]
+GREEDY = SamplingConfig(greedy=True)
+
+
+def _params(cfg, seed=0):
+  params = init_params(cfg, jax.random.key(seed))
+  # Perturb the zero-initialised (1 + w) norms so they matter.
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+def _right_padded(prompts, completions, width):
+  """Prompt + completion rows, right-padded with a padding segment, for the training forward."""
+  tokens = np.zeros((len(prompts), width), np.int32)
+  segments = np.zeros((len(prompts), width), np.int32)
+  for row, (p, c) in enumerate(zip(prompts, completions)):
+    seq = list(p) + list(c)
+    tokens[row, :len(seq)], segments[row, :len(seq)] = seq, 1
+  positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+  return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
+
+
+def _greedy_reference(params, cfg, prompts, n_new):
+  """Step-by-step argmax of the training forward over the growing sequences."""
+  width = max(map(len, prompts)) + n_new
+  seqs = [list(p) for p in prompts]
+  for _ in range(n_new):
+    tokens, positions, segments = _right_padded(seqs, [[]] * len(seqs), width)
+    logits = forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)
+    for row, seq in enumerate(seqs):
+      seq.append(int(jnp.argmax(logits[row, len(seq) - 1])))
+  return np.asarray([s[len(p):] for s, p in zip(seqs, prompts)])
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma_sliding_window"])
+def test_greedy_equals_full_forward_argmax(tiny_config, variant):
+  cfg = gemma_like(tiny_config) if variant == "gemma_sliding_window" else tiny_config
+  params = _params(cfg)
+  n_new = 9  # past the window of 3, so the cache's window mask matters
+  out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=GREEDY, rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out.tokens), _greedy_reference(params, cfg, PROMPTS, n_new))
+  np.testing.assert_array_equal(np.asarray(out.lengths), n_new)
+  np.testing.assert_array_equal(np.asarray(out.finish_reasons), LENGTH)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)],
+                         ids=["plain", "truncated"])
+def test_log_probs_equal_training_forward(tiny_config, sampling):
+  cfg = gemma_like(tiny_config)
+  params = _params(cfg)
+  n_new = 12
+  out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=sampling, rng=jax.random.key(4))
+  tokens, positions, segments = _right_padded(PROMPTS, np.asarray(out.tokens), max(map(len, PROMPTS)) + n_new)
+  logp = token_log_probs(forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)[:, :-1],
+                         tokens[:, 1:])
+  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) - 1 + n_new]) for row, p in enumerate(PROMPTS)])
+  np.testing.assert_allclose(np.asarray(out.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_stop_ids_end_rows_and_groups_share_the_prompt(tiny_config):
+  params = _params(tiny_config)
+  greedy = generate(params, PROMPTS, cfg=tiny_config, max_new_tokens=8, sampling=GREEDY, rng=jax.random.key(0))
+  # Stop row 0 at its 3rd greedy token, row 1 at its 1st; the others never stop.
+  stops = [[int(greedy.tokens[0, 2])], [int(greedy.tokens[1, 0]), 7], [-5], [-5]]
+  stopped = generate(params, PROMPTS, cfg=tiny_config, max_new_tokens=8, sampling=GREEDY, rng=jax.random.key(0),
+                     stop_ids=stops, group_size=3, pad_id=0)
+  first_stop = [min([i for i, t in enumerate(greedy.tokens[r].tolist()) if t in stops[r]] + [99]) for r in range(4)]
+  lengths = np.repeat([min(f + 1, 8) for f in first_stop], 3)
+  np.testing.assert_array_equal(np.asarray(stopped.lengths), lengths)
+  np.testing.assert_array_equal(np.asarray(stopped.finish_reasons), np.where(lengths < 8, STOP, LENGTH))
+  for row in range(12):
+    n = lengths[row]
+    np.testing.assert_array_equal(np.asarray(stopped.tokens[row, :n]), np.asarray(greedy.tokens[row // 3, :n]))
+    assert np.all(np.asarray(stopped.tokens[row, n:]) == 0) and np.all(np.asarray(stopped.log_probs[row, n:]) == 0)
+
+
+def test_group_samples_differ_and_match_ungrouped_distribution(tiny_config):
+  params = _params(tiny_config)
+  out = generate(params, PROMPTS[:2], cfg=tiny_config, max_new_tokens=6, rng=jax.random.key(2), group_size=4)
+  assert out.tokens.shape == (8, 6)
+  assert len({tuple(r) for r in np.asarray(out.tokens[:4]).tolist()}) > 1  # 4 samples of prompt 0 differ
+
+
+def test_sharded_equals_single_device(tiny_config, mesh):
+  cfg = gemma_like(tiny_config)
+  params = _params(cfg)
+  kwargs = dict(cfg=cfg, max_new_tokens=7, sampling=SamplingConfig(top_k=50), rng=jax.random.key(9), group_size=2)
+  single = generate(params, PROMPTS, **kwargs)
+  sharded = generate(jax.device_put(params, param_shardings(cfg, mesh)), PROMPTS, mesh=mesh, **kwargs)
+  assert len(sharded.tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
+  np.testing.assert_allclose(np.asarray(sharded.log_probs), np.asarray(single.log_probs), atol=1e-5)
+
+
+def test_int8_cache_stays_close(tiny_config):
+  params = _params(tiny_config)
+  out = generate(params, PROMPTS, cfg=tiny_config, max_new_tokens=10, rng=jax.random.key(3), kv_int8=True)
+  tokens, positions, segments = _right_padded(PROMPTS, np.asarray(out.tokens), max(map(len, PROMPTS)) + 10)
+  logp = token_log_probs(forward_jit(params, tokens, tiny_config, positions=positions, segment_ids=segments)[:, :-1],
+                         tokens[:, 1:])
+  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) + 9]) for row, p in enumerate(PROMPTS)])
+  error = np.abs(np.asarray(out.log_probs) - expected)
+  assert error.max() < 0.05, error.max()
+  assert error.max() > 0  # the cache really is quantized
+
+
+def test_bucketed_shapes_share_a_program(tiny_config):
+  params = _params(tiny_config)
+  before = generation_lib._generate_jit._cache_size()
+  for n_prompts, n_new in ((3, 5), (4, 7), (2, 8)):
+    generate(params, [[1, 2, 3]] * n_prompts, cfg=tiny_config, max_new_tokens=n_new,
+             rng=jax.random.key(0))
+  assert generation_lib._generate_jit._cache_size() - before <= 2  # batch buckets 4 and 2, one budget bucket
