@@ -248,11 +248,14 @@ def _attention_bwd(st, res, cts):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def pad_to_tiles(x, multiple: int, value=0):
-  """Pads axis 1 of x up to a multiple of `multiple` with `value`."""
+def pad_to_tiles(x, multiple: int):
+  """Pads axis 1 of x with zeros up to a multiple of `multiple`.
+
+  Zero segment ids mark the padding, so padded tokens are never visible.
+  """
   extra = -x.shape[1] % multiple
   if not extra:
     return x
   widths = [(0, 0)] * x.ndim
   widths[1] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
+  return jnp.pad(x, widths)

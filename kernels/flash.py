@@ -8,7 +8,8 @@ from ptx_kernels import pallas_gpu
 from ptx_kernels import pallas_tpu
 from ptx_kernels.block_sizes import BlockSizes
 
-IMPLS = ("blockwise", "pallas_gpu", "pallas_tpu")
+IMPLS = ("auto", "blockwise", "pallas_gpu", "pallas_tpu")
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 # Triton's tensor-core dots need tiles of at least 16 rows; TPU tiles are
 # (8, 128) vregs.
 _MIN_TILE = {"blockwise": 1, "pallas_gpu": 16, "pallas_tpu": 128}
@@ -39,7 +40,8 @@ def flash_attention(
     scale: logit scale, default D ** -0.5.
     impl: "blockwise" (pure JAX, any backend), "pallas_gpu" (Triton
       kernels; head_dim a power of two >= 16) or "pallas_tpu" (Mosaic
-      kernels; tiles >= 128).
+      kernels; tiles >= 128); "auto" picks the Pallas kernel of the default
+      backend (TPU or GPU) and "blockwise" elsewhere.
     block_sizes: tile sizes; default BlockSizes().
     interpret: run the Pallas kernels on CPU: the generic interpreter for
       "pallas_gpu", the TPU interpreter (`pltpu.InterpretParams`) for
@@ -52,6 +54,8 @@ def flash_attention(
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if impl == "auto":
+    impl = _AUTO.get(jax.default_backend(), "blockwise")
   mask_lib.check_qkv(q, k, v)
   b, t, _, d = q.shape
   s = k.shape[1]
@@ -66,8 +70,8 @@ def flash_attention(
       scale=d ** -0.5 if scale is None else float(scale),
       block_q=tiles.block_q, block_kv=tiles.block_kv)
   bq, bk = tiles.block_q, tiles.block_kv
-  pq = lambda x, value=0: blockwise.pad_to_tiles(x, bq, value)
-  pk = lambda x, value=0: blockwise.pad_to_tiles(x, bk, value)
+  pq = lambda x: blockwise.pad_to_tiles(x, bq)
+  pk = lambda x: blockwise.pad_to_tiles(x, bk)
   # Padding carries segment id 0, so padded rows and keys are never visible.
   mi = mask_lib.MaskInputs(pq(mi.q_segment_ids), pk(mi.kv_segment_ids),
                            pq(mi.q_positions), pk(mi.kv_positions), mi.window)

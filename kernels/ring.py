@@ -181,7 +181,7 @@ def ring_attention(
 
   def local(q, k, v, mi):
     tl = q.shape[1]
-    pad = lambda x, mult: blockwise.pad_to_tiles(x, mult)
+    pad = blockwise.pad_to_tiles
     mi = mask_lib.MaskInputs(
         pad(mi.q_segment_ids, st.block_q), pad(mi.kv_segment_ids, st.block_kv),
         pad(mi.q_positions, st.block_q), pad(mi.kv_positions, st.block_kv),

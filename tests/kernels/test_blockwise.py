@@ -126,6 +126,12 @@ def test_invalid_inputs_raise(bad, message):
     pk.flash_attention(args["q"], args["k"], args["v"], **kwargs)
 
 
+def test_auto_is_blockwise_on_cpu(helpers):
+  q, k, v = helpers.make_qkv(6, 1, 16, 16, 2, 1, 8)
+  auto = pk.flash_attention(q, k, v, impl="auto")
+  np.testing.assert_array_equal(auto[0], pk.flash_attention(q, k, v)[0])
+
+
 def test_block_sizes_are_validated():
   with pytest.raises(ValueError, match="power of two"):
     pk.BlockSizes(block_q=48)

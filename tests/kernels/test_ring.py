@@ -28,14 +28,17 @@ def test_zigzag_round_trip_and_chunk_placement():
   np.testing.assert_array_equal(pk.from_zigzag(z, 4), x)
 
 
-@pytest.mark.parametrize("layout, kw", [
-    ("contiguous", dict(window=40, softcap=20.0)),
-    ("zigzag", dict()),
-    ("zigzag", dict(packed=True)),
+@pytest.mark.parametrize("shape, kvh, layout, kw", [
+    ((1, 1, 2, 4), 2, "contiguous", dict(window=40, softcap=20.0)),
+    ((1, 1, 1, 8), 1, "zigzag", dict()),
+    ((2, 1, 1, 4), 1, "zigzag", dict(packed=True)),
 ])
-def test_matches_reference_fwd_and_grads(helpers, seq_mesh, layout, kw):
-  b, t, h, kvh, d = 2, 128, 4, 1, 16
+def test_matches_reference_fwd_and_grads(helpers, shape, kvh, layout, kw):
+  # 96 tokens: 12 or 24 per device, not a multiple of the 8-token tiles.
+  b, t, h, d, n = 2, 96, 4, 16, shape[-1]
   q, k, v = helpers.make_qkv(11, b, t, t, h, kvh, d)
+  mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor", "seq"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
   kw = dict(kw)
   packed = kw.pop("packed", False)
   if packed:
@@ -43,15 +46,15 @@ def test_matches_reference_fwd_and_grads(helpers, seq_mesh, layout, kw):
     kw.update(q_segment_ids=seg, kv_segment_ids=seg)
   slow = functools.partial(pk.reference_attention, **kw)
   if layout == "zigzag":
-    zz = lambda x: pk.to_zigzag(x, N)
+    zz = lambda x: pk.to_zigzag(x, n)
     ring_kw = {n: zz(x) for n, x in kw.items()}  # Only segment ids here.
     if packed:  # Explicit positions; the unpacked case uses the defaults.
       pos = zz(jnp.broadcast_to(jnp.arange(t), (b, t)))
       ring_kw.update(q_positions=pos, kv_positions=pos)
-    unzz = lambda x, axis=1: pk.from_zigzag(x, N, axis)
+    unzz = lambda x, axis=1: pk.from_zigzag(x, n, axis)
   else:
     ring_kw, unzz = kw, lambda x, axis=1: x
-  ring = functools.partial(pk.ring_attention, mesh=seq_mesh, layout=layout,
+  ring = functools.partial(pk.ring_attention, mesh=mesh, layout=layout,
                            block_sizes=TILES, **ring_kw)
 
   def fast(q, k, v):
