@@ -1,4 +1,4 @@
-"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx convert`.
+"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx eval`, `ptx convert`.
 
 Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
 such as a run's saved config.json) and overrides `--section.field=value`
@@ -34,6 +34,21 @@ def _parser() -> argparse.ArgumentParser:
   convert.add_argument("src", type=pathlib.Path, help="source file (e.g. model.gguf)")
   convert.add_argument("dst", type=pathlib.Path, help="HF directory to write (weights, config, tokenizer)")
   convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="stored dtype")
+  ev = sub.add_parser("eval", help="pass@k of a model on an evaluation suite, or compare two reports",
+                      description="Sample k completions per task, score them in the suite's environment and "
+                      "write OUT/eval.json (pass@k, mean@k, outcome counts); or --compare two reports.")
+  ev.add_argument("--model", type=pathlib.Path, help="Hugging Face model directory (weights and tokenizer)")
+  ev.add_argument("--task", help="suite name: arithmetic, countdown, math, code, shell")
+  ev.add_argument("--tasks-file", type=pathlib.Path, help="JSONL task records for the file suites")
+  ev.add_argument("--n", type=int, default=100, help="number of tasks")
+  ev.add_argument("--k", type=int, default=8, help="samples per task")
+  ev.add_argument("--max-new-tokens", type=int, default=256)
+  ev.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
+  ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template")
+  ev.add_argument("--seed", type=int, default=0)
+  ev.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/eval"), help="report directory")
+  ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A.json", "B.json"),
+                  help="print the regression table of report B against report A")
   for name, help_text in _ALGORITHMS.items():
     job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
     job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
@@ -73,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     except (GGUFError, OSError) as e:
       parser.error(str(e))
     return 0
+  if args.command == "eval":
+    if overrides:
+      parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    return _evaluate(args, parser.error)
   import jax
 
   # Pinned so RNG streams do not change when JAX's default does (STYLE 17).
@@ -140,6 +159,39 @@ def _train(algorithm: str, cfg, out: pathlib.Path, *, resume: bool, progress: bo
     prepare = None if cfg.dpo.loss_type == "simpo" else functools.partial(dpo.prepare, model=cfg.model)
   fit(cfg, loss_fn=loss_fn, train_data=train, out=out, resume=resume, eval_data=evaluation, prepare=prepare,
       progress=progress)
+
+
+def _evaluate(args, error) -> int:
+  """`ptx eval`: one suite's report for one model, or the comparison of two reports."""
+  from ptx.rl import evaluation
+
+  if args.compare:
+    try:
+      print(evaluation.compare(evaluation.read_report(args.compare[0]), evaluation.read_report(args.compare[1])))
+    except (OSError, ValueError, KeyError) as e:
+      error(f"--compare: {e}")
+    return 0
+  if args.model is None or args.task is None:
+    error("ptx eval needs --model DIR and --task NAME (or --compare A.json B.json)")
+  from ptx.data.hf_tokenizer import load_tokenizer
+  from ptx.models import load_hf
+  from ptx.rl import suites
+  from ptx.sampling.rules import SamplingConfig
+  from ptx.sampling.text import TextSampler
+
+  try:
+    env, tasks = suites.load(args.task, n=args.n, seed=args.seed, path=args.tasks_file)
+    model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
+  except (OSError, ValueError) as e:
+    error(str(e))
+  sampler = TextSampler(model.params, model.cfg, tokenizer, max_new_tokens=args.max_new_tokens,
+                        sampling=SamplingConfig(greedy=True) if args.temperature == 0 else
+                        SamplingConfig(temperature=args.temperature), seed=args.seed, chat=args.chat)
+  report = evaluation.evaluate(sampler, env, tasks, k=args.k)
+  args.out.mkdir(parents=True, exist_ok=True)
+  evaluation.write_report(report, args.out / "eval.json")
+  print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
+  return 0
 
 
 if __name__ == "__main__":

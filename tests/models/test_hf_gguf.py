@@ -5,6 +5,7 @@ row permutation and a small byte-level BPE vocabulary, so conversion back to
 HF must reproduce transformers' logits exactly (float32, no quantisation).
 """
 
+import json
 import numpy as np
 import pytest
 
@@ -129,3 +130,19 @@ def test_ptx_convert_gguf_command(llama, tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["convert", "gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "hf2")])
   assert "missing.gguf" in capsys.readouterr().err
+
+
+def test_ptx_eval_reports_pass_at_k_and_compares(llama, tmp_path, capsys):
+  from ptx import cli
+
+  _write_gguf(tmp_path / "tiny.gguf", llama)
+  cli.main(["convert", "gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), "--dtype=float32"])
+  for name, temperature in (("a", "1.0"), ("b", "0")):
+    assert cli.main(["eval", "--model", str(tmp_path / "hf"), "--task", "arithmetic", "--n", "3", "--k", "2",
+                     "--max-new-tokens", "4", "--temperature", temperature, "--out", str(tmp_path / name)]) == 0
+  report = json.loads((tmp_path / "a" / "eval.json").read_text())
+  assert report["tasks"] == 3 and report["k"] == 2 and set(report["pass@k"]) == {"1", "2"}
+  assert sum(report["outcomes"].values()) == 6
+  capsys.readouterr()
+  cli.main(["eval", "--compare", str(tmp_path / "a" / "eval.json"), str(tmp_path / "b" / "eval.json")])
+  assert "pass@1" in capsys.readouterr().out

@@ -1,0 +1,65 @@
+"""Text in, text out: the sampler behind evaluations and host-scored rewards.
+
+`TextSampler(prompts, k)` tokenizes each prompt (plainly, or as a user turn
+through the tokenizer's chat template), samples k continuations per prompt
+with `ptx.sampling.generate` (each prompt prefilled once for its k samples),
+and decodes them up to, not including, the stop token. It is the
+`generate(prompts, k)` callable of `ptx.rl.evaluation.evaluate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ptx.config import ModelConfig
+from ptx.data.chat import encode_chat
+from ptx.data.tokenizer import Tokenizer
+from ptx.sampling.generation import generate
+from ptx.sampling.rules import SamplingConfig
+
+
+class TextSampler:
+  """Samples text continuations of text prompts from a parameter tree.
+
+  Args:
+    params: the decoder parameters (placed on `mesh` when given).
+    cfg: the model config.
+    tokenizer: encodes prompts and decodes completions.
+    max_new_tokens: the length budget of a completion.
+    sampling: temperature / top-k / top-p / min-p.
+    seed: call i samples with `fold_in(key(seed), i)`, so a run is reproducible.
+    chat: render each prompt as a user turn of the tokenizer's chat template.
+    mesh: sample sharded on this mesh.
+    stop_ids: ids that end a completion; defaults to the tokenizer's eos.
+  """
+
+  def __init__(self, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, *, max_new_tokens: int,
+               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, chat: bool = False,
+               mesh: Mesh | None = None, stop_ids: Sequence[int] | None = None):
+    self.params, self.cfg, self.tokenizer = params, cfg, tokenizer
+    self.max_new_tokens, self.sampling, self.chat, self.mesh = max_new_tokens, sampling, chat, mesh
+    self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_id]
+    self._key = jax.random.key(seed)
+    self._calls = 0
+
+  def encode(self, prompt: str) -> list[int]:
+    """The prompt's token ids, as the model will see them."""
+    if self.chat:
+      return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)[0]
+    bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+    return bos + self.tokenizer.encode(prompt)
+
+  def __call__(self, prompts: list[str], k: int) -> list[list[str]]:
+    """k completions of every prompt, in prompt order."""
+    rng = jax.random.fold_in(self._key, self._calls)
+    self._calls += 1
+    out = generate(self.params, [self.encode(p) for p in prompts], cfg=self.cfg,
+                   max_new_tokens=self.max_new_tokens, sampling=self.sampling, rng=rng, stop_ids=self.stop_ids,
+                   group_size=k, mesh=self.mesh, pad_id=self.tokenizer.pad_id)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    texts = [self.tokenizer.decode([t for t in row[:n] if t not in self.stop_ids]) for row, n in zip(tokens, lengths)]
+    return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
