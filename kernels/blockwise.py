@@ -59,20 +59,15 @@ def vary_like(tree, *refs):
                       tree)
 
 
-def _tile(x, start, size: int, axis: int = 1):
-  """A tile of x, fenced so its dtype conversion cannot leave the loop.
-
-  Backends without native bf16 matmuls (XLA:CPU) convert operands to f32; the
-  barrier stops XLA hoisting that convert out of the loop, which would keep a
-  float32 copy of the whole q, k, v or dout alive.
-  """
-  return lax.optimization_barrier(lax.dynamic_slice_in_dim(x, start, size, axis))
+def _tile(x, start, size: int):
+  """Rows [start, start + size) of x along the sequence axis (axis 1)."""
+  return lax.dynamic_slice_in_dim(x, start, size, 1)
 
 
 def _tile_mask(mi: mask_lib.MaskInputs, i, j, st: Static):
   """Visibility [B, 1, 1, bq, bk] of kv tile j for query tile i."""
-  qsl = lambda x: lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, 1)
-  ksl = lambda x: lax.dynamic_slice_in_dim(x, j * st.block_kv, st.block_kv, 1)
+  qsl = lambda x: _tile(x, i * st.block_q, st.block_q)
+  ksl = lambda x: _tile(x, j * st.block_kv, st.block_kv)
   ok = mask_lib.visible(
       qsl(mi.q_segment_ids), ksl(mi.kv_segment_ids), qsl(mi.q_positions),
       ksl(mi.kv_positions), causal=st.causal, window=mi.window)
@@ -122,19 +117,17 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
   b, t, h, d = q.shape
   kvh = k.shape[2]
   q5 = q.reshape(b, t, kvh, h // kvh, d)
-  if acc is None:
+  merge = acc is not None
+  if not merge:
     acc = vary_like((jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
                      jnp.zeros((b, h, t), jnp.float32)), q, k, v, mi)
-    merge = False
-  else:
-    merge = True
 
   def step(i, acc):
     out, lse = acc
     q_i = _tile(q5, i * st.block_q, st.block_q)
     o_i, lse_i = _attend_tile(q_i, k, v, mi, i, st)
     if merge:
-      prev_o = lax.dynamic_slice_in_dim(out, i * st.block_q, st.block_q, 1)
+      prev_o = _tile(out, i * st.block_q, st.block_q)
       prev_l = lax.dynamic_slice_in_dim(lse, i * st.block_q, st.block_q, 2)
       o_i, lse_i = lse_lib.merge_lse([prev_o, o_i], [prev_l, lse_i])
     out = lax.dynamic_update_slice_in_dim(
@@ -187,7 +180,7 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
         if dcap is not None:
           ds *= dcap
         ds = (ds * st.scale).astype(q.dtype)
-        dq_i = lax.dynamic_slice_in_dim(dq, i * bq, bq, 1) + jnp.einsum(
+        dq_i = _tile(dq, i * bq, bq) + jnp.einsum(
             "bkgqs,bskd->bqkgd", ds, k_j, preferred_element_type=jnp.float32)
         dk_j += jnp.einsum("bkgqs,bqkgd->bskd", ds, q_i,
                            preferred_element_type=jnp.float32)
@@ -195,8 +188,7 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
 
       return lax.cond(jnp.any(ok), compute, lambda c: c, inner)
 
-    init = (dq, lax.dynamic_slice_in_dim(dk, j * bk, bk, 1),
-            lax.dynamic_slice_in_dim(dv, j * bk, bk, 1))
+    init = (dq, _tile(dk, j * bk, bk), _tile(dv, j * bk, bk))
     dq, dk_j, dv_j = lax.fori_loop(0, t // bq, q_step, init)
     return (dq, lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, 1),
             lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, 1))
