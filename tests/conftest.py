@@ -1,6 +1,5 @@
 """Test setup: 8 fake CPU devices before JAX is imported, strict numerics."""
 
-import dataclasses
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -35,11 +34,3 @@ def tiny_config():
 
   return ModelConfig(vocab_size=264, d_model=40, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=14,
                      mlp_dim=96, rope_theta=10_000.0, init_std=0.1)
-
-
-def gemma_like(cfg):
-  """The tiny config with every Gemma 2/3 feature switched on."""
-  return dataclasses.replace(
-      cfg, activation="gelu_tanh", norm_plus_one=True, post_norms=True, qk_norm=True, embed_scale=True,
-      tie_embeddings=True, sliding_window=3, sliding_window_pattern=2, attn_logit_softcap=5.0,
-      final_logit_softcap=3.0, query_pre_attn_scalar=20.0, rope_local_theta=100.0)

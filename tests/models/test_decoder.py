@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import gemma_like
+from model_variants import gemma_like
 from ptx.config import MODEL_PRESETS, RopeScaling
 from ptx import sharding
 from ptx.models import Decoder, count_params, init_params
