@@ -254,6 +254,25 @@ class GRPOConfig:
   tis_cap: float | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters (LoRA): train W + (alpha / rank) A B with W frozen (see ptx.models.lora)."""
+
+  # Adapter rank r; 0 turns LoRA off (full fine-tuning).
+  rank: int = 0
+  # Scale numerator: the adapter's update is multiplied by alpha / rank.
+  alpha: float = 16.0
+  # Dropout rate on the adapter's input during training.
+  dropout: float = 0.0
+  # Adapted projections among q, k, v, o (attention) and gate, up, down (MLP).
+  targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+  def __post_init__(self):
+    unknown = [t for t in self.targets if t not in ("q", "k", "v", "o", "gate", "up", "down")]
+    if self.rank < 0 or not 0.0 <= self.dropout < 1.0 or unknown or not self.targets:
+      raise ValueError(f"LoRAConfig: bad rank={self.rank}, dropout={self.dropout} or targets={self.targets}")
+
+
 # The spec's presets (section 5.9), selectable as --grpo=NAME.
 GRPO_PRESETS: dict[str, GRPOConfig] = {
     "grpo_paper": GRPOConfig(loss_agg_mode="seq_mean_token_mean", beta=0.04),
@@ -286,6 +305,8 @@ class Config:
   dpo: DPOConfig = DPOConfig()
   # Reinforcement learning with verifiable rewards (ptx grpo).
   grpo: GRPOConfig = GRPOConfig()
+  # Low-rank adapters; rank 0 trains all parameters.
+  lora: LoRAConfig = LoRAConfig()
 
 
 # Registered model presets, filled in by the family modules (ptx.models.*).

@@ -12,6 +12,7 @@ Logical axes:
   mlp       hidden units of the MLP
   vocab     vocabulary entries
   layers    the stacked-layer axis of scanned parameters
+  lora_rank the rank of a low-rank adapter (never sharded: it is small)
 
 Mesh axes, outermost first: `data` (replicated-parameter data parallelism),
 `fsdp` (data parallelism with sharded parameters and optimizer state),
@@ -36,7 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ptx.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor", "seq")
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "lora_rank")
 
 AxisRule = str | tuple[str, ...] | None
 Names = tuple[str | None, ...]

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache as kv_cache_lib
+from ptx.models import lora
 from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
@@ -254,9 +255,10 @@ def block(
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
-  q = jnp.einsum("btd,dhk->bthk", h, p["q"].astype(dtype))
-  k = jnp.einsum("btd,dnk->btnk", h, p["k"].astype(dtype))
-  v = jnp.einsum("btd,dnk->btnk", h, p["v"].astype(dtype))
+  # lora.project is a plain einsum, plus the low-rank term of a LoRA-adapted weight.
+  q = lora.project("btd,dhk->bthk", h, p["q"], dtype)
+  k = lora.project("btd,dnk->btnk", h, p["k"], dtype)
+  v = lora.project("btd,dnk->btnk", h, p["v"], dtype)
   if cfg.qkv_bias:
     q, k, v = (x + p[f"{name}_bias"].astype(dtype)[None, None] for x, name in ((q, "q"), (k, "k"), (v, "v")))
   if cfg.qk_norm:
@@ -273,15 +275,15 @@ def block(
     kv_masks = {"kv_segment_ids": cache.segment_ids, "kv_positions": cache.positions}
   out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
                   window=window, softcap=cfg.attn_logit_softcap, scale=scale, **kv_masks)
-  out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dtype))
+  out = lora.project("bthk,hkd->btd", out, p["o"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
 
   h = rms_norm(x, p["mlp_norm"], cfg)
-  gate = _ACTIVATIONS[cfg.activation](jnp.einsum("btd,df->btf", h, p["gate"].astype(dtype)))
-  hidden = sharding.constrain(gate * jnp.einsum("btd,df->btf", h, p["up"].astype(dtype)), ("batch", "seq", "mlp"), rules)
-  out = jnp.einsum("btf,fd->btd", hidden, p["down"].astype(dtype))
+  gate = _ACTIVATIONS[cfg.activation](lora.project("btd,df->btf", h, p["gate"], dtype))
+  hidden = sharding.constrain(gate * lora.project("btd,df->btf", h, p["up"], dtype), ("batch", "seq", "mlp"), rules)
+  out = lora.project("btf,fd->btd", hidden, p["down"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
   return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache
