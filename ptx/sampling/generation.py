@@ -102,17 +102,12 @@ def generate_padded(
   Returns:
     A Generation of B * G rows and N columns.
   """
-  B, P = prompt_tokens.shape
-  R = B * group_size
-  params = unstack_layers(params, cfg)
+  R = prompt_tokens.shape[0] * group_size
+  params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
   # The last token is sampled but never fed back, so P + N - 1 slots suffice.
-  cache = kv_cache.init_cache(cfg, B, P + budget - 1, int8=kv_int8, rules=rules)
-  columns = jnp.arange(P, dtype=jnp.int32)[None, :]
-  first_BP = jnp.broadcast_to((P - prompt_lengths)[:, None], (B, P))
-  prefill_logits, cache = forward_with_cache(
-      params, prompt_tokens, cfg, cache, positions=jnp.maximum(columns - first_BP, 0),
-      segment_ids=(columns >= first_BP).astype(jnp.int32), last_only=True, rules=rules)
-  cache = kv_cache.repeat(cache, group_size, rules)
+  cache = kv_cache.init_cache(cfg, prompt_tokens.shape[0], prompt_tokens.shape[1] + budget - 1, int8=kv_int8,
+                              rules=rules)
+  prefill_logits_RV, cache = _prefill(params, prompt_tokens, prompt_lengths, cache, cfg, group_size, rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
   stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
   uniforms_NR = sharding.constrain(jax.random.uniform(rng, (budget, R)), (None, "batch"), rules)
@@ -145,9 +140,21 @@ def generate_padded(
                 tokens=jnp.full((R, budget), pad_id, jnp.int32),
                 log_probs=jnp.zeros((R, budget), jnp.float32),
                 done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32))
-  loop = jax.lax.while_loop(running, step, emit(start, jnp.repeat(prefill_logits[:, 0], group_size, axis=0)))
+  loop = jax.lax.while_loop(running, step, emit(start, prefill_logits_RV))
   return Generation(tokens=loop.tokens, lengths=loop.lengths,
                     finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
+
+
+def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache: kv_cache.KVCache,
+             cfg: ModelConfig, group_size: int, rules: sharding.Rules) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Writes the left-padded prompts into the cache once, then repeats cache and last logits G times."""
+  B, P = prompt_tokens.shape
+  columns = jnp.arange(P, dtype=jnp.int32)[None, :]
+  first_BP = jnp.broadcast_to((P - prompt_lengths)[:, None], (B, P))
+  logits_B1V, cache = forward_with_cache(
+      params, prompt_tokens, cfg, cache, positions=jnp.maximum(columns - first_BP, 0),
+      segment_ids=(columns >= first_BP).astype(jnp.int32), last_only=True, rules=rules)
+  return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
 
 
 _generate_jit = jax.jit(generate_padded, static_argnames=(
@@ -201,6 +208,8 @@ def generate(
                         budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
                         pad_id=pad_id, rules=rules)
   n = len(prompts) * group_size
+  if (n, max_new_tokens) == out.tokens.shape:
+    return out
   return Generation(tokens=out.tokens[:n, :max_new_tokens], lengths=out.lengths[:n],
                     finish_reasons=out.finish_reasons[:n], log_probs=out.log_probs[:n, :max_new_tokens])
 
