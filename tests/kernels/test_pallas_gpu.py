@@ -4,11 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import ptx_kernels as pk
-from ptx_kernels import mask as mask_lib
 
 TILES = pk.BlockSizes(block_q=32, block_kv=16)
 
@@ -39,21 +37,6 @@ def test_bf16_and_explicit_positions(helpers):
   pos = dict(q_positions=jnp.arange(16, 48)[None], kv_positions=jnp.arange(48)[None])
   helpers.assert_matches(_gpu(**pos), functools.partial(pk.reference_attention, **pos),
                          q, k, v, tol=1e-2)
-
-
-def test_key_bounds_equal_the_visibility_rule():
-  rng = np.random.default_rng(0)
-  qp = jnp.asarray(rng.integers(0, 50, (2, 30)), jnp.int32)
-  kp = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
-  ones_q, ones_k = jnp.ones((2, 30), jnp.int32), jnp.ones((2, 40), jnp.int32)
-  for causal in (True, False):
-    for window in (None, 1, 7):
-      mi = mask_lib.make_mask_inputs(2, 30, 40, q_positions=qp, kv_positions=kp,
-                                     window=window)
-      lo, hi = mask_lib.key_bounds(mi, causal)
-      want = mask_lib.visible(ones_q, ones_k, qp, kp, causal=causal, window=mi.window)
-      got = (kp[:, None, :] <= hi[:, :, None]) & (kp[:, None, :] > lo[:, :, None])
-      np.testing.assert_array_equal(got, want)
 
 
 def test_head_dim_must_suit_triton():
