@@ -43,6 +43,7 @@ def _programs(attention):
 
 
 def _memory_mib(program, *args) -> float:
+  """Compiled arguments + outputs + temporaries, in MiB."""
   mem = program.lower(*args).compile().memory_analysis()
   total = (mem.argument_size_in_bytes + mem.output_size_in_bytes
            + mem.temp_size_in_bytes)
@@ -50,6 +51,7 @@ def _memory_mib(program, *args) -> float:
 
 
 def _best_seconds(program, args, repeats: int) -> float:
+  """Best wall time of `repeats` runs after one warm-up."""
   jax.block_until_ready(program(*args))
   best = float("inf")
   for _ in range(repeats):
@@ -60,6 +62,7 @@ def _best_seconds(program, args, repeats: int) -> float:
 
 
 def _impls(block_sizes):
+  """The single-device implementations to compare."""
   return {
       "naive": pk.reference_attention,
       "blockwise": functools.partial(pk.flash_attention, block_sizes=block_sizes),
@@ -119,6 +122,7 @@ def bench_1m(args):
 
 
 def main():
+  """Parses flags and prints every measurement."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+",
                       default=[4096, 8192, 16384, 32768, 65536, 131072])

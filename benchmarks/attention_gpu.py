@@ -25,20 +25,24 @@ import ptx_kernels as pk
 
 
 def _emit(**row):
+  """Prints one JSON line."""
   print(json.dumps(row), flush=True)
 
 
 def _cudnn(q, k, v):
+  """jax.nn's cuDNN flash attention (causal), shaped like ptx_kernels'."""
   out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation="cudnn")
   return out, None
 
 
 def _pallas(tiles, q, k, v):
+  """The ptx GPU kernel with the given tiles."""
   return pk.flash_attention(q, k, v, impl="pallas_gpu", block_sizes=tiles)
 
 
 def _fwd_bwd(attention):
+  """Jitted gradients of <out, dout> in q, k, v."""
   def loss(q, k, v, dout):
     return jnp.sum(attention(q, k, v)[0].astype(jnp.float32)
                    * dout.astype(jnp.float32))
@@ -46,6 +50,7 @@ def _fwd_bwd(attention):
 
 
 def _rel_err(got, want) -> float:
+  """max |got - want| / max |want| in float32."""
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
@@ -79,6 +84,7 @@ def check(tiles):
 
 
 def _best_seconds(program, args, repeats):
+  """Best wall time of `repeats` runs after one warm-up."""
   jax.block_until_ready(program(*args))
   best = float("inf")
   for _ in range(repeats):
@@ -126,6 +132,7 @@ def bench(args, tiles):
 
 
 def main():
+  """Parses flags, checks correctness, then times every length."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+",
                       default=[2**i for i in range(13, 21)])

@@ -19,6 +19,7 @@ class BlockSizes:
   block_kv: int = 512
 
   def __post_init__(self):
+    """Rejects tiles that are not positive powers of two."""
     for name in ("block_q", "block_kv"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1 or value & (value - 1):

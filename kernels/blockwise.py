@@ -224,11 +224,13 @@ def attention(q, k, v, mi: mask_lib.MaskInputs, st: Static):
 
 
 def _attention_fwd(q, k, v, mi, st):
+  """Forward rule: keeps only q, k, v, the mask inputs, out and lse."""
   out, lse = forward(q, k, v, mi, st)
   return (out, lse), (q, k, v, mi, out, lse)
 
 
 def _attention_bwd(st, res, cts):
+  """Backward rule: recomputes P tile by tile from the LSE."""
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   dq, dk, dv = backward(q, k, v, mi, st, lse, delta_of(out, dout, dlse), dout,

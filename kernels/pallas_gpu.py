@@ -53,11 +53,13 @@ def _visible(qseg, lo, hi, kseg, kpos):
 
 
 def _any(ok):
+  """Whether any entry of a boolean tile is set (a scalar Triton can branch on)."""
   return jnp.max(ok.astype(jnp.int32)) > 0
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, lo_ref, hi_ref, kseg_ref,
                 kpos_ref, o_ref, lse_ref, *, st: blockwise.Static):
+  """One query tile over all key tiles: out and natural-log LSE."""
   q, qseg, lo, hi = q_ref[...], qseg_ref[...], lo_ref[...], hi_ref[...]
   bq, bk = q.shape[0], st.block_kv
 
@@ -89,6 +91,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, lo_ref, hi_ref, kseg_ref,
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
                lo_ref, hi_ref, kseg_ref, kpos_ref, dq_ref, *,
                st: blockwise.Static):
+  """One query tile over all key tiles: dQ."""
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   qseg, lo, hi = qseg_ref[...], lo_ref[...], hi_ref[...]
   bk = st.block_kv
@@ -116,6 +119,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
                 lo_ref, hi_ref, kseg_ref, kpos_ref, dk_ref, dv_ref, *,
                 st: blockwise.Static):
+  """One key tile over every query tile of its G heads: dK, dV."""
   k, v, kseg, kpos = k_ref[...], v_ref[...], kseg_ref[...], kpos_ref[...]
   bq = st.block_q
 
@@ -146,10 +150,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref,
 
 
 def _params(d: int):
+  """Triton launch parameters for a head dim."""
   return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
 def _forward(q, k, v, mi, st, interpret):
+  """Launches the forward kernel on tile-multiple inputs."""
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // kvh
@@ -174,6 +180,7 @@ def _forward(q, k, v, mi, st, interpret):
 
 
 def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
+  """Launches the dQ and dK/dV kernels on tile-multiple inputs."""
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // kvh
@@ -224,11 +231,13 @@ def attention(q, k, v, mi: mask_lib.MaskInputs, st: blockwise.Static,
 
 
 def _attention_fwd(q, k, v, mi, st, interpret):
+  """Forward rule: keeps only q, k, v, the mask inputs, out and lse."""
   out, lse = _forward(q, k, v, mi, st, interpret)
   return (out, lse), (q, k, v, mi, out, lse)
 
 
 def _attention_bwd(st, interpret, res, cts):
+  """Backward rule: delta in XLA, then the two gradient kernels."""
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   delta = blockwise.delta_of(out, dout, dlse)

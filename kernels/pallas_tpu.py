@@ -25,6 +25,7 @@ from ptx_kernels import mask as mask_lib
 
 
 def _may_see(qsum_ref, kvsum_ref, b, i, j, nq, nk):
+  """Reads two tile summaries from SMEM and tests them."""
   row = lambda ref, n, t: [ref[(b * n + t) * 4 + c] for c in range(4)]
   return mask_lib.tiles_may_see(row(qsum_ref, nq, i), row(kvsum_ref, nk, j))
 
@@ -42,12 +43,14 @@ def _tile_logits(qids, kvids, q, k, st: blockwise.Static):
 
 
 def _dot(a, b, contract_a: int, contract_b: int):
+  """f32-accumulated matmul contracting one axis of each operand."""
   return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                          preferred_element_type=jnp.float32)
 
 
 def _fwd_kernel(qsum_ref, kvsum_ref, qids_ref, kvids_ref, q_ref, k_ref, v_ref,
                 o_ref, lse_ref, acc, m_scr, l_scr, *, st, nq, nk):
+  """Online-softmax step of one (query tile, key tile) pair."""
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -90,6 +93,7 @@ def _grad_tile(qids, kvids, q, k, v, do, lse, delta, st):
 
 def _dq_kernel(qsum_ref, kvsum_ref, qids_ref, kvids_ref, q_ref, k_ref, v_ref,
                do_ref, lse_ref, delta_ref, dq_ref, acc, *, st, nq, nk):
+  """dQ contribution of one (query tile, key tile) pair."""
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -111,6 +115,7 @@ def _dq_kernel(qsum_ref, kvsum_ref, qids_ref, kvids_ref, q_ref, k_ref, v_ref,
 def _dkv_kernel(qsum_ref, kvsum_ref, qids_ref, kvids_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
                 st, nq, nk, g):
+  """dK/dV contribution of one (key tile, query tile of one head) pair."""
   b, j, r = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(r == 0)
@@ -145,6 +150,7 @@ def _layout(q, k, v, mi, st):
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret,
           name):
+  """A pallas_call with two SMEM-prefetched tile summaries, last axis reducing."""
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -157,6 +163,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret,
 
 
 def _forward(q, k, v, mi, st, interpret):
+  """Launches the forward kernel on tile-multiple inputs."""
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g, nq, nk = h // kvh, t // st.block_q, s // st.block_kv
@@ -180,6 +187,7 @@ def _forward(q, k, v, mi, st, interpret):
 
 
 def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
+  """Launches the dQ and dK/dV kernels on tile-multiple inputs."""
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g, nq, nk = h // kvh, t // st.block_q, s // st.block_kv
@@ -228,11 +236,13 @@ def attention(q, k, v, mi: mask_lib.MaskInputs, st: blockwise.Static,
 
 
 def _attention_fwd(q, k, v, mi, st, interpret):
+  """Forward rule: keeps only q, k, v, the mask inputs, out and lse."""
   out, lse = _forward(q, k, v, mi, st, interpret)
   return (out, lse), (q, k, v, mi, out, lse)
 
 
 def _attention_bwd(st, interpret, res, cts):
+  """Backward rule: delta in XLA, then the two gradient kernels."""
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   delta = blockwise.delta_of(out, dout, dlse)

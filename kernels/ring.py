@@ -32,10 +32,12 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def _zigzag_order(n: int) -> list[int]:
+  """Chunk order of the zig-zag layout: 0, 2n-1, 1, 2n-2, ..."""
   return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
 
 
 def _reorder_chunks(x, n: int, axis: int, order: list[int]):
+  """Splits an axis into 2n chunks and puts them in `order`."""
   length = x.shape[axis]
   if length % (2 * n):
     raise ValueError(f"axis {axis} length {length} is not a multiple of 2n={2 * n}")
@@ -56,20 +58,24 @@ def from_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
 
 
 def _rotate(tree, axis_name: str, n: int):
+  """Sends every leaf of a tree to the next device of the ring."""
   perm = [(i, (i + 1) % n) for i in range(n)]
   return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
 def _visiting(mi: mask_lib.MaskInputs, kv_seg, kv_pos) -> mask_lib.MaskInputs:
+  """Mask inputs with the key side of the shard now held here."""
   return mi._replace(kv_segment_ids=kv_seg, kv_positions=kv_pos)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _ring(q, k, v, mi, st: blockwise.Static, axis_name: str, n: int):
+  """Ring attention on the local shards (inside shard_map): (out, lse)."""
   return _ring_fwd(q, k, v, mi, st, axis_name, n)[0]
 
 
 def _ring_fwd(q, k, v, mi, st, axis_name, n):
+  """n ring steps, each folding one key/value shard into the accumulator."""
   b, t, h, _ = q.shape
   acc = blockwise.vary_like((jnp.zeros((b, t, h, v.shape[-1]), jnp.float32),
                              jnp.full((b, h, t), -jnp.inf, jnp.float32)),
@@ -91,6 +97,7 @@ def _ring_fwd(q, k, v, mi, st, axis_name, n):
 
 
 def _ring_bwd(st, axis_name, n, res, cts):
+  """n ring steps; dK/dV travel with their shard and end at its owner."""
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   delta = blockwise.delta_of(out, dout, dlse)
