@@ -39,12 +39,15 @@ from ptx.train.step import LossFn, make_train_step
 def fit(
     cfg: Config,
     *,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     train_data: Iterable[dict[str, Any]],
     out: pathlib.Path,
     resume: bool = False,
     eval_data: Iterable[dict[str, Any]] | None = None,
     prepare: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None,
+    make_step: Callable[..., Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]] | None = None,
+    init_params: Any = None,
+    with_reference: bool = False,
     progress: bool = True,
 ) -> tuple[TrainState, dict[str, Any]]:
   """Trains `cfg.train.steps` steps of `loss_fn` on `train_data`, writing to `out`.
@@ -58,8 +61,14 @@ def fit(
     resume: continue from the newest restorable checkpoint in `out`, if any.
     eval_data: a finite iterable of host batches, evaluated every
       `cfg.train.eval_every` steps and at the end.
-    prepare: the algorithm's batch preparation from a frozen reference copy
-      of the initial parameters (`TrainState.ref_params`), e.g. DPO.
+    prepare: the algorithm's batch preparation from the frozen reference
+      (`TrainState.ref_params`, a copy of the initial parameters), e.g. DPO.
+    make_step: `make_step(optimizer=, mesh=, state_shardings=) -> step(state,
+      batch)` replaces the supervised step built from `loss_fn` (e.g. GRPO's
+      fused step).
+    init_params: start from these parameters instead of a fresh init.
+    with_reference: keep a frozen copy of the initial parameters
+      (implied by `prepare`).
     progress: show a progress bar.
 
   Returns:
@@ -74,26 +83,30 @@ def fit(
     config_lib.save(cfg, out / "config.json")
   mesh = make_mesh(cfg.mesh)
   optimizer = make_optimizer(cfg.optim, cfg.train.steps, weight_decay_mask(cfg.model))
-  with_reference = prepare is not None
+  with_reference = with_reference or prepare is not None
   shardings = state_shardings(cfg.model, optimizer, mesh, with_reference=with_reference)
-  step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, state_shardings=shardings,
-                            grad_accum=cfg.train.grad_accum, prepare=prepare)
+  if make_step is None:
+    step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, state_shardings=shardings,
+                              grad_accum=cfg.train.grad_accum, prepare=prepare)
+  else:
+    step_fn = make_step(optimizer=optimizer, mesh=mesh, state_shardings=shardings)
+  start = functools.partial(init_state, cfg.model, optimizer, cfg.train.seed, mesh, with_reference=with_reference,
+                            params=init_params)
   checkpointer = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
   data = iter(train_data)
   state, resumed_from = None, None
   if resume:
     abstract = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
-                            jax.eval_shape(functools.partial(init_state, cfg.model, optimizer, cfg.train.seed,
-                                                             mesh, with_reference=with_reference)))
+                            jax.eval_shape(start))
     restored = checkpointer.restore(abstract, data)
     if restored is not None:
       resumed_from, state = restored
       if primary:
         print(f"resumed from checkpoint step {resumed_from}", flush=True)
   if state is None:
-    state = init_state(cfg.model, optimizer, cfg.train.seed, mesh, with_reference=with_reference)
+    state = start()
   writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
-  evaluate = _evaluator(loss_fn, prepare, shardings, mesh, eval_data)
+  evaluate = None if eval_data is None else _evaluator(loss_fn, prepare, shardings, mesh, eval_data)
   schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
   started = time.perf_counter()
   try:
@@ -148,8 +161,9 @@ def _log(pending, clock, tokens, schedule, writer, bar):
   record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
   record["lr"] = float(schedule(step - 1))
   record["steps_per_s"] = (step - then_step) / max(now - then, 1e-9)
-  record["tokens_per_s"] = (tokens - then_tokens) / max(now - then, 1e-9)
-  bar.set_postfix(loss=f"{record['loss']:.4g}", tok_s=f"{record['tokens_per_s']:.3g}")
+  if tokens > then_tokens:  # batches with a `tokens` array (not RL prompt batches)
+    record["tokens_per_s"] = (tokens - then_tokens) / max(now - then, 1e-9)
+  bar.set_postfix(loss=f"{record['loss']:.4g}", steps_s=f"{record['steps_per_s']:.3g}")
   writer.write(record)
   return record, (now, step, tokens)
 
@@ -164,10 +178,8 @@ def _flat(batch: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     yield from (_flat(value) if isinstance(value, dict) else [(key, value)])
 
 
-def _evaluator(loss_fn, prepare, shardings, mesh, eval_data) -> Callable[[TrainState], dict[str, float]] | None:
+def _evaluator(loss_fn, prepare, shardings, mesh, eval_data) -> Callable[[TrainState], dict[str, float]]:
   """Returns `evaluate(state) -> {"eval/...": mean}`, weighted like the training loss."""
-  if eval_data is None:
-    return None
 
   @functools.partial(jax.jit, in_shardings=(shardings, None))
   def metrics(state, batch):

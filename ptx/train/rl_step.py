@@ -1,7 +1,6 @@
 """GRPO's fused mode: sample -> reward -> advantages -> updates, as one jitted program.
 
-`make_grpo_step` returns `step(state, prompts, prompt_lengths, task) ->
-(state, metrics)`. Inside one compiled executable it samples G completions
+`make_grpo_step` returns `step(state, batch) -> (state, metrics)`. Inside one compiled executable it samples G completions
 per prompt from `state.params` (the KV cache and the parameters never leave
 the mesh), scores them with a JAX reward function, computes advantages, and
 runs `epochs` passes of `minibatches` optimizer updates with the GRPO loss.
@@ -99,7 +98,9 @@ def make_grpo_step(
     rules: sharding rules.
 
   Returns:
-    `step(state, prompts [B, P], prompt_lengths [B], task) -> (state, metrics)`.
+    `step(state, batch) -> (state, metrics)` with batch = {"prompts" [B, P]
+    left-padded, "prompt_lengths" [B], "task": reward_fn's arrays [B, ...]}
+    (`ptx.rl.prompt_batches.PromptBatches`).
   """
   G = cfg.group_size
   use_reference = cfg.beta > 0 and cfg.kl_placement != "none"
@@ -108,7 +109,8 @@ def make_grpo_step(
       forward(params, b["tokens"], model, positions=b["positions"], segment_ids=b["segment_ids"], rules=rules),
       b["tokens"])
 
-  def step(state: TrainState, prompts, prompt_lengths, task):
+  def step(state: TrainState, batch: dict[str, Any]):
+    prompts, prompt_lengths, task = batch["prompts"], batch["prompt_lengths"], batch["task"]
     rng = jax.random.fold_in(state.rng, state.step)
     sample_key, update_key = jax.random.split(rng)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -150,7 +152,7 @@ def make_grpo_step(
   # Prompts and task fields are small: they arrive as they are and the sampler's
   # constraints shard the rows; the state keeps its layout and is donated.
   replicated = NamedSharding(mesh, PartitionSpec())
-  return jax.jit(step, in_shardings=(state_shardings, None, None, None),
+  return jax.jit(step, in_shardings=(state_shardings, None),
                  out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 

@@ -54,18 +54,27 @@ def initial_params(model: ModelConfig, seed: int) -> Any:
 
 
 def init_state(model: ModelConfig, optimizer: optax.GradientTransformation, seed: int, mesh: Mesh,
-               rules: sharding.Rules = sharding.DEFAULT_RULES, *, with_reference: bool = False) -> TrainState:
+               rules: sharding.Rules = sharding.DEFAULT_RULES, *, with_reference: bool = False,
+               params: Any = None) -> TrainState:
   """Initialises parameters and optimizer state directly in their shardings.
 
-  With `with_reference`, `ref_params` starts as a copy of the initial parameters.
+  Args:
+    model: the model config.
+    optimizer: the optimizer whose state to create.
+    seed: the root of the parameter init (when `params` is None) and of `rng`.
+    mesh: the device mesh.
+    rules: the sharding rules.
+    with_reference: `ref_params` starts as a copy of the initial parameters.
+    params: start from these parameters (e.g. an SFT result or loaded
+      weights) instead of a fresh initialisation.
   """
 
-  def init(key):
+  def init(key, params):
     init_key, rng = jax.random.split(key)
-    params = params_lib.init_params(model, init_key)  # what initial_params(model, seed) returns
+    if params is None:  # static: what initial_params(model, seed) returns
+      params = params_lib.init_params(model, init_key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng,
                       ref_params=params if with_reference else None)
 
   out = state_shardings(model, optimizer, mesh, rules, with_reference=with_reference)
-  return jax.jit(init, out_shardings=out)(jax.random.PRNGKey(seed))
-
+  return jax.jit(init, out_shardings=out)(jax.random.PRNGKey(seed), params)

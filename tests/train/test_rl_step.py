@@ -38,7 +38,8 @@ def _prompts(n, seed=0):
   task = ArithmeticTask(seed, 2)
   rows = [task[i] for i in range(n)]
   tokens, lengths = left_pad([[TOK.bos_id] + TOK.encode(r["prompt"]) for r in rows], n, 8, TOK.pad_id)
-  return tokens, lengths, {"targets": encode_targets(TOK, [r["answer"] for r in rows], 4)}
+  return {"prompts": tokens, "prompt_lengths": lengths,
+          "task": {"targets": encode_targets(TOK, [r["answer"] for r in rows], 4)}}
 
 
 def _setup(cfg, grpo_cfg, reward_fn, **kw):
@@ -57,7 +58,8 @@ def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_co
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=4, beta=0.04)
   mesh, optimizer, state, step = _setup(cfg, grpo_cfg, _even_tokens)
-  prompts, lengths, task = _prompts(4)
+  batch_in = _prompts(4)
+  prompts, lengths = batch_in["prompts"], batch_in["prompt_lengths"]
 
   # The unfused reference: sample, score on the host, then update, as separate programs.
   params, opt_state, ref = state.params, state.opt_state, state.ref_params
@@ -82,13 +84,13 @@ def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_co
   want = optax.apply_updates(params, updates)
   want = jax.tree.map(np.asarray, want)
 
-  new_state, metrics = step(state, prompts, lengths, task)
+  new_state, metrics = step(state, batch_in)
   np.testing.assert_allclose(float(metrics["reward/mean"]), rewards.mean(), rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6),
                new_state.params, want)
   assert float(metrics["rollout/logp_diff_max"]) < 1e-4
   for seed in (1, 2):
-    new_state, metrics = step(new_state, *_prompts(4, seed))
+    new_state, metrics = step(new_state, _prompts(4, seed))
   assert step._cache_size() == 1, "the fused step recompiled"
   assert int(new_state.step) == 3
 
@@ -98,7 +100,7 @@ def test_exact_match_reward_and_several_minibatches_and_epochs(tiny_config):
   reward = lambda gen, task: exact_match(gen.tokens, gen.lengths, task["targets"])
   _, _, state, step = _setup(cfg, GRPOConfig(group_size=2, beta=0.0, kl_placement="none"), reward,
                              epochs=2, minibatches=2)
-  state, metrics = step(state, *_prompts(4))
+  state, metrics = step(state, _prompts(4))
   assert {"reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "response_length/mean",
           "response_length/clip_ratio", "frac_reward_zero_std", "actor/grad_norm"} <= set(metrics)
   assert 0.0 <= float(metrics["reward/mean"]) <= 1.0 and np.isfinite(float(metrics["loss"]))
