@@ -1,0 +1,63 @@
+"""The model runs the same under every attention implementation (CPU ones here)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_variants import gemma_like
+from ptx.config import MeshConfig
+from ptx.models import attention, forward, init_params
+from ptx.sharding import make_mesh
+
+fwd = jax.jit(forward, static_argnames=("cfg",))
+
+
+def _inputs(cfg):
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  segments = jnp.asarray([[1] * 9 + [2] * 5 + [0] * 2, [1] * 16])
+  positions = jnp.asarray([list(range(9)) + list(range(5)) + [0, 0], list(range(16))])
+  return tokens, positions, segments
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "auto"])
+@pytest.mark.parametrize("variant", ["llama", "gemma"])
+def test_kernels_match_the_reference_in_the_model(tiny_config, impl, variant):
+  cfg = gemma_like(tiny_config) if variant == "gemma" else tiny_config
+  params = init_params(cfg, jax.random.key(0))
+  tokens, positions, segments = _inputs(cfg)
+  real = np.asarray(segments) > 0
+
+  def loss(p, impl):
+    c = dataclasses.replace(cfg, attention_impl=impl)
+    logits = forward(p, tokens, c, positions=positions, segment_ids=segments)
+    return (logits * real[..., None]).sum(), logits
+
+  (_, want), g_want = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, "xla")
+  (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g_got, g_want)
+
+
+def test_ring_attention_in_the_model_over_the_seq_axis(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  params = init_params(cfg, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(2), (2, 32), 0, cfg.vocab_size)
+  want = fwd(params, tokens, cfg)
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=8))
+  with jax.set_mesh(mesh):
+    got = fwd(params, tokens, dataclasses.replace(cfg, attention_impl="ring"))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_and_unavailable_implementations_are_clear_errors():
+  q = jnp.zeros((1, 4, 2, 8))
+  ids = jnp.ones((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="is not one of"):
+    attention(q, q, q, segment_ids=ids, positions=ids, impl="flash")
+  with pytest.raises(ValueError, match="needs a GPU or TPU"):
+    attention(q, q, q, segment_ids=ids, positions=ids, impl="pallas")
+  with pytest.raises(ValueError, match="no.*set|none is set"):
+    attention(q, q, q, segment_ids=ids, positions=ids, impl="ring")
