@@ -23,3 +23,9 @@ def test_ptx_kernels_imports_from_another_directory(tmp_path):
       [sys.executable, "-c", "import ptx_kernels, ptx; print(ptx_kernels.__file__)"],
       cwd=tmp_path, capture_output=True, text=True, check=True)
   assert "kernels" in out.stdout
+
+
+def test_test_file_names_are_unique():
+  # pytest imports test modules by basename (no __init__.py), so two files with one name collide.
+  names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+  assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
