@@ -48,8 +48,8 @@ def stop_table(stop_ids: Sequence[int] | Sequence[Sequence[int]], n_prompts: int
     n_prompts: the number of real prompts.
     n_rows: the padded batch.
   """
-  per_prompt = [list(s) for s in stop_ids] if stop_ids and not np.isscalar(stop_ids[0]) else (
-      [list(stop_ids)] * n_prompts)
+  shared = len(stop_ids) == 0 or np.isscalar(stop_ids[0])
+  per_prompt = [list(stop_ids)] * n_prompts if shared else [list(ids) for ids in stop_ids]
   if len(per_prompt) != n_prompts:
     raise ValueError(f"stop_ids: {len(per_prompt)} lists for {n_prompts} prompts")
   table = np.full((n_rows, bucket(max([len(s) for s in per_prompt] + [1]))), -1, np.int32)
