@@ -59,3 +59,28 @@ def test_packed_batch_gives_the_unpacked_per_token_loss(tiny_config):
   loss_unpacked, m_unpacked = sft.loss(params, unpacked, None, model=cfg)
   np.testing.assert_allclose(loss_packed, loss_unpacked, rtol=1e-5)
   assert m_packed["weight"] == m_unpacked["weight"] == 3 + 3 + 2
+
+
+def test_pipeline_packing_reproduces_the_padded_per_token_losses(tiny_config):
+  from ptx.config import DataConfig
+  from ptx.data.pipeline import make_pipeline
+  from ptx.data.sources import MemorySource
+
+  records = [{"prompt": f"{i}*{i}=", "completion": str(i * i)} for i in range(12)]
+  params = init_params(tiny_config, jax.random.key(0))
+  logits_of = jax.jit(forward, static_argnums=2)
+
+  def token_losses(pack):
+    cfg = DataConfig(batch_size=12 if not pack else 2, seq_len=48, pack=pack, shuffle=False, num_epochs=1,
+                     num_bins=2)
+    losses = []
+    for batch in make_pipeline(MemorySource(records), ByteTokenizer(), cfg):
+      logits = logits_of(params, batch["tokens"], tiny_config, positions=batch["positions"],
+                         segment_ids=batch["segment_ids"])[:, :-1]
+      targets, weights = sft.next_token_targets(batch)
+      losses.append(np.asarray(sft.token_nll(logits, targets))[np.asarray(weights) > 0])
+    return np.sort(np.concatenate(losses))
+
+  packed, padded = token_losses(True), token_losses(False)
+  assert len(packed) == len(padded) == sum(len(str(i * i)) + 1 for i in range(12))
+  np.testing.assert_allclose(packed, padded, rtol=1e-5, atol=1e-6)
