@@ -7,6 +7,11 @@ asynchronously every `checkpoint_every` steps and at the end. SIGTERM (a
 preemption notice) makes the loop save at the next step boundary and return
 normally; `resume=True` restores the newest complete checkpoint, so a
 resumed run computes exactly the steps an uninterrupted one would.
+
+With LoRA (`cfg.lora.rank > 0`) the state trains adapters over a frozen
+base; checkpoints hold the adapters, optimizer and data position but not
+the base, which a resumed run rebuilds as the first run did (from the seed,
+or from the same `init_params`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ptx.train.checkpoint import Checkpointer
 from ptx.train.metrics import MetricsWriter
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
 from ptx.train.state import TrainState, init_state, state_shardings
-from ptx.train.step import LossFn, make_train_step
+from ptx.train.step import LossFn, make_train_step, reference_params, trainable_loss
 
 
 def fit(
@@ -66,7 +71,8 @@ def fit(
     make_step: `make_step(optimizer=, mesh=, state_shardings=) -> step(state,
       batch)` replaces the supervised step built from `loss_fn` (e.g. GRPO's
       fused step).
-    init_params: start from these parameters instead of a fresh init.
+    init_params: start from these parameters instead of a fresh init (under
+      LoRA: the frozen base).
     with_reference: keep a frozen copy of the initial parameters
       (implied by `prepare`).
     progress: show a progress bar.
@@ -82,31 +88,37 @@ def fit(
     print(config_lib.dumps(cfg), flush=True)
     config_lib.save(cfg, out / "config.json")
   mesh = make_mesh(cfg.mesh)
-  optimizer = make_optimizer(cfg.optim, cfg.train.steps, weight_decay_mask(cfg.model))
+  lora = cfg.lora if cfg.lora.rank > 0 else None
+  if lora is not None and make_step is not None:
+    raise ValueError("fit: make_step (GRPO's fused step) does not train LoRA adapters; set lora.rank=0")
+  # Adapters are all matrices: every one of them decays.
+  optimizer = make_optimizer(cfg.optim, cfg.train.steps, None if lora else weight_decay_mask(cfg.model))
   with_reference = with_reference or prepare is not None
-  shardings = state_shardings(cfg.model, optimizer, mesh, with_reference=with_reference)
+  shardings = state_shardings(cfg.model, optimizer, mesh, with_reference=with_reference, lora=lora)
   if make_step is None:
     step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, state_shardings=shardings,
-                              grad_accum=cfg.train.grad_accum, prepare=prepare)
+                              grad_accum=cfg.train.grad_accum, prepare=prepare, lora=lora)
   else:
     step_fn = make_step(optimizer=optimizer, mesh=mesh, state_shardings=shardings)
   start = functools.partial(init_state, cfg.model, optimizer, cfg.train.seed, mesh, with_reference=with_reference,
-                            params=init_params)
+                            params=init_params, lora=lora)
   checkpointer = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
   data = iter(train_data)
   state, resumed_from = None, None
   if resume:
     abstract = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
                             jax.eval_shape(start))
-    restored = checkpointer.restore(abstract, data)
+    restored = checkpointer.restore(abstract.replace(base=None), data)
     if restored is not None:
       resumed_from, state = restored
+      if lora is not None:  # checkpoints leave out the frozen base
+        state = state.replace(base=start().base)
       if primary:
         print(f"resumed from checkpoint step {resumed_from}", flush=True)
   if state is None:
     state = start()
   writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
-  evaluate = None if eval_data is None else _evaluator(loss_fn, prepare, shardings, mesh, eval_data)
+  evaluate = None if eval_data is None else _evaluator(loss_fn, prepare, shardings, mesh, eval_data, lora)
   schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
   started = time.perf_counter()
   try:
@@ -144,7 +156,7 @@ def _steps(cfg, step_fn, state, data, mesh, checkpointer, writer, evaluate, sche
     if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
       writer.write({"step": step, **evaluate(state)})
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
-      checkpointer.save(step, state, data)
+      checkpointer.save(step, state.replace(base=None), data)
     bar.update(1)
     if preempted.is_set():
       break
@@ -178,15 +190,15 @@ def _flat(batch: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     yield from (_flat(value) if isinstance(value, dict) else [(key, value)])
 
 
-def _evaluator(loss_fn, prepare, shardings, mesh, eval_data) -> Callable[[TrainState], dict[str, float]]:
+def _evaluator(loss_fn, prepare, shardings, mesh, eval_data, lora) -> Callable[[TrainState], dict[str, float]]:
   """Returns `evaluate(state) -> {"eval/...": mean}`, weighted like the training loss."""
 
   @functools.partial(jax.jit, in_shardings=(shardings, None))
   def metrics(state, batch):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       if prepare is not None:
-        batch = prepare(state.ref_params, batch)
-      return loss_fn(state.params, batch, state.rng)[1]
+        batch = prepare(reference_params(state), batch)
+      return trainable_loss(loss_fn, state.base, lora, dropout=False)(state.params, batch, state.rng)[1]
 
   batches = [to_global(b, mesh) for b in eval_data]
 

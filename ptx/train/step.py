@@ -5,6 +5,11 @@ The loss function is any `loss(params, batch, rng) -> (loss, metrics)` whose
 pairs for DPO). Gradient accumulation splits the batch into micro-batches
 in-graph and weights each micro-batch's gradient and metrics by its weight,
 so the update equals the one from the whole batch at once.
+
+Under LoRA (`lora=`), `state.params` are the adapters and `state.base` the
+frozen model: the loss sees `lora.apply(base, adapters)`, gradients and
+optimizer moments exist for the adapters only, and `prepare` gets the base,
+which is the reference policy with the adapters switched off.
 """
 
 from __future__ import annotations
@@ -17,11 +22,39 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx import sharding
+from ptx.config import LoRAConfig
+from ptx.models import lora as lora_lib
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def reference_params(state: TrainState) -> Any:
+  """The frozen reference policy: under LoRA the base (adapters off, no copy), else `ref_params`."""
+  return state.ref_params if state.base is None else state.base
+
+
+def model_params(state: TrainState, lora: LoRAConfig | None) -> Any:
+  """The parameter tree the model runs (for sampling, evaluation): adapters applied, no dropout."""
+  return state.params if lora is None else lora_lib.apply(state.base, state.params, lora)
+
+
+def trainable_loss(loss_fn: LossFn, base: Any, lora: LoRAConfig | None, *, dropout: bool = True) -> LossFn:
+  """`loss_fn` as a function of the trained parameters: under LoRA, of the adapters over `base`.
+
+  The adapters' dropout draws from the loss's rng; `dropout=False` turns it
+  off (evaluation).
+  """
+  if lora is None:
+    return loss_fn
+
+  def loss(adapters, batch, rng):
+    dropout_rng, rng = jax.random.split(rng)
+    return loss_fn(lora_lib.apply(base, adapters, lora, dropout_rng if dropout else None), batch, rng)
+
+  return loss
 
 
 def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Batch, rng: jax.Array,
@@ -72,6 +105,7 @@ def make_train_step(
     grad_accum: int = 1,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     prepare: Callable[[Any, Batch], Batch] | None = None,
+    lora: LoRAConfig | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """Jits the training step once, with explicit shardings and a donated state.
 
@@ -86,6 +120,8 @@ def make_train_step(
     prepare: `prepare(ref_params, batch) -> batch`, the algorithm's batch
       preparation from the frozen reference (e.g. DPO's reference
       log-probs); runs in the same program, without gradients.
+    lora: the LoRA config when `state.params` are adapters over `state.base`
+      (the state from `init_state(..., lora=)`).
 
   Returns:
     `step(state, batch) -> (state, metrics)`; metrics are scalars: the loss
@@ -98,8 +134,9 @@ def make_train_step(
     # The model's activation constraints resolve against this mesh.
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       if prepare is not None:
-        batch = jax.lax.stop_gradient(prepare(state.ref_params, batch))
-      grads, metrics = accumulate_gradients(loss_fn, state.params, batch, rng, grad_accum)
+        batch = jax.lax.stop_gradient(prepare(reference_params(state), batch))
+      grads, metrics = accumulate_gradients(trainable_loss(loss_fn, state.base, lora), state.params, batch, rng,
+                                            grad_accum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "skipped_steps": skipped_steps(opt_state)}
