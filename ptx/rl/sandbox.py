@@ -81,7 +81,13 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-  """Resources the program used (its reaped descendants included)."""
+  """Resources the program used (its reaped descendants included).
+
+  `max_rss_bytes` is Linux's ru_maxrss of the launched process, which keeps
+  the peak of the process that spawned it across fork and exec: under a
+  large parent (a JAX trainer) it reports at least the parent's size. The
+  memory limit itself is enforced by RLIMIT_AS and shows in `outcome`.
+  """
 
   wall_s: float
   cpu_user_s: float

@@ -102,7 +102,7 @@ def test_attack_infinite_sleeping_loop_hits_the_wall_clock():
 def test_attack_memory_bomb():
   result = _py("a = []\nwhile True: a.append(bytearray(1 << 24))")
   assert result.outcome == sandbox.Outcome.LIMIT, result.reason
-  assert result.usage.max_rss_bytes <= LIMITS.memory_bytes
+  assert "MemoryError" in result.reason
   _assert_contained(result)
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import gemma_like
+from model_variants import gemma_like
 from ptx.models import init_params
 from ptx.models.decoder import forward, token_log_probs
 from ptx.models.params import param_shardings
