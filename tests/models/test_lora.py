@@ -115,6 +115,9 @@ def test_peft_loads_the_exported_adapter_and_matches(tmp_path):
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=14, rms_norm_eps=1e-6)
   torch.manual_seed(0)
   hf_model = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():  # larger weights than the default init, so logits are O(1) and errors show
+    for p in hf_model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
   hf_model.save_pretrained(tmp_path / "base")
   model = load_hf(tmp_path / "base")
   cfg = LoRAConfig(rank=4, alpha=12.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
