@@ -80,7 +80,7 @@ def test_adapters_are_sharded_like_their_weights_with_the_rank_replicated(tiny_c
   assert adapters["q"]["b"].spec[2] == "tensor" and adapters["down"]["a"].spec[1] == "tensor"
 
 
-def test_dropout_needs_a_key_and_keeps_the_mean(tiny_config):
+def test_dropout_needs_a_key_and_varies_with_it(tiny_config):
   base = init_params(tiny_config, jax.random.key(0))
   cfg = dataclasses.replace(LORA, dropout=0.5)
   adapters = _trained_adapters(tiny_config, cfg, jax.random.key(3))
