@@ -95,8 +95,10 @@ class ModelConfig:
   compute_dtype: str = "float32"
   # Rematerialisation of each layer: "none", "full", "dots" or "dots_no_batch".
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
-  # Attention implementation (see ptx.models.attention).
-  attention_impl: str = "xla"
+  # Attention: "xla", "blockwise", "pallas", "ring" or "auto" (Pallas on GPU/TPU, else blockwise).
+  # "xla" is the default: blockwise's data-dependent tile loops can deadlock when GSPMD
+  # shards the batch across devices (see ptx.models.attention).
+  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,7 +93,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = F
   sampled_tasks = [ArithmeticTask(EVAL_SEED, MAX_DIGITS)[i] for i in range(SAMPLED_TASKS)]
 
   def evaluate(params) -> dict[str, float]:
-    sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=ANSWER_WIDTH, seed=EVAL_SEED)
+    sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=ANSWER_WIDTH, seed=EVAL_SEED, mesh=mesh)
     report = evaluation.evaluate(sampler, ExactAnswerEnv(), sampled_tasks, k=K)
     return {"greedy": float(greedy(params, eval_batch)), "pass@1": report["pass@k"]["1"],
             f"pass@{K}": report["pass@k"][str(K)]}

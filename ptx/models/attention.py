@@ -16,6 +16,13 @@ Implementations (`impl`):
 
 Shapes: q [B, T, H, K]; k, v [B, S, N, K] with H a multiple of N (grouped
 queries share a KV head without K/V being repeated).
+
+Known limit: blockwise (and so auto on CPU) bounds its tile loops by each
+row's positions and segments. When GSPMD shards the batch over several
+devices and inserts collectives inside those loops, devices can run different
+trip counts and deadlock (seen on 8 CPU devices with ragged, left-padded
+rollouts). Until the kernel runs per device under shard_map, models default
+to "xla"; ring already runs under shard_map.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from ptx.models import lora
 from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
+from ptx.models.dense import dense
 
 Params = dict[str, Any]
 
@@ -103,7 +104,7 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig, rules: sharding.Rule
   """Final norm and output projection; the logits are float32 for the loss."""
   x = rms_norm(x, params["final_norm"], cfg)
   w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-  logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
+  logits = dense("btd,dv->btv", x, w_DV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
   if cfg.final_logit_softcap is not None:
     logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
   return sharding.constrain(logits, ("batch", "seq", "vocab"), rules)

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from ptx import sharding
 from ptx.config import LoRAConfig, ModelConfig
+from ptx.models.dense import dense
 from ptx.models.params import ParamSpec, Params, param_specs
 
 # Leading (input) axes of each adaptable weight, after `layers`; the rest are outputs.
@@ -62,7 +63,7 @@ class LoRAWeight:
 
 
 def project(eq: str, x: jax.Array, w: jax.Array | LoRAWeight, dtype: Any) -> jax.Array:
-  """`einsum(eq, x, w)` in `dtype`; an adapted weight adds its low-rank term, factored.
+  """`einsum(eq, x, w)` in `dtype` (as a 2-D `dense`); an adapted weight adds its low-rank term, factored.
 
   Args:
     eq: the projection, e.g. "btd,dhk->bthk"; the weight's contracted
@@ -72,8 +73,8 @@ def project(eq: str, x: jax.Array, w: jax.Array | LoRAWeight, dtype: Any) -> jax
     dtype: the compute dtype.
   """
   if not isinstance(w, LoRAWeight):
-    return jnp.einsum(eq, x, w.astype(dtype))
-  y = jnp.einsum(eq, x, w.w.astype(dtype))
+    return dense(eq, x, w.astype(dtype))
+  y = dense(eq, x, w.w.astype(dtype))
   inputs, out = eq.split("->")
   x_sub, w_sub = inputs.split(",")
   n_in = w.a.ndim - 1

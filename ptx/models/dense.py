@@ -1,0 +1,42 @@
+"""Projections as 2-D matrix multiplies.
+
+`dense("btd,dhk->bthk", x, w)` is `einsum` with the leading (batch) axes of
+x and the trailing axes of w each folded into one, so the weight gradient
+contracts a single axis. XLA:CPU runs an einsum whose gradient contracts two
+axes (b and t) as transposes plus a generic dot, 2-3x slower than the GEMM
+this gives (measured: MLP backward 200 ms -> 83 ms at B*T = 2048, d = 256).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = None) -> jax.Array:
+  """`einsum(eq, x, w)` for a projection whose contracted letters lead w and trail x.
+
+  Args:
+    eq: e.g. "btd,dhk->bthk" or "bthk,hkd->btd": x is (batch..., contracted...),
+      w is (contracted..., out...), the output is (batch..., out...).
+    x: activations.
+    w: the weight.
+    preferred_element_type: accumulation/output dtype (e.g. float32 logits).
+
+  Raises:
+    ValueError: when `eq` does not have that form.
+  """
+  inputs, out = eq.split("->")
+  x_sub, w_sub = inputs.split(",")
+  n_contract = sum(c in x_sub for c in w_sub)
+  batch, contracted, outputs = x_sub[:-n_contract], x_sub[-n_contract:], w_sub[n_contract:]
+  if w_sub[:n_contract] != contracted or out != batch + outputs:
+    raise ValueError(f"dense: {eq!r} is not of the form 'batch contracted, contracted out -> batch out'")
+  n_batch = len(batch)
+  x2 = x.reshape(math.prod(x.shape[:n_batch]), -1)
+  w2 = w.reshape(math.prod(w.shape[:n_contract]), -1)
+  y = jnp.dot(x2, w2, preferred_element_type=preferred_element_type)
+  return y.reshape(*x.shape[:n_batch], *w.shape[n_contract:])
