@@ -10,6 +10,7 @@ natural-log lse [B, H, T] in float32.
 
 from ptx_kernels.block_sizes import BlockSizes
 from ptx_kernels.decode import decode_attention
+from ptx_kernels.dense import dense_attention
 from ptx_kernels.flash import flash_attention
 from ptx_kernels.lse import merge_lse
 from ptx_kernels.reference import reference_attention
@@ -20,6 +21,7 @@ from ptx_kernels.ring import to_zigzag
 __all__ = [
     "BlockSizes",
     "decode_attention",
+    "dense_attention",
     "flash_attention",
     "from_zigzag",
     "merge_lse",
