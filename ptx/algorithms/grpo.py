@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.config import GRPOConfig, ModelConfig
-from ptx.models.decoder import forward
+from ptx.models.decoder import forward, token_log_probs
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                 "prompt_mean")
@@ -69,9 +69,7 @@ def aggregation_inputs(loss_mask: jax.Array, cfg: GRPOConfig) -> dict[str, jax.A
 
 def token_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """log p(token t | tokens < t) [N, S] in float32 from logits [N, S, V]; index 0 is 0."""
-  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  return jnp.pad(picked, ((0, 0), (1, 0)))
+  return jnp.pad(token_log_probs(logits[:, :-1], tokens[:, 1:]), ((0, 0), (1, 0)))
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.config import ModelConfig
-from ptx.models.decoder import forward
+from ptx.models.decoder import forward, token_log_probs
 
 Batch = dict[str, jax.Array]
 
@@ -28,10 +28,8 @@ def next_token_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Negative log-likelihood [B, T] of integer targets under float32 logits [B, T, V]."""
-  # log-softmax in float32 whatever the compute dtype of the model.
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  """Negative log-likelihood [B, T] of integer targets under logits [B, T, V], in float32."""
+  return -token_log_probs(logits, targets)
 
 
 def loss(
