@@ -81,6 +81,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, train_file):
   proc = subprocess.Popen(_command(killed, train_file), env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   _wait_for_step(killed, kill_at, proc)
+  # Saves are async: kill only once one has been published, so there is something to resume.
+  while not any(p.name.isdigit() for p in (killed / "checkpoints").glob("*")):
+    assert proc.poll() is None, "the run ended before a checkpoint was published"
+    time.sleep(0.01)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   resumed = subprocess.run(_command(killed, train_file, "--resume"), env=_env(), check=True,
