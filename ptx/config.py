@@ -254,6 +254,17 @@ class GRPOConfig:
   overlong_penalty: float = 1.0
   # Truncated importance-sampling cap C on exp(old - sampler) per token (None: off).
   tis_cap: float | None = None
+  # Zero-variance groups (DAPO dynamic sampling on the un-shaped reward): "none" keeps them, "mask" keeps them
+  # with m = 0, "refill" samples further prompts in up to max_refill_rounds rounds to fill B kept groups.
+  filter_groups: Literal["none", "mask", "refill"] = "none"
+  # "refill": extra rounds of B prompts each (a step reads B * (1 + rounds) prompts, all counted consumed).
+  max_refill_rounds: int = 2
+  # Reference refresh ref <- alpha * policy + (1 - alpha) * ref every this many steps (0: never).
+  ref_sync_every: int = 0
+  # Mixing weight alpha of the reference refresh.
+  ref_sync_alpha: float = 1.0
+  # Host-reward mode: batches the sampler may run ahead of the update (0: on-policy, as the fused mode).
+  max_staleness: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +291,7 @@ GRPO_PRESETS: dict[str, GRPOConfig] = {
     "grpo_paper": GRPOConfig(loss_agg_mode="seq_mean_token_mean", beta=0.04),
     "grpo": GRPOConfig(),
     "dapo": GRPOConfig(epsilon_high=0.28, kl_placement="none", beta=0.0, overlong_buffer=4096,
-                       max_response_tokens=20480),
+                       max_response_tokens=20480, filter_groups="refill"),
     "dr_grpo": GRPOConfig(advantage="grpo_no_std", loss_agg_mode="seq_mean_token_sum_norm", kl_placement="none",
                           beta=0.0),
     "gspo": GRPOConfig(surrogate="gspo", epsilon_low=3e-4, epsilon_high=4e-4, loss_agg_mode="seq_mean_token_mean",
