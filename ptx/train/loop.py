@@ -89,8 +89,6 @@ def fit(
     config_lib.save(cfg, out / "config.json")
   mesh = make_mesh(cfg.mesh)
   lora = cfg.lora if cfg.lora.rank > 0 else None
-  if lora is not None and make_step is not None:
-    raise ValueError("fit: make_step (GRPO's fused step) does not train LoRA adapters; set lora.rank=0")
   # Adapters are all matrices: every one of them decays.
   optimizer = make_optimizer(cfg.optim, cfg.train.steps, None if lora else weight_decay_mask(cfg.model))
   with_reference = with_reference or prepare is not None
