@@ -1,0 +1,86 @@
+"""SFT on chat data: JSONL records {"messages": [{"role", "content"}, ...]}, trained on the assistant turns.
+
+Launch (Llama-3.1-8B-Instruct on a TPU v5p-32: 16 chips, 4 hosts; the same
+command on every host):
+
+  python recipes/sft_chat.py --preset llama3_8b --distributed --model-dir /ckpt/Llama-3.1-8B-Instruct \
+      --data.train_files='["gs://bucket/chat/train.jsonl"]' --data.eval_files='["gs://bucket/chat/eval.jsonl"]' \
+      --out gs://bucket/runs/sft_chat
+
+Topology: one mesh, all 16 chips on `fsdp` (parameters, gradients and Adam
+state sharded ZeRO-3 style), bfloat16, full remat; 64 rows x 4096 packed
+tokens per step. The chat template is the model's own (tokenizer_config.json);
+only assistant turns carry loss.
+
+Expected step time (estimate, not measured: no TPU was available):
+6 x 8.0e9 params x 262k tokens = 1.3e16 FLOP per step at 40% MFU of 16 x 459
+TFLOP/s bf16 is about 4.3 s/step (61k tokens/s). Expected scores: eval/loss
+is data-dependent; on UltraChat-style data an 8B instruct model starts near
+1.2 nats/token and an epoch brings it to about 1.0 (published-range estimate,
+not measured here).
+
+Measured here (tiny preset, 2-core CPU, 8 fake devices, byte tokenizer): see
+recipes/README.md for the step time and the loss it reaches on the synthetic
+chats it writes to OUT/data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+import launch
+import ptx
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.data.pipeline import make_pipeline
+from ptx.data.sources import JsonlSource
+from ptx.train.loop import fit
+
+PRESETS: launch.Presets = {
+    "tiny": lambda: ptx.Config(
+        model=ptx.presets["tiny"](),
+        optim=ptx.OptimizerConfig(lr=3e-3, warmup_steps=10, weight_decay=0.01),
+        train=ptx.TrainConfig(steps=100, log_every=10, eval_every=50, checkpoint_every=50),
+        data=ptx.DataConfig(batch_size=16, seq_len=128)),
+    "llama3_8b": lambda: ptx.Config(
+        model=dataclasses.replace(ptx.presets["llama3_1_8b"](), remat="full"),
+        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
+        train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
+        data=ptx.DataConfig(batch_size=64, seq_len=4096)),
+}
+
+
+def synthetic_chats(seed: int, n: int) -> list[dict]:
+  """`n` short arithmetic conversations in the `messages` format (the tiny preset's data)."""
+  tasks = ArithmeticTask(seed, max_digits=2, ops="+-")
+  return [{"messages": [{"role": "user", "content": f"What is {t['prompt'][:-1]}?"},
+                        {"role": "assistant", "content": f"{t['prompt'][:-1]} = {t['answer']}."}]}
+          for t in (tasks[i] for i in range(n))]
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the recipe; returns fit's summary."""
+  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  launch.start(args)
+  if args.preset == "tiny":  # data first, so --data.* overrides still win
+    overrides = [*launch.synthetic_data(args.out, synthetic_chats(0, 4000), synthetic_chats(1, 64)), *overrides]
+  cfg, params, tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
+  if not cfg.data.train_files:
+    args.error("set --data.train_files='[\"chat.jsonl\"]'")
+  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  evaluation = None
+  if cfg.data.eval_files:
+    eval_cfg = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
+    evaluation = list(pipeline(JsonlSource(cfg.data.eval_files), cfg=eval_cfg))
+  state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
+                       train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
+                       resume=args.resume, eval_data=evaluation, init_params=params, progress=launch.progress(args))
+  launch.export(cfg, state, args)
+  return summary
+
+
+if __name__ == "__main__":
+  main()

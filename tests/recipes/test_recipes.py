@@ -1,0 +1,44 @@
+"""Every recipe's tiny preset runs two steps end to end, and every recipe header says how to launch it."""
+
+import json
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+RECIPES = pathlib.Path(__file__).resolve().parents[2] / "recipes"
+# Each recipe with the metric its tiny run must log (the algorithm's own, beyond loss).
+CASES = {
+    "sft_chat": "eval/loss",
+    "dpo": "rewards/accuracies",
+}
+HEADER = ("Launch", "--distributed", "Topology", "Expected step time", "Expected scores", "Measured here")
+
+
+@pytest.fixture(autouse=True)
+def recipes_importable(monkeypatch):
+  # `python recipes/x.py` puts recipes/ first on sys.path; so does this.
+  monkeypatch.syspath_prepend(str(RECIPES))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tiny_preset_runs_two_steps(name, tmp_path):
+  recipe = runpy.run_path(str(RECIPES / f"{name}.py"), run_name=name)
+  summary = recipe["main"](["--preset", "tiny", "--out", str(tmp_path), "--no-progress", "--train.steps=2",
+                            "--train.log_every=1"])
+  assert summary["step"] == 2
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "loss" in r] == [1, 2]
+  assert any(CASES[name] in r for r in records), f"{name} logged no {CASES[name]}"
+  assert (tmp_path / "hf" / "config.json").exists(), "no HF export"
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda p: p.stem)
+def test_recipe_header_gives_launch_topology_and_expectations(path):
+  if path.stem == "launch":
+    return  # the shared launcher, not a recipe
+  doc = runpy.run_path(str(path), run_name="header")["__doc__"]
+  missing = [word for word in HEADER if word not in doc]
+  assert not missing, f"{path.name}: header lacks {missing}"
+  assert f"python recipes/{path.name}" in doc, f"{path.name}: no launch command"
