@@ -1,17 +1,28 @@
-"""GRPO's fused mode: sample -> reward -> advantages -> updates, as one jitted program.
+"""GRPO's RL step pieces and its fused mode: sample -> reward -> advantages -> updates in one jitted program.
 
-`make_grpo_step` returns `step(state, batch) -> (state, metrics)`. Inside one compiled executable it samples G completions
-per prompt from `state.params` (the KV cache and the parameters never leave
-the mesh), scores them with a JAX reward function, computes advantages, and
-runs `epochs` passes of `minibatches` optimizer updates with the GRPO loss.
-The behaviour log-probs are the sampler's; the trainer's own log-probs of
-the same tokens, at the sampling parameters, are computed too and their
-largest difference is logged (`rollout/logp_diff_max`): both come from the
-same model code, so it must stay at rounding level.
+The pieces, shared by the fused step here and the host-reward mode
+(`ptx.train.rl_host`):
+  `sample`    G completions per prompt from the policy (base + adapters under
+              LoRA), in-graph; the KV cache and parameters never leave the mesh
+  `learn`     from scored rollouts: trainer and reference log-probs, reward
+              shaping, advantages, group filtering, then `epochs` passes of
+              `minibatches` optimizer updates with the GRPO loss
+`make_grpo_step` jits `sample`, an in-graph reward and `learn` (with DAPO's
+refill of zero-variance groups when `filter_groups="refill"`) as one
+executable per RL step. On-policy, the behaviour log-probs are the
+sampler's; the trainer's own log-probs of the same tokens at the sampling
+parameters are computed too and their largest difference is logged
+(`rollout/logp_diff_max`): both come from the same model code, so it must
+stay at rounding level.
+
+Under LoRA (`lora=`) `state.params` are the adapters: the sampler and the
+loss run base + adapters, the optimizer state covers the adapters only, and
+the reference log-probs come from the base with the adapters off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -23,16 +34,51 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
-from ptx.config import GRPOConfig, ModelConfig
+from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
 from ptx.models.decoder import forward
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.sampling.rules import SamplingConfig
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
-from ptx.train.step import accumulate_gradients
+from ptx.train.step import accumulate_gradients, model_params, reference_params, trainable_loss
 
 # reward(generation, task) -> float32 [R]; task arrays are already repeated to R = B * G rows.
 RewardFn = Callable[[Generation, dict[str, jax.Array]], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+  """The static description of an RL step: model, loss family, sampling and update schedule.
+
+  Attributes:
+    model: the model config.
+    grpo: the GRPO loss family config (group size, estimator, clipping, KL, filtering).
+    sampling: the sampling rules of the rollouts.
+    max_new_tokens: the completion budget N.
+    stop_ids: ids that end a completion.
+    pad_id: the pad token of prompts and finished rows.
+    epochs: passes (mu) over the rollouts per step.
+    minibatches: optimizer updates per pass; each normalises over its own rows.
+    grad_accum: micro-batches per update.
+    lora: the adapters' config when `state.params` are LoRA adapters, else None.
+    rules: sharding rules.
+  """
+
+  model: ModelConfig
+  grpo: GRPOConfig
+  sampling: SamplingConfig
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+  pad_id: int = 0
+  epochs: int = 1
+  minibatches: int = 1
+  grad_accum: int = 1
+  lora: LoRAConfig | None = None
+  rules: sharding.Rules = sharding.DEFAULT_RULES
+
+  def __post_init__(self):
+    if self.lora is not None and self.grpo.ref_sync_every > 0:
+      raise ValueError("grpo.ref_sync_every: under LoRA the reference is the base model, which is never refreshed")
 
 
 def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation, group_size: int) -> dict[str, jax.Array]:
@@ -51,6 +97,21 @@ def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation, 
   }
 
 
+def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, spec: RLSpec) -> Generation:
+  """G completions of each left-padded prompt [B, P] from the model parameters `params` (call under the mesh)."""
+  stops = jnp.broadcast_to(jnp.asarray(spec.stop_ids, jnp.int32), (prompts.shape[0], len(spec.stop_ids)))
+  return generate_padded(params, prompts, prompt_lengths, stops, key, spec.max_new_tokens, cfg=spec.model,
+                         sampling=spec.sampling, budget=spec.max_new_tokens, group_size=spec.grpo.group_size,
+                         pad_id=spec.pad_id, rules=spec.rules)
+
+
+def _logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
+  """Per-token log-probs [R, S] of the batch's tokens under `params` (float32, no gradient)."""
+  logits = forward(params, batch["tokens"], spec.model, positions=batch["positions"],
+                   segment_ids=batch["segment_ids"], rules=spec.rules)
+  return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"]))
+
+
 def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[str, jax.Array]:
   """[n, R / n, ...]: whole groups, group g in mini-batch g % n (spread over the batch shards)."""
 
@@ -60,6 +121,136 @@ def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[s
     return jnp.swapaxes(per, 0, 1).reshape(n, -1, *x.shape[1:])
 
   return jax.tree.map(split, batch)
+
+
+def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewards: jax.Array, key: jax.Array,
+          spec: RLSpec, optimizer: optax.GradientTransformation, *,
+          proximal: bool = False) -> tuple[TrainState, dict[str, jax.Array]]:
+  """The policy update from scored rollouts (call under the mesh, inside a jit).
+
+  Args:
+    state: the train state; `state.step` counts RL steps.
+    batch: `rollout_batch` of the rollouts [R, S], optionally with `keep` [R]
+      (0 masks a row out of the loss: an unfilled refill slot).
+    gen: the rollouts' Generation (lengths and finish reasons).
+    rewards: raw (un-shaped) rewards [R]; NaN for unscorable samples.
+    key: the update's PRNG key (adapter dropout).
+    spec: the static step description.
+    optimizer: the optax transformation of the state.
+    proximal: the rollouts are stale: PPO's old log-probs are recomputed at
+      `state`'s parameters and exp(old - sampler), truncated at
+      `spec.grpo.tis_cap`, weights the loss (decoupled PPO); else they are
+      the sampler's.
+
+  Returns:
+    (state, metrics): one RL step later, with spec section 5.10's metrics.
+  """
+  cfg, G = spec.grpo, spec.grpo.group_size
+  batch = dict(batch)
+  keep = batch.pop("keep", None)
+  valid = ~jnp.isnan(rewards)
+  row_mask = valid if keep is None else valid & (keep > 0)
+  if cfg.filter_groups == "mask":  # static: DAPO's cheap alternative, zero-variance groups leave the loss
+    row_mask = row_mask & jnp.repeat(adv_lib.groups_with_signal(rewards, G), G)
+  batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
+  mask = batch["loss_mask"].astype(jnp.float32)
+  trainer_logps = _logps(model_params(state, spec.lora), batch, spec)
+  batch["old_logps"] = trainer_logps if proximal else batch["sampler_logps"]
+  shaped = rewards + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
+                                                                        cfg.overlong_buffer)
+  if cfg.beta > 0 and cfg.kl_placement != "none":  # static: the config decides whether a reference exists
+    batch["ref_logps"] = _logps(reference_params(state), batch, spec)
+    if cfg.kl_placement == "reward":
+      kl = grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator)
+      shaped = shaped - cfg.beta * (kl * mask).sum(axis=1)
+  batch["advantages"] = adv_lib.advantages(shaped, G, cfg.advantage, eps=cfg.advantage_eps, lengths=gen.lengths)
+  minis = _minibatches(batch, spec.minibatches, G)
+  loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules), state.base,
+                           spec.lora)
+
+  def update(carry, i):
+    params, opt_state = carry
+    mb = jax.tree.map(lambda x: x[i % spec.minibatches], minis)
+    mb = {**mb, **grpo.aggregation_inputs(mb["loss_mask"], cfg)}
+    grads, metrics = accumulate_gradients(loss_fn, params, mb, jax.random.fold_in(key, i), spec.grad_accum)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {**metrics, "actor/grad_norm": optax.tree.norm(grads)}
+
+  (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
+                                                 jnp.arange(spec.epochs * spec.minibatches))
+  metrics = jax.tree.map(jnp.mean, per_update)
+  metrics.update(_rollout_metrics(rewards, gen, mask, trainer_logps, batch["sampler_logps"], spec))
+  metrics["skipped_steps"] = skipped_steps(opt_state)
+  if cfg.beta > 0 and cfg.kl_placement != "none":
+    metrics["actor/kl_coef"] = jnp.float32(cfg.beta)
+  state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return _refresh_reference(state, cfg), metrics
+
+
+def _refresh_reference(state: TrainState, cfg: GRPOConfig) -> TrainState:
+  """Every `ref_sync_every` steps, ref <- alpha * policy + (1 - alpha) * ref (TRL `sync_ref_model`)."""
+  if cfg.ref_sync_every <= 0 or state.ref_params is None:
+    return state
+  due = state.step % cfg.ref_sync_every == 0
+  mixed = jax.tree.map(lambda p, r: jnp.where(due, (cfg.ref_sync_alpha * p + (1 - cfg.ref_sync_alpha) * r)
+                                              .astype(r.dtype), r), state.params, state.ref_params)
+  return state.replace(ref_params=mixed)
+
+
+def sample_kept_groups(params: Any, batch: dict[str, Any], key: jax.Array, spec: RLSpec,
+                       reward_fn: RewardFn) -> tuple[dict[str, jax.Array], Generation, jax.Array, dict]:
+  """DAPO dynamic sampling in-graph: rounds of B prompts until B groups with signal are kept.
+
+  `batch["prompts"]` holds B * (1 + max_refill_rounds) prompts; round r
+  samples and scores prompts r * B .. (r + 1) * B - 1, and its groups whose
+  un-shaped reward is not constant fill the next free slots. Rounds stop
+  once B groups are kept; slots still free after the last round keep a
+  round-0 group with `keep` = 0 (trained on what is available, never a
+  crash). Without refill, one round of B prompts.
+
+  Returns:
+    (rollout batch with `keep` [R], generation, raw rewards [R], metrics).
+  """
+  G, rounds = spec.grpo.group_size, 1 + (spec.grpo.max_refill_rounds if spec.grpo.filter_groups == "refill" else 0)
+  if batch["prompts"].shape[0] % rounds:
+    raise ValueError(f"{batch['prompts'].shape[0]} prompts do not split into {rounds} refill rounds")
+  B = batch["prompts"].shape[0] // rounds
+  take = lambda x, r: jax.lax.dynamic_slice_in_dim(x, r * B, B)
+
+  def sample_round(r):
+    prompts, lengths = take(batch["prompts"], r), take(batch["prompt_lengths"], r)
+    task = jax.tree.map(lambda x: jnp.repeat(take(x, r), G, axis=0), batch["task"])
+    gen = sample(params, prompts, lengths, jax.random.fold_in(key, r) if rounds > 1 else key, spec)
+    rewards = reward_fn(gen, task)
+    by_group = lambda x: x.reshape(B, G, *x.shape[1:])
+    rows = {"batch": jax.tree.map(by_group, rollout_batch(prompts, lengths, gen, G)),
+            "gen": jax.tree.map(by_group, gen), "rewards": by_group(rewards)}
+    return rows, adv_lib.groups_with_signal(rewards, G)
+
+  first, signal = sample_round(0)
+  if rounds == 1:
+    flat = jax.tree.map(lambda x: x.reshape(B * G, *x.shape[2:]), first)
+    return flat["batch"], flat["gen"], flat["rewards"], {}
+
+  def place(carry, rows, keep):
+    buffer, filled, n = carry
+    slot = jnp.where(keep, n + jnp.cumsum(keep) - 1, B)  # B is out of range: dropped
+    buffer = jax.tree.map(lambda b, x: b.at[slot].set(x, mode="drop"), buffer, rows)
+    return buffer, filled.at[slot].set(True, mode="drop"), jnp.minimum(n + keep.sum(), B)
+
+  def body(loop):
+    r, carry, sampled, kept = loop
+    rows, keep = sample_round(r)
+    return r + 1, place(carry, rows, keep), sampled + B, kept + keep.sum()
+
+  start = (jnp.int32(1), place((first, jnp.zeros(B, bool), jnp.int32(0)), first, signal), jnp.int32(B), signal.sum())
+  r, (buffer, filled, _), sampled, kept = jax.lax.while_loop(lambda l: (l[0] < rounds) & (l[1][2] < B), body, start)
+  flat = jax.tree.map(lambda x: x.reshape(B * G, *x.shape[2:]), buffer)
+  flat["batch"]["keep"] = jnp.repeat(filled, G).astype(jnp.int32)
+  metrics = {"filter_groups/evicted": (sampled - kept).astype(jnp.float32),
+             "filter_groups/pass_rate": kept / sampled, "filter_groups/rounds": r.astype(jnp.float32),
+             "filter_groups/unfilled": (B - filled.sum()).astype(jnp.float32)}
+  return flat["batch"], flat["gen"], flat["rewards"], metrics
 
 
 def make_grpo_step(
@@ -77,6 +268,7 @@ def make_grpo_step(
     epochs: int = 1,
     minibatches: int = 1,
     grad_accum: int = 1,
+    lora: LoRAConfig | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """Jits one fused RL step with explicit shardings and a donated state.
@@ -86,7 +278,7 @@ def make_grpo_step(
     cfg: the GRPO loss family config (group size, estimator, clipping, KL).
     optimizer: the optax transformation of the state.
     mesh: the device mesh.
-    state_shardings: from `state_shardings(..., with_reference=cfg.beta > 0)`.
+    state_shardings: from `state_shardings(..., with_reference=cfg.beta > 0, lora=lora)`.
     reward_fn: the in-graph reward.
     sampling: the sampling rules of the rollouts.
     max_new_tokens: the completion budget N.
@@ -95,59 +287,25 @@ def make_grpo_step(
     epochs: passes (mu) over the rollouts per step.
     minibatches: optimizer updates per pass; each normalises over its own rows.
     grad_accum: micro-batches per update.
+    lora: train LoRA adapters (`state.params`) over the frozen `state.base`.
     rules: sharding rules.
 
   Returns:
-    `step(state, batch) -> (state, metrics)` with batch = {"prompts" [B, P]
-    left-padded, "prompt_lengths" [B], "task": reward_fn's arrays [B, ...]}
-    (`ptx.rl.prompt_batches.PromptBatches`).
+    `step(state, batch) -> (state, metrics)` with batch = {"prompts" [B', P]
+    left-padded, "prompt_lengths" [B'], "task": reward_fn's arrays [B', ...]}
+    (`ptx.rl.prompt_batches.PromptBatches`), B' = B prompts, or B * (1 +
+    max_refill_rounds) with `filter_groups="refill"`.
   """
-  G = cfg.group_size
-  use_reference = cfg.beta > 0 and cfg.kl_placement != "none"
-  loss_fn = functools.partial(grpo.loss, model=model, grpo=cfg, rules=rules)
-  logps_of = lambda params, b: grpo.token_logps(
-      forward(params, b["tokens"], model, positions=b["positions"], segment_ids=b["segment_ids"], rules=rules),
-      b["tokens"])
+  spec = RLSpec(model=model, grpo=cfg, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids),
+                pad_id=pad_id, epochs=epochs, minibatches=minibatches, grad_accum=grad_accum, lora=lora, rules=rules)
 
   def step(state: TrainState, batch: dict[str, Any]):
-    prompts, prompt_lengths, task = batch["prompts"], batch["prompt_lengths"], batch["task"]
-    rng = jax.random.fold_in(state.rng, state.step)
-    sample_key, update_key = jax.random.split(rng)
+    sample_key, update_key = step_keys(state)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      stops = jnp.broadcast_to(jnp.asarray(stop_ids, jnp.int32), (prompts.shape[0], len(stop_ids)))
-      gen = generate_padded(state.params, prompts, prompt_lengths, stops, sample_key, max_new_tokens, cfg=model,
-                            sampling=sampling, budget=max_new_tokens, group_size=G, pad_id=pad_id, rules=rules)
-      batch = rollout_batch(prompts, prompt_lengths, gen, G)
-      mask = batch["loss_mask"].astype(jnp.float32)
-      batch["old_logps"] = batch["sampler_logps"]
-      trainer_logps = logps_of(state.params, batch)
-      rewards = reward_fn(gen, jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), task))
-      raw_rewards = rewards
-      rewards = rewards + cfg.overlong_penalty * adv_lib.overlong_punishment(
-          gen.lengths, cfg.max_response_tokens, cfg.overlong_buffer)
-      if use_reference:  # static: the config decides whether a reference exists
-        batch["ref_logps"] = logps_of(state.ref_params, batch)
-        if cfg.kl_placement == "reward":
-          kl = grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator)
-          rewards = rewards - cfg.beta * (kl * mask).sum(axis=1)
-      batch["advantages"] = adv_lib.advantages(rewards, G, cfg.advantage, eps=cfg.advantage_eps,
-                                               lengths=gen.lengths)
-      minis = _minibatches(batch, minibatches, G)
-
-      def update(carry, i):
-        params, opt_state = carry
-        mb = jax.tree.map(lambda x: x[i % minibatches], minis)
-        mb = {**mb, **grpo.aggregation_inputs(mb["loss_mask"], cfg)}
-        grads, metrics = accumulate_gradients(loss_fn, params, mb, jax.random.fold_in(update_key, i), grad_accum)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), {**metrics, "actor/grad_norm": optax.tree.norm(grads)}
-
-      (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
-                                                     jnp.arange(epochs * minibatches))
-    metrics = jax.tree.map(jnp.mean, per_update)
-    metrics.update(_rollout_metrics(raw_rewards, gen, mask, trainer_logps, batch["sampler_logps"], G, max_new_tokens))
-    metrics["skipped_steps"] = skipped_steps(opt_state)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+      rollouts, gen, rewards, filter_metrics = sample_kept_groups(model_params(state, lora), batch, sample_key,
+                                                                  spec, reward_fn)
+      state, metrics = learn(state, rollouts, gen, rewards, update_key, spec, optimizer)
+    return state, {**metrics, **filter_metrics}
 
   # Prompts and task fields are small: they arrive as they are and the sampler's
   # constraints shard the rows; the state keeps its layout and is donated.
@@ -156,19 +314,36 @@ def make_grpo_step(
                  out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
-def _rollout_metrics(rewards, gen: Generation, mask, trainer_logps, sampler_logps, group_size, max_new_tokens):
+def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:
+  """(sampling key, update key) of the state's step: `fold_in(rng, step)`, split."""
+  sample_key, update_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
+  return sample_key, update_key
+
+
+def _rollout_metrics(rewards, gen: Generation, mask, trainer_logps, sampler_logps, spec: RLSpec):
   """Reward, length and sampler-trainer agreement metrics (spec section 5.10 names)."""
+  G = spec.grpo.group_size
   lengths = gen.lengths.astype(jnp.float32)
-  rewards_BG = rewards.reshape(-1, group_size)
+  scored = ~jnp.isnan(rewards)
+  r = jnp.where(scored, rewards, 0.0)
+  n_scored = jnp.maximum(scored.sum(), 1)
+  mean = r.sum() / n_scored
+  diff = (sampler_logps - trainer_logps) * mask
+  is_ratio = jnp.exp(jnp.clip(trainer_logps - sampler_logps, -20.0, 20.0))
+  tokens = jnp.maximum(mask.sum(), 1.0)
   return {
-      "reward/mean": rewards.mean(),
-      "reward/std": rewards.std(),
-      "frac_reward_zero_std": jnp.mean(~adv_lib.groups_with_signal(rewards, group_size)) if group_size > 1
-      else jnp.float32(1.0),
+      "reward/mean": mean,
+      "reward/std": jnp.sqrt((jnp.where(scored, r - mean, 0.0) ** 2).sum() / n_scored),
+      "reward/unscored_frac": 1.0 - scored.mean(),
+      "frac_reward_zero_std": jnp.mean(~adv_lib.groups_with_signal(rewards, G)) if G > 1 else jnp.float32(1.0),
       "response_length/mean": lengths.mean(),
       "response_length/max": lengths.max(),
       "response_length/min": lengths.min(),
       "response_length/clip_ratio": jnp.mean(gen.finish_reasons == LENGTH),
-      "rollout/logp_diff_max": jnp.max(jnp.abs(trainer_logps - sampler_logps) * mask),
-      "rollout/pass_rate_groups": jnp.mean(jnp.any(rewards_BG > 0, axis=1)),
+      "rollout/logp_diff_max": jnp.max(jnp.abs(diff)),
+      "rollout/logp_mismatch_kl": diff.sum() / tokens,
+      "rollout/is_ratio/mean": (is_ratio * mask).sum() / tokens,
+      "rollout/is_ratio/max": jnp.max(jnp.where(mask > 0, is_ratio, 0.0)),
+      "rollout/is_ratio/min": jnp.min(jnp.where(mask > 0, is_ratio, jnp.float32(1e30))),
+      "rollout/pass_rate_groups": jnp.mean(jnp.any(r.reshape(-1, G) > 0, axis=1)),
   }

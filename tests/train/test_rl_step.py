@@ -1,4 +1,4 @@
-"""GRPO's fused RL step: one executable per step, equal to the unfused computation."""
+"""GRPO's fused RL step: one executable per step, equal to the unfused computation (also under LoRA); refill."""
 
 import dataclasses
 import functools
@@ -7,22 +7,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
-from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.config import GRPOConfig, LoRAConfig, MeshConfig, OptimizerConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import forward
+from ptx.models import lora as lora_lib
 from ptx.rl.token_rewards import encode_targets, exact_match
 from ptx.sampling.buckets import left_pad
 from ptx.sampling.generation import generate_padded
 from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
-from ptx.train.rl_step import make_grpo_step, rollout_batch
+from ptx.train.rl_step import RLSpec, make_grpo_step, rollout_batch, sample_kept_groups
 from ptx.train.state import init_state, state_shardings
-from ptx.train.step import accumulate_gradients
+from ptx.train.step import accumulate_gradients, trainable_loss
 
 TOK = ByteTokenizer()
 N_NEW = 6
@@ -42,16 +44,43 @@ def _prompts(n, seed=0):
           "task": {"targets": encode_targets(TOK, [r["answer"] for r in rows], 4)}}
 
 
-def _setup(cfg, grpo_cfg, reward_fn, **kw):
+def _setup(cfg, grpo_cfg, reward_fn, lora=None, **kw):
   mesh = make_mesh(MeshConfig(data=2, fsdp=4))
   optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0), 10)
   with_ref = grpo_cfg.beta > 0
-  shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref)
-  state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref)
+  shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref, lora=lora)
+  state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref, lora=lora)
   step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
                         reward_fn=reward_fn, sampling=SamplingConfig(), max_new_tokens=N_NEW,
-                        stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id, **kw)
+                        stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id, lora=lora, **kw)
   return mesh, optimizer, state, step
+
+
+def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
+  """The step computed as separate programs: sample, score on the host, reference log-probs, one update."""
+  policy = state.params if lora is None else lora_lib.apply(state.base, state.params, lora)
+  reference = state.ref_params if lora is None else state.base
+  prompts, lengths = batch_in["prompts"], batch_in["prompt_lengths"]
+  G = grpo_cfg.group_size
+  sample_key, update_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
+  stops = np.full((prompts.shape[0], 1), TOK.eos_id, np.int32)
+  gen = jax.jit(generate_padded, static_argnames=("cfg", "sampling", "budget", "group_size", "pad_id"))(
+      policy, prompts, lengths, stops, sample_key, N_NEW, cfg=cfg, sampling=SamplingConfig(), budget=N_NEW,
+      group_size=G, pad_id=TOK.pad_id)
+  tokens, gen_lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+  rewards = np.asarray([np.mean(tokens[r, :n] % 2 == 0) if n else 0.0 for r, n in enumerate(gen_lengths)])
+  batch = jax.tree.map(np.asarray, rollout_batch(jnp.asarray(prompts), jnp.asarray(lengths), gen, G))
+  batch["old_logps"] = batch["sampler_logps"]
+  logits = jax.jit(lambda p: forward(
+      p, batch["tokens"], cfg, positions=batch["positions"], segment_ids=batch["segment_ids"]))(reference)
+  batch["ref_logps"] = np.asarray(grpo.token_logps(logits, jnp.asarray(batch["tokens"])))
+  batch["advantages"] = np.asarray(adv_lib.advantages(jnp.asarray(rewards, jnp.float32), G, "grpo"))
+  batch.update(jax.tree.map(np.asarray, grpo.aggregation_inputs(jnp.asarray(batch["loss_mask"]), grpo_cfg)))
+  loss_fn = trainable_loss(functools.partial(grpo.loss, model=cfg, grpo=grpo_cfg), state.base, lora)
+  grads, _ = jax.jit(accumulate_gradients, static_argnums=(0, 4))(loss_fn, state.params, batch,
+                                                                  jax.random.fold_in(update_key, 0), 1)
+  updates, _ = optimizer.update(grads, state.opt_state, state.params)
+  return rewards, jax.tree.map(np.asarray, optax.apply_updates(state.params, updates))
 
 
 def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config):
@@ -59,30 +88,7 @@ def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_co
   grpo_cfg = GRPOConfig(group_size=4, beta=0.04)
   mesh, optimizer, state, step = _setup(cfg, grpo_cfg, _even_tokens)
   batch_in = _prompts(4)
-  prompts, lengths = batch_in["prompts"], batch_in["prompt_lengths"]
-
-  # The unfused reference: sample, score on the host, then update, as separate programs.
-  params, opt_state, ref = state.params, state.opt_state, state.ref_params
-  sample_key, update_key = jax.random.split(jax.random.fold_in(state.rng, 0))
-  stops = np.full((4, 1), TOK.eos_id, np.int32)
-  gen = jax.jit(generate_padded, static_argnames=("cfg", "sampling", "budget", "group_size", "pad_id"))(
-      params, prompts, lengths, stops, sample_key, N_NEW, cfg=cfg, sampling=SamplingConfig(), budget=N_NEW,
-      group_size=4, pad_id=TOK.pad_id)
-  tokens, gen_lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
-  rewards = np.asarray([np.mean(tokens[r, :n] % 2 == 0) if n else 0.0 for r, n in enumerate(gen_lengths)])
-  batch = jax.tree.map(np.asarray, rollout_batch(jnp.asarray(prompts), jnp.asarray(lengths), gen, 4))
-  batch["old_logps"] = batch["sampler_logps"]
-  logits = jax.jit(lambda p: forward(
-      p, batch["tokens"], cfg, positions=batch["positions"], segment_ids=batch["segment_ids"]))(ref)
-  batch["ref_logps"] = np.asarray(grpo.token_logps(logits, jnp.asarray(batch["tokens"])))
-  batch["advantages"] = np.asarray(adv_lib.advantages(jnp.asarray(rewards, jnp.float32), 4, "grpo"))
-  batch.update(jax.tree.map(np.asarray, grpo.aggregation_inputs(jnp.asarray(batch["loss_mask"]), grpo_cfg)))
-  loss_fn = functools.partial(grpo.loss, model=cfg, grpo=grpo_cfg)
-  grads, _ = jax.jit(accumulate_gradients, static_argnums=(0, 4))(loss_fn, params, batch,
-                                                                  jax.random.fold_in(update_key, 0), 1)
-  updates, _ = optimizer.update(grads, opt_state, params)
-  want = optax.apply_updates(params, updates)
-  want = jax.tree.map(np.asarray, want)
+  rewards, want = _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer)
 
   new_state, metrics = step(state, batch_in)
   np.testing.assert_allclose(float(metrics["reward/mean"]), rewards.mean(), rtol=1e-6)
@@ -93,6 +99,53 @@ def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_co
     new_state, metrics = step(new_state, _prompts(4, seed))
   assert step._cache_size() == 1, "the fused step recompiled"
   assert int(new_state.step) == 3
+
+
+def test_lora_fused_step_trains_adapters_against_the_base_as_reference(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=4, beta=0.5)
+  lora = LoRAConfig(rank=4, alpha=8.0)
+  _, optimizer, state, step = _setup(cfg, grpo_cfg, _even_tokens, lora=lora)
+  base = jax.tree.map(np.asarray, state.base)
+  state, metrics = step(state, _prompts(4))
+  np.testing.assert_allclose(float(metrics["actor/kl_loss"]), 0.0, atol=1e-7)  # fresh adapters: policy == base
+  # The second step samples from base + trained adapters; its reference log-probs are the base's.
+  batch_in = _prompts(4, seed=1)
+  _, want = _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora)
+  state, metrics = step(state, batch_in)
+  assert float(metrics["actor/kl_loss"]) > 0.0 and float(metrics["rollout/logp_diff_max"]) < 1e-4
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6), state.params, want)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.base), base)
+  assert state.ref_params is None and set(state.params) == set(lora.targets)
+
+
+def _flagged(gen, task):
+  """1 for the second sample of a prompt whose task flag is 1, else 0: flag-0 groups have zero variance."""
+  return (jnp.arange(gen.lengths.shape[0]) % 2) * task["flag"]
+
+
+def test_refill_keeps_groups_with_signal_in_order_and_never_crashes(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", filter_groups="refill", max_refill_rounds=2)
+  _, _, state, step = _setup(cfg, grpo_cfg, _flagged)
+  batch_in = _prompts(12)
+  batch_in["task"] = {"flag": np.asarray([1, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1], np.float32)}
+  spec = RLSpec(model=cfg, grpo=grpo_cfg, sampling=SamplingConfig(), max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,),
+                pad_id=TOK.pad_id)
+  rollouts, _, _, metrics = jax.jit(lambda p, b: sample_kept_groups(p, b, jax.random.key(0), spec, _flagged))(
+      state.params, batch_in)
+  # Kept: prompts 0 and 3 (round 0), 5 (round 1), 8 (round 2, the first of four); then the rounds stop.
+  want = batch_in["prompts"][[0, 3, 5, 8]]
+  np.testing.assert_array_equal(np.asarray(rollouts["tokens"])[::2, :want.shape[1]], want)
+  np.testing.assert_array_equal(np.asarray(rollouts["keep"]), 1)
+  assert {k: float(v) for k, v in metrics.items()} == pytest.approx({
+      "filter_groups/evicted": 5.0, "filter_groups/pass_rate": 7 / 12, "filter_groups/rounds": 3.0,
+      "filter_groups/unfilled": 0.0})
+  batch_in["task"]["flag"][:] = 0  # nothing to keep: trains on nothing, logs it
+  before = jax.tree.map(np.asarray, state.params)
+  state, metrics = step(state, batch_in)
+  assert float(metrics["filter_groups/unfilled"]) == 4.0 and float(metrics["filter_groups/pass_rate"]) == 0.0
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
 
 
 def test_exact_match_reward_and_several_minibatches_and_epochs(tiny_config):
