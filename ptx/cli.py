@@ -1,4 +1,4 @@
-"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx eval`, `ptx convert`.
+"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx grpo`, `ptx eval`, `ptx convert`.
 
 Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
 such as a run's saved config.json) and overrides `--section.field=value`
@@ -16,7 +16,11 @@ import sys
 import ptx
 
 _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
-               "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records"}
+               "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
+               "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
+                       "or on rl records"}
+# `ptx grpo --env`: single-turn environments that score rl records on the host.
+_ENVIRONMENTS = ("exact_answer", "code")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
     job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
     _job_arguments(job, default_out=f"out/{name}")
+    if name == "grpo":
+      job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
+                          "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
+                          "With them: rl records scored on the host by --env (host-reward mode).")
+      job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
+                       help="environment scoring rl records: exact_answer (final answer, as math) or code "
+                       "(unit tests in the sandbox)")
   return parser
 
 
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
       cfg = config_lib.apply_overrides(demo.default_config(), overrides)
     else:
-      base = config_lib.Config()
+      base = config_lib.Config() if args.command != "grpo" else _grpo_default_config()
       if args.config is not None:
         base = config_lib.from_dict(config_lib.Config, json.loads(args.config.read_text()))
       cfg = config_lib.apply_overrides(base, overrides)
@@ -120,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
   progress = not args.no_progress and sys.stderr.isatty()
   if args.command == "demo":
     demo.run(cfg, args.out, rl_steps=args.rl_steps, resume=args.resume, progress=progress)
+  elif args.command == "grpo":
+    _grpo(cfg, args, progress=progress, error=parser.error)
   else:
     _train(args.command, cfg, args.out, resume=args.resume, progress=progress, error=parser.error)
   return 0
@@ -160,6 +173,65 @@ def _train(algorithm: str, cfg, out: pathlib.Path, *, resume: bool, progress: bo
     prepare = None if cfg.dpo.loss_type == "simpo" else functools.partial(dpo.prepare, model=cfg.model)
   fit(cfg, loss_fn=loss_fn, train_data=train, out=out, resume=resume, eval_data=evaluation, prepare=prepare,
       progress=progress)
+
+
+def _grpo_default_config():
+  """`ptx grpo`'s defaults: the demo's GRPO stage (tiny preset, 2-digit addition, its optimizer and group size)."""
+  import dataclasses
+
+  from ptx import demo
+  from ptx.config import DataConfig, TrainConfig
+
+  cfg = demo.default_config()
+  return dataclasses.replace(
+      cfg, optim=demo.RL_OPTIM, train=TrainConfig(steps=150, log_every=10, checkpoint_every=50, eval_every=10**9),
+      data=DataConfig(kind="rl", batch_size=demo.RL_PROMPTS, seq_len=demo.PROMPT_LEN, pack=False))
+
+
+def _grpo(cfg, args, *, progress: bool, error) -> None:
+  """`ptx grpo`: the fused step on built-in arithmetic, or the host-reward step on rl records."""
+  import dataclasses
+
+  from ptx import demo
+  from ptx.data.arithmetic import ArithmeticTask
+  from ptx.data.hf_tokenizer import load_tokenizer
+  from ptx.data.tokenizer import ByteTokenizer
+  from ptx.rl import token_rewards
+  from ptx.rl.prompt_batches import JsonlTasks, PromptBatches
+  from ptx.sampling.rules import SamplingConfig
+  from ptx.train import rl_host, rl_step
+  from ptx.train.loop import fit
+
+  data = dataclasses.replace(cfg.data, kind="rl", pack=False)
+  cfg = dataclasses.replace(cfg, data=data)
+  tokenizer = ByteTokenizer() if data.tokenizer == "byte" else load_tokenizer(data.tokenizer)
+  if cfg.model.vocab_size < tokenizer.vocab_size:
+    error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+  lora = cfg.lora if cfg.lora.rank > 0 else None
+  common = dict(model=cfg.model, sampling=SamplingConfig(), max_new_tokens=cfg.grpo.max_response_tokens,
+                stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum, lora=lora)
+  batches = functools.partial(PromptBatches, tokenizer=tokenizer, prompt_len=data.seq_len)
+  if not data.train_files:
+    rounds = 1 + (cfg.grpo.max_refill_rounds if cfg.grpo.filter_groups == "refill" else 0)
+    prompts = batches(ArithmeticTask(demo.RL_SEED, demo.MAX_DIGITS), batch_size=data.batch_size * rounds,
+                      answer_width=cfg.grpo.max_response_tokens)
+    make_step = functools.partial(rl_step.make_grpo_step, cfg=cfg.grpo, reward_fn=token_rewards.target_reward,
+                                  **common)
+  else:
+    from ptx.rl.environments.exact_answer import ExactAnswerEnv
+    from ptx.rl.environments.python_tests import PythonTestsEnv
+
+    env, fields = {"exact_answer": (ExactAnswerEnv, ("answer",)), "code": (PythonTestsEnv, ("tests",))}[args.env]
+    try:
+      prompts = rl_host.Lookahead(batches(JsonlTasks(data.train_files, data.task_fields or fields),
+                                          batch_size=data.batch_size, answer_width=None))
+    except (OSError, ValueError) as e:
+      error(str(e))
+    reward = rl_host.env_reward(env(), tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size)
+    make_step = functools.partial(rl_host.HostRewardStep, spec=rl_step.RLSpec(grpo=cfg.grpo, **common),
+                                  reward=reward, prompts=prompts)
+  fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
+      with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress)
 
 
 def _evaluate(args, error) -> int:

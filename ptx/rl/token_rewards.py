@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptx.data.tokenizer import Tokenizer
+from ptx.sampling.generation import Generation
 
 
 def encode_targets(tokenizer: Tokenizer, answers: list[str], width: int) -> np.ndarray:
@@ -42,3 +43,8 @@ def exact_match(tokens_RN: jax.Array, lengths_R: jax.Array, targets_RA: jax.Arra
   n_target = (targets_RA >= 0).sum(axis=1)
   same = (tokens_RN[:, :A] == targets_RA) | (targets_RA < 0)
   return (jnp.all(same, axis=1) & (lengths_R == n_target)).astype(jnp.float32)
+
+
+def target_reward(gen: Generation, task: dict[str, jax.Array]) -> jax.Array:
+  """GRPO's in-graph exact-match reward: a Generation scored against `task["targets"]` (`encode_targets`)."""
+  return exact_match(gen.tokens, gen.lengths, task["targets"])

@@ -1,0 +1,220 @@
+"""GRPO's host-reward mode: the device samples batch k + s while the host scores batch k.
+
+When the reward needs the host (a Python verifier, sandboxed code through
+`ptx.rl.rewards`), one RL step is two programs built from the fused step's
+pieces (`ptx.train.rl_step.sample` and `learn`): a sampling program and an
+update program, both on the same mesh and the same parameter arrays. Step k
+dispatches the sampling of prompt batch k + s (read ahead from the prompt
+stream, `Lookahead`) with the current parameters, then fetches batch k's
+tokens, scores them on the host while the device samples, and dispatches
+batch k's update. Batch k was sampled s updates ago: with `max_staleness` s
+> 0 PPO's old log-probs are recomputed at the current parameters and the
+truncated importance weight exp(old - sampler) corrects for the stale
+behaviour policy (decoupled PPO); s = 0 is on-policy and computes exactly
+what the fused step computes.
+
+Metrics add, per step: `timing_s/step` (wall), `timing_s/generate` (the host
+waiting for batch k's tokens), `timing_s/reward` (host scoring),
+`perf/device_wait_frac` (the fraction of the step's wall time during which
+the device had no work queued) and `rollout/staleness`. A resumed run
+starts with an empty pipeline (its first s batches are sampled on-policy),
+so resume is exact for s = 0 only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ptx.data.global_batch import to_global
+from ptx.data.tokenizer import Tokenizer
+from ptx.rl import rewards as rewards_lib
+from ptx.rl.environments.base import Environment, Outcome
+from ptx.train.rl_step import RLSpec, learn, rollout_batch, sample, step_keys
+from ptx.train.state import TrainState
+from ptx.train.step import model_params
+
+# reward(tokens [R, N], lengths [R], tasks of the B prompts) -> float32 [R], NaN where unscorable.
+HostReward = Callable[[np.ndarray, np.ndarray, Any], np.ndarray]
+# The cap of the importance weight for stale rollouts when `grpo.tis_cap` is unset.
+STALE_TIS_CAP = 2.0
+
+
+class Lookahead(grain.DatasetIterator):
+  """A resumable iterator a consumer may read ahead of; its state is that of the next item `next` returns.
+
+  Args:
+    iterator: an iterator with get_state/set_state (e.g. `PromptBatches`).
+  """
+
+  def __init__(self, iterator: Any):
+    super().__init__()
+    self._iterator = iterator
+    self._buffer: collections.deque = collections.deque()  # (state before the item, item)
+
+  def __next__(self) -> Any:
+    return self._buffer.popleft()[1] if self._buffer else next(self._iterator)
+
+  def peek(self, i: int) -> Any:
+    """The item `i` places after the next one `next` returns (0: the next)."""
+    while len(self._buffer) <= i:
+      state = self._iterator.get_state()
+      self._buffer.append((state, next(self._iterator)))
+    return self._buffer[i][1]
+
+  def get_state(self) -> Any:
+    return self._buffer[0][0] if self._buffer else self._iterator.get_state()
+
+  def set_state(self, state: Any) -> None:
+    self._buffer.clear()
+    self._iterator.set_state(state)
+
+
+def env_reward(env: Environment, tokenizer: Tokenizer, stop_ids: Sequence[int], group_size: int, *,
+               concurrency: int = 32) -> HostReward:
+  """A HostReward that decodes each completion and scores it in a single-turn environment.
+
+  A sample the environment failed to score (infrastructure error) gets a
+  NaN reward: it is left out of its group's statistics and of the loss.
+  """
+  stops = set(stop_ids)
+
+  def reward(tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
+    texts = [tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
+    steps = rewards_lib.score(env, [t for t in tasks for _ in range(group_size)], texts, concurrency=concurrency)
+    return np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
+
+  return reward
+
+
+@dataclasses.dataclass
+class _Pending:
+  """A sampled batch on its way: dispatched at step `sampled_at`, for step `index`."""
+
+  index: int
+  sampled_at: int
+  rollouts: dict[str, jax.Array]
+  gen: Any
+  task: Any
+
+
+class HostRewardStep:
+  """`step(state, batch) -> (state, metrics)` of the host-reward mode, for `ptx.train.loop.fit`.
+
+  Args:
+    spec: the static step description (shared with the fused step).
+    optimizer: the optax transformation of the state.
+    mesh: the device mesh.
+    state_shardings: the state's shardings.
+    reward: scores a batch on the host.
+    prompts: the prompt stream `fit` also reads (its `next` gives the
+      step's batch; the step peeks the next `max_staleness`).
+  """
+
+  def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
+               state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
+    cfg = spec.grpo
+    if cfg.filter_groups == "refill":
+      raise ValueError("grpo.filter_groups='refill' needs an in-graph reward (fused mode); use 'mask' here")
+    if cfg.max_staleness < 0:
+      raise ValueError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
+    self.staleness = cfg.max_staleness
+    proximal = self.staleness > 0
+    if proximal and cfg.tis_cap is None:
+      spec = dataclasses.replace(spec, grpo=dataclasses.replace(cfg, tis_cap=STALE_TIS_CAP))
+    self._spec, self._mesh, self._reward, self._prompts = spec, mesh, reward, prompts
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def sample_fn(state, prompts, lengths, step):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        gen = sample(model_params(state, spec.lora), prompts, lengths, step_keys(state.replace(step=step))[0], spec)
+        return rollout_batch(prompts, lengths, gen, spec.grpo.group_size), gen
+
+    def learn_fn(state, rollouts, gen, rewards):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return learn(state, rollouts, gen, rewards, step_keys(state)[1], spec, optimizer, proximal=proximal)
+
+    self._sample = jax.jit(sample_fn, in_shardings=(state_shardings, None, None, None))
+    self._learn = jax.jit(learn_fn, in_shardings=(state_shardings, None, None, None),
+                          out_shardings=(state_shardings, replicated), donate_argnums=0)
+    self._pending: collections.deque[_Pending] = collections.deque()
+    self._next_step: int | None = None
+    self._watch = _Watch()
+    self._last_return: float | None = None
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
+    start = time.perf_counter()
+    k = int(state.step) if self._next_step is None else self._next_step
+    if not self._pending or self._pending[0].index != k:  # a fresh or resumed pipeline
+      self._pending.clear()
+      self._pending.append(self._dispatch(state, batch, k, k))
+    while len(self._pending) <= self.staleness:
+      index = self._pending[-1].index + 1
+      self._pending.append(self._dispatch(state, to_global(self._prompts.peek(index - k - 1), self._mesh), index, k))
+    entry = self._pending.popleft()
+    fetched = time.perf_counter()
+    tokens, lengths = jax.device_get((entry.gen.tokens, entry.gen.lengths))
+    scored = time.perf_counter()
+    rewards = np.asarray(self._reward(tokens, lengths, entry.task), np.float32)
+    done = time.perf_counter()
+    self._watch.dispatching(done)
+    state, metrics = self._learn(state, entry.rollouts, entry.gen, jnp.asarray(rewards))
+    self._watch.start(metrics["loss"])
+    self._next_step = k + 1
+    wall_start = start if self._last_return is None else self._last_return
+    end = time.perf_counter()
+    wall = end - wall_start
+    self._last_return = end
+    metrics = {**metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
+               "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
+               "rollout/staleness": float(k - entry.sampled_at)}
+    return state, metrics
+
+  def _dispatch(self, state: TrainState, batch: dict[str, Any], index: int, now: int) -> _Pending:
+    """Queues the sampling of `batch` (for step `index`) with the parameters of step `now`."""
+    self._watch.dispatching(time.perf_counter())
+    rollouts, gen = self._sample(state, batch["prompts"], batch["prompt_lengths"], jnp.int32(index))
+    self._watch.start(gen.lengths)
+    return _Pending(index=index, sampled_at=now, rollouts=rollouts, gen=gen, task=batch["task"])
+
+
+class _Watch:
+  """Device idle time: from the moment the last queued work finished to the next dispatch."""
+
+  def __init__(self):
+    self._done_at: float | None = None
+    self._thread: threading.Thread | None = None
+    self._idle = 0.0
+
+  def start(self, output: jax.Array) -> None:
+    """Watches the newest dispatched work (queued after everything before it)."""
+    self._done_at = None
+
+    def wait():
+      jax.block_until_ready(output)
+      self._done_at = time.perf_counter()
+
+    self._thread = threading.Thread(target=wait, daemon=True)
+    self._thread.start()
+
+  def dispatching(self, now: float) -> None:
+    """Adds the idle gap before a dispatch at `now`, if the queue had drained by then."""
+    done_at = self._done_at
+    if self._thread is not None and done_at is not None and done_at < now:
+      self._idle += now - done_at
+    self._thread = None
+
+  def take_idle(self) -> float:
+    idle, self._idle = self._idle, 0.0
+    return idle
+
