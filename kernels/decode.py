@@ -1,12 +1,15 @@
-"""Decode attention: a few new query tokens against a KV cache.
+"""Decode attention: a few new query tokens against a KV cache, at a cost that follows its filled part.
 
-The cache is [B, S_max, KV, D] with slot s holding position s; `lengths[b]`
-slots are valid (the new tokens already written). The cache is cut into splits
-of `block_kv` slots, each split is attended on its own (skipped when no row can
-see it, e.g. beyond every length) and the partials are merged with `merge_lse`.
-With a mesh, the cache is sharded along `axis_name`: every device attends to
-its slice with global positions and the per-device partials (a few tokens
-each) are gathered and merged the same way.
+The cache is [B, S_max, KV, D]. Slot s of row b holds position
+s - starts[b] and is valid for starts[b] <= s < lengths[b] (a left-padded
+batch starts each row at its padding; the new tokens are already written).
+Only the blocks of `block_kv` slots below max(lengths) are read: a loop with
+a traced trip count runs an online softmax over them, so a decode step at
+fill f costs O(f), not O(S_max). An int8 cache is dequantised a block at a
+time. With a mesh, the cache is sharded along `axis_name`: every device runs
+the same loop over the filled blocks of its slice, with global slot indices,
+and the per-device partials (a few tokens each) are gathered and merged with
+`merge_lse`; the cache itself never moves.
 """
 
 import jax
@@ -19,69 +22,86 @@ from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
 
 
-def _split_attention(q5, k, v, lengths, q_pos, offset, window, *, causal,
-                     softcap, scale, block_kv):
-  """Partials over one cache slice: (out [n, B, T, H, Dv] f32, lse [n, B, H, T])."""
-  b, t, kvh, g, _ = q5.shape
-  n = k.shape[1] // block_kv
+def _filled_attention(q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths, q_pos, window, offset, *,
+                      causal, softcap, scale, block_kv):
+  """Online softmax over the filled blocks of one cache slice: (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T])."""
+  b, kvh, g, t, _ = q_BKGTD.shape
+  s_loc, dv = k_BKSD.shape[2], v_BKSD.shape[-1]
+  width = min(block_kv, s_loc)
+  n_blocks = -(-s_loc // width)
+  columns = jnp.arange(width, dtype=jnp.int32)
 
-  def split(i):
-    start = i * block_kv
-    kv_pos = offset + start + jnp.arange(block_kv, dtype=jnp.int32)
-    ok = kv_pos[None, None, :] < lengths[:, None, None]
-    dist = q_pos[:, :, None] - kv_pos[None, None, :]
+  def read(cache, scales, start):
+    block = lax.dynamic_slice_in_dim(cache, start, width, axis=2)
+    if scales is None:
+      return block
+    return block.astype(jnp.float32) * lax.dynamic_slice_in_dim(scales, start, width, axis=2)[..., None]
+
+  def step(i, carry):
+    m, l, acc = carry
+    # The last block is shifted back to stay inside the slice; slots that the
+    # previous block already covered are masked out of it.
+    start = jnp.minimum(i * width, s_loc - width)
+    slots = offset + start + columns
+    ok_BC = ((slots[None] >= starts[:, None]) & (slots[None] < lengths[:, None])
+             & (start + columns >= i * width)[None])
+    dist_BTC = q_pos[:, :, None] - (slots[None, None] - starts[:, None, None])
+    ok = ok_BC[:, None]
     if causal:
-      ok &= dist >= 0
+      ok &= dist_BTC >= 0
     if window is not None:
-      ok &= dist < window
+      ok &= dist_BTC < window
     ok = ok[:, None, None]  # [B, 1, 1, T, C]
+    k_i, v_i = read(k_BKSD, k_scale, start), read(v_BKSD, v_scale, start)
+    s = jnp.einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_i.astype(q_BKGTD.dtype),
+                   preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+      s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    decay = jnp.exp(m - m_safe)
+    pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_BKSD.dtype if v_scale is None else jnp.float32),
+                    v_i, preferred_element_type=jnp.float32)
+    return m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv
 
-    def compute(_):
-      k_i = lax.dynamic_slice_in_dim(k, start, block_kv, 1)
-      v_i = lax.dynamic_slice_in_dim(v, start, block_kv, 1)
-      s = jnp.einsum("btkgd,bckd->bkgtc", q5, k_i,
-                     preferred_element_type=jnp.float32) * scale
-      if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-      s = jnp.where(ok, s, -jnp.inf)
-      m = jnp.max(s, axis=-1, keepdims=True)
-      p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-      total = jnp.sum(p, axis=-1)
-      safe = jnp.where(total > 0, total, 1.0)
-      o = jnp.einsum("bkgtc,bckd->btkgd", (p / safe[..., None]).astype(v.dtype),
-                     v_i, preferred_element_type=jnp.float32)
-      lse = jnp.where(total > 0, m[..., 0] + jnp.log(safe), -jnp.inf)
-      return o.reshape(b, t, kvh * g, -1), lse.reshape(b, kvh * g, t)
-
-    def skip(_):
-      return (jnp.zeros((b, t, kvh * g, v.shape[-1]), jnp.float32),
-              jnp.full((b, kvh * g, t), -jnp.inf, jnp.float32))
-
-    return lax.cond(jnp.any(ok), compute, skip, None)
-
-  return lax.map(split, jnp.arange(n))
+  init = (jnp.full((b, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
+          jnp.zeros((b, kvh, g, t, dv), jnp.float32))
+  if n_blocks == 1:
+    m, l, acc = step(0, init)
+  else:
+    filled = jnp.clip(jnp.max(lengths) - offset, 0, s_loc)
+    m, l, acc = lax.fori_loop(0, (filled + width - 1) // width, step, init)
+  safe = jnp.where(l > 0, l, 1.0)
+  return acc / safe[..., None], jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
 
 
 def decode_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
-    lengths: jax.Array, q_positions=None, causal: bool = True, window=None,
-    softcap: float | None = None, scale: float | None = None,
+    lengths: jax.Array, starts=None, q_positions=None, k_scale=None, v_scale=None,
+    causal: bool = True, window=None, softcap: float | None = None, scale: float | None = None,
     block_kv: int = 512, mesh=None, axis_name: str = "seq",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axes: tuple[str, ...] = ("tensor",),
 ) -> tuple[jax.Array, jax.Array]:
-  """Attention of T new tokens per row over a (possibly seq-sharded) KV cache.
+  """Attention of T new tokens per row over the filled part of a (possibly seq-sharded) KV cache.
 
   Args:
-    q: queries [B, T, H, D] (T is small: 1 for sampling, a few for
-      speculative or chunked steps).
-    k_cache: keys [B, S_max, KV, D]; slot s holds position s.
-    v_cache: values [B, S_max, KV, Dv].
-    lengths: int [B] valid slots per row, including the T new tokens.
-    q_positions: int [B, T]; default lengths - T + arange(T) (the new tokens
-      are the last ones written).
+    q: queries [B, T, H, D] (T is small for sampling, a chunk for chunked
+      prefill).
+    k_cache: keys [B, S_max, KV, D], or int8 with `k_scale`.
+    v_cache: values [B, S_max, KV, Dv], or int8 with `v_scale`.
+    lengths: int [B]: slots below lengths[b] may be valid, the T new tokens
+      included; blocks at or past max(lengths) are never read.
+    starts: int [B] first valid slot of each row; slot s holds position
+      s - starts[b]. Default 0.
+    q_positions: int [B, T]; default lengths - starts - T + arange(T) (the
+      new tokens are the last ones written).
+    k_scale, v_scale: float32 [B, S_max, KV] per-slot, per-head scales of an
+      int8 cache (absmax / 127), or None.
     causal, window, softcap, scale: as in `flash_attention`.
-    block_kv: cache slots per split; must divide the (per-device) cache.
+    block_kv: cache slots per block of the loop.
     mesh: if given, the cache is sharded along `axis_name` of this mesh and
       the result is replicated along it.
     axis_name: mesh axis that shards S_max.
@@ -94,37 +114,36 @@ def decode_attention(
   mask_lib.check_qkv(q, k_cache, v_cache)
   b, t, h, d = q.shape
   kvh = k_cache.shape[2]
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"lengths must be int [{b}], got {lengths.dtype}{lengths.shape}")
-  lengths = lengths.astype(jnp.int32)
+  lengths = _row_ints(lengths, "lengths", b)
+  starts = jnp.zeros((b,), jnp.int32) if starts is None else _row_ints(starts, "starts", b)
+  if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_scale.shape != k_cache.shape[:3]):
+    raise ValueError(f"k_scale and v_scale must both be None or {k_cache.shape[:3]}")
   if q_positions is None:
-    q_positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
-  mi = mask_lib.make_mask_inputs(b, t, 1, q_positions=q_positions,
-                                 kv_positions=jnp.zeros((b, 1), jnp.int32),
-                                 window=window)
+    q_positions = (lengths - starts)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
+  window = mask_lib.check_window(window)
   n_dev = 1 if mesh is None else mesh.shape[axis_name]
-  local_s = k_cache.shape[1] // n_dev
-  if k_cache.shape[1] % n_dev or local_s % min(block_kv, local_s):
-    raise ValueError(f"cache length {k_cache.shape[1]} must split into "
-                     f"{n_dev} shard(s) of whole {block_kv}-slot blocks")
-  settings = dict(causal=causal, softcap=softcap,
-                  scale=d ** -0.5 if scale is None else scale,
-                  block_kv=min(block_kv, local_s))
-  q5 = q.reshape(b, t, kvh, h // kvh, d)
+  if k_cache.shape[1] % n_dev:
+    raise ValueError(f"cache length {k_cache.shape[1]} must split into {n_dev} shards")
+  settings = dict(causal=causal, softcap=softcap, scale=d ** -0.5 if scale is None else scale, block_kv=block_kv)
+  # Heads before slots: every block is a batched [G*T, D] x [D, C] product per (row, kv head).
+  q_BKGTD = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
+  k_BKSD, v_BKSD = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
+  k_scale, v_scale = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (k_scale, v_scale))
 
-  def local(q5, k, v, lengths, q_pos, window, offset):
-    outs, lses = _split_attention(q5, k, v, lengths, q_pos, offset, window,
-                                  **settings)
-    return lse_lib.merge_lse(list(outs), list(lses))
+  def local(q, k, v, ks, vs, starts, lengths, q_pos, window, offset):
+    out, lse = _filled_attention(q, k, v, ks, vs, starts, lengths, q_pos, window, offset, **settings)
+    # To the package layout: out [B, T, H, Dv], lse [B, H, T] (local sizes under shard_map).
+    rows, heads = lse.shape[0], lse.shape[1] * lse.shape[2]
+    return out.reshape(rows, heads, t, -1).transpose(0, 2, 1, 3), lse.reshape(rows, heads, t)
 
+  args = (q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths, jnp.asarray(q_positions, jnp.int32), window)
   if mesh is None:
-    out, lse = local(q5, k_cache, v_cache, lengths, mi.q_positions, mi.window, 0)
+    out, lse = local(*args, 0)
     return out.astype(q.dtype), lse
+  local_s = k_cache.shape[1] // n_dev
 
-  def sharded(q5, k, v, lengths, q_pos, window):
-    offset = lax.axis_index(axis_name) * local_s
-    out, lse = local(q5, k, v, lengths, q_pos, window, offset)
+  def sharded(*args):
+    out, lse = local(*args, lax.axis_index(axis_name) * local_s)
     # The partials are a few tokens each: gathering them costs nothing next
     # to gathering the cache.
     outs = lax.all_gather(out, axis_name)
@@ -133,12 +152,18 @@ def decode_attention(
 
   bax = partition.present_axes(mesh, batch_axes)
   hax = partition.present_axes(mesh, head_axes)
-  cache_spec = P(bax, axis_name, hax, None)
-  window_spec = None if mi.window is None else P()
-  out, lse = jax.shard_map(
-      sharded, mesh=mesh,
-      in_specs=(P(bax, None, hax, None, None), cache_spec, cache_spec, P(bax),
-                P(bax, None), window_spec),
-      out_specs=(P(bax, None, hax, None), P(bax, hax, None)), check_vma=False,
-  )(q5, k_cache, v_cache, lengths, mi.q_positions, mi.window)
+  cache_spec, scale_spec = P(bax, hax, axis_name, None), P(bax, hax, axis_name)
+  in_specs = (P(bax, hax, None, None, None), cache_spec, cache_spec,
+              None if k_scale is None else scale_spec, None if v_scale is None else scale_spec,
+              P(bax), P(bax), P(bax, None), None if window is None else P())
+  out, lse = jax.shard_map(sharded, mesh=mesh, in_specs=in_specs, out_specs=(P(bax, None, hax, None), P(bax, hax, None)),
+                           check_vma=False)(*args)
   return out.astype(q.dtype), lse
+
+
+def _row_ints(x, name: str, b: int) -> jax.Array:
+  """Validates one int [B] array."""
+  x = jnp.asarray(x)
+  if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be int [{b}], got {x.dtype}{x.shape}")
+  return x.astype(jnp.int32)

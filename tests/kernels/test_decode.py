@@ -1,4 +1,4 @@
-"""Decode attention over a KV cache (split and seq-sharded) == reference."""
+"""Decode attention over a KV cache (blocked, int8, seq-sharded) == reference; only filled blocks are read."""
 
 import functools
 
@@ -13,14 +13,16 @@ import ptx_kernels as pk
 
 B, S, H, KV, D = 3, 256, 8, 2, 16
 LENGTHS = jnp.array([5, 200, 37], jnp.int32)
+STARTS = jnp.array([0, 11, 30], jnp.int32)
 
 
-def _reference(q, k, v, lengths, **kw):
+def _reference(q, k, v, lengths, starts, **kw):
   t = q.shape[1]
-  qpos = lengths[:, None] - t + jnp.arange(t)[None]
-  valid = (jnp.arange(S)[None] < lengths[:, None]).astype(jnp.int32)
+  slots = jnp.arange(S)[None]
+  qpos = (lengths - starts)[:, None] - t + jnp.arange(t)[None]
+  valid = ((slots >= starts[:, None]) & (slots < lengths[:, None])).astype(jnp.int32)
   return pk.reference_attention(
-      q, k, v, q_positions=qpos, kv_positions=jnp.broadcast_to(jnp.arange(S), (B, S)),
+      q, k, v, q_positions=qpos, kv_positions=slots - starts[:, None],
       q_segment_ids=jnp.ones(qpos.shape, jnp.int32), kv_segment_ids=valid, **kw)
 
 
@@ -37,18 +39,41 @@ def mesh():
 @pytest.mark.parametrize("sharded", [False, True])
 def test_matches_reference(helpers, mesh, t, kw, sharded):
   q, k, v = helpers.make_qkv(t, B, t, S, H, KV, D)
+  # 24-slot blocks: the last block of each 64-slot shard overlaps its neighbour.
   fast = jax.jit(functools.partial(
-      pk.decode_attention, block_kv=16, mesh=mesh if sharded else None, **kw))
-  out, lse = fast(q, k, v, lengths=LENGTHS)
-  ref_out, ref_lse = _reference(q, k, v, LENGTHS, **kw)
+      pk.decode_attention, block_kv=24, mesh=mesh if sharded else None, **kw))
+  out, lse = fast(q, k, v, lengths=LENGTHS, starts=STARTS)
+  ref_out, ref_lse = _reference(q, k, v, LENGTHS, STARTS, **kw)
   assert helpers.rel_err(out, ref_out) < 1e-5
   assert helpers.rel_err(lse, ref_lse) < 1e-5
+
+
+def test_blocks_past_the_fill_are_never_read(helpers):
+  # NaN beyond max(lengths) would poison any block that touched it.
+  q, k, v = helpers.make_qkv(4, B, 1, S, H, KV, D)
+  poisoned = lambda x: x.at[:, 208:].set(jnp.nan)  # noqa: E731
+  out, _ = jax.jit(functools.partial(pk.decode_attention, block_kv=16))(
+      q, poisoned(k), poisoned(v), lengths=LENGTHS, starts=STARTS)
+  assert helpers.rel_err(out, _reference(q, k, v, LENGTHS, STARTS)[0]) < 1e-5
+
+
+def test_int8_cache_dequantises_per_block(helpers):
+  q, k, v = helpers.make_qkv(5, B, 1, S, H, KV, D)
+
+  def quantize(x):
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    return jnp.round(x / scale[..., None]).astype(jnp.int8), scale
+
+  (k8, ks), (v8, vs) = quantize(k), quantize(v)
+  out, _ = pk.decode_attention(q, k8, v8, k_scale=ks, v_scale=vs, lengths=LENGTHS, starts=STARTS, block_kv=64)
+  dequantized = (k8 * ks[..., None], v8 * vs[..., None])
+  assert helpers.rel_err(out, _reference(q, *dequantized, LENGTHS, STARTS)[0]) < 1e-5
 
 
 def test_bf16_cache(helpers):
   q, k, v = helpers.make_qkv(9, B, 1, S, H, KV, D, jnp.bfloat16)
   out, _ = pk.decode_attention(q, k, v, lengths=LENGTHS, block_kv=64)
-  ref_out, _ = _reference(*(x.astype(jnp.float32) for x in (q, k, v)), LENGTHS)
+  ref_out, _ = _reference(*(x.astype(jnp.float32) for x in (q, k, v)), LENGTHS, jnp.zeros((B,), jnp.int32))
   assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, ref_out) < 1e-2
 
 
@@ -67,5 +92,9 @@ def test_invalid_decode_inputs_raise(mesh):
   q, kv = jnp.zeros((B, 1, H, D)), jnp.zeros((B, S, KV, D))
   with pytest.raises(ValueError, match="lengths"):
     pk.decode_attention(q, kv, kv, lengths=jnp.zeros((B, 1), jnp.int32))
-  with pytest.raises(ValueError, match="whole"):
-    pk.decode_attention(q, kv, kv, lengths=LENGTHS, block_kv=48)
+  with pytest.raises(ValueError, match="starts"):
+    pk.decode_attention(q, kv, kv, lengths=LENGTHS, starts=jnp.zeros((B,), jnp.float32))
+  with pytest.raises(ValueError, match="k_scale"):
+    pk.decode_attention(q, kv, kv, lengths=LENGTHS, k_scale=jnp.ones((B, S, KV)))
+  with pytest.raises(ValueError, match="shards"):
+    pk.decode_attention(q, jnp.zeros((B, S - 2, KV, D)), jnp.zeros((B, S - 2, KV, D)), lengths=LENGTHS, mesh=mesh)
