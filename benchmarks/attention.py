@@ -110,11 +110,13 @@ def bench_1m(args):
   shard = NamedSharding(mesh, P(None, "seq"))
   q_s = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=shard)
   kv_s = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16, sharding=shard)
-  for layout in ("contiguous", "zigzag"):
+  # heads_per_pass None: one kv head (4 q heads) per ring pass; 1: one q head.
+  for layout, per_pass in (("contiguous", None), ("zigzag", None), ("zigzag", 1)):
     fwd, fwd_bwd = _programs(functools.partial(
-        pk.ring_attention, mesh=mesh, layout=layout))
+        pk.ring_attention, mesh=mesh, layout=layout, heads_per_pass=per_pass))
     print(json.dumps(dict(
-        bench="attention_1m", impl="ring", layout=layout, devices=n, seq_len=t,
+        bench="attention_1m", impl="ring", layout=layout,
+        heads_per_pass=per_pass or 4, devices=n, seq_len=t,
         heads=8, kv_heads=2, head_dim=128, dtype="bfloat16",
         fwd_mib_per_device=_memory_mib(fwd, q_s, kv_s, kv_s),
         fwd_bwd_mib_per_device=_memory_mib(fwd_bwd, q_s, kv_s, kv_s, q_s))),

@@ -53,10 +53,46 @@ def vary_like(tree, *refs):
   """
   axes = set().union(*(jax.typeof(r).manual_axis_type.varying
                        for r in jax.tree.leaves(refs)))
-  if not axes:
-    return tree
-  return jax.tree.map(lambda x: lax.pcast(x, tuple(sorted(axes)), to="varying"),
-                      tree)
+
+  def cast(x):
+    missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def loop(n, body, carry, operands):
+  """`fori_loop(0, n)` of `body(i, carry, operands)` over read-only operands.
+
+  XLA:CPU slices bf16 arrays in float32 and hoists the upcast of a
+  loop-invariant operand out of the loop, i.e. keeps a float32 copy of every
+  whole bf16 operand. Passing the operands through the carry behind an
+  optimization barrier keeps the upcast inside, on one tile (no copy: the
+  barrier aliases its input).
+  """
+  def step(i, state):
+    carry, operands = state
+    operands = lax.optimization_barrier(operands)
+    return body(i, carry, operands), operands
+
+  return lax.fori_loop(0, n, step, (carry, operands))[0]
+
+
+# XLA:CPU also updates a bf16 array in float32, a full-size copy per update;
+# writing the raw 16 bits is in place (the bitcasts are free on every backend).
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
+
+
+def update_along(x, tile, start, axis: int):
+  """x with `tile` (cast to x.dtype) written at `start` along `axis`."""
+  tile = tile.astype(x.dtype)
+  bits = _BITS.get(x.dtype)
+  if bits is None:
+    return lax.dynamic_update_slice_in_dim(x, tile, start, axis)
+  raw = lax.dynamic_update_slice_in_dim(
+      lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(tile, bits),
+      start, axis)
+  return lax.bitcast_convert_type(raw, x.dtype)
 
 
 def _tile(x, start, size: int):
@@ -79,7 +115,8 @@ def _attend_tile(q_i, k, v, mi, i, st: Static):
   b, bq, kvh, g, _ = q_i.shape
   dv = v.shape[-1]
 
-  def step(j, carry):
+  def step(j, carry, kv):
+    k, v = kv
     ok = _tile_mask(mi, i, j, st)
 
     def compute(carry):
@@ -101,7 +138,7 @@ def _attend_tile(q_i, k, v, mi, i, st: Static):
   init = vary_like((jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
                     jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
                     jnp.zeros((b, kvh, g, bq), jnp.float32)), q_i, k, v, mi)
-  o, m, l = lax.fori_loop(0, k.shape[1] // st.block_kv, step, init)
+  o, m, l = loop(k.shape[1] // st.block_kv, step, init, (k, v))
   safe_l = jnp.where(l > 0, l, 1.0)
   lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
   o = jnp.einsum("bkgqd->bqkgd", o / safe_l[..., None])
@@ -122,7 +159,8 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
     acc = vary_like((jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
                      jnp.zeros((b, h, t), jnp.float32)), q, k, v, mi)
 
-  def step(i, acc):
+  def step(i, acc, qkv):
+    q5, k, v = qkv
     out, lse = acc
     q_i = _tile(q5, i * st.block_q, st.block_q)
     o_i, lse_i = _attend_tile(q_i, k, v, mi, i, st)
@@ -130,11 +168,10 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
       prev_o = _tile(out, i * st.block_q, st.block_q)
       prev_l = lax.dynamic_slice_in_dim(lse, i * st.block_q, st.block_q, 2)
       o_i, lse_i = lse_lib.merge_lse([prev_o, o_i], [prev_l, lse_i])
-    out = lax.dynamic_update_slice_in_dim(
-        out, o_i.astype(out.dtype), i * st.block_q, 1)
-    return out, lax.dynamic_update_slice_in_dim(lse, lse_i, i * st.block_q, 2)
+    out = update_along(out, o_i, i * st.block_q, 1)
+    return out, update_along(lse, lse_i, i * st.block_q, 2)
 
-  return lax.fori_loop(0, t // st.block_q, step, acc)
+  return loop(t // st.block_q, step, acc, (q5, k, v))
 
 
 def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
@@ -155,12 +192,14 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
   dq = dq.reshape(b, t, kvh, g, d)
   bq, bk = st.block_q, st.block_kv
 
-  def kv_step(j, carry):
+  def kv_step(j, carry, operands):
+    k, v, q5, do5 = operands
     dq, dk, dv = carry
     k_j = _tile(k, j * bk, bk)
     v_j = _tile(v, j * bk, bk)
 
-    def q_step(i, inner):
+    def q_step(i, inner, q_do):
+      q5, do5 = q_do
       ok = _tile_mask(mi, i, j, st)
 
       def compute(inner):
@@ -189,11 +228,11 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
       return lax.cond(jnp.any(ok), compute, lambda c: c, inner)
 
     init = (dq, _tile(dk, j * bk, bk), _tile(dv, j * bk, bk))
-    dq, dk_j, dv_j = lax.fori_loop(0, t // bq, q_step, init)
+    dq, dk_j, dv_j = loop(t // bq, q_step, init, (q5, do5))
     return (dq, lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, 1),
             lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, 1))
 
-  dq, dk, dv = lax.fori_loop(0, k.shape[1] // bk, kv_step, (dq, dk, dv))
+  dq, dk, dv = loop(k.shape[1] // bk, kv_step, (dq, dk, dv), (k, v, q5, do5))
   return dq.reshape(b, t, h, d), dk, dv
 
 

@@ -11,12 +11,19 @@ kernel (local q, k, v, out, lse): key/value shards travel the ring again
 together with their float32 dK/dV accumulators, and after n hops each
 accumulator is back on the device that owns the shard.
 
+Heads run in passes (`heads_per_pass`): each pass is a whole ring over a
+slice of the heads, so float32 accumulators (out in the forward; dQ and the
+travelling dK/dV in the backward) exist for one pass's heads only. By default
+a pass is one kv head with its query group, which moves no extra K/V; fewer
+heads per pass send a kv head around the ring once per pass.
+
 Masking uses global positions, so the kernel is layout-agnostic: `layout` only
 chooses default positions. In the zig-zag layout (`to_zigzag`) device i holds
 chunks i and 2n-1-i of 2n, which balances causal work across devices.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +67,16 @@ def from_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
 def _rotate(tree, axis_name: str, n: int):
   """Sends every leaf of a tree to the next device of the ring."""
   perm = [(i, (i + 1) % n) for i in range(n)]
-  return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+  def send(x):
+    if x.dtype != jnp.bfloat16:
+      return lax.ppermute(x, axis_name, perm)
+    # XLA:CPU permutes bf16 through float32 copies of the whole shard; the
+    # bits travel just as well as uint16 (a free bitcast on every backend).
+    bits = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), axis_name, perm)
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+  return jax.tree.map(send, tree)
 
 
 def _visiting(mi: mask_lib.MaskInputs, kv_seg, kv_pos) -> mask_lib.MaskInputs:
@@ -68,20 +84,52 @@ def _visiting(mi: mask_lib.MaskInputs, kv_seg, kv_pos) -> mask_lib.MaskInputs:
   return mi._replace(kv_segment_ids=kv_seg, kv_positions=kv_pos)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, mi, st: blockwise.Static, axis_name: str, n: int):
+class Passes(NamedTuple):
+  """How the local heads are split into ring passes (compile-time).
+
+  Pass (c, s) attends q heads [c * kv_per_pass * g + s * heads, + heads) to kv
+  heads [c * kv_per_pass, + kv_per_pass): only one pass's float32 accumulators
+  are alive at a time.
+  """
+
+  heads: int  # q heads per pass
+  kv_chunks: int  # passes over disjoint kv-head chunks
+  kv_per_pass: int  # kv heads per pass
+  sub: int  # passes per kv chunk (q heads of one kv head split further)
+
+
+def _passes(h: int, kvh: int, heads_per_pass: int | None) -> Passes:
+  """Validates heads_per_pass against H q heads and KV kv heads."""
+  g = h // kvh
+  hp = g if heads_per_pass is None else heads_per_pass
+  if hp < 1 or h % hp or (hp % g if hp >= g else g % hp):
+    raise ValueError(
+        f"heads_per_pass={hp} must divide the {h} local q heads and be a "
+        f"multiple or divisor of the group size {g}")
+  kvp = max(hp // g, 1)
+  return Passes(hp, kvh // kvp, kvp, max(g // hp, 1))
+
+
+def _heads(x, start, size):
+  """Heads [start, start + size) of x [B, T, H, D]."""
+  return lax.dynamic_slice_in_dim(x, start, size, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, mi, st: blockwise.Static, axis_name: str, n: int,
+          ps: Passes):
   """Ring attention on the local shards (inside shard_map): (out, lse)."""
-  return _ring_fwd(q, k, v, mi, st, axis_name, n)[0]
+  return _ring_fwd(q, k, v, mi, st, axis_name, n, ps)[0]
 
 
-def _ring_fwd(q, k, v, mi, st, axis_name, n):
+def _pass_fwd(q, k, v, mi, st, axis_name, n):
   """n ring steps, each folding one key/value shard into the accumulator."""
   b, t, h, _ = q.shape
   acc = blockwise.vary_like((jnp.zeros((b, t, h, v.shape[-1]), jnp.float32),
                              jnp.full((b, h, t), -jnp.inf, jnp.float32)),
                             q, k, v, mi)
 
-  def step(_, carry):
+  def step(_, carry, q):
     acc, shard = carry
     nxt = _rotate(shard, axis_name, n)  # Issued first: overlaps the compute.
     acc = blockwise.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]),
@@ -89,38 +137,92 @@ def _ring_fwd(q, k, v, mi, st, axis_name, n):
     return acc, nxt
 
   shard = (k, v, mi.kv_segment_ids, mi.kv_positions)
-  acc, shard = lax.fori_loop(0, n - 1, step, (acc, shard))
-  out, lse = blockwise.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]),
-                               st, acc=acc)
-  out = out.astype(q.dtype)
+  acc, shard = blockwise.loop(n - 1, step, (acc, shard), q)
+  return blockwise.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]),
+                           st, acc=acc)
+
+
+def _ring_fwd(q, k, v, mi, st, axis_name, n, ps):
+  """One ring per head pass, written into the (out, lse) buffers."""
+  b, t, h, _ = q.shape
+  g = h // k.shape[2]
+  out_lse = blockwise.vary_like(
+      (jnp.zeros((b, t, h, v.shape[-1]), q.dtype),
+       jnp.zeros((b, h, t), jnp.float32)), q, k, v, mi)
+
+  def one_pass(p, out_lse, qkv):
+    q, k, v = qkv
+    c, s = p // ps.sub, p % ps.sub
+    qh = c * ps.kv_per_pass * g + s * ps.heads
+    kv = lambda x: _heads(x, c * ps.kv_per_pass, ps.kv_per_pass)
+    o, l = _pass_fwd(_heads(q, qh, ps.heads), kv(k), kv(v), mi, st,
+                     axis_name, n)
+    out, lse = out_lse
+    return (blockwise.update_along(out, o, qh, 2),
+            blockwise.update_along(lse, l, qh, 1))
+
+  out, lse = blockwise.loop(ps.kv_chunks * ps.sub, one_pass, out_lse, (q, k, v))
   return (out, lse), (q, k, v, mi, out, lse)
 
 
-def _ring_bwd(st, axis_name, n, res, cts):
-  """n ring steps; dK/dV travel with their shard and end at its owner."""
-  q, k, v, mi, out, lse = res
-  dout, dlse = cts
-  delta = blockwise.delta_of(out, dout, dlse)
+def _pass_bwd(q, k, v, mi, st, axis_name, n, lse, delta, dout, dkv):
+  """n ring steps of one pass; dK/dV travel with their shard back home.
 
-  def grads(dq, shard, dkv):
+  Returns (dq float32, dkv): `dkv` (float32, this pass's kv heads) comes back
+  to its owner with this pass's contribution added.
+  """
+  def grads(dq, shard, dkv, q, dout):
     return blockwise.backward(
         q, shard[0], shard[1], _visiting(mi, *shard[2:]), st, lse, delta, dout,
         (dq, *dkv))
 
-  def step(_, carry):
+  def step(_, carry, q_do):
     dq, shard, dkv = carry
     nxt = _rotate(shard, axis_name, n)  # Issued first: overlaps the compute.
-    dq, dk, dv = grads(dq, shard, dkv)
+    dq, dk, dv = grads(dq, shard, dkv, *q_do)
     return dq, nxt, _rotate((dk, dv), axis_name, n)
 
-  dq, dk, dv = blockwise.zero_grads(q, k, v, mi, dout)
+  dq = blockwise.vary_like(jnp.zeros(q.shape, jnp.float32), q, k, v, mi, dout)
   shard = (k, v, mi.kv_segment_ids, mi.kv_positions)
-  dq, shard, dkv = lax.fori_loop(0, n - 1, step, (dq, shard, (dk, dv)))
+  dq, shard, dkv = blockwise.loop(n - 1, step, (dq, shard, dkv), (q, dout))
   # The last shard's k/v need no further hop, only its gradients do.
-  dq, dk, dv = grads(dq, shard, dkv)
-  dk, dv = _rotate((dk, dv), axis_name, n)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          blockwise.no_cotangent(mi))
+  dq, dk, dv = grads(dq, shard, dkv, q, dout)
+  return dq, _rotate((dk, dv), axis_name, n)
+
+
+def _ring_bwd(st, axis_name, n, ps, res, cts):
+  """One backward ring per head pass; dK/dV of a kv chunk sum over its passes."""
+  q, k, v, mi, out, lse = res
+  dout, dlse = cts
+  delta = blockwise.delta_of(out, dout, dlse)
+  g = q.shape[2] // k.shape[2]
+  grads = blockwise.vary_like(tuple(jnp.zeros_like(x) for x in (q, k, v)),
+                              q, k, v, mi, dout)
+
+  def kv_chunk(c, grads, operands):
+    q, k, v, dout = operands
+    kv = lambda x: _heads(x, c * ps.kv_per_pass, ps.kv_per_pass)
+    k_c, v_c = kv(k), kv(v)
+
+    def sub_pass(s, carry, q_do):
+      q, dout = q_do
+      dq_all, dkv = carry
+      qh = c * ps.kv_per_pass * g + s * ps.heads
+      qs = lambda x: _heads(x, qh, ps.heads)
+      rows = lambda x: lax.dynamic_slice_in_dim(x, qh, ps.heads, 1)
+      dq, dkv = _pass_bwd(qs(q), k_c, v_c, mi, st, axis_name, n, rows(lse),
+                          rows(delta), qs(dout), dkv)
+      return blockwise.update_along(dq_all, dq, qh, 2), dkv
+
+    dq, dk, dv = grads
+    dkv = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k_c, v_c))
+    dkv = blockwise.vary_like(dkv, k_c, v_c, mi, dout)
+    dq, (dk_c, dv_c) = blockwise.loop(ps.sub, sub_pass, (dq, dkv), (q, dout))
+    dk = blockwise.update_along(dk, dk_c, c * ps.kv_per_pass, 2)
+    return dq, dk, blockwise.update_along(dv, dv_c, c * ps.kv_per_pass, 2)
+
+  dq, dk, dv = blockwise.loop(ps.kv_chunks, kv_chunk, grads, (q, k, v, dout))
+  return dq, dk, dv, blockwise.no_cotangent(mi)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -134,6 +236,7 @@ def ring_attention(
     scale: float | None = None, block_sizes: BlockSizes | None = None,
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axes: tuple[str, ...] = ("tensor",),
+    heads_per_pass: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Context-parallel attention: the sequence axis is sharded over `axis_name`.
 
@@ -152,6 +255,10 @@ def ring_attention(
     block_sizes: tiles of the per-device blockwise kernel.
     batch_axes: mesh axes (those present with size > 1) that shard B.
     head_axes: mesh axes (those present with size > 1) that shard H and KV.
+    heads_per_pass: local q heads per ring pass (a multiple or divisor of the
+      group size H / KV); default one kv head and its q heads per pass. Each
+      pass runs the whole ring, so float32 accumulators exist for one pass's
+      heads only; fewer heads per pass trade K/V traffic for memory.
 
   Returns:
     (out [B, T, H, Dv], lse [B, H, T]), sharded along T over `axis_name`, in
@@ -193,8 +300,9 @@ def ring_attention(
         pad(mi.q_segment_ids, st.block_q), pad(mi.kv_segment_ids, st.block_kv),
         pad(mi.q_positions, st.block_q), pad(mi.kv_positions, st.block_kv),
         mi.window)
+    ps = _passes(q.shape[2], k.shape[2], heads_per_pass)
     out, lse = _ring(pad(q, st.block_q), pad(k, st.block_kv),
-                     pad(v, st.block_kv), mi, st, axis_name, n)
+                     pad(v, st.block_kv), mi, st, axis_name, n, ps)
     return out[:, :tl], lse[:, :, :tl]
 
   return jax.shard_map(

@@ -66,6 +66,23 @@ def test_matches_reference_fwd_and_grads(helpers, shape, kvh, layout, kw):
   helpers.assert_matches(fast, slow, q, k, v)
 
 
+@pytest.mark.parametrize("heads_per_pass", [1, 4])
+def test_head_passes_match_reference(helpers, seq_mesh, heads_per_pass):
+  # 8 q heads over 2 kv heads: 1 q head per pass splits a kv head's group over
+  # four rings; 4 is one kv head per pass (the default).
+  b, t, h, kvh, d = 1, 64, 8, 2, 8
+  q, k, v = helpers.make_qkv(3, b, t, t, h, kvh, d)
+  ring = functools.partial(pk.ring_attention, mesh=seq_mesh, block_sizes=TILES,
+                           heads_per_pass=heads_per_pass)
+  helpers.assert_matches(ring, pk.reference_attention, q, k, v)
+
+
+def test_heads_per_pass_must_fit_the_groups(seq_mesh):
+  x, kv = jnp.zeros((1, 16, 8, 4)), jnp.zeros((1, 16, 2, 4))
+  with pytest.raises(ValueError, match="heads_per_pass=3"):
+    pk.ring_attention(x, kv, kv, mesh=seq_mesh, heads_per_pass=3)
+
+
 def test_compiled_program_is_a_ring(helpers, seq_mesh):
   b, t = 1, 256
   shard = NamedSharding(seq_mesh, P(None, "seq"))
