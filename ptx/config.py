@@ -24,16 +24,27 @@ from typing import Any, Callable, Literal
 class RopeScaling:
   """RoPE frequency scaling for context extension (HF `rope_scaling`)."""
 
-  # "none", "linear" (positions / factor) or "llama3" (Llama 3.1 band scaling).
-  kind: Literal["none", "linear", "llama3"] = "none"
+  # "none", "linear" (positions / factor), "llama3" (Llama 3.1 band scaling) or "yarn".
+  kind: Literal["none", "linear", "llama3", "yarn"] = "none"
   # Context-extension factor (HF `factor`).
   factor: float = 1.0
   # Llama 3.1: wavelengths above original_max_positions / low_freq_factor are scaled.
   low_freq_factor: float = 1.0
   # Llama 3.1: wavelengths below original_max_positions / high_freq_factor are kept.
   high_freq_factor: float = 4.0
-  # Llama 3.1: the pre-training context length (HF `original_max_position_embeddings`).
+  # Llama 3.1, YaRN: the pre-training context length (HF `original_max_position_embeddings`).
   original_max_positions: int = 8192
+  # YaRN: rotations per context above which dimensions are kept (HF `beta_fast`).
+  beta_fast: float = 32.0
+  # YaRN: rotations per context below which dimensions are divided by factor (HF `beta_slow`).
+  beta_slow: float = 1.0
+  # YaRN: scale of cos/sin (None: 0.1 ln(factor) + 1, or from mscale / mscale_all_dim).
+  attention_factor: float | None = None
+  # YaRN (DeepSeek): mscale and mscale_all_dim of the inferred attention factor (0: unset).
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+  # YaRN: round the ramp's bounds to whole dimensions (HF `truncate`).
+  truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +107,17 @@ class ModelConfig:
   # Rematerialisation of each layer: "none", "full", "dots" or "dots_no_batch".
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
   # Attention: "xla", "blockwise", "pallas", "ring" or "auto" (Pallas on GPU/TPU, else blockwise).
-  # "xla" is the default: blockwise's data-dependent tile loops can deadlock when GSPMD
-  # shards the batch across devices (see ptx.models.attention).
+  # "xla" (materialised logits) is the default: the fastest at short sequence lengths.
   attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "xla"
+  # Ring attention: query heads per ring pass (None: one kv head's group); fewer heads per pass
+  # keep smaller float32 accumulators and send each kv head around the ring more often.
+  ring_heads_per_pass: int | None = None
+  # Ring attention: token order over the `seq` axis; "zigzag" balances causal work (losses reorder
+  # their batch once, positions stay global), "contiguous" keeps the natural order.
+  seq_layout: Literal["zigzag", "contiguous"] = "zigzag"
+  # Losses project to the vocabulary this many tokens (per sequence shard) at a time, never
+  # building [B, T, V] logits (0: the whole sequence at once).
+  logits_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
