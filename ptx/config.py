@@ -40,8 +40,9 @@ class RopeScaling:
   beta_slow: float = 1.0
   # YaRN: scale of cos/sin (None: 0.1 ln(factor) + 1, or from mscale / mscale_all_dim).
   attention_factor: float | None = None
-  # YaRN (DeepSeek): mscale and mscale_all_dim of the inferred attention factor (0: unset).
+  # YaRN (DeepSeek): mscale of the inferred attention factor's numerator (0: unset).
   mscale: float = 0.0
+  # YaRN (DeepSeek): mscale_all_dim of its denominator (0: unset).
   mscale_all_dim: float = 0.0
   # YaRN: round the ramp's bounds to whole dimensions (HF `truncate`).
   truncate: bool = True
