@@ -37,6 +37,8 @@ from ptx.rl.prompt_batches import PromptBatches
 from ptx.sampling.rules import SamplingConfig
 from ptx.sampling.text import TextSampler
 from ptx.sharding import make_mesh
+from ptx.train import plots
+from ptx.train.export import export_hf
 from ptx.train.loop import fit
 from ptx.train.rl_step import make_grpo_step
 from ptx.train.state import initial_params
@@ -88,7 +90,8 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = F
                         tokenizer, cfg.data)
   held_out = [sft_example(tokenizer, r["prompt"], r["completion"]) for r in records(EVAL_SEED, EVAL_SIZE)]
   mesh = make_mesh(cfg.mesh)
-  eval_batch = to_global(pad_batch(held_out, cfg.data.seq_len, tokenizer.pad_id), mesh)
+  held_out_batch = pad_batch(held_out, cfg.data.seq_len, tokenizer.pad_id)
+  eval_batch = to_global(held_out_batch, mesh)
   greedy = jax.jit(functools.partial(exact_match, model=cfg.model))
   sampled_tasks = [ArithmeticTask(EVAL_SEED, MAX_DIGITS)[i] for i in range(SAMPLED_TASKS)]
 
@@ -100,7 +103,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = F
 
   before = evaluate(initial_params(cfg.model, cfg.train.seed))
   state, sft_summary = fit(cfg, loss_fn=functools.partial(sft.loss, model=cfg.model), train_data=train,
-                           out=out / "sft", resume=resume, progress=progress)
+                           out=out / "sft", resume=resume, eval_data=[held_out_batch], progress=progress)
   after_sft = evaluate(state.params)
 
   rl_cfg = dataclasses.replace(cfg, optim=RL_OPTIM, train=dataclasses.replace(
@@ -115,13 +118,34 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = F
                           init_params=state.params, with_reference=cfg.grpo.beta > 0, resume=resume,
                           progress=progress)
   after_rl = evaluate(state.params)
+  exported = export_hf(state, cfg, out, tokenizer)
+  stages = {"initial model": before, f"SFT ({sft_summary['step']} steps)": after_sft,
+            f"+ GRPO ({rl_summary['step']} steps)": after_rl}
   summary = {"init": before, "sft": after_sft, "grpo": after_rl, "sft_steps": sft_summary["step"],
-             "grpo_steps": rl_summary["step"], "train_s": sft_summary["wall_s"] + rl_summary["wall_s"]}
+             "grpo_steps": rl_summary["step"], "train_s": sft_summary["wall_s"] + rl_summary["wall_s"],
+             "hf": str(exported["hf"]), "plots": [str(p) for p in write_plots(out, stages)]}
   print(f"\nheld-out {MAX_DIGITS}-digit addition: greedy exact match on {EVAL_SIZE} problems; "
         f"pass@1 and pass@{K} sampled at temperature 1 on {SAMPLED_TASKS}")
   print(f"  {'stage':<22}{'greedy':>8}{'pass@1':>9}{f'pass@{K}':>9}")
-  for name, row in (("initial model", before), (f"SFT ({sft_summary['step']} steps)", after_sft),
-                    (f"+ GRPO ({rl_summary['step']} steps)", after_rl)):
+  for name, row in stages.items():
     print(f"  {name:<22}{row['greedy']:>8.1%}{row['pass@1']:>9.1%}{row[f'pass@{K}']:>9.1%}")
   print(json.dumps({"demo": summary}))
   return summary
+
+
+def write_plots(out: pathlib.Path, stages: dict[str, dict[str, float]]) -> list[pathlib.Path]:
+  """OUT/plots/: SFT loss, GRPO reward and response length over steps, and accuracy per stage."""
+  sft_records = plots.read_metrics(out / "sft" / "metrics.jsonl")
+  rl_records = plots.read_metrics(out / "grpo" / "metrics.jsonl")
+  return [
+      plots.plot_curves(sft_records, {"loss": "train loss", "eval/loss": "held-out loss"}, out / "plots" / "sft_loss.png",
+                        title="SFT on 2-digit addition", ylabel="cross-entropy (nats / answer token)"),
+      plots.plot_curves(rl_records, {"reward/mean": "mean exact-match reward of the rollouts"},
+                        out / "plots" / "grpo_reward.png", title="GRPO: reward over steps",
+                        ylabel="reward (fraction of samples correct)"),
+      plots.plot_curves(rl_records, {"response_length/mean": "mean", "response_length/max": "max"},
+                        out / "plots" / "grpo_response_length.png", title="GRPO: response length over steps",
+                        ylabel="response length (tokens, incl. eos)"),
+      plots.plot_stages(stages, out / "plots" / "accuracy.png",
+                        title=f"Held-out {MAX_DIGITS}-digit addition before and after each stage"),
+  ]

@@ -34,22 +34,6 @@ def test_bad_override_names_the_field(capsys):
   assert "unknown field 'd_modle'" in capsys.readouterr().err
 
 
-def test_demo_trains_and_writes_its_outputs(tmp_path, capsys):
-  out = tmp_path / "demo"
-  cli.main(["demo", "--out", str(out), "--no-progress", "--train.steps=40", "--train.log_every=20",
-            "--data.batch_size=16", "--mesh.data=2", "--mesh.fsdp=4", "--rl-steps=4"])
-  config = json.loads((out / "sft" / "config.json").read_text())
-  assert config["train"]["steps"] == 40 and config["mesh"]["data"] == 2
-  records = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [20, 40]
-  assert records[-1]["loss"] < records[0]["loss"]
-  assert {"loss", "accuracy", "grad_norm", "lr", "tokens_per_s"} <= set(records[0])
-  rl = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-  assert rl[-1]["step"] == 4 and {"reward/mean", "actor/pg_loss", "response_length/mean"} <= set(rl[-1])
-  printed = capsys.readouterr().out
-  assert '"demo"' in printed and "pass@1" in printed and "+ GRPO (4 steps)" in printed
-
-
 def _jsonl(path, rows):
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   return str(path)

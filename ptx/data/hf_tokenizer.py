@@ -66,6 +66,18 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def save_hf(self, path: str | pathlib.Path) -> None:
+    """Writes `tokenizer.json` and `tokenizer_config.json` (special tokens, chat template) into directory `path`."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(path / "tokenizer.json"))
+    text = self._tok.id_to_token
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": text(self._eos), "pad_token": text(self._pad),
+              "bos_token": None if self._bos is None else text(self._bos)}
+    if isinstance(self.chat_template, JinjaChatTemplate):
+      config["chat_template"] = self.chat_template.source
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
   def _id(self, token: str) -> int:
     i = self._tok.token_to_id(token)
     if i is None:

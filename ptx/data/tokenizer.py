@@ -10,6 +10,8 @@ records use the built-in ChatML template.
 
 from __future__ import annotations
 
+import json
+import pathlib
 from typing import Protocol, Sequence, runtime_checkable
 
 
@@ -73,3 +75,43 @@ class ByteTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
     return data.decode("utf-8", errors="replace")
+
+  def save_hf(self, path: str | pathlib.Path) -> None:
+    """Writes this vocabulary as HF `tokenizer.json` + `tokenizer_config.json` in directory `path`.
+
+    The file is a byte-level BPE without merges: every byte is its own token
+    with id b + 3, so `load_tokenizer(path)` and transformers' `AutoTokenizer`
+    encode every text exactly as this class does (`add_special_tokens=False`).
+    """
+    import tokenizers  # the hf extra
+    from tokenizers import decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # GPT-2's printable stand-ins for the 256 bytes
+    to_char = _gpt2_byte_chars()
+    assert set(to_char) == set(byte_chars)
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{c: b + self.OFFSET for b, c in enumerate(to_char)}}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
+              "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False,
+              "model_max_length": 1_000_000_000}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _gpt2_byte_chars() -> list[str]:
+  """GPT-2's byte-to-unicode table: entry b is the printable character standing for byte b."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+  chars, extra = [], 0
+  for b in range(256):
+    if b in printable:
+      chars.append(chr(b))
+    else:
+      chars.append(chr(256 + extra))
+      extra += 1
+  return chars

@@ -101,3 +101,16 @@ def test_load_tokenizer_falls_back_to_sentencepiece(sp_model, tmp_path):
   (tmp_path / "tokenizer.model").write_bytes(sp_model)
   tok = load_tokenizer(tmp_path)
   assert tok.decode(tok.encode("quick fox")) == "quick fox" and tok.chat_template is None
+
+
+def test_byte_tokenizer_saved_as_hf_encodes_and_decodes_identically(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  byte = ByteTokenizer()
+  byte.save_hf(tmp_path)
+  reloaded, auto = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert (reloaded.pad_id, reloaded.bos_id, reloaded.eos_id) == (byte.pad_id, byte.bos_id, byte.eos_id)
+  assert (auto.pad_token_id, auto.bos_token_id, auto.eos_token_id) == (0, 1, 2)
+  for text in ["12+34=46", "héllo wörld\n\t ☃", " leading space", "\x00\x7f bytes"]:
+    ids = byte.encode(text)
+    assert reloaded.encode(text) == ids and auto(text, add_special_tokens=False)["input_ids"] == ids
+    assert reloaded.decode([1, *ids, 2]) == text == auto.decode([1, *ids, 2], skip_special_tokens=True)

@@ -1,0 +1,58 @@
+"""Exporting a trained state: merged weights as an HF directory, adapters in the PEFT layout.
+
+`export_hf(state, cfg, out, tokenizer)` writes `out/hf` (config.json,
+safetensors and the tokenizer files, loadable by `transformers`, `ptx eval`
+and `ptx.models.load_hf`); under LoRA the adapters are merged into the base
+for it, and also written alone to `out/adapter` for `peft`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from ptx.config import Config
+from ptx.data.tokenizer import Tokenizer
+from ptx.models import lora as lora_lib
+from ptx.models.decoder import Decoder
+from ptx.models.hf_save import save_hf
+from ptx.models.peft_export import save_peft
+from ptx.train.state import TrainState
+
+
+def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Tokenizer | None = None, *,
+              base_model: str | None = None) -> dict[str, pathlib.Path]:
+  """Writes the state's model to `out/hf` (and its LoRA adapters to `out/adapter`).
+
+  Args:
+    state: the trained state; under LoRA (`cfg.lora.rank > 0`) `state.params`
+      are the adapters and `state.base` the frozen model.
+    cfg: the job config.
+    out: the run directory.
+    tokenizer: written next to the weights when it has `save_hf(dir)` (the
+      byte tokenizer and HF tokenizers do).
+    base_model: under LoRA, the HF directory (or hub name) the base came
+      from, recorded in adapter_config.json; None writes the base to
+      `out/base` so that the adapter has one to load onto.
+
+  Returns:
+    {"hf": dir}, plus {"adapter": dir} (and {"base": dir}) under LoRA.
+  """
+  written = {}
+  params = state.params
+  if cfg.lora.rank > 0:
+    if base_model is None:
+      written["base"] = _save(state.base, cfg, out / "base", tokenizer)
+      base_model = str(written["base"])
+    written["adapter"] = save_peft(state.params, out / "adapter", model=cfg.model, lora=cfg.lora,
+                                   base_model_name_or_path=base_model)
+    params = lora_lib.merge(state.base, state.params, cfg.lora)
+  written["hf"] = _save(params, cfg, out / "hf", tokenizer)
+  return written
+
+
+def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None) -> pathlib.Path:
+  """One HF directory: weights and config, and the tokenizer when it can write itself."""
+  save_hf(Decoder(cfg.model, params=params), path)
+  if tokenizer is not None and hasattr(tokenizer, "save_hf"):
+    tokenizer.save_hf(path)
+  return path
