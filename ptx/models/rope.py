@@ -24,7 +24,41 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = Rope
     return inv_freq / scaling.factor
   if scaling.kind == "llama3":
     return _llama3_scaling(inv_freq, scaling)
+  if scaling.kind == "yarn":
+    return _yarn_scaling(inv_freq, head_dim, theta, scaling)
   raise ValueError(f"model.rope_scaling.kind: unknown {scaling.kind!r}")
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+  """The factor on cos and sin (YaRN's attention temperature; 1 for other kinds)."""
+  if scaling.kind != "yarn":
+    return 1.0
+  if scaling.attention_factor is not None:
+    return scaling.attention_factor
+
+  def mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  if scaling.mscale and scaling.mscale_all_dim:
+    return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+  return mscale(scaling.factor)
+
+
+def _yarn_scaling(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:
+  """YaRN: divide low frequencies by factor, keep high ones, ramp linearly between (HF `yarn`)."""
+
+  def dimension(rotations: float) -> float:
+    # The dimension whose wavelength fits `rotations` times in the original context.
+    return head_dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # as HF: avoids a zero-width ramp
+  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+  return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_scaling(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
@@ -39,10 +73,12 @@ def _llama3_scaling(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
   return jnp.where(medium, blended, scaled)
 
 
-def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns (sin, cos), each float32 [B, T, head_dim // 2]."""
+def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array, factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Returns (sin, cos) times `factor` (`attention_factor`), each float32 [B, T, head_dim // 2]."""
   angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
-  return jnp.sin(angles), jnp.cos(angles)
+  if factor == 1.0:
+    return jnp.sin(angles), jnp.cos(angles)
+  return factor * jnp.sin(angles), factor * jnp.cos(angles)
 
 
 def apply_rope(x_BTNK: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
