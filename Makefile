@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -U pip
-	$(PIP) install -c constraints.txt -e ".[test,hf,rl,seqio]"
+	$(PIP) install -c constraints.txt -e ".[test,hf,rl,seqio,notebooks]"
 	$(PIP) install --no-deps $(NO_DEPS_FIXTURES)
 	touch $@
 
