@@ -86,9 +86,26 @@ def forward(
   Returns:
     float32 logits [B, T, V].
   """
-  x = embed(params, tokens, cfg, rules)
-  x = decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  x = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
   return unembed(params, x, cfg, rules)
+
+
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.Array:
+  """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args).
+
+  Losses over long sequences project it to the vocabulary chunk by chunk
+  (`ptx.models.chunked_logits`) instead of calling `forward`.
+  """
+  x = embed(params, tokens, cfg, rules)
+  return decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
@@ -124,25 +141,26 @@ def forward_with_cache(
     cache: kv_cache_lib.KVCache,
     *,
     positions: jax.Array,
-    segment_ids: jax.Array,
     last_only: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
   """Runs the decoder on T new tokens against a KV cache, as `forward` does on a whole sequence.
 
   The tokens' K/V are written at slots [cache.index, cache.index + T) and
-  every token attends over the whole cache, masked by the slots' positions
-  and segment ids: prefill is a call with the prompts, decoding a call per
-  token. The layers run unrolled (see `unstack_layers`; a decode loop should
-  pass params unstacked once, outside the loop).
+  every token attends over the filled slots of its row (`kv_cache.attend`):
+  prefill is a call with the prompts (or one per chunk of them), decoding a
+  call per token. The layers run unrolled (see `unstack_layers`; a decode
+  loop should pass params unstacked once, outside the loop).
 
   Args:
     params: the parameter tree of `ptx.models.params.param_specs(cfg)`.
     tokens: int32 token ids [B, T].
     cfg: the model config.
-    cache: the cache (`ptx.models.kv_cache.init_cache`), B rows.
+    cache: the cache (`ptx.models.kv_cache.init_cache`), B rows; slot s of
+      row b holds position s - cache.starts[b], so the tokens' positions are
+      cache.index + t - cache.starts[b] (slots before a row's start are its
+      padding, never attended to).
     positions: int32 [B, T] positions of the tokens in their sequences.
-    segment_ids: int32 [B, T]: 1 for tokens, 0 for padding (never attended to).
     last_only: return the logits of the last token only, [B, 1, V] (prefill
       needs no more, and [B, T, V] logits can be large).
     rules: the sharding rules for activation constraints (used under a mesh).
@@ -150,10 +168,9 @@ def forward_with_cache(
   Returns:
     (float32 logits [B, T, V] or [B, 1, V], the cache with the tokens written).
   """
-  cache = kv_cache_lib.write_slots(cache, positions, segment_ids)
   x = embed(params, tokens, cfg, rules)
   x, cache = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
-                         segment_ids=segment_ids, rules=rules, cache=cache)
+                         segment_ids=None, rules=rules, cache=cache)
   if last_only:
     x = x[:, -1:]
   return unembed(params, x, cfg, rules), kv_cache_lib.advance(cache, tokens.shape[1])
@@ -193,7 +210,8 @@ def _run_layers(
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   if segment_ids is None:
     segment_ids = jnp.ones((B, T), jnp.int32)
-  global_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+  global_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                                 rope.attention_factor(cfg.rope_scaling))
   local_rope = global_rope
   if cfg.rope_local_theta is not None:
     local_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_theta))
@@ -251,8 +269,8 @@ def block(
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
-  written into layer `layer_index` of the cache first and they attend over all
-  of its slots. Returns (x, cache).
+  written into layer `layer_index` of the cache first and they attend over its
+  filled slots (`kv_cache.attend`). Returns (x, cache).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
@@ -269,13 +287,13 @@ def block(
   k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
   v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
   scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-  kv_masks = {}
-  if cache is not None:
-    cache = kv_cache_lib.write_layer(cache, layer_index, k, v, rules)
-    k, v = kv_cache_lib.read_layer(cache, layer_index, q.dtype)
-    kv_masks = {"kv_segment_ids": cache.segment_ids, "kv_positions": cache.positions}
-  out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
-                  window=window, softcap=cfg.attn_logit_softcap, scale=scale, **kv_masks)
+  if cache is None:
+    out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
+                    window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
+                    ring_heads_per_pass=cfg.ring_heads_per_pass)
+  else:
+    out, cache = kv_cache_lib.attend(cache, layer_index, q, k, v, positions=positions, window=window,
+                                     softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)
   out = lora.project("bthk,hkd->btd", out, p["o"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)

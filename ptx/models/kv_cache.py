@@ -5,15 +5,19 @@ Layout (L layers, B sequences, S slots, N kv heads, K head_dim):
   k, v              L arrays [B, N, S, K] in the compute dtype, or int8
   k_scale, v_scale  L arrays [B, N, S] float32 (int8 only): absmax / 127 of
                     each slot and head; None otherwise
-  positions         int32 [B, S]: the position of the token held by a slot
-  segment_ids       int32 [B, S]: 1 for a filled slot, 0 for an empty one
+  starts            int32 [B]: the first slot of each row; slot s of row b
+                    holds the token at position s - starts[b]
   index             int32 []: the next slot to write, the same for every row
 
-Attention masks by positions and segment ids alone (`ptx.models.attention`),
-so the order of slots means nothing: a left-padded batch writes its prompts
-at slots [0, P) and every later step at one shared slot, which is a single
-in-place `dynamic_update_slice` instead of a per-row scatter. Keys are cached
-after RoPE.
+A left-padded batch writes its prompts at slots [0, P) (row b's padding at
+[0, starts[b])) and every later step at one shared slot, which is a single
+in-place `dynamic_update_slice` instead of a per-row scatter. Slots
+[starts[b], index) of row b are filled; attention (`attend`, on
+`ptx_kernels.decode_attention`) reads only the blocks below `index`, so a
+decode step costs what the filled part costs, not the whole buffer. Keys are
+cached after RoPE. Under a mesh whose `seq` axis the rules give the slots,
+the cache stays sharded along it: each device attends over its own slots and
+only the per-token partials are merged.
 
 Measured layout choices (CPU, decode loop): one array per layer rather than a
 stacked [L, ...] array, because reading a layer out of a stack is a copy per
@@ -27,12 +31,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ptx_kernels
 
 from ptx import sharding
 from ptx.config import ModelConfig
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")
+# Cache slots per block of the decode attention loop: caches up to this size
+# are attended in one block, longer ones block by block up to the fill.
+BLOCK_SLOTS = 512
 
 Arrays = tuple[jax.Array, ...]
 
@@ -46,8 +54,7 @@ class KVCache:
   v: Arrays
   k_scale: Arrays | None
   v_scale: Arrays | None
-  positions: jax.Array
-  segment_ids: jax.Array
+  starts: jax.Array
   index: jax.Array
 
   @property
@@ -56,7 +63,7 @@ class KVCache:
     return self.k_scale is not None
 
 
-def init_cache(cfg: ModelConfig, batch: int, slots: int, *, int8: bool = False,
+def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | None = None, int8: bool = False,
                rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
   """An empty cache of `slots` slots for `batch` sequences (call under jit).
 
@@ -64,6 +71,7 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, int8: bool = False,
     cfg: the model config (layers, KV heads, head_dim, compute dtype).
     batch: number of sequences B.
     slots: number of slots S per sequence.
+    starts: int32 [B] first slot of each row (its left padding); default 0.
     int8: store K/V as int8 with float32 scales per slot and head.
     rules: sharding rules; the arrays are laid out by their logical names.
 
@@ -76,22 +84,12 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, int8: bool = False,
     return tuple(sharding.constrain(jnp.zeros(shape, dtype), names, rules) for _ in range(cfg.n_layers))
 
   dtype = jnp.int8 if int8 else jnp.dtype(cfg.compute_dtype)
+  starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
   return KVCache(
       k=zeros(shape, dtype, KV_NAMES), v=zeros(shape, dtype, KV_NAMES),
       k_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
       v_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
-      positions=sharding.constrain(jnp.zeros((batch, slots), jnp.int32), ("batch", "seq"), rules),
-      segment_ids=sharding.constrain(jnp.zeros((batch, slots), jnp.int32), ("batch", "seq"), rules),
-      index=jnp.zeros((), jnp.int32))
-
-
-def write_slots(cache: KVCache, positions_BT: jax.Array, segment_ids_BT: jax.Array) -> KVCache:
-  """Records the positions and segment ids of T new tokens at slots [index, index + T)."""
-  start = (jnp.zeros((), jnp.int32), cache.index)
-  return dataclasses.replace(
-      cache,
-      positions=jax.lax.dynamic_update_slice(cache.positions, positions_BT.astype(jnp.int32), start),
-      segment_ids=jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_BT.astype(jnp.int32), start))
+      starts=sharding.constrain(starts, ("batch",), rules), index=jnp.zeros((), jnp.int32))
 
 
 def advance(cache: KVCache, n_tokens: int) -> KVCache:
@@ -118,14 +116,49 @@ def write_layer(cache: KVCache, layer: int, k_BTNK: jax.Array, v_BTNK: jax.Array
       k_scale=put(cache.k_scale, k_scale, SCALE_NAMES), v_scale=put(cache.v_scale, v_scale, SCALE_NAMES))
 
 
-def read_layer(cache: KVCache, layer: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-  """Returns layer `layer`'s K and V over all slots as [B, S, N, K] views of the [B, N, S, K] store."""
-  k_BNSK, v_BNSK = cache.k[layer], cache.v[layer]
-  if cache.quantized:
-    k_BNSK = dequantize(k_BNSK, cache.k_scale[layer], dtype)
-    v_BNSK = dequantize(v_BNSK, cache.v_scale[layer], dtype)
-  # The swap folds into the attention dots' dimension numbers.
-  return jnp.swapaxes(k_BNSK, 1, 2), jnp.swapaxes(v_BNSK, 1, 2)
+def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_BTNK: jax.Array, *,
+           positions: jax.Array, window: jax.Array | int | None, softcap: float | None, scale: float,
+           rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, KVCache]:
+  """Writes T new tokens' K/V into layer `layer`, then attends their queries over the filled slots.
+
+  Args:
+    cache: the cache, B rows.
+    layer: the layer index.
+    q_BTHK: queries [B, T, H, K] (after RoPE).
+    k_BTNK: the new keys [B, T, N, K] (after RoPE).
+    v_BTNK: the new values [B, T, N, K].
+    positions: int32 [B, T] positions of the new tokens.
+    window: the layer's sliding window (None: all the past).
+    softcap: tanh soft-cap on the logits.
+    scale: logit scale.
+    rules: the sharding rules; a `seq`-sharded cache is attended in place.
+
+  Returns:
+    (the attention output [B, T, H, K] in q's dtype, the cache with the K/V written).
+  """
+  cache = write_layer(cache, layer, k_BTNK, v_BTNK, rules)
+  B, T = positions.shape
+  # The kernel's [B, S, N, K] view of the [B, N, S, K] store: the swap folds into its products.
+  view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
+  out, _ = ptx_kernels.decode_attention(
+      q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
+      lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
+      window=window, softcap=softcap, scale=scale, block_kv=BLOCK_SLOTS, **_seq_sharding(cache.k[layer], rules))
+  return out, cache
+
+
+def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:
+  """The decode kernel's mesh arguments when the current mesh shards the cache's slots, else none."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return {}
+  batch, heads, slots, _ = (sharding.logical_to_spec(KV_NAMES, rules, shape=k_BNSK.shape, mesh=mesh))
+  if slots is None:
+    return {}
+  as_tuple = lambda axes: () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)  # noqa: E731
+  if len(as_tuple(slots)) != 1:
+    raise ValueError(f"the KV cache's slots may be sharded over one mesh axis, got {slots}")
+  return dict(mesh=mesh, axis_name=as_tuple(slots)[0], batch_axes=as_tuple(batch), head_axes=as_tuple(heads))
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,11 +168,6 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   safe = jnp.where(scale == 0.0, 1.0, scale)  # an all-zero head stores zeros, not NaN
   q = jnp.clip(jnp.round(x32 / safe[..., None]), -127, 127).astype(jnp.int8)
   return q, scale
-
-
-def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """The inverse of `quantize`, in `dtype`."""
-  return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def repeat(cache: KVCache, n: int, rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
@@ -154,4 +182,4 @@ def repeat(cache: KVCache, n: int, rules: sharding.Rules = sharding.DEFAULT_RULE
   return dataclasses.replace(
       cache, k=rep_all(cache.k, KV_NAMES), v=rep_all(cache.v, KV_NAMES),
       k_scale=rep_all(cache.k_scale, SCALE_NAMES), v_scale=rep_all(cache.v_scale, SCALE_NAMES),
-      positions=rep(cache.positions, ("batch", "seq")), segment_ids=rep(cache.segment_ids, ("batch", "seq")))
+      starts=rep(cache.starts, ("batch",)))

@@ -79,6 +79,7 @@ def generate_padded(
     group_size: int = 1,
     kv_int8: bool = False,
     pad_id: int = 0,
+    prefill_chunk: int | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
@@ -97,17 +98,25 @@ def generate_padded(
     group_size: samples per prompt G.
     kv_int8: keep the KV cache in int8 with per-slot, per-head scales.
     pad_id: the token written after a row stops.
-    rules: sharding rules for activations and the cache.
+    prefill_chunk: prefill the prompts this many columns at a time (each
+      chunk attends over the cache filled so far), so prefill memory grows
+      with P * chunk rather than P * P; must divide P. None: one pass.
+    rules: sharding rules for activations and the cache (a mesh whose `seq`
+      axis shards the cache's slots keeps it sharded: see `kv_cache`).
 
   Returns:
     A Generation of B * G rows and N columns.
   """
-  R = prompt_tokens.shape[0] * group_size
+  (B, P), R = prompt_tokens.shape, prompt_tokens.shape[0] * group_size
+  if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
+    raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
-  # The last token is sampled but never fed back, so P + N - 1 slots suffice.
-  cache = kv_cache.init_cache(cfg, prompt_tokens.shape[0], prompt_tokens.shape[1] + budget - 1, int8=kv_int8,
-                              rules=rules)
-  prefill_logits_RV, cache = _prefill(params, prompt_tokens, prompt_lengths, cache, cfg, group_size, rules)
+  # The last token is sampled but never fed back, so P + N - 1 slots suffice,
+  # rounded up so a seq-sharded mesh splits them evenly.
+  slots = -(-(P + budget - 1) // _seq_devices(rules)) * _seq_devices(rules)
+  cache = kv_cache.init_cache(cfg, B, slots, starts=P - prompt_lengths, int8=kv_int8, rules=rules)
+  prefill_logits_RV, cache = _prefill(params, prompt_tokens, prompt_lengths, cache, cfg, group_size,
+                                      prefill_chunk or P, rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
   stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
   uniforms_NR = sharding.constrain(jax.random.uniform(rng, (budget, R)), (None, "batch"), rules)
@@ -129,8 +138,7 @@ def generate_padded(
   def step(loop: _Loop) -> _Loop:
     last_R1 = jax.lax.dynamic_slice_in_dim(loop.tokens, loop.t - 1, 1, axis=1)
     positions_R1 = (lengths_R + loop.t - 1)[:, None]
-    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1,
-                                       segment_ids=jnp.ones((R, 1), jnp.int32), rules=rules)
+    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules)
     return emit(loop._replace(cache=cache), logits[:, 0])
 
   def running(loop: _Loop) -> jax.Array:
@@ -146,19 +154,27 @@ def generate_padded(
 
 
 def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache: kv_cache.KVCache,
-             cfg: ModelConfig, group_size: int, rules: sharding.Rules) -> tuple[jax.Array, kv_cache.KVCache]:
-  """Writes the left-padded prompts into the cache once, then repeats cache and last logits G times."""
+             cfg: ModelConfig, group_size: int, chunk: int, rules: sharding.Rules
+             ) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Writes the left-padded prompts into the cache `chunk` columns at a time, then repeats cache and last logits G times."""
   B, P = prompt_tokens.shape
-  columns = jnp.arange(P, dtype=jnp.int32)[None, :]
-  first_BP = jnp.broadcast_to((P - prompt_lengths)[:, None], (B, P))
-  logits_B1V, cache = forward_with_cache(
-      params, prompt_tokens, cfg, cache, positions=jnp.maximum(columns - first_BP, 0),
-      segment_ids=(columns >= first_BP).astype(jnp.int32), last_only=True, rules=rules)
+  chunk = min(chunk, P)
+  # Padding columns get position 0; their slots lie before the row's start and are never attended to.
+  positions_BP = jnp.maximum(jnp.arange(P, dtype=jnp.int32)[None, :] - (P - prompt_lengths)[:, None], 0)
+
+  def run(first: jax.Array | int, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+    columns = lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk, axis=1)  # noqa: E731
+    return forward_with_cache(params, columns(prompt_tokens), cfg, cache, positions=columns(positions_BP),
+                              last_only=True, rules=rules)
+
+  # Only the last chunk's logits are used; the loop's are dead code.
+  cache = jax.lax.fori_loop(0, P // chunk - 1, lambda i, cache: run(i * chunk, cache)[1], cache)
+  logits_B1V, cache = run(P - chunk, cache)
   return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
 
 
 _generate_jit = jax.jit(generate_padded, static_argnames=(
-    "cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "rules"))
+    "cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "rules"))
 
 
 def generate(
@@ -174,6 +190,7 @@ def generate(
     mesh: Mesh | None = None,
     kv_int8: bool = False,
     pad_id: int = 0,
+    prefill_chunk: int | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples continuations of ragged prompts with one compiled program per shape bucket.
@@ -192,6 +209,8 @@ def generate(
       `tensor`); None runs on the default device.
     kv_int8: keep the KV cache in int8 (per-slot, per-head scales).
     pad_id: the token that pads prompts and follows a stopped row.
+    prefill_chunk: prefill long prompts this many tokens at a time (a power
+      of two; prompts are padded to a power of two >= 8). None: one pass.
     rules: the sharding rules.
 
   Returns:
@@ -206,7 +225,7 @@ def generate(
   with context:
     out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
                         budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
-                        pad_id=pad_id, rules=rules)
+                        pad_id=pad_id, prefill_chunk=prefill_chunk, rules=rules)
   n = len(prompts) * group_size
   if (n, max_new_tokens) == out.tokens.shape:
     return out
@@ -219,7 +238,13 @@ def _batch_sharding(x: np.ndarray, mesh: Mesh, rules: sharding.Rules) -> NamedSh
   return NamedSharding(mesh, sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh))
 
 
-def _batch_devices(mesh: Mesh, rules: sharding.Rules) -> int:
-  """How many ways the batch is split on `mesh`: the padded batch is a multiple of it."""
-  axes = sharding.logical_to_spec(("batch",), rules, mesh=mesh)[0] or ()
+def _batch_devices(mesh: Mesh | jax.sharding.AbstractMesh, rules: sharding.Rules, logical: str = "batch") -> int:
+  """How many ways `logical` (the batch: the padded batch is a multiple of it) is split on `mesh`."""
+  axes = sharding.logical_to_spec((logical,), rules, mesh=mesh)[0] or ()
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def _seq_devices(rules: sharding.Rules) -> int:
+  """How many ways the current mesh splits the cache's slots (1 without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else _batch_devices(mesh, rules, "seq")
