@@ -17,21 +17,28 @@ Implementations (`impl`):
 Shapes: q [B, T, H, K]; k, v [B, S, N, K] with H a multiple of N (grouped
 queries share a KV head without K/V being repeated).
 
-Known limit: blockwise (and so auto on CPU) bounds its tile loops by each
-row's positions and segments. When GSPMD shards the batch over several
-devices and inserts collectives inside those loops, devices can run different
-trip counts and deadlock (seen on 8 CPU devices with ragged, left-padded
-rollouts). Until the kernel runs per device under shard_map, models default
-to "xla"; ring already runs under shard_map.
+Under a mesh, blockwise and pallas run per device inside `shard_map` (batch
+and heads sharded as the activation rules say, the sequence whole): their
+tile loops have trip counts that depend on each row's positions and segments,
+and a collective that GSPMD placed inside them would deadlock devices whose
+rows differ (seen with ragged, left-padded rollouts on data x fsdp). Ring
+attention runs under its own shard_map over `seq`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import ptx_kernels
+from jax.sharding import PartitionSpec
+
+from ptx import sharding
 
 IMPLEMENTATIONS = ("xla", "blockwise", "pallas", "ring", "auto")
 _PALLAS = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
+_TOKEN_MASKS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
 
 def attention(
@@ -47,6 +54,8 @@ def attention(
     window: jax.Array | int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+    ring_heads_per_pass: int | None = None,
 ) -> jax.Array:
   """Causal grouped-query attention with packing, windows and soft-capping.
 
@@ -63,6 +72,8 @@ def attention(
       scalar, as per-layer windows are scanned); None attends to all the past.
     softcap: tanh soft-cap on the logits, `cap * tanh(logits / cap)`.
     scale: logit scale; defaults to K ** -0.5.
+    rules: the activation rules that say how batch and heads are sharded.
+    ring_heads_per_pass: query heads per ring pass (`ptx_kernels.ring_attention`).
 
   Returns:
     The attention output [B, T, H, K] in the dtype of `q`.
@@ -78,10 +89,32 @@ def attention(
   if impl == "ring":
     if jax.sharding.get_abstract_mesh().empty:
       raise ValueError("attention impl 'ring' runs over the `seq` axis of the current mesh; none is set")
-    return ptx_kernels.ring_attention(q, k, v, **masks)[0]
+    return ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, **masks)[0]
   if impl == "pallas":
     backend = jax.default_backend()
     if backend not in _PALLAS:
       raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {backend!r}; use 'blockwise' or 'auto'")
-    return ptx_kernels.flash_attention(q, k, v, impl=_PALLAS[backend], **masks)[0]
-  return ptx_kernels.flash_attention(q, k, v, impl=impl, **masks)[0]
+    impl = _PALLAS[backend]
+  return _per_device(functools.partial(ptx_kernels.flash_attention, impl=impl), q, k, v, masks, rules)
+
+
+def _per_device(kernel, q, k, v, masks, rules: sharding.Rules) -> jax.Array:
+  """Runs `kernel` on each device's rows and heads under shard_map (whole sequences)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return kernel(q, k, v, **masks)[0]
+  spec = lambda names, x: sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+  q_spec = spec(("batch", None, "heads", None), q)
+  kv_spec = spec(("batch", None, "kv_heads", None), k)
+  if q_spec[2] != kv_spec[2]:  # Grouped heads stay together: shard both or neither.
+    q_spec = kv_spec = PartitionSpec(q_spec[0], None, None, None)
+  # Per-token masks are [B, T] arrays; a traced window scalar is replicated.
+  arrays = {name: jnp.asarray(x) for name, x in masks.items()
+            if name in _TOKEN_MASKS or (name == "window" and isinstance(x, jax.Array))}
+  static = {name: x for name, x in masks.items() if name not in arrays}
+  specs = {name: PartitionSpec() if name == "window" else PartitionSpec(q_spec[0], None) for name in arrays}
+
+  def local(q, k, v, arrays):
+    return kernel(q, k, v, **arrays, **static)[0]
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs), out_specs=q_spec)(q, k, v, arrays)
