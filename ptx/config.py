@@ -235,6 +235,9 @@ class DPOConfig:
   label_smoothing: float = 0.0
   # SimPO: target reward margin gamma (in reward units, i.e. after beta).
   simpo_gamma: float = 0.5
+  # Reference log-probs: "frozen" (a frozen parameter copy, a forward per step) or "precomputed" (one pass over the
+  # data before training, saved in OUT/reference_logps/; no second parameter tree while training).
+  reference: Literal["frozen", "precomputed"] = "frozen"
 
 
 @dataclasses.dataclass(frozen=True)
