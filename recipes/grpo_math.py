@@ -1,0 +1,131 @@
+"""GRPO on GSM8K-format math: JSONL records {"question", "answer": "...#### 72"}, scored by the math verifier.
+
+Bring the data (GSM8K's train.jsonl / test.jsonl have this format; no pip
+package ships them). Each question becomes a user turn of the model's chat
+template asking for reasoning that ends in "#### <answer>"; the host scores
+every sampled solution with `ptx.rl.environments.exact_answer` (final answer
+from \\boxed{}, "####" or the last number; equivalence by the math verifier),
+while the device samples the next batch (GRPO host-reward mode).
+
+Launch (Qwen2.5-7B-Instruct on a TPU v5p-64: 32 chips, 8 hosts; the same
+command on every host):
+
+  python recipes/grpo_math.py --preset qwen7b --distributed --model-dir /ckpt/Qwen2.5-7B-Instruct \
+      --data.train_files='["gs://bucket/gsm8k/train.jsonl"]' --data.eval_files='["gs://bucket/gsm8k/test.jsonl"]' \
+      --out gs://bucket/runs/grpo_gsm8k
+
+Topology: all 32 chips on `fsdp`, bfloat16, full remat; 64 prompts x 8
+samples per step, 512 new tokens; the frozen reference (beta 0.04) is a
+second sharded copy. The verifier runs on each host's CPUs (32 concurrent
+episodes).
+
+Expected step time (estimate, not measured: no TPU was available): the
+update is 6 x 7.6e9 params x 512 rows x 768 tokens = 1.8e16 FLOP (3 s at 40%
+MFU of 32 x 459 TFLOP/s) plus about 10 s of decoding 512 tokens (bandwidth-
+bound), about 15 s per step. Expected scores (published figures, not
+measured): Qwen2.5-7B-Instruct reports 91.6% on GSM8K; GRPO on the train
+split holds or raises greedy pass@1 by 0-2 points.
+
+Measured here (tiny preset, 2-core CPU): the pipeline only: a random byte-
+level model on synthetic word problems scores 0 before and after; step
+time in recipes/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import jax
+
+import launch
+import ptx
+import rlvr
+from ptx.data import records
+from ptx.data.sources import JsonlSource
+from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.train.export import export_hf
+from ptx.train.state import initial_params
+
+INSTRUCTION = "\nSolve it step by step, then give the final answer on its own line as: #### <number>"
+
+PRESETS: launch.Presets = {
+    "tiny": lambda: ptx.Config(
+        model=ptx.presets["tiny"](),
+        optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
+        data=ptx.DataConfig(batch_size=8, seq_len=192, pack=False, kind="rl"),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16)),
+    "qwen7b": lambda: ptx.Config(
+        model=dataclasses.replace(ptx.presets["qwen2_5_7b"](), remat="full"),
+        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=300, log_every=1, checkpoint_every=25),
+        data=ptx.DataConfig(batch_size=64, seq_len=256, pack=False, kind="rl"),
+        grpo=dataclasses.replace(ptx.GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512)),
+}
+EVAL_SIZE = {"tiny": 8, "qwen7b": 1319}  # GSM8K's test split has 1319 problems
+
+
+@dataclasses.dataclass
+class GSM8K:
+  """A GSM8K-format JSONL file as endless, random-access rl task records (rendered prompt + final answer)."""
+
+  paths: tuple[str, ...]
+  tokenizer: object
+
+  def __post_init__(self):
+    self._source = JsonlSource(self.paths)
+    if not len(self._source):
+      raise ValueError(f"{self.paths}: no records")
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    raw = self._source[index % len(self._source)]
+    record = records.decode(raw)
+    question, solution = record.get("question"), record.get("answer")
+    if not isinstance(question, str) or not isinstance(solution, str) or "####" not in solution:
+      raise records.RecordError(raw.where, 'a GSM8K record needs "question" and an "answer" ending in "#### N"')
+    return {"prompt": launch.chat_prompt(self.tokenizer, question + INSTRUCTION),
+            "answer": solution.rsplit("####", 1)[1].strip().replace(",", ""), "where": raw.where}
+
+
+def synthetic_problems(seed: int, n: int) -> list[dict]:
+  """`n` one-step word problems in GSM8K's format (the tiny preset's data)."""
+  rng = random.Random(seed)
+  out = []
+  for _ in range(n):
+    name, a, b = rng.choice(["Ann", "Bo", "Cy"]), rng.randint(2, 50), rng.randint(2, 50)
+    out.append({"question": f"{name} has {a} apples and buys {b} more. How many apples does {name} have?",
+                "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"})
+  return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
+  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  launch.start(args)
+  if args.preset == "tiny":  # data first, so --data.* overrides still win
+    overrides = [*launch.synthetic_data(args.out, synthetic_problems(0, 512), synthetic_problems(1, 64)), *overrides]
+  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
+  if not cfg.data.train_files:
+    args.error("set --data.train_files='[\"gsm8k_train.jsonl\"]'")
+  if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
+    params = initial_params(cfg.model, cfg.train.seed)
+  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ExactAnswerEnv()
+  held_out = []
+  if cfg.data.eval_files:
+    problems = GSM8K(cfg.data.eval_files, tokenizer)
+    held_out = [problems[i] for i in range(min(EVAL_SIZE[args.preset], len(problems)))]
+  before = rlvr.pass_at_1(params, cfg, tokenizer, env, held_out) if held_out else None
+  state, summary = rlvr.train(args, cfg, params, tokenizer, GSM8K(cfg.data.train_files, tokenizer), env)
+  after = rlvr.pass_at_1(state.params, cfg, tokenizer, env, held_out) if held_out else None
+  if jax.process_index() == 0:
+    print(f"greedy pass@1 on {len(held_out)} held-out problems: before {before}, after {after}")
+  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  return {**summary, "pass@1_before": before, "pass@1_after": after}
+
+
+if __name__ == "__main__":
+  main()
