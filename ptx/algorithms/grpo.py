@@ -134,7 +134,9 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     `actor/pg_loss`, `actor/pg_clipfrac`, `actor/clip_low`, `actor/clip_high`,
     `actor/pg_clipfrac_lower`, `actor/ppo_kl`, `actor/entropy`,
     `actor/kl_loss` (KL in the loss), `actor/is_weight` (truncated IS), and
-    `weight` = sum(w), all token averages under the same weights.
+    `weight` = sum(w), all token averages under the same weights; with
+    `sampler_logps` in the batch, `rollout/logp_diff_max`, the largest
+    |logp - sampler logp| of the micro-batch.
   """
   del rng
   logits = forward(params, batch["tokens"], model, positions=batch["positions"],
@@ -157,6 +159,8 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   metrics = {k: mean(v.astype(jnp.float32)) for k, v in stats.items()}
   metrics["actor/pg_loss"] = mean(rho)
   metrics["actor/entropy"] = mean(entropy)
+  if "sampler_logps" in batch:  # before the first update of a step, this is the sampler-trainer mismatch
+    metrics["rollout/logp_diff_max"] = jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask)
   if grpo.kl_placement == "loss" and grpo.beta > 0:
     kl = kl_estimate(logps, batch["ref_logps"], grpo.kl_estimator)
     per_token = per_token + grpo.beta * kl

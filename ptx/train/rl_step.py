@@ -10,10 +10,10 @@ The pieces, shared by the fused step here and the host-reward mode
 `make_grpo_step` jits `sample`, an in-graph reward and `learn` (with DAPO's
 refill of zero-variance groups when `filter_groups="refill"`) as one
 executable per RL step. On-policy, the behaviour log-probs are the
-sampler's; the trainer's own log-probs of the same tokens at the sampling
-parameters are computed too and their largest difference is logged
-(`rollout/logp_diff_max`): both come from the same model code, so it must
-stay at rounding level.
+sampler's; the first update's forward, still at the sampling parameters,
+gives the trainer's log-probs of the same tokens, and their largest
+difference is logged (`rollout/logp_diff_max`): both come from the same
+model code, so it must stay at rounding level.
 
 Under LoRA (`lora=`) `state.params` are the adapters: the sampler and the
 loss run base + adapters, the optimizer state covers the adapters only, and
@@ -105,7 +105,7 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
                          pad_id=spec.pad_id, rules=spec.rules)
 
 
-def _logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
+def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
   """Per-token log-probs [R, S] of the batch's tokens under `params` (float32, no gradient)."""
   logits = forward(params, batch["tokens"], spec.model, positions=batch["positions"],
                    segment_ids=batch["segment_ids"], rules=spec.rules)
@@ -154,12 +154,14 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
     row_mask = row_mask & jnp.repeat(adv_lib.groups_with_signal(rewards, G), G)
   batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
   mask = batch["loss_mask"].astype(jnp.float32)
-  trainer_logps = _logps(model_params(state, spec.lora), batch, spec)
+  # On-policy the old log-probs are the sampler's, and the first update's forward
+  # measures the sampler-trainer difference: no extra forward pass.
+  trainer_logps = batch_logps(model_params(state, spec.lora), batch, spec) if proximal else None
   batch["old_logps"] = trainer_logps if proximal else batch["sampler_logps"]
   shaped = rewards + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
                                                                         cfg.overlong_buffer)
   if cfg.beta > 0 and cfg.kl_placement != "none":  # static: the config decides whether a reference exists
-    batch["ref_logps"] = _logps(reference_params(state), batch, spec)
+    batch["ref_logps"] = batch_logps(reference_params(state), batch, spec)
     if cfg.kl_placement == "reward":
       kl = grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator)
       shaped = shaped - cfg.beta * (kl * mask).sum(axis=1)
@@ -179,7 +181,10 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
                                                  jnp.arange(spec.epochs * spec.minibatches))
   metrics = jax.tree.map(jnp.mean, per_update)
-  metrics.update(_rollout_metrics(rewards, gen, mask, trainer_logps, batch["sampler_logps"], spec))
+  metrics["rollout/logp_diff_max"] = per_update["rollout/logp_diff_max"][0]  # at the sampling parameters
+  metrics.update(_rollout_metrics(rewards, gen, mask, spec))
+  if proximal:
+    metrics.update(_staleness_metrics(mask, trainer_logps, batch["sampler_logps"]))
   metrics["skipped_steps"] = skipped_steps(opt_state)
   if cfg.beta > 0 and cfg.kl_placement != "none":
     metrics["actor/kl_coef"] = jnp.float32(cfg.beta)
@@ -320,17 +325,14 @@ def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:
   return sample_key, update_key
 
 
-def _rollout_metrics(rewards, gen: Generation, mask, trainer_logps, sampler_logps, spec: RLSpec):
-  """Reward, length and sampler-trainer agreement metrics (spec section 5.10 names)."""
+def _rollout_metrics(rewards, gen: Generation, mask, spec: RLSpec):
+  """Reward and length metrics (spec section 5.10 names)."""
   G = spec.grpo.group_size
   lengths = gen.lengths.astype(jnp.float32)
   scored = ~jnp.isnan(rewards)
   r = jnp.where(scored, rewards, 0.0)
   n_scored = jnp.maximum(scored.sum(), 1)
   mean = r.sum() / n_scored
-  diff = (sampler_logps - trainer_logps) * mask
-  is_ratio = jnp.exp(jnp.clip(trainer_logps - sampler_logps, -20.0, 20.0))
-  tokens = jnp.maximum(mask.sum(), 1.0)
   return {
       "reward/mean": mean,
       "reward/std": jnp.sqrt((jnp.where(scored, r - mean, 0.0) ** 2).sum() / n_scored),
@@ -340,10 +342,18 @@ def _rollout_metrics(rewards, gen: Generation, mask, trainer_logps, sampler_logp
       "response_length/max": lengths.max(),
       "response_length/min": lengths.min(),
       "response_length/clip_ratio": jnp.mean(gen.finish_reasons == LENGTH),
-      "rollout/logp_diff_max": jnp.max(jnp.abs(diff)),
+      "rollout/pass_rate_groups": jnp.mean(jnp.any(r.reshape(-1, G) > 0, axis=1)),
+  }
+
+
+def _staleness_metrics(mask, trainer_logps, sampler_logps):
+  """Stale rollouts: the behaviour-to-current mismatch and importance ratios over the response tokens."""
+  diff = (sampler_logps - trainer_logps) * mask
+  is_ratio = jnp.exp(jnp.clip(trainer_logps - sampler_logps, -20.0, 20.0))
+  tokens = jnp.maximum(mask.sum(), 1.0)
+  return {
       "rollout/logp_mismatch_kl": diff.sum() / tokens,
       "rollout/is_ratio/mean": (is_ratio * mask).sum() / tokens,
       "rollout/is_ratio/max": jnp.max(jnp.where(mask > 0, is_ratio, 0.0)),
       "rollout/is_ratio/min": jnp.min(jnp.where(mask > 0, is_ratio, jnp.float32(1e30))),
-      "rollout/pass_rate_groups": jnp.mean(jnp.any(r.reshape(-1, G) > 0, axis=1)),
   }
