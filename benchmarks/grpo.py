@@ -1,0 +1,154 @@
+"""GRPO step time on the config of shared/anchors/tunix_bench.py `--parts grpo`, with the phase split.
+
+Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
+MLP 1024, vocab 512, float32, untied, RoPE theta 5e5), one device; 4 prompts
+x group 4, each BOS + 31 random ids in [3, V) (no padding), 64 new tokens at
+temperature 1 with stop id V (never emitted, so every row generates all 64),
+reward = fraction of even ids, beta 0.04 (KL k3 in the loss against a frozen
+reference copy), mu = 1 with one AdamW update (lr 1e-5, optax.adamw's
+defaults b2 0.999 and weight decay 1e-4, no clipping) per step.
+
+`step` is ptx's fused step (sample -> reward -> advantages -> update, one
+executable), blocked per step. The phase split times the same pieces as
+separate programs, each blocked: `sample` (rl_step.sample), `reward`,
+`logps` (trainer + reference log-probs of the 16 x 96 tokens) and `update`
+(rl_step.learn minus `logps`, the log-probs it also computes). One JSON line
+per round; with --tunix-python, rounds alternate with the anchor run by that
+interpreter, and a closing line gives both medians and their ratio.
+
+    .venv/bin/python benchmarks/grpo.py --rounds 3 --tunix-python /tmp/tunix-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig
+from ptx.sampling.rules import SamplingConfig
+from ptx.sharding import make_mesh
+from ptx.train import rl_step
+from ptx.train.optimizer import make_optimizer
+from ptx.train.state import init_state, state_shardings
+from ptx.train.step import model_params, reference_params
+
+CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
+                  rope_theta=500_000.0, norm_eps=1e-5)
+PROMPTS, GROUP, PROMPT_LEN, NEW, BETA = 4, 4, 32, 64, 0.04
+
+
+def _even_ids(gen, task):
+  """The anchor's reward: the fraction of even token ids in the completion."""
+  del task
+  return (gen.tokens % 2 == 0).mean(axis=1)
+
+
+def _blocked(fn, *args):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - start
+
+
+def _ptx_round(steps: int, warmup: int) -> dict:
+  """Times `steps` fused GRPO steps after `warmup`, and the phases as separate programs."""
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
+  optimizer = make_optimizer(OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0, b2=0.999,
+                                             weight_decay=1e-4, clip_norm=0.0), warmup + steps)
+  grpo_cfg = GRPOConfig(group_size=GROUP, beta=BETA, max_response_tokens=NEW)
+  shardings = state_shardings(CFG, optimizer, mesh, with_reference=True)
+  state = init_state(CFG, optimizer, 0, mesh, with_reference=True)
+  spec = rl_step.RLSpec(model=CFG, grpo=grpo_cfg, sampling=SamplingConfig(), max_new_tokens=NEW,
+                        stop_ids=(CFG.vocab_size,))
+  step = rl_step.make_grpo_step(model=CFG, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
+                                reward_fn=_even_ids, sampling=spec.sampling, max_new_tokens=NEW,
+                                stop_ids=spec.stop_ids)
+  rng = np.random.default_rng(0)
+
+  def batch():
+    prompts = np.concatenate([np.ones((PROMPTS, 1), np.int32),
+                              rng.integers(3, CFG.vocab_size, (PROMPTS, PROMPT_LEN - 1)).astype(np.int32)], axis=1)
+    return {"prompts": prompts, "prompt_lengths": np.full(PROMPTS, PROMPT_LEN, np.int32), "task": {}}
+
+  times, cpu = [], []
+  for i in range(warmup + steps):
+    b, c0 = batch(), time.process_time()
+    (state, metrics), t = _blocked(step, state, b)
+    times.append(t)
+    cpu.append(time.process_time() - c0)
+  timed = times[warmup:]
+
+  under_mesh = lambda f: lambda *a: _with_mesh(mesh, f, *a)
+  sample = jax.jit(under_mesh(lambda s, p, l, k: rl_step.sample(model_params(s, None), p, l, k, spec)))
+  rollout = jax.jit(under_mesh(lambda p, l, g: rl_step.rollout_batch(p, l, g, GROUP)))
+  reward = jax.jit(lambda g: _even_ids(g, None))
+  logps = jax.jit(under_mesh(lambda s, b: (rl_step.batch_logps(model_params(s, None), b, spec),
+                                           rl_step.batch_logps(reference_params(s), b, spec))))
+  learn = jax.jit(under_mesh(lambda s, b, g, r: rl_step.learn(s, b, g, r, jax.random.key(1), spec, optimizer)),
+                  donate_argnums=0)
+  phases = {k: [] for k in ("sample", "reward", "logps", "learn")}
+  for i in range(warmup + steps):
+    b = batch()
+    gen, t = _blocked(sample, state, b["prompts"], b["prompt_lengths"], jax.random.key(i))
+    phases["sample"].append(t)
+    rewards, t = _blocked(reward, gen)
+    phases["reward"].append(t)
+    rollouts = jax.block_until_ready(rollout(b["prompts"], b["prompt_lengths"], gen))
+    _, t = _blocked(logps, state, rollouts)
+    phases["logps"].append(t)
+    (state, _), t = _blocked(learn, state, rollouts, gen, rewards)
+    phases["learn"].append(t)
+  med = {k: statistics.median(v[warmup:]) for k, v in phases.items()}
+  return {"framework": "ptx", "num_prompts": PROMPTS, "group_size": GROUP, "prompt_len": PROMPT_LEN, "gen_len": NEW,
+          "beta": BETA, "step_s_median": round(statistics.median(timed), 4), "step_s_min": round(min(timed), 4),
+          "step_s": round(statistics.mean(timed), 4), "cpu_s_per_step": round(statistics.mean(cpu[warmup:]), 4),
+          "first_step_s": round(times[0], 3), "step_times_s": [round(t, 4) for t in times],
+          "phase_s": {"sample": round(med["sample"], 5), "reward": round(med["reward"], 5),
+                      "logps": round(med["logps"], 5), "update": round(med["learn"] - med["logps"], 5)},
+          "response_length_mean": float(metrics["response_length/mean"]),
+          "executables_per_step": step._cache_size(), "loadavg_1m": os.getloadavg()[0]}
+
+
+def _with_mesh(mesh, fn, *args):
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return fn(*args)
+
+
+def main() -> None:
+  """Runs the rounds and prints one JSON line each, then the side-by-side summary."""
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--rounds", type=int, default=1, help="rounds (alternating with Tunix when --tunix-python)")
+  p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix installed")
+  args = p.parse_args()
+  ours, theirs = [], []
+  for _ in range(args.rounds):
+    if args.tunix_python:
+      bench = pathlib.Path(__file__).resolve().parents[2] / "shared/anchors/tunix_bench.py"
+      line = subprocess.run([args.tunix_python, str(bench), "--parts", "grpo", "--steps", str(args.steps),
+                             "--warmup", str(args.warmup), "--beta", str(BETA)], capture_output=True, text=True,
+                            check=True).stdout.strip().splitlines()[-1]
+      record = json.loads(line)
+      theirs.append(record["grpo"]["step_s_median"])
+      print(json.dumps({"framework": "tunix", "loadavg_1m": record["loadavg_1m_end"], **record["grpo"]}), flush=True)
+    record = _ptx_round(args.steps, args.warmup)
+    ours.append(record["step_s_median"])
+    print(json.dumps(record), flush=True)
+  if theirs:
+    print(json.dumps({"part": "summary", "rounds": args.rounds, "ptx_step_s_median": statistics.median(ours),
+                      "tunix_step_s_median": statistics.median(theirs),
+                      "ptx_over_tunix": round(statistics.median(ours) / statistics.median(theirs), 3),
+                      "loadavg_1m": os.getloadavg()[0]}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
