@@ -265,8 +265,8 @@ class GRPOConfig:
   max_response_tokens: int = 256
   # KL to the reference: "none", "loss" (added to the loss) or "reward" (subtracted from rewards).
   kl_placement: Literal["none", "loss", "reward"] = "loss"
-  # KL estimator: "k1", "k2" or "k3".
-  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+  # KL estimator: "k1", "k2", "k3" or "k3+" (value of k3, gradient of k2: straight-through).
+  kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
   # KL coefficient beta; a reference model exists only when beta > 0 and kl_placement != "none".
   beta: float = 0.001
   # Entropy bonus coefficient c_H (entropy is always logged).
@@ -288,6 +288,8 @@ class GRPOConfig:
   ref_sync_alpha: float = 1.0
   # Host-reward mode: batches the sampler may run ahead of the update (0: on-policy, as the fused mode).
   max_staleness: int = 1
+  # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
+  mask_truncated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
