@@ -45,6 +45,7 @@ import jax
 import launch
 import ptx
 import rlvr
+from ptx.config import GRPO_PRESETS
 from ptx.rl.environments.python_tests import PythonTestsEnv
 from ptx.train.export import export_hf
 from ptx.train.state import initial_params
@@ -53,18 +54,10 @@ ASK = "Complete this Python function. Reply with the whole function in a ```pyth
 HELD_OUT = 32  # the last problems of HumanEval
 
 PRESETS: launch.Presets = {
-    "tiny": lambda: ptx.Config(
-        model=ptx.presets["tiny"](),
-        optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
-        data=ptx.DataConfig(batch_size=8, seq_len=640, pack=False, kind="rl"),
-        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16)),
-    "qwen7b": lambda: ptx.Config(
-        model=dataclasses.replace(ptx.presets["qwen2_5_7b"](), remat="full"),
-        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=200, log_every=1, checkpoint_every=25),
-        data=ptx.DataConfig(batch_size=32, seq_len=512, pack=False, kind="rl"),
-        grpo=dataclasses.replace(ptx.GRPO_PRESETS["dr_grpo"], group_size=8, max_response_tokens=768)),
+    "tiny": lambda: rlvr.tiny(prompt_len=640),
+    "qwen7b": lambda: rlvr.qwen7b(
+        dataclasses.replace(GRPO_PRESETS["dr_grpo"], group_size=8, max_response_tokens=768),
+        steps=200, prompts=32, prompt_len=512),
 }
 
 

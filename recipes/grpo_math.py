@@ -41,6 +41,7 @@ import jax
 import launch
 import ptx
 import rlvr
+from ptx.config import GRPO_PRESETS
 from ptx.data import records
 from ptx.data.sources import JsonlSource
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
@@ -50,18 +51,10 @@ from ptx.train.state import initial_params
 INSTRUCTION = "\nSolve it step by step, then give the final answer on its own line as: #### <number>"
 
 PRESETS: launch.Presets = {
-    "tiny": lambda: ptx.Config(
-        model=ptx.presets["tiny"](),
-        optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
-        data=ptx.DataConfig(batch_size=8, seq_len=192, pack=False, kind="rl"),
-        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16)),
-    "qwen7b": lambda: ptx.Config(
-        model=dataclasses.replace(ptx.presets["qwen2_5_7b"](), remat="full"),
-        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=300, log_every=1, checkpoint_every=25),
-        data=ptx.DataConfig(batch_size=64, seq_len=256, pack=False, kind="rl"),
-        grpo=dataclasses.replace(ptx.GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512)),
+    "tiny": lambda: rlvr.tiny(prompt_len=192),
+    "qwen7b": lambda: rlvr.qwen7b(
+        dataclasses.replace(GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512),
+        steps=300, prompts=64, prompt_len=256),
 }
 EVAL_SIZE = {"tiny": 8, "qwen7b": 1319}  # GSM8K's test split has 1319 problems
 

@@ -10,6 +10,7 @@ plus the fields their environment reads ("answer", "tests").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -22,6 +23,24 @@ from ptx.train import rl_host, rl_step
 from ptx.train.loop import fit
 
 import launch
+
+
+def tiny(prompt_len: int) -> ptx.Config:
+  """The tiny preset of a host-reward recipe: a fresh byte-level model, 8 prompts x 2 samples of 16 bytes."""
+  return ptx.Config(
+      model=ptx.presets["tiny"](), optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
+      train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
+      data=ptx.DataConfig(batch_size=8, seq_len=prompt_len, pack=False, kind="rl"),
+      grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16))
+
+
+def qwen7b(grpo: ptx.GRPOConfig, *, steps: int, prompts: int, prompt_len: int) -> ptx.Config:
+  """A pod preset for Qwen2.5-7B-Instruct (weights from --model-dir): bfloat16, full remat, constant lr 1e-6."""
+  return ptx.Config(
+      model=dataclasses.replace(ptx.presets["qwen2_5_7b"](), remat="full"),
+      optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0),
+      train=ptx.TrainConfig(steps=steps, log_every=1, checkpoint_every=25),
+      data=ptx.DataConfig(batch_size=prompts, seq_len=prompt_len, pack=False, kind="rl"), grpo=grpo)
 
 
 def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tasks: Any,
