@@ -3,6 +3,9 @@
 Token t predicts token t + 1 when both belong to the same non-padding segment
 and token t + 1 is a target (`loss_mask`). So no loss crosses a packed
 segment boundary, and the attention mask (segment ids) keeps segments apart.
+The log-probabilities come from `chunked_logits.token_stats`, which projects
+to the vocabulary `model.logits_chunk` tokens at a time (and runs ring
+attention's sequence layout) so long sequences never build [B, T, V] logits.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.config import ModelConfig
-from ptx.models.decoder import forward, token_log_probs
+from ptx.models.chunked_logits import token_stats
+from ptx.models.decoder import token_log_probs
 
 Batch = dict[str, jax.Array]
 
@@ -54,11 +58,11 @@ def loss(
     number of target tokens, by which the trainer weights micro-batches).
   """
   del rng
-  logits = forward(params, batch["tokens"], model, positions=batch["positions"],
-                   segment_ids=batch["segment_ids"], rules=rules)[:, :-1]
-  targets, weights = next_token_targets(batch)
+  stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+                      segment_ids=batch["segment_ids"], rules=rules)
+  _, weights = next_token_targets(batch)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0
-  mean_nll = (token_nll(logits, targets) * weights).sum() / denominator
-  accuracy = ((jnp.argmax(logits, axis=-1) == targets) * weights).sum() / denominator
+  mean_nll = -(stats.log_probs[:, 1:] * weights).sum() / denominator
+  accuracy = (stats.correct[:, 1:] * weights).sum() / denominator
   return mean_nll, {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens}

@@ -1,0 +1,138 @@
+"""Per-token log-probabilities without [tokens, vocab] logits: the output projection in chunks.
+
+A loss over T tokens needs, per token, the log-probability of that token (and
+for some losses the argmax hit and the entropy), never the [B, T, V] logits.
+`token_stats` runs the decoder to its last hidden state and projects it to the
+vocabulary `cfg.logits_chunk` tokens at a time inside a rematerialised scan:
+the backward recomputes each chunk's logits, so memory holds one chunk's
+[B, chunk, V] (per sequence shard) instead of all T tokens'.
+
+Under a mesh whose `seq` axis shards the sequence, every chunk takes `chunk`
+tokens from each shard, so all devices project at once. With ring attention
+in the zig-zag layout (`cfg.seq_layout`) the tokens are reordered once before
+the layers (positions stay global) and the per-token results reordered back,
+so callers always see the natural order.
+
+SFT's loss and GRPO's token log-probs both call `token_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ptx_kernels
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models.decoder import Params, hidden_states, token_log_probs, unembed
+
+
+class TokenStats(NamedTuple):
+  """Per-token results [B, T], index t scoring token t given tokens < t (index 0 is 0)."""
+
+  log_probs: jax.Array  # float32 log p(token t | tokens < t)
+  correct: jax.Array  # bool: token t is the argmax of its prediction
+  entropy: jax.Array  # float32 entropy of the distribution that predicts token t
+
+
+def token_stats(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> TokenStats:
+  """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
+
+  Args:
+    params: the model's parameter tree.
+    tokens: int32 token ids [B, T].
+    cfg: the model config (`logits_chunk`, `attention_impl`, `seq_layout`).
+    positions: int32 [B, T]; defaults to 0..T-1 on every row.
+    segment_ids: int32 [B, T]; defaults to one segment per row.
+    rules: the sharding rules for activation constraints.
+
+  Returns:
+    TokenStats of [B, T] arrays in the natural token order.
+  """
+  B, T = tokens.shape
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if segment_ids is None:
+    segment_ids = jnp.ones((B, T), jnp.int32)
+  # Position t predicts token t + 1; the last position's target is a dummy.
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+  reorder, restore = _ring_order(cfg, rules, T)
+  x = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
+                    segment_ids=reorder(segment_ids), rules=rules)
+  stats = project(params, x, reorder(targets), cfg, rules)
+  # Shift by one so index t scores token t.
+  return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats))
+
+
+def project(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+            rules: sharding.Rules = sharding.DEFAULT_RULES) -> TokenStats:
+  """Scores targets [B, T] under the hidden states x [B, T, D], `cfg.logits_chunk` tokens per shard at a time.
+
+  Unlike `token_stats`, index t scores targets[:, t] as the prediction of position t.
+  """
+  B, T, D = x_BTD.shape
+  shards = _seq_shards(x_BTD.shape, rules)
+  chunk = cfg.logits_chunk
+  if chunk == 0 or chunk >= T // shards:
+    return _stats(params, x_BTD, targets_BT, cfg, rules)
+  if (T // shards) % chunk:
+    raise ValueError(f"model.logits_chunk={chunk} must divide the {T // shards} tokens of each of {shards} "
+                     f"sequence shards")
+  m = T // shards // chunk
+  # [B, shards, m, chunk] -> [m, B, shards * chunk]: chunk j holds tokens from every shard.
+  split = lambda a: jnp.moveaxis(a.reshape((B, shards, m, chunk) + a.shape[2:]), 2, 0).reshape(
+      (m, B, shards * chunk) + a.shape[2:])
+
+  @jax.checkpoint
+  def one_chunk(_, xs):
+    x, targets = xs
+    return None, _stats(params, sharding.constrain(x, ("batch", "seq", "embed"), rules), targets, cfg, rules)
+
+  _, stats = jax.lax.scan(one_chunk, None, (split(x_BTD), split(targets_BT)))
+  merge = lambda a: jnp.moveaxis(a.reshape(m, B, shards, chunk), 0, 2).reshape(B, T)
+  return TokenStats(*(merge(s) for s in stats))
+
+
+def _stats(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> TokenStats:
+  """TokenStats of targets under the full logits of x (float32)."""
+  logits = unembed(params, x, cfg, rules)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  entropy = -(jnp.exp(logp) * logp).sum(axis=-1)
+  return TokenStats(token_log_probs(logits, targets), jnp.argmax(logits, axis=-1) == targets, entropy)
+
+
+def _seq_shards(shape: tuple[int, ...], rules: sharding.Rules) -> int:
+  """How many devices the activation rules shard the sequence axis of [B, T, D] over."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = sharding.logical_to_spec(("batch", "seq", "embed"), rules, shape=shape, mesh=mesh)[1]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _ring_order(cfg: ModelConfig, rules: sharding.Rules, length: int):
+  """(reorder, restore) of the sequence axis of [B, T] arrays for ring attention's layout."""
+  identity = lambda a: a
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = rules.activations.get("seq")
+  if cfg.attention_impl != "ring" or cfg.seq_layout != "zigzag" or mesh.empty or axis not in mesh.axis_names:
+    return identity, identity
+  n = mesh.shape[axis]
+  if n == 1:
+    return identity, identity
+  if length % (2 * n):
+    raise ValueError(f"model.seq_layout='zigzag' needs the sequence length ({length}) to be a multiple of "
+                     f"2 x {n} sequence shards")
+  return (lambda a: ptx_kernels.to_zigzag(a, n, axis=1)), (lambda a: ptx_kernels.from_zigzag(a, n, axis=1))
