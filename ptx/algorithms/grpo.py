@@ -79,7 +79,7 @@ def token_entropy(logits: jax.Array) -> jax.Array:
 
 
 def kl_estimate(logps: jax.Array, ref_logps: jax.Array, estimator: str) -> jax.Array:
-  """Per-token KL estimate k1, k2 or k3 of the policy from the reference."""
+  """Per-token KL estimate k1, k2, k3 or k3+ of the policy from the reference."""
   delta = jnp.clip(logps - ref_logps, -20.0, 20.0)
   if estimator == "k1":
     return delta
@@ -87,6 +87,9 @@ def kl_estimate(logps: jax.Array, ref_logps: jax.Array, estimator: str) -> jax.A
     return 0.5 * delta**2
   if estimator == "k3":
     return jnp.clip(jnp.exp(-delta) + delta - 1.0, -10.0, 10.0)
+  if estimator == "k3+":  # straight-through: k3's value, k2's (unbiased) gradient
+    k2 = 0.5 * delta**2
+    return k2 + jax.lax.stop_gradient(jnp.clip(jnp.exp(-delta) + delta - 1.0, -10.0, 10.0) - k2)
   raise ValueError(f"grpo.kl_estimator: unknown {estimator!r}")
 
 

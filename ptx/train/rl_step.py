@@ -150,8 +150,14 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   keep = batch.pop("keep", None)
   valid = ~jnp.isnan(rewards)
   row_mask = valid if keep is None else valid & (keep > 0)
+  filter_metrics = {}
   if cfg.filter_groups == "mask":  # static: DAPO's cheap alternative, zero-variance groups leave the loss
-    row_mask = row_mask & jnp.repeat(adv_lib.groups_with_signal(rewards, G), G)
+    signal = adv_lib.groups_with_signal(rewards, G)
+    row_mask = row_mask & jnp.repeat(signal, G)
+    filter_metrics = {"filter_groups/evicted": (~signal).sum().astype(jnp.float32),
+                      "filter_groups/pass_rate": signal.mean()}
+  if cfg.mask_truncated:  # static: overlong filtering
+    row_mask = row_mask & (gen.finish_reasons != LENGTH)
   batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
   mask = batch["loss_mask"].astype(jnp.float32)
   # On-policy the old log-probs are the sampler's, and the first update's forward
@@ -182,7 +188,7 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
                                                  jnp.arange(spec.epochs * spec.minibatches))
   metrics = jax.tree.map(jnp.mean, per_update)
   metrics["rollout/logp_diff_max"] = per_update["rollout/logp_diff_max"][0]  # at the sampling parameters
-  metrics.update(_rollout_metrics(rewards, gen, mask, spec))
+  metrics.update(_rollout_metrics(rewards, gen, mask, spec), **filter_metrics)
   if proximal:
     metrics.update(_staleness_metrics(mask, trainer_logps, batch["sampler_logps"]))
   metrics["skipped_steps"] = skipped_steps(opt_state)

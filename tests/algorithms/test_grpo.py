@@ -83,6 +83,10 @@ def test_kl_estimators():
   np.testing.assert_allclose(grpo.kl_estimate(logp, ref, "k1"), d)
   np.testing.assert_allclose(grpo.kl_estimate(logp, ref, "k2"), 0.5 * d**2)
   np.testing.assert_allclose(grpo.kl_estimate(logp, ref, "k3"), np.exp(-d) + d - 1, rtol=1e-6)
+  # k3+: k3's value with k2's gradient d(delta^2 / 2)/d logp = delta.
+  np.testing.assert_allclose(grpo.kl_estimate(logp, ref, "k3+"), np.exp(-d) + d - 1, rtol=1e-6)
+  grad = jax.grad(lambda l: grpo.kl_estimate(l, ref, "k3+").sum())(logp)
+  np.testing.assert_allclose(grad, d, rtol=1e-6)
 
 
 def test_ppo_clip_dapo_and_dual_clip_by_hand():

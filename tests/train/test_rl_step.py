@@ -167,3 +167,17 @@ def test_exact_match_reward():
   lengths = jnp.asarray([3, 3, 3])
   got = exact_match(tokens, lengths, jnp.asarray(np.stack([targets[0], targets[1], targets[1]])))
   np.testing.assert_array_equal(got, [1.0, 0.0, 0.0])
+
+
+def test_zero_variance_groups_are_masked_and_the_reference_is_refreshed(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.04, filter_groups="mask", ref_sync_every=1, ref_sync_alpha=0.25)
+  _, _, state, step = _setup(cfg, grpo_cfg, _flagged)
+  batch_in = _prompts(4)
+  batch_in["task"] = {"flag": np.asarray([1, 0, 0, 1], np.float32)}
+  reference = jax.tree.map(np.asarray, state.ref_params)
+  state, metrics = step(state, batch_in)
+  assert float(metrics["filter_groups/evicted"]) == 2.0 and float(metrics["filter_groups/pass_rate"]) == 0.5
+  want = jax.tree.map(lambda p, r: 0.25 * np.asarray(p) + 0.75 * r, state.params, reference)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7), state.ref_params,
+               want)
