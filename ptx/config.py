@@ -258,9 +258,10 @@ class GRPOConfig:
   epsilon_high: float = 0.2
   # Dual-clip constant c > 1 bounding the loss of negative advantages (None: off).
   dual_clip: float | None = None
-  # "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm" or "prompt_mean".
+  # "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "prompt_mean" or
+  # "token_sum" (no normaliser, for custom scaling).
   loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
-                         "prompt_mean"] = "token_mean"
+                         "prompt_mean", "token_sum"] = "token_mean"
   # Maximum response tokens: Dr.GRPO's constant C and the overlong cap L_max.
   max_response_tokens: int = 256
   # KL to the reference: "none", "loss" (added to the loss) or "reward" (subtracted from rewards).
@@ -322,6 +323,7 @@ GRPO_PRESETS: dict[str, GRPOConfig] = {
     "gspo": GRPOConfig(surrogate="gspo", epsilon_low=3e-4, epsilon_high=4e-4, loss_agg_mode="seq_mean_token_mean",
                        kl_placement="none", beta=0.0),
     "rloo": GRPOConfig(advantage="rloo", kl_placement="reward", kl_estimator="k1"),
+    "reinforce_pp_baseline": GRPOConfig(advantage="reinforce_pp_baseline"),
 }
 
 
