@@ -22,10 +22,16 @@ from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
 
 
-def _filled_attention(q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths, q_pos, window, offset, *,
-                      causal, softcap, scale, block_kv):
-  """Online softmax over the filled blocks of one cache slice: (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T])."""
+def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *, causal, softcap, scale, block_kv):
+  """Online softmax over the filled blocks of one cache slice (k, v, k_scale, v_scale).
+
+  Returns (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T], the cache). The
+  loop threads the cache through its carry untouched: a loop operand that
+  stays live after the loop is copied into it by XLA, a carried one is not,
+  so a caller that goes on with the returned cache never copies it.
+  """
   b, kvh, g, t, _ = q_BKGTD.shape
+  k_BKSD, v_BKSD = cache[:2]
   s_loc, dv = k_BKSD.shape[2], v_BKSD.shape[-1]
   width = min(block_kv, s_loc)
   n_blocks = -(-s_loc // width)
@@ -38,7 +44,7 @@ def _filled_attention(q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths
     return block.astype(jnp.float32) * lax.dynamic_slice_in_dim(scales, start, width, axis=2)[..., None]
 
   def step(i, carry):
-    m, l, acc = carry
+    (m, l, acc), (k_BKSD, v_BKSD, k_scale, v_scale) = carry
     # The last block is shifted back to stay inside the slice; slots that the
     # previous block already covered are masked out of it.
     start = jnp.minimum(i * width, s_loc - width)
@@ -64,17 +70,17 @@ def _filled_attention(q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths
     decay = jnp.exp(m - m_safe)
     pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_BKSD.dtype if v_scale is None else jnp.float32),
                     v_i, preferred_element_type=jnp.float32)
-    return m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv
+    return (m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv), (k_BKSD, v_BKSD, k_scale, v_scale)
 
   init = (jnp.full((b, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
           jnp.zeros((b, kvh, g, t, dv), jnp.float32))
   if n_blocks == 1:
-    m, l, acc = step(0, init)
+    (m, l, acc), cache = step(0, (init, cache))
   else:
     filled = jnp.clip(jnp.max(lengths) - offset, 0, s_loc)
-    m, l, acc = lax.fori_loop(0, (filled + width - 1) // width, step, init)
+    (m, l, acc), cache = lax.fori_loop(0, (filled + width - 1) // width, step, (init, cache))
   safe = jnp.where(l > 0, l, 1.0)
-  return acc / safe[..., None], jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
+  return acc / safe[..., None], jnp.where(l > 0, m + jnp.log(safe), -jnp.inf), cache
 
 
 def decode_attention(
@@ -84,7 +90,8 @@ def decode_attention(
     block_kv: int = 512, mesh=None, axis_name: str = "seq",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axes: tuple[str, ...] = ("tensor",),
-) -> tuple[jax.Array, jax.Array]:
+    return_cache: bool = False,
+) -> tuple[jax.Array, ...]:
   """Attention of T new tokens per row over the filled part of a (possibly seq-sharded) KV cache.
 
   Args:
@@ -107,9 +114,14 @@ def decode_attention(
     axis_name: mesh axis that shards S_max.
     batch_axes: mesh axes (those present with size > 1) that shard B.
     head_axes: mesh axes (those present with size > 1) that shard H and KV.
+    return_cache: also return (k_cache, v_cache, k_scale, v_scale) as
+      threaded through the block loop. A decode loop that carries these on,
+      rather than its inputs, lets XLA update the cache in place; otherwise
+      it copies the cache into the loop at every call.
 
   Returns:
-    (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32).
+    (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32), then the cache
+    arrays with `return_cache`.
   """
   mask_lib.check_qkv(q, k_cache, v_cache)
   b, t, h, d = q.shape
@@ -127,38 +139,40 @@ def decode_attention(
   settings = dict(causal=causal, softcap=softcap, scale=d ** -0.5 if scale is None else scale, block_kv=block_kv)
   # Heads before slots: every block is a batched [G*T, D] x [D, C] product per (row, kv head).
   q_BKGTD = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
-  k_BKSD, v_BKSD = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
-  k_scale, v_scale = (None if x is None else jnp.swapaxes(x, 1, 2) for x in (k_scale, v_scale))
+  cache = tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in (k_cache, v_cache, k_scale, v_scale))
 
-  def local(q, k, v, ks, vs, starts, lengths, q_pos, window, offset):
-    out, lse = _filled_attention(q, k, v, ks, vs, starts, lengths, q_pos, window, offset, **settings)
+  def local(q, cache, starts, lengths, q_pos, window, offset):
+    out, lse, cache = _filled_attention(q, cache, starts, lengths, q_pos, window, offset, **settings)
     # To the package layout: out [B, T, H, Dv], lse [B, H, T] (local sizes under shard_map).
     rows, heads = lse.shape[0], lse.shape[1] * lse.shape[2]
-    return out.reshape(rows, heads, t, -1).transpose(0, 2, 1, 3), lse.reshape(rows, heads, t)
+    return out.reshape(rows, heads, t, -1).transpose(0, 2, 1, 3), lse.reshape(rows, heads, t), cache
 
-  args = (q_BKGTD, k_BKSD, v_BKSD, k_scale, v_scale, starts, lengths, jnp.asarray(q_positions, jnp.int32), window)
+  args = (q_BKGTD, cache, starts, lengths, jnp.asarray(q_positions, jnp.int32), window)
   if mesh is None:
-    out, lse = local(*args, 0)
+    out, lse, cache = local(*args, 0)
+  else:
+    local_s = k_cache.shape[1] // n_dev
+
+    def sharded(*args):
+      out, lse, cache = local(*args, lax.axis_index(axis_name) * local_s)
+      # The partials are a few tokens each: gathering them costs nothing next
+      # to gathering the cache.
+      outs = lax.all_gather(out, axis_name)
+      lses = lax.all_gather(lse, axis_name)
+      return (*lse_lib.merge_lse(list(outs), list(lses)), cache)
+
+    bax = partition.present_axes(mesh, batch_axes)
+    hax = partition.present_axes(mesh, head_axes)
+    cache_specs = (P(bax, hax, axis_name, None),) * 2 + (P(bax, hax, axis_name),) * 2
+    cache_specs = tuple(None if x is None else spec for x, spec in zip(cache, cache_specs))
+    in_specs = (P(bax, hax, None, None, None), cache_specs, P(bax), P(bax), P(bax, None),
+                None if window is None else P())
+    out, lse, cache = jax.shard_map(sharded, mesh=mesh, in_specs=in_specs,
+                                    out_specs=(P(bax, None, hax, None), P(bax, hax, None), cache_specs),
+                                    check_vma=False)(*args)
+  if not return_cache:
     return out.astype(q.dtype), lse
-  local_s = k_cache.shape[1] // n_dev
-
-  def sharded(*args):
-    out, lse = local(*args, lax.axis_index(axis_name) * local_s)
-    # The partials are a few tokens each: gathering them costs nothing next
-    # to gathering the cache.
-    outs = lax.all_gather(out, axis_name)
-    lses = lax.all_gather(lse, axis_name)
-    return lse_lib.merge_lse(list(outs), list(lses))
-
-  bax = partition.present_axes(mesh, batch_axes)
-  hax = partition.present_axes(mesh, head_axes)
-  cache_spec, scale_spec = P(bax, hax, axis_name, None), P(bax, hax, axis_name)
-  in_specs = (P(bax, hax, None, None, None), cache_spec, cache_spec,
-              None if k_scale is None else scale_spec, None if v_scale is None else scale_spec,
-              P(bax), P(bax), P(bax, None), None if window is None else P())
-  out, lse = jax.shard_map(sharded, mesh=mesh, in_specs=in_specs, out_specs=(P(bax, None, hax, None), P(bax, hax, None)),
-                           check_vma=False)(*args)
-  return out.astype(q.dtype), lse
+  return out.astype(q.dtype), lse, tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in cache)
 
 
 def _row_ints(x, name: str, b: int) -> jax.Array:

@@ -13,8 +13,9 @@ A left-padded batch writes its prompts at slots [0, P) (row b's padding at
 [0, starts[b])) and every later step at one shared slot, which is a single
 in-place `dynamic_update_slice` instead of a per-row scatter. Slots
 [starts[b], index) of row b are filled; attention (`attend`, on
-`ptx_kernels.decode_attention`) reads only the blocks below `index`, so a
-decode step costs what the filled part costs, not the whole buffer. Keys are
+`ptx_kernels.decode_attention`) reads only the blocks below `index` when
+several tokens are written (prefill), and the whole cache for one token (a
+decode step), whose size the sampler keeps near the fill (`grow`). Keys are
 cached after RoPE. Under a mesh whose `seq` axis the rules give the slots,
 the cache stays sharded along it: each device attends over its own slots and
 only the per-token partials are merged.
@@ -38,8 +39,12 @@ from ptx.config import ModelConfig
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")
-# Cache slots per block of the decode attention loop: caches up to this size
-# are attended in one block, longer ones block by block up to the fill.
+# Cache slots per block of the attention loop for several new tokens
+# (prefill): its memory grows with tokens x BLOCK_SLOTS, and only blocks up to
+# the fill are read. One new token (a decode step) attends over the whole
+# cache in one block: on CPU, reading a block out of the cache is a copy that
+# costs as much as the attention, so the sampler bounds the cache instead
+# (decode phases, `ptx.sampling.generation`).
 BLOCK_SLOTS = 512
 
 Arrays = tuple[jax.Array, ...]
@@ -92,6 +97,20 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
       starts=sharding.constrain(starts, ("batch",), rules), index=jnp.zeros((), jnp.int32))
 
 
+def grow(cache: KVCache, slots: int, rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+  """The cache with `slots` slots per row, the new ones empty (the same cache when it has that many)."""
+
+  def pad(arrays: Arrays | None, names) -> Arrays | None:
+    if arrays is None or arrays[0].shape[2] == slots:
+      return arrays
+    widths = [(0, 0)] * arrays[0].ndim
+    widths[2] = (0, slots - arrays[0].shape[2])
+    return tuple(sharding.constrain(jnp.pad(x, widths), names, rules) for x in arrays)
+
+  return dataclasses.replace(cache, k=pad(cache.k, KV_NAMES), v=pad(cache.v, KV_NAMES),
+                             k_scale=pad(cache.k_scale, SCALE_NAMES), v_scale=pad(cache.v_scale, SCALE_NAMES))
+
+
 def advance(cache: KVCache, n_tokens: int) -> KVCache:
   """Moves the write index past `n_tokens` slots just written."""
   return dataclasses.replace(cache, index=cache.index + n_tokens)
@@ -140,11 +159,19 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
   B, T = positions.shape
   # The kernel's [B, S, N, K] view of the [B, N, S, K] store: the swap folds into its products.
   view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
-  out, _ = ptx_kernels.decode_attention(
+  out, _, (k, v, k_scale, v_scale) = ptx_kernels.decode_attention(
       q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
       lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
-      window=window, softcap=softcap, scale=scale, block_kv=BLOCK_SLOTS, **_seq_sharding(cache.k[layer], rules))
-  return out, cache
+      window=window, softcap=softcap, scale=scale, block_kv=BLOCK_SLOTS if T > 1 else cache.k[layer].shape[2],
+      return_cache=True,
+      **_seq_sharding(cache.k[layer], rules))
+
+  def put(stack: Arrays | None, x_BSNK: jax.Array | None) -> Arrays | None:
+    # Carry on with the arrays the kernel threaded through its loop, so the cache is never copied.
+    return None if stack is None else stack[:layer] + (jnp.swapaxes(x_BSNK, 1, 2),) + stack[layer + 1:]
+
+  return out, dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
+                                  v_scale=put(cache.v_scale, v_scale))
 
 
 def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:

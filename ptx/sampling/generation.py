@@ -11,7 +11,9 @@ P + t. With `group_size` G each prompt is prefilled once; its cache and last
 logits are then repeated to G consecutive rows (row b * G + g is sample g of
 prompt b), which share the prefill compute. The decode loop is a
 `lax.while_loop` that stops at `max_new_tokens` or as soon as every row has
-emitted one of its stop ids.
+emitted one of its stop ids; long budgets run it in phases over a cache that
+doubles between them, so a step's attention costs what the filled part does
+(within 2x), not the whole budget.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward_with_cache, token_log_probs, unstack_layers
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
+
+# New tokens the first decode phase has cache room for (see `_phase_slots`).
+PHASE_TOKENS = 256
 
 # Finish reasons.
 STOP = 1  # the row emitted one of its stop ids (counted in its length)
@@ -111,10 +116,8 @@ def generate_padded(
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
-  # The last token is sampled but never fed back, so P + N - 1 slots suffice,
-  # rounded up so a seq-sharded mesh splits them evenly.
-  slots = -(-(P + budget - 1) // _seq_devices(rules)) * _seq_devices(rules)
-  cache = kv_cache.init_cache(cfg, B, slots, starts=P - prompt_lengths, int8=kv_int8, rules=rules)
+  phases = _phase_slots(P, budget, _seq_devices(rules))
+  cache = kv_cache.init_cache(cfg, B, phases[0], starts=P - prompt_lengths, int8=kv_int8, rules=rules)
   prefill_logits_RV, cache = _prefill(params, prompt_tokens, prompt_lengths, cache, cfg, group_size,
                                       prefill_chunk or P, rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
@@ -148,7 +151,11 @@ def generate_padded(
                 tokens=jnp.full((R, budget), pad_id, jnp.int32),
                 log_probs=jnp.zeros((R, budget), jnp.float32),
                 done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32))
-  loop = jax.lax.while_loop(running, step, emit(start, prefill_logits_RV))
+  loop = emit(start, prefill_logits_RV)
+  for slots in phases:
+    # Step t writes the K/V of token t - 1 at slot P + t - 1, so this cache serves steps t <= slots - P.
+    loop = jax.lax.while_loop(lambda loop, slots=slots: running(loop) & (loop.t <= slots - P), step,
+                              loop._replace(cache=kv_cache.grow(loop.cache, slots, rules)))
   return Generation(tokens=loop.tokens, lengths=loop.lengths,
                     finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
 
@@ -242,6 +249,23 @@ def _batch_devices(mesh: Mesh | jax.sharding.AbstractMesh, rules: sharding.Rules
   """How many ways `logical` (the batch: the padded batch is a multiple of it) is split on `mesh`."""
   axes = sharding.logical_to_spec((logical,), rules, mesh=mesh)[0] or ()
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def _phase_slots(P: int, budget: int, multiple: int) -> list[int]:
+  """Cache sizes of the decode phases: room for 256 new tokens, doubling up to P + budget - 1 slots.
+
+  Every decode step reads its whole cache (on CPU a dot cannot read a
+  dynamic slice of it without a copy), so the cache grows between phases,
+  one copy each, and a step costs at most about twice its filled part. The
+  last token is sampled but never fed back, hence P + budget - 1. Sizes are
+  rounded up to a multiple of the devices along `seq`.
+  """
+  round_up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+  sizes, room = [], PHASE_TOKENS
+  while room < budget - 1:
+    sizes.append(round_up(P + room))
+    room *= 2
+  return sizes + [round_up(P + budget - 1)]
 
 
 def _seq_devices(rules: sharding.Rules) -> int:
