@@ -21,9 +21,9 @@ Expected scores (published-range estimate for UltraFeedback-style data, not
 measured): rewards/accuracies 0.7-0.8 on held-out pairs after one epoch at
 beta 0.1.
 
-Measured here (tiny preset, 2-core CPU, 8 fake devices): see
-recipes/README.md; the tiny preset's synthetic pairs (right vs wrong sums)
-are separated almost perfectly (rewards/accuracies near 1).
+Measured here (tiny preset, 2-core CPU): the step time and the held-out
+rewards/accuracies it reaches on its synthetic pairs (a sum chosen over a
+refusal) are in recipes/README.md.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ PRESETS: launch.Presets = {
 
 
 def synthetic_pairs(seed: int, n: int) -> list[dict]:
-  """`n` pairs "a+b=": the right sum chosen, an off-by-some sum rejected (the tiny preset's data)."""
+  """`n` pairs "a+b=": the sum chosen over a refusal (the tiny preset's data)."""
   tasks = ArithmeticTask(seed, max_digits=2)
-  return [{"prompt": t["prompt"], "chosen": t["answer"], "rejected": str(int(t["answer"]) + 1 + i % 9)}
-          for i, t in ((i, tasks[i]) for i in range(n))]
+  return [{"prompt": t["prompt"], "chosen": t["answer"], "rejected": "I cannot say."} for t in (tasks[i] for i in range(n))]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -16,15 +16,18 @@ every host with --distributed):
 Topology: all chips on `fsdp` (135M parameters need no tensor parallelism);
 the rollouts' rows are sharded over the same devices as the batch.
 
-Expected step time: measured here for the `full` preset on the 2-core CPU
-(recipes/README.md); on a v5e-8 with 64 prompts x 16 the step is estimated
-at about 1 s (6 x 135e6 params x 1024 rows x 46 tokens = 3.8e13 FLOP of
+Expected step time: on a v5e-8 with 64 prompts x 16 about 1 s (estimate,
+not measured: 6 x 135e6 params x 1024 rows x 46 tokens = 3.8e13 FLOP of
 update plus sampling, at 10% of 8 x 197 TFLOP/s: small models are
-latency-bound), not measured. Expected scores: measured here (before/after
-greedy exact match on 64 held-out problems, printed at the end and stored in
-OUT/scores.json; see recipes/README.md).
+latency-bound). Expected scores: as measured below; the run prints greedy
+exact match before and after and writes OUT/scores.json.
 
-Measured here: `--preset full` on the 2-core CPU, numbers in recipes/README.md.
+Measured here (`--preset full`: 8 prompts x 8 samples, 7 steps, float32,
+on the shared 2-core CPU at load average 11-13): greedy exact match on 64
+held-out one-digit additions 73.4% before, 98.4% after; sampled reward 0.36
+at step 2, 0.80-0.89 at steps 4-7; 1450 s for the 7 steps with compilation
+(about 200 s a step under that load); peak RSS 13.7 GB, most of it float32
+logits over the 49,152-token vocabulary.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ PRESETS: launch.Presets = {
         grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4)),
     "full": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=1.0),
-        train=ptx.TrainConfig(steps=10, log_every=2, checkpoint_every=5),
+        train=ptx.TrainConfig(steps=7, log_every=1, checkpoint_every=7),
         data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
         grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6)),
 }
