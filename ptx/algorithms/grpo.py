@@ -30,7 +30,7 @@ from ptx.config import GRPOConfig, ModelConfig
 from ptx.models.decoder import forward, token_log_probs
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
-                "prompt_mean")
+                "prompt_mean", "token_sum")
 
 
 def aggregation_weights(loss_mask: jax.Array, mode: str, *, group_size: int, max_tokens: int) -> jax.Array:
@@ -55,6 +55,8 @@ def aggregation_weights(loss_mask: jax.Array, mode: str, *, group_size: int, max
     return m / n_seqs
   if mode == "seq_mean_token_sum_norm":
     return m / (n_seqs * max_tokens)
+  if mode == "token_sum":
+    return m
   group_tokens = lengths.reshape(-1, group_size).sum(axis=1)  # prompt_mean
   per_seq = jnp.repeat(1.0 / jnp.maximum(group_tokens, 1.0), group_size)[:, None]
   return m * per_seq / (loss_mask.shape[0] // group_size)

@@ -121,6 +121,8 @@ def test_presets_follow_the_spec_table():
   assert GRPO_PRESETS["dr_grpo"].advantage == "grpo_no_std"
   assert GRPO_PRESETS["dr_grpo"].loss_agg_mode == "seq_mean_token_sum_norm"
   assert GRPO_PRESETS["gspo"].surrogate == "gspo" and GRPO_PRESETS["grpo_paper"].beta == 0.04
+  assert GRPO_PRESETS["reinforce_pp_baseline"].advantage == "reinforce_pp_baseline"
+  assert GRPO_PRESETS["dapo"].filter_groups == "refill" and GRPO_PRESETS["dapo"].overlong_buffer == 4096
 
 
 def _rollout_batch(cfg_model, grpo_cfg, n=8, s=12, seed=0):
