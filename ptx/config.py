@@ -291,6 +291,11 @@ class GRPOConfig:
   max_staleness: int = 1
   # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
   mask_truncated: bool = False
+  # Importance correction with tis_cap: "token" (min(exp(old - sampler), cap) per token) or "sequence_mask"
+  # (a sequence counts only while tis_min <= exp(mean_t(old - sampler)) <= tis_cap; TRL's default).
+  tis_mode: Literal["token", "sequence_mask"] = "token"
+  # Lower bound C_min of the sequence mask.
+  tis_min: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
