@@ -130,6 +130,16 @@ def surrogate(logps: jax.Array, old_logps: jax.Array, adv: jax.Array, mask: jax.
   return rho, stats
 
 
+def importance_weights(old_logps: jax.Array, sampler_logps: jax.Array, mask: jax.Array,
+                       cfg: GRPOConfig) -> jax.Array:
+  """Off-policy correction w [N, S] (spec 5.3): token TIS, or the sequence mask of `tis_mode="sequence_mask"`."""
+  log_ratio = jnp.clip(old_logps - sampler_logps, -20.0, 20.0)
+  if cfg.tis_mode == "token":
+    return jnp.minimum(jnp.exp(log_ratio), cfg.tis_cap)
+  seq = jnp.exp((log_ratio * mask).sum(axis=1, keepdims=True) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0))
+  return jnp.broadcast_to(((seq >= cfg.tis_min) & (seq <= cfg.tis_cap)).astype(jnp.float32), old_logps.shape)
+
+
 def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: ModelConfig, grpo: GRPOConfig,
          rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The GRPO-family loss of one micro-batch, weighted by the global `agg_weights`.
@@ -154,8 +164,7 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   adv = batch["advantages"][:, None] * mask
   rho, stats = surrogate(logps, batch["old_logps"], adv, mask, grpo)
   if grpo.tis_cap is not None:  # truncated importance sampling for stale or mismatched rollouts
-    is_weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(batch["old_logps"] - batch["sampler_logps"]),
-                                                  grpo.tis_cap))
+    is_weight = jax.lax.stop_gradient(importance_weights(batch["old_logps"], batch["sampler_logps"], mask, grpo))
     rho = rho * is_weight
     stats["actor/is_weight"] = is_weight
   entropy = token_entropy(logits)

@@ -116,6 +116,17 @@ def test_gspo_uses_one_ratio_per_sequence_and_cispo_clips_without_gradient_throu
   np.testing.assert_allclose(grad, -np.clip(np.exp(logps), 0.8, 1.1), rtol=1e-6)
 
 
+def test_importance_weights_token_and_sequence_mask():
+  old = jnp.log(jnp.asarray([[1.0, 4.0, 1.0], [1.0, 1.0, 1.0]]))
+  sampler = jnp.zeros((2, 3))
+  mask = jnp.asarray([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+  token = GRPOConfig(tis_cap=3.0)
+  np.testing.assert_allclose(grpo.importance_weights(old, sampler, mask, token), [[1, 3, 1], [1, 1, 1]], rtol=1e-6)
+  # Row 0's sequence ratio is exp(mean(log 1, log 4)) = 2 over its two response tokens.
+  seq = GRPOConfig(tis_cap=1.5, tis_mode="sequence_mask", tis_min=0.5)
+  np.testing.assert_array_equal(grpo.importance_weights(old, sampler, mask, seq), [[0, 0, 0], [1, 1, 1]])
+
+
 def test_presets_follow_the_spec_table():
   assert GRPO_PRESETS["dapo"].epsilon_high == 0.28 and GRPO_PRESETS["dapo"].beta == 0.0
   assert GRPO_PRESETS["dr_grpo"].advantage == "grpo_no_std"
