@@ -57,6 +57,8 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str]) 
   `--model.*` overrides (remat, attention_impl) apply on top, and a smaller
   `--model.n_layers` keeps the first layers (smoke runs of a real model).
   """
+  if args.model_dir is None and args.preset != "tiny":
+    args.error(f"--preset {args.preset} fine-tunes real weights: pass --model-dir HF_DIR")
   try:
     cfg = config_lib.apply_overrides(base, overrides)
     if args.model_dir is None:
