@@ -11,8 +11,9 @@ defaults b2 0.999 and weight decay 1e-4, no clipping) per step.
 `step` is ptx's fused step (sample -> reward -> advantages -> update, one
 executable), blocked per step. The phase split times the same pieces as
 separate programs, each blocked: `sample` (rl_step.sample), `reward`,
-`logps` (trainer + reference log-probs of the 16 x 96 tokens) and `update`
-(rl_step.learn minus `logps`, the log-probs it also computes). One JSON line
+`logps` (the reference log-probs of the 16 x 96 tokens; on-policy the old
+log-probs are the sampler's, so there is no other log-prob pass) and
+`update` (rl_step.learn minus `logps`, which it also computes). One JSON line
 per round; with --tunix-python, rounds alternate with the anchor run by that
 interpreter, and a closing line gives both medians and their ratio.
 
@@ -90,8 +91,7 @@ def _ptx_round(steps: int, warmup: int) -> dict:
   sample = jax.jit(under_mesh(lambda s, p, l, k: rl_step.sample(model_params(s, None), p, l, k, spec)))
   rollout = jax.jit(under_mesh(lambda p, l, g: rl_step.rollout_batch(p, l, g, GROUP)))
   reward = jax.jit(lambda g: _even_ids(g, None))
-  logps = jax.jit(under_mesh(lambda s, b: (rl_step.batch_logps(model_params(s, None), b, spec),
-                                           rl_step.batch_logps(reference_params(s), b, spec))))
+  logps = jax.jit(under_mesh(lambda s, b: rl_step.batch_logps(reference_params(s), b, spec)))
   learn = jax.jit(under_mesh(lambda s, b, g, r: rl_step.learn(s, b, g, r, jax.random.key(1), spec, optimizer)),
                   donate_argnums=0)
   phases = {k: [] for k in ("sample", "reward", "logps", "learn")}
