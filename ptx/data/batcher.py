@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from ptx.data.batch import pack_rows
 from ptx.data.packing import BinPool
 
@@ -96,8 +98,11 @@ class Batcher:
     self._counts["slots"] += n * self.seq_len
     self._counts["tokens"] += sum(length(ex) for row in rows for ex in row)
     if self.kind == "preference":
-      return {k: pack_rows([[ex[k] for ex in row] for row in rows], self.seq_len, self.pad_id)
-              for k in ("chosen", "rejected")}
+      batch = {k: pack_rows([[ex[k] for ex in row] for row in rows], self.seq_len, self.pad_id)
+               for k in ("chosen", "rejected")}
+      # Source index of each pair (-1: an empty filler row, or a source without indices).
+      batch["record_index"] = np.asarray([row[0].get("record_index", -1) if row else -1 for row in rows], np.int32)
+      return batch
     batch: dict[str, Any] = pack_rows(rows, self.seq_len, self.pad_id)
     if self.kind == "rl":
       # Host-side task fields for the reward; an empty (filler) row has None.

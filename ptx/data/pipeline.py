@@ -59,7 +59,9 @@ def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataCo
     raise ValueError(f"batch_size {cfg.batch_size} does not split over {process_count} processes")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} outside 0..{process_count - 1}")
-  ds = grain.MapDataset.source(source)
+  # Each record keeps its source index (a preference pair's `record_index`, the key of precomputed references).
+  # Grain passes the index of the outermost access through repeat(), hence the modulo.
+  ds = grain.MapDataset.source(source).map_with_index(lambda index, raw: (index % len(source), raw))
   if cfg.shuffle:
     ds = ds.seed(cfg.seed).shuffle()
   ds = ds.repeat(cfg.num_epochs)[process_index::process_count]
@@ -119,11 +121,14 @@ class BatchIterator(grain.DatasetIterator):
     self._batcher.set_state(state, lambda keys: {k: self._ds.examples[k]["example"] for k in keys})
 
 
-def _prepare(raw: RawRecord, *, tokenizer: Tokenizer, cfg: DataConfig,
+def _prepare(indexed: tuple[int, RawRecord], *, tokenizer: Tokenizer, cfg: DataConfig,
              template: ChatTemplate | None) -> dict[str, Any]:
-  """Decode, validate, tokenize and fit one record; runs in reader threads."""
+  """Decode, validate, tokenize and fit one (source index, record); runs in reader threads."""
+  index, raw = indexed
   try:
     example = encode(cfg.kind, tokenizer, decode(raw), raw.where, template, cfg.task_fields)
+    if cfg.kind == "preference":
+      example["record_index"] = index
   except RecordError as e:
     if cfg.on_error == "raise":
       raise

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ptx import sharding
 from ptx.config import LoRAConfig
 from ptx.models import lora as lora_lib
 from ptx.train.optimizer import skipped_steps
@@ -103,7 +102,6 @@ def make_train_step(
     mesh: Mesh,
     state_shardings: TrainState,
     grad_accum: int = 1,
-    rules: sharding.Rules = sharding.DEFAULT_RULES,
     prepare: Callable[[Any, Batch], Batch] | None = None,
     lora: LoRAConfig | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -116,7 +114,6 @@ def make_train_step(
     mesh: the device mesh.
     state_shardings: from `ptx.train.state.state_shardings`.
     grad_accum: micro-batches per step.
-    rules: sharding rules for the [batch, seq] inputs.
     prepare: `prepare(ref_params, batch) -> batch`, the algorithm's batch
       preparation from the frozen reference (e.g. DPO's reference
       log-probs); runs in the same program, without gradients.
@@ -142,7 +139,8 @@ def make_train_step(
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "skipped_steps": skipped_steps(opt_state)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  batch_sharding = sharding.batch_sharding(mesh, rules=rules)
   replicated = NamedSharding(mesh, PartitionSpec())
-  return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, replicated), donate_argnums=0)
+  # Batch arrays come with their shardings: `ptx.data.global_batch.to_global` places each [batch, ...] array by
+  # its rank ([B] reference log-probs, [B, T] tokens), which one in_shardings entry for the batch could not.
+  return jax.jit(step, in_shardings=(state_shardings, None), out_shardings=(state_shardings, replicated),
+                 donate_argnums=0)

@@ -1,5 +1,6 @@
 """The grain pipeline: sources, epochs, packing layout, exact resume, host shards."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -162,7 +163,10 @@ def test_preference_and_rl_batches():
   pref = [{"prompt": "q", "chosen": "good", "rejected": "bad answer"}] * 3
   cfg = DataConfig(kind="preference", batch_size=2, seq_len=32, pack=False, num_epochs=1, shuffle=False)
   first = next(iter(make_pipeline(MemorySource(pref), TOK, cfg)))
-  assert set(first) == {"chosen", "rejected"} and first["chosen"]["tokens"].shape == (2, 32)
+  assert set(first) == {"chosen", "rejected", "record_index"} and first["chosen"]["tokens"].shape == (2, 32)
+  shuffled = dataclasses.replace(cfg, shuffle=True, batch_size=3, num_epochs=2)
+  epochs = iter(make_pipeline(MemorySource(pref), TOK, shuffled))
+  assert [sorted(next(epochs)["record_index"]) for _ in range(2)] == [[0, 1, 2], [0, 1, 2]]
   rl = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
   cfg = DataConfig(kind="rl", batch_size=2, seq_len=16, pack=False, num_epochs=1, shuffle=False,
                        task_fields=("answer",))
