@@ -19,6 +19,11 @@ waiting for batch k's tokens), `timing_s/reward` (host scoring),
 the device had no work queued) and `rollout/staleness`. A resumed run
 starts with an empty pipeline (its first s batches are sampled on-policy),
 so resume is exact for s = 0 only.
+
+With `filter_groups="refill"` (DAPO dynamic sampling) a step whose batch has
+fewer than B groups with signal takes the pipeline's next batches (consumed
+from the stream) for up to `max_refill_rounds` rounds and trains on B
+kept groups; slots left free are masked out of the loss.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ptx.algorithms import advantages as adv_lib
 from ptx.data.global_batch import to_global
 from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
@@ -72,6 +78,11 @@ class Lookahead(grain.DatasetIterator):
       self._buffer.append((state, next(self._iterator)))
     return self._buffer[i][1]
 
+  def skip(self) -> None:
+    """Consumes the next item without returning it (a refill took it)."""
+    self.peek(0)
+    self._buffer.popleft()
+
   def get_state(self) -> Any:
     return self._buffer[0][0] if self._buffer else self._iterator.get_state()
 
@@ -99,7 +110,7 @@ def env_reward(env: Environment, tokenizer: Tokenizer, stop_ids: Sequence[int], 
 
 @dataclasses.dataclass
 class _Pending:
-  """A sampled batch on its way: dispatched at step `sampled_at`, for step `index`."""
+  """A sampled batch on its way: the `index`-th dispatched (its sampling key), at step `sampled_at`."""
 
   index: int
   sampled_at: int
@@ -124,8 +135,6 @@ class HostRewardStep:
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
     cfg = spec.grpo
-    if cfg.filter_groups == "refill":
-      raise ValueError("grpo.filter_groups='refill' needs an in-graph reward (fused mode); use 'mask' here")
     if cfg.max_staleness < 0:
       raise ValueError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
     self.staleness = cfg.max_staleness
@@ -149,43 +158,90 @@ class HostRewardStep:
                           out_shardings=(state_shardings, replicated), donate_argnums=0)
     self._pending: collections.deque[_Pending] = collections.deque()
     self._next_step: int | None = None
+    self._dispatched = 0
     self._watch = _Watch()
     self._last_return: float | None = None
 
   def __call__(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
     start = time.perf_counter()
-    k = int(state.step) if self._next_step is None else self._next_step
-    if not self._pending or self._pending[0].index != k:  # a fresh or resumed pipeline
-      self._pending.clear()
-      self._pending.append(self._dispatch(state, batch, k, k))
-    while len(self._pending) <= self.staleness:
-      index = self._pending[-1].index + 1
-      self._pending.append(self._dispatch(state, to_global(self._prompts.peek(index - k - 1), self._mesh), index, k))
+    if self._next_step is None:  # a fresh or resumed pipeline
+      self._next_step = self._dispatched = int(state.step)
+    if not self._pending:  # nothing sampled ahead (on-policy, or the first step): sample this batch now
+      self._pending.append(self._dispatch(state, batch))
+    k = self._next_step
     entry = self._pending.popleft()
+    self._fill(state)
     fetched = time.perf_counter()
     tokens, lengths = jax.device_get((entry.gen.tokens, entry.gen.lengths))
     scored = time.perf_counter()
     rewards = np.asarray(self._reward(tokens, lengths, entry.task), np.float32)
     done = time.perf_counter()
+    rollouts, gen, filter_metrics = entry.rollouts, entry.gen, {}
+    if self._spec.grpo.filter_groups == "refill":
+      rollouts, gen, rewards, filter_metrics = self._refill(state, entry, rewards)
+      done = time.perf_counter()
     self._watch.dispatching(done)
-    state, metrics = self._learn(state, entry.rollouts, entry.gen, jnp.asarray(rewards))
+    state, metrics = self._learn(state, rollouts, gen, jnp.asarray(rewards))
     self._watch.start(metrics["loss"])
     self._next_step = k + 1
     wall_start = start if self._last_return is None else self._last_return
     end = time.perf_counter()
     wall = end - wall_start
     self._last_return = end
-    metrics = {**metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
+    metrics = {**metrics, **filter_metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
                "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
 
-  def _dispatch(self, state: TrainState, batch: dict[str, Any], index: int, now: int) -> _Pending:
-    """Queues the sampling of `batch` (for step `index`) with the parameters of step `now`."""
+  def _fill(self, state: TrainState) -> None:
+    """Keeps `max_staleness` batches sampling ahead (pending batch i is the stream's next item i)."""
+    while len(self._pending) < self.staleness:
+      self._pending.append(self._dispatch(state, to_global(self._prompts.peek(len(self._pending)), self._mesh)))
+
+  def _refill(self, state: TrainState, entry: _Pending, rewards: np.ndarray):
+    """DAPO dynamic sampling: groups with signal from further batches of the stream until B are kept.
+
+    Each extra batch is the pipeline's next one (consumed from the stream).
+    Slots still free after `max_refill_rounds` hold batch k's first groups
+    with `keep` = 0.
+    """
+    G, cfg = self._spec.grpo.group_size, self._spec.grpo
+    B = rewards.shape[0] // G
+    signal = np.asarray(adv_lib.groups_with_signal(jnp.asarray(rewards), G))
+    parts, kept, rounds = [(entry, rewards, np.flatnonzero(signal))], int(signal.sum()), 0
+    sampled = B
+    while kept < B and rounds < cfg.max_refill_rounds:
+      if not self._pending:
+        self._pending.append(self._dispatch(state, to_global(self._prompts.peek(0), self._mesh)))
+      self._prompts.skip()
+      extra = self._pending.popleft()
+      tokens, lengths = jax.device_get((extra.gen.tokens, extra.gen.lengths))
+      extra_rewards = np.asarray(self._reward(tokens, lengths, extra.task), np.float32)
+      extra_signal = np.asarray(adv_lib.groups_with_signal(jnp.asarray(extra_rewards), G))
+      parts.append((extra, extra_rewards, np.flatnonzero(extra_signal)))
+      kept, rounds, sampled = kept + int(extra_signal.sum()), rounds + 1, sampled + B
+      self._fill(state)
+    groups = [(p, r, g) for p, r, chosen in parts for g in chosen][:B]
+    filled = len(groups)
+    groups += [(entry, rewards, g) for g in range(B - filled)]
+    rows = lambda g: np.arange(g * G, (g + 1) * G)
+    take = lambda tree, g: jax.tree.map(lambda x: x[rows(g)], tree)
+    cat = lambda trees: jax.tree.map(lambda *x: jnp.concatenate(x), *trees)
+    rollouts = cat([take(p.rollouts, g) for p, _, g in groups])
+    rollouts["keep"] = jnp.asarray(np.repeat(np.arange(B) < filled, G).astype(np.int32))
+    gen = cat([take(p.gen, g) for p, _, g in groups])
+    all_rewards = np.concatenate([r[rows(g)] for _, r, g in groups])
+    metrics = {"filter_groups/evicted": float(sampled - kept), "filter_groups/pass_rate": kept / sampled,
+               "filter_groups/rounds": float(rounds + 1), "filter_groups/unfilled": float(B - filled)}
+    return rollouts, gen, all_rewards, metrics
+
+  def _dispatch(self, state: TrainState, batch: dict[str, Any]) -> _Pending:
+    """Queues the sampling of `batch` with the current parameters."""
     self._watch.dispatching(time.perf_counter())
+    index, self._dispatched = self._dispatched, self._dispatched + 1
     rollouts, gen = self._sample(state, batch["prompts"], batch["prompt_lengths"], jnp.int32(index))
     self._watch.start(gen.lengths)
-    return _Pending(index=index, sampled_at=now, rollouts=rollouts, gen=gen, task=batch["task"])
+    return _Pending(index=index, sampled_at=self._next_step, rollouts=rollouts, gen=gen, task=batch["task"])
 
 
 class _Watch:

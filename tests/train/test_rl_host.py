@@ -89,3 +89,21 @@ def test_env_reward_decodes_and_scores_each_sample_against_its_prompt_task():
   reward = env_reward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2)
   tokens = np.asarray([TOK.encode("12") + [TOK.eos_id], TOK.encode("13") + [TOK.eos_id]])
   np.testing.assert_array_equal(reward(tokens, np.asarray([3, 3]), [{"prompt": "6+6=", "answer": "12"}]), [1.0, 0.0])
+
+
+def _first_sample_of_odd_prompts(tokens, lengths, tasks):
+  """1 for the first sample of a prompt with an odd first operand: the other groups have zero variance."""
+  odd = np.repeat([int(t["prompt"].split("+")[0]) % 2 for t in tasks], 2)
+  return (odd * (np.arange(len(odd)) % 2 == 0)).astype(np.float32)
+
+
+def test_host_refill_takes_further_batches_until_every_group_has_signal(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, filter_groups="refill",
+                        max_refill_rounds=3)
+  state, history, data = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
+  for m in history:
+    kept = 8 * (m["filter_groups/rounds"]) - m["filter_groups/evicted"]
+    assert m["filter_groups/unfilled"] == 0.0 and kept >= 8 and m["filter_groups/rounds"] >= 2
+  rounds = sum(m["filter_groups/rounds"] for m in history)
+  assert data.get_state() == {"next_batch": int(rounds)}  # refill batches are consumed from the stream
