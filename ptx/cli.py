@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
     job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
     _job_arguments(job, default_out=f"out/{name}")
+    job.add_argument("--no-export", action="store_true",
+                     help="skip writing OUT/hf (HF weights + tokenizer; with LoRA also OUT/adapter in PEFT layout)")
     if name == "grpo":
       job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
                           "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
@@ -134,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
   elif args.command == "grpo":
     _grpo(cfg, args, progress=progress, error=parser.error)
   else:
-    _train(args.command, cfg, args.out, resume=args.resume, progress=progress, error=parser.error)
+    _train(args.command, cfg, args, progress=progress, error=parser.error)
   return 0
 
 
-def _train(algorithm: str, cfg, out: pathlib.Path, *, resume: bool, progress: bool, error) -> None:
-  """Builds the data pipeline and loss for `algorithm` and runs the training loop."""
+def _train(algorithm: str, cfg, args, *, progress: bool, error) -> None:
+  """Builds the data pipeline and loss for `algorithm`, runs the training loop and exports the model."""
   import dataclasses
 
   import jax
@@ -161,18 +163,39 @@ def _train(algorithm: str, cfg, out: pathlib.Path, *, resume: bool, progress: bo
     error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
   pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
                                process_count=jax.process_count())
-  train = pipeline(JsonlSource(data_cfg.train_files), cfg=data_cfg)
+  sources = {"train": JsonlSource(data_cfg.train_files)}
+  train = pipeline(sources["train"], cfg=data_cfg)
   evaluation = None
   if data_cfg.eval_files:
-    eval_cfg = dataclasses.replace(data_cfg, shuffle=False, num_epochs=1)
-    evaluation = list(pipeline(JsonlSource(data_cfg.eval_files), cfg=eval_cfg))
+    sources["eval"] = JsonlSource(data_cfg.eval_files)
+    evaluation = pipeline(sources["eval"], cfg=dataclasses.replace(data_cfg, shuffle=False, num_epochs=1))
+  prepare = None
   if algorithm == "sft":
-    loss_fn, prepare = functools.partial(sft.loss, model=cfg.model), None
+    loss_fn = functools.partial(sft.loss, model=cfg.model)
   else:
     loss_fn = functools.partial(dpo.loss, model=cfg.model, dpo=cfg.dpo)
-    prepare = None if cfg.dpo.loss_type == "simpo" else functools.partial(dpo.prepare, model=cfg.model)
-  fit(cfg, loss_fn=loss_fn, train_data=train, out=out, resume=resume, eval_data=evaluation, prepare=prepare,
-      progress=progress)
+    if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "frozen":
+      prepare = functools.partial(dpo.prepare, model=cfg.model)
+    elif cfg.dpo.loss_type != "simpo":  # one pass now; training then keeps no reference copy
+      from ptx.train.reference_pass import with_reference_table
+
+      table = functools.partial(with_reference_table, pipeline=pipeline, cfg=cfg)
+      train = table(train, source=sources["train"], path=args.out / "reference_logps" / "train.npy")
+      if evaluation is not None:
+        evaluation = table(evaluation, source=sources["eval"], path=args.out / "reference_logps" / "eval.npy")
+  state, summary = fit(cfg, loss_fn=loss_fn, train_data=train, out=args.out, resume=args.resume,
+                       eval_data=None if evaluation is None else list(evaluation), prepare=prepare, progress=progress)
+  _export(state, cfg, args, summary, tokenizer)
+
+
+def _export(state, cfg, args, summary: dict, tokenizer) -> None:
+  """OUT/hf (and OUT/adapter under LoRA) after a finished run; a preempted run has nothing final to export."""
+  if args.no_export or summary["preempted"]:
+    return
+  from ptx.train.export import export_hf
+
+  written = export_hf(state, cfg, args.out, tokenizer)
+  print(json.dumps({"exported": {k: str(v) for k, v in written.items()}}), flush=True)
 
 
 def _grpo_default_config():
@@ -230,8 +253,9 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
     reward = rl_host.env_reward(env(), tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size)
     make_step = functools.partial(rl_host.HostRewardStep, spec=rl_step.RLSpec(grpo=cfg.grpo, **common),
                                   reward=reward, prompts=prompts)
-  fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
-      with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress)
+  state, summary = fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
+                       with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress)
+  _export(state, cfg, args, summary, tokenizer)
 
 
 def _evaluate(args, error) -> int:

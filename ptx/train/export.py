@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
+
 from ptx.config import Config
 from ptx.data.tokenizer import Tokenizer
 from ptx.models import lora as lora_lib
@@ -53,6 +55,6 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
 def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None) -> pathlib.Path:
   """One HF directory: weights and config, and the tokenizer when it can write itself."""
   save_hf(Decoder(cfg.model, params=params), path)
-  if tokenizer is not None and hasattr(tokenizer, "save_hf"):
+  if tokenizer is not None and hasattr(tokenizer, "save_hf") and jax.process_index() == 0:
     tokenizer.save_hf(path)
   return path
