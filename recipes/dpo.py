@@ -65,13 +65,7 @@ def synthetic_pairs(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv)
-  launch.start(args)
-  if args.preset == "tiny":  # data first, so --data.* overrides still win
-    overrides = [*launch.synthetic_data(args.out, synthetic_pairs(0, 2000), synthetic_pairs(1, 64)), *overrides]
-  cfg, params, tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
-  if not cfg.data.train_files:
-    args.error("set --data.train_files='[\"pairs.jsonl\"]'")
+  args, cfg, params, tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_pairs, 2000)
   data_cfg = dataclasses.replace(cfg.data, kind="preference", pack=False)
   pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
                                process_count=jax.process_count())

@@ -97,13 +97,7 @@ def synthetic_problems(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv)
-  launch.start(args)
-  if args.preset == "tiny":  # data first, so --data.* overrides still win
-    overrides = [*launch.synthetic_data(args.out, synthetic_problems(0, 512), synthetic_problems(1, 64)), *overrides]
-  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
-  if not cfg.data.train_files:
-    args.error("set --data.train_files='[\"gsm8k_train.jsonl\"]'")
+  args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
     params = initial_params(cfg.model, cfg.train.seed)
   tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ExactAnswerEnv()

@@ -2,7 +2,8 @@
 
 A recipe is a `PRESETS` table of configs plus a short `main`. `parse` reads
 the common flags (`--preset`, `--out`, `--model-dir`, `--resume`, the
-multi-host ones) and leaves `--section.field=value` overrides to `configure`.
+multi-host ones) and leaves `--section.field=value` overrides to `configure`
+(`data_recipe` does all three for the recipes that read JSONL data).
 On a pod every host runs the same command with `--distributed`; `start`
 initialises `jax.distributed` before any JAX computation. Recipes import this
 module as `launch` (a script's own folder is first on `sys.path`).
@@ -102,6 +103,23 @@ def chat_prompt(tokenizer, text: str, reply_start: str = "") -> str:
   if template is None:
     return text + reply_start
   return template.render([{"role": "user", "content": text}], add_generation_prompt=True) + reply_start
+
+
+def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
+                synthetic: Callable[[int, int], list[dict]], n: int) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+  """`parse`, `start` and `configure` for a recipe reading --data.train_files / eval_files.
+
+  The tiny preset first writes `synthetic(seed, count)` records (n to train
+  on, 64 held out) and names them, so `--data.*` overrides still win.
+  """
+  args, overrides = parse(doc, presets, argv)
+  start(args)
+  if args.preset == "tiny":
+    overrides = [*synthetic_data(args.out, synthetic(0, n), synthetic(1, 64)), *overrides]
+  cfg, params, tokenizer = configure(args, presets[args.preset](), overrides)
+  if not cfg.data.train_files:
+    args.error("set --data.train_files='[\"train.jsonl\"]'")
+  return args, cfg, params, tokenizer
 
 
 def synthetic_data(out: pathlib.Path, train: list[dict], evaluation: list[dict]) -> list[str]:
