@@ -95,6 +95,17 @@ def update_along(x, tile, start, axis: int):
   return lax.bitcast_convert_type(raw, x.dtype)
 
 
+def _tie(q, k, v, mi: mask_lib.MaskInputs):
+  """Makes the mask inputs depend on q, k and v (an optimization barrier).
+
+  Inside a differentiated scan (the model's layers), JAX hoists computations
+  that depend only on loop constants out of the loop and stacks their
+  per-iteration values: the tile masks, built from positions and segment
+  ids alone, would become an O(T^2) array.
+  """
+  return lax.optimization_barrier((q, k, v, mi))
+
+
 def _tile(x, start, size: int):
   """Rows [start, start + size) of x along the sequence axis (axis 1)."""
   return lax.dynamic_slice_in_dim(x, start, size, 1)
@@ -151,6 +162,7 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
   Without `acc` the output is written in q.dtype. With `acc = (out f32, lse)`,
   the result over these keys is merged into it (the ring's running state).
   """
+  q, k, v, mi = _tie(q, k, v, mi)
   b, t, h, d = q.shape
   kvh = k.shape[2]
   q5 = q.reshape(b, t, kvh, h // kvh, d)
@@ -181,6 +193,7 @@ def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
   `lse` and `delta = rowsum(out * dout) - dlse` ([B, H, T]) must describe the
   full attention (all keys), which makes a partial key set exact for the ring.
   """
+  q, k, v, mi = _tie(q, k, v, mi)
   b, t, h, d = q.shape
   kvh = k.shape[2]
   g = h // kvh
