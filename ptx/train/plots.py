@@ -1,8 +1,9 @@
 """PNG plots of a run: metric curves from `metrics.jsonl`, and before/after bar charts.
 
-Every figure has a title, labelled axes with units and a legend, and is
-written with matplotlib's non-interactive Agg backend, so it works on a
-headless host and in CI.
+Every figure has a title, labelled axes with units and a legend. Figures are
+built with matplotlib's object API (`Figure`, no pyplot), so writing a PNG
+needs no display and never switches the backend of a notebook that imports
+this module.
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ import json
 import pathlib
 from typing import Mapping, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: never needs a display
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+from matplotlib.figure import Figure
 
 
 def read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
@@ -47,7 +45,8 @@ def plot_curves(records: Sequence[Mapping[str, float]], series: Mapping[str, str
   Raises:
     ValueError: when no record has any of the keys (an empty plot says nothing).
   """
-  fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+  fig = Figure(figsize=(7, 4), dpi=120)
+  ax = fig.subplots()
   plotted = 0
   for key, label in series.items():
     points = [(r["step"], r[key]) for r in records if key in r]
@@ -56,7 +55,6 @@ def plot_curves(records: Sequence[Mapping[str, float]], series: Mapping[str, str
       ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
       plotted += 1
   if not plotted:
-    plt.close(fig)
     raise ValueError(f"{path.name}: no record has any of {sorted(series)}")
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
   ax.grid(alpha=0.3)
@@ -80,7 +78,8 @@ def plot_stages(stages: Mapping[str, Mapping[str, float]], path: pathlib.Path, *
   names = list(stages)
   metrics = list(next(iter(stages.values())))
   width = 0.8 / len(names)
-  fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+  fig = Figure(figsize=(7, 4), dpi=120)
+  ax = fig.subplots()
   for i, stage in enumerate(names):
     xs = [m + (i - (len(names) - 1) / 2) * width for m in range(len(metrics))]
     heights = [100 * stages[stage][metric] for metric in metrics]
@@ -93,9 +92,8 @@ def plot_stages(stages: Mapping[str, Mapping[str, float]], path: pathlib.Path, *
   return _save(fig, path)
 
 
-def _save(fig, path: pathlib.Path) -> pathlib.Path:
+def _save(fig: Figure, path: pathlib.Path) -> pathlib.Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
   fig.savefig(path)
-  plt.close(fig)
   return path
