@@ -15,9 +15,11 @@ machine. One JSON line per measurement:
           `tunix_bench.py --parts sample` run by that interpreter, and a
           closing line with both medians and their ratio
   batch   rows 1..256, prompt 32, 64 new tokens
-  length  16 rows, 64..2048 new tokens. Every decode step reads the whole
-          cache (memory-bound on CPU: ~30 ms a step at 4096 slots, two
-          minutes a call), so 4096 is left out by default
+  length  16 rows, 64..4096 new tokens. A decode step reads its cache,
+          which grows in phases with the fill (`ptx.sampling.generation`),
+          so a step costs what the filled part does, within 2x; memory-bound
+          on CPU (16 rows x 4 heads x 64 dims x 4 bytes x K,V x 2 layers =
+          32 KB a slot)
   int8    greedy agreement and log-prob error of the int8 cache against the
           training forward, and its throughput at 1024 new tokens
 
@@ -139,7 +141,7 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=1, help="anchor measurements (alternating with Tunix)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix installed")
   p.add_argument("--batches", default="1,4,16,64,256")
-  p.add_argument("--lengths", default="64,256,1024,2048")
+  p.add_argument("--lengths", default="64,256,1024,2048,4096")
   args = p.parse_args()
   parts = args.parts.split(",")
   params = init_params(CFG, jax.random.key(0))

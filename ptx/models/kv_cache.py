@@ -119,11 +119,10 @@ def advance(cache: KVCache, n_tokens: int) -> KVCache:
 def write_layer(cache: KVCache, layer: int, k_BTNK: jax.Array, v_BTNK: jax.Array,
                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
   """Writes layer `layer`'s new K/V [B, T, N, K] at slots [index, index + T)."""
-  zero = jnp.zeros((), jnp.int32)
+  seq = _seq_sharding(cache.k[layer], rules)
 
   def put(stack: Arrays, new_BNT: jax.Array, names) -> Arrays:
-    start = (zero, zero, cache.index) + (zero,) * (new_BNT.ndim - 3)
-    written = jax.lax.dynamic_update_slice(stack[layer], new_BNT.astype(stack[layer].dtype), start)
+    written = _write_slots(stack[layer], new_BNT.astype(stack[layer].dtype), cache.index, seq)
     return stack[:layer] + (sharding.constrain(written, names, rules),) + stack[layer + 1:]
 
   k_BNTK, v_BNTK = jnp.swapaxes(k_BTNK, 1, 2), jnp.swapaxes(v_BTNK, 1, 2)
@@ -133,6 +132,36 @@ def write_layer(cache: KVCache, layer: int, k_BTNK: jax.Array, v_BTNK: jax.Array
   return dataclasses.replace(
       cache, k=put(cache.k, k8, KV_NAMES), v=put(cache.v, v8, KV_NAMES),
       k_scale=put(cache.k_scale, k_scale, SCALE_NAMES), v_scale=put(cache.v_scale, v_scale, SCALE_NAMES))
+
+
+def _write_slots(store_BNS: jax.Array, new_BNT: jax.Array, index: jax.Array, seq: dict) -> jax.Array:
+  """`store[:, :, index:index + T] = new`: one in-place update, run per device when `seq` shards the slots.
+
+  On a slot-sharded store a plain dynamic_update_slice makes GSPMD gather
+  the whole store. Instead every device updates the T slots of its own slice
+  nearest the index, keeping its old values where the new tokens do not land.
+  """
+  start = lambda i: (0, 0, i) + (0,) * (store_BNS.ndim - 3)  # noqa: E731
+  if not seq:
+    return jax.lax.dynamic_update_slice(store_BNS, new_BNT, start(index))
+  T = new_BNT.shape[2]
+
+  def local(store, new, index):
+    n = store.shape[2]
+    width = min(T, n)  # a window of local slots that holds every slot the new tokens land on
+    at = index - jax.lax.axis_index(seq["axis_name"]) * n  # the index in local slots
+    first = jnp.clip(at, 0, n - width)
+    token_W = first + jnp.arange(width) - at  # the new token each window slot takes, if in [0, T)
+    lands = ((token_W >= 0) & (token_W < T)).reshape((1, 1, width) + (1,) * (store.ndim - 3))
+    moved = jnp.take(new, jnp.clip(token_W, 0, T - 1), axis=2)
+    return jax.lax.dynamic_update_slice(
+        store, jnp.where(lands, moved, jax.lax.dynamic_slice_in_dim(store, first, width, axis=2)), start(first))
+
+  batch, heads = seq["batch_axes"] or None, seq["head_axes"] or None
+  spec = jax.sharding.PartitionSpec(batch, heads, seq["axis_name"], *(None,) * (store_BNS.ndim - 3))
+  new_spec = jax.sharding.PartitionSpec(batch, heads, *(None,) * (store_BNS.ndim - 2))
+  return jax.shard_map(local, mesh=seq["mesh"], in_specs=(spec, new_spec, jax.sharding.PartitionSpec()),
+                       out_specs=spec, check_vma=False)(store_BNS, new_BNT, index)
 
 
 def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_BTNK: jax.Array, *,

@@ -180,8 +180,9 @@ def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array
   return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
 
 
-_generate_jit = jax.jit(generate_padded, static_argnames=(
-    "cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "rules"))
+# The arguments of `generate_padded` that are static under jit.
+STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "rules")
+_generate_jit = jax.jit(generate_padded, static_argnames=STATIC_ARGNAMES)
 
 
 def generate(
