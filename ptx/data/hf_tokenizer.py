@@ -106,6 +106,9 @@ def load_tokenizer(path: str | pathlib.Path):
   bos, eos, pad = (_token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
   template = _chat_template(path, config)
   chat = None if template is None else JinjaChatTemplate(template, bos or "", eos or "")
+  if config.get("add_bos_token") is False:
+    # transformers never prepends it (SmolLM2 names <|im_start|> its bos_token, which only its template writes).
+    bos = None
   if (path / "tokenizer.json").exists():
     if eos is None:
       raise ValueError(f"{config_file}: no eos_token; ptx needs one to end sequences")

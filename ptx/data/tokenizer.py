@@ -81,10 +81,11 @@ class ByteTokenizer:
 
     The file is a byte-level BPE without merges: every byte is its own token
     with id b + 3, so `load_tokenizer(path)` and transformers' `AutoTokenizer`
-    encode every text exactly as this class does (`add_special_tokens=False`).
+    encode every text exactly as this class does (`add_special_tokens=False`;
+    with special tokens transformers prepends bos, as ptx's callers do).
     """
     import tokenizers  # the hf extra
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
 
     specials = ["<pad>", "<s>", "</s>"]
     byte_chars = pre_tokenizers.ByteLevel.alphabet()  # GPT-2's printable stand-ins for the 256 bytes
@@ -95,11 +96,13 @@ class ByteTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
+    # ptx models see bos first: transformers' add_special_tokens=True prepends it too.
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
-              "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False,
+              "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False,
               "model_max_length": 1_000_000_000}
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

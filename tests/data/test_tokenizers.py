@@ -113,4 +113,5 @@ def test_byte_tokenizer_saved_as_hf_encodes_and_decodes_identically(tmp_path):
   for text in ["12+34=46", "héllo wörld\n\t ☃", " leading space", "\x00\x7f bytes"]:
     ids = byte.encode(text)
     assert reloaded.encode(text) == ids and auto(text, add_special_tokens=False)["input_ids"] == ids
+    assert auto(text)["input_ids"] == [byte.bos_id, *ids]
     assert reloaded.decode([1, *ids, 2]) == text == auto.decode([1, *ids, 2], skip_special_tokens=True)
