@@ -1,0 +1,48 @@
+"""A lower bound on one device's memory for a sequence-parallel training step.
+
+Long-context memory is judged against what the step cannot avoid holding,
+counted per device for a batch of `batch` sequences of `seq_len` tokens whose
+sequence axis is split over `seq_shards` devices (ring attention), with every
+layer rematerialised (`remat="full"`) and the loss projected in chunks:
+
+  state        parameters, gradients and two Adam moments (float32)
+  checkpoints  the residual stream at each layer's input, saved for the backward
+  layer        one layer's backward inputs: attention q, k, v, out and lse, the
+               MLP's gate and up pre-activations, and the residual-stream
+               gradient in and out
+  kv_blocks    ring attention's K/V blocks in flight for one head pass (the
+               block being used and the one arriving) and, in the backward,
+               the travelling float32 dK/dV of the same heads
+  logits       one chunk's float32 logits and their gradient
+
+Everything but the state is per token and divided by the shards, so the floor
+is flat in tokens per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from ptx.config import ModelConfig
+from ptx.models import params as params_lib
+
+
+def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shards: int) -> dict[str, int]:
+  """The floor's parts in bytes per device (module docstring), plus their `total`."""
+  tokens = batch * seq_len // seq_shards
+  act = 2 if cfg.compute_dtype == "bfloat16" else 4
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_lib.abstract_params(cfg)))
+  kv_per_pass = max((cfg.ring_heads_per_pass or cfg.n_heads // cfg.n_kv_heads) * cfg.n_kv_heads // cfg.n_heads, 1)
+  chunk = cfg.logits_chunk or seq_len // seq_shards
+  parts = {
+      "state": 4 * n_params * 4,
+      "checkpoints": cfg.n_layers * tokens * cfg.d_model * act,
+      "layer": tokens * act * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.mlp_dim
+                               + 2 * cfg.d_model) + tokens * cfg.n_heads * 4,
+      "kv_blocks": tokens * kv_per_pass * cfg.head_dim * 2 * (2 * act + 2 * 4),
+      "logits": 2 * batch * chunk * cfg.vocab_size * 4,
+  }
+  return {**parts, "total": sum(parts.values())}
+
