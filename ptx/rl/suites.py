@@ -1,7 +1,9 @@
 """Named evaluation suites: what `ptx eval --task NAME` evaluates.
 
 A suite is an environment plus its task records. The generated suites
-(`arithmetic`, `countdown`) need no files: records 0..n-1 of a seeded stream.
+(`arithmetic`, `countdown`, `needle`) need no files: records 0..n-1 of a
+seeded stream (`needle` cycles over its (length, depth) grid; read its
+report per cell with `ptx.rl.environments.needle.cells`).
 The file suites (`math`, `code`, `shell`) read a JSONL file of records in the
 format their environment documents.
 """
@@ -18,6 +20,7 @@ from ptx.data.sources import JsonlSource
 from ptx.rl.environments.base import Environment
 from ptx.rl.environments.countdown import CountdownEnv, CountdownTask
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.rl.environments.needle import NeedleEnv, NeedleTask
 from ptx.rl.environments.python_tests import PythonTestsEnv
 from ptx.rl.environments.shell import ShellEnv
 
@@ -25,6 +28,7 @@ _BOXED = " Put the final answer in \\boxed{}."
 _GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
     "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*")),
     "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed)),
+    "needle": (NeedleEnv, lambda seed: NeedleTask(seed=seed)),
 }
 _FILES: dict[str, Callable[[], Environment]] = {
     "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
