@@ -168,6 +168,8 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     rho = rho * is_weight
     stats["actor/is_weight"] = is_weight
   entropy = token_entropy(logits)
+  if grpo.entropy_coef == 0:  # static: logged only, so no backward pass through the full-vocab entropy
+    entropy = jax.lax.stop_gradient(entropy)
   per_token = rho - grpo.entropy_coef * entropy
   mean = lambda x: (w * x).sum() / denominator
   metrics = {k: mean(v.astype(jnp.float32)) for k, v in stats.items()}
