@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train the tiny preset by SFT on 2-digit addition and report held-out "
                         "exact match before and after. Accepts config overrides, e.g. --train.steps=100.")
   _job_arguments(demo, default_out="out/demo")
-  demo.add_argument("--rl-steps", type=int, default=150, help="GRPO steps after SFT")
+  demo.add_argument("--rl-steps", type=int, default=400, help="GRPO steps after SFT")
   convert = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face directory")
   convert.add_argument("format", choices=["gguf"], help="source format")
   convert.add_argument("src", type=pathlib.Path, help="source file (e.g. model.gguf)")

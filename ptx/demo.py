@@ -47,7 +47,9 @@ from ptx.train.state import initial_params
 TRAIN_SEED, RL_SEED, EVAL_SEED, EVAL_SIZE = 0, 2, 1, 512
 MAX_DIGITS = 2
 # GRPO stage: prompts per step (each sampled group_size times) and its optimizer.
-RL_PROMPTS, RL_OPTIM = 32, OptimizerConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=1.0, weight_decay=0.0)
+RL_PROMPTS, RL_OPTIM = 32, OptimizerConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.0, weight_decay=0.0)
+# Passes over each step's rollouts (PPO's mu) and optimizer updates per pass.
+RL_EPOCHS, RL_MINIBATCHES = 1, 1
 # Sampled pass@k (temperature 1) is measured on the first held-out problems.
 SAMPLED_TASKS, K = 256, 8
 # "99+99=" after bos fits 8 tokens; "198" then eos fits 4.
@@ -80,7 +82,7 @@ def exact_match(params, batch, *, model) -> jax.Array:
   return jnp.mean(~jnp.any(wrong, axis=-1))
 
 
-def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = False, progress: bool = True) -> dict:
+def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = False, progress: bool = True) -> dict:
   """Trains (SFT, then `rl_steps` of GRPO) and evaluates the demo; returns the summary (also printed as JSON)."""
   tokenizer = ByteTokenizer()
   if cfg.model.vocab_size < tokenizer.vocab_size:
@@ -113,7 +115,8 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 150, resume: bool = F
   make_step = functools.partial(
       make_grpo_step, model=cfg.model, cfg=cfg.grpo, reward_fn=lambda gen, task: token_rewards.exact_match(
           gen.tokens, gen.lengths, task["targets"]),
-      sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+      sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
+      epochs=RL_EPOCHS, minibatches=RL_MINIBATCHES)
   state, rl_summary = fit(rl_cfg, train_data=prompts, out=out / "grpo", make_step=make_step,
                           init_params=state.params, with_reference=cfg.grpo.beta > 0, resume=resume,
                           progress=progress)
