@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                       description="Sample k completions per task, score them in the suite's environment and "
                       "write OUT/eval.json (pass@k, mean@k, outcome counts); or --compare two reports.")
   ev.add_argument("--model", type=pathlib.Path, help="Hugging Face model directory (weights and tokenizer)")
-  ev.add_argument("--task", help="suite name: arithmetic, countdown, math, code, shell")
+  ev.add_argument("--task", help="suite name: arithmetic, countdown, needle (long-context retrieval), math, code, "
+                  "shell")
   ev.add_argument("--tasks-file", type=pathlib.Path, help="JSONL task records for the file suites")
   ev.add_argument("--n", type=int, default=100, help="number of tasks")
   ev.add_argument("--k", type=int, default=8, help="samples per task")
@@ -285,6 +286,10 @@ def _evaluate(args, error) -> int:
                         sampling=SamplingConfig(greedy=True) if args.temperature == 0 else
                         SamplingConfig(temperature=args.temperature), seed=args.seed, chat=args.chat)
   report = evaluation.evaluate(sampler, env, tasks, k=args.k)
+  if args.task == "needle":  # long-context retrieval is read per (haystack length, needle depth) cell
+    from ptx.rl.environments import needle
+
+    report["cells"] = needle.cells(report, tasks)
   args.out.mkdir(parents=True, exist_ok=True)
   evaluation.write_report(report, args.out / "eval.json")
   print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
