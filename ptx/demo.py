@@ -46,8 +46,10 @@ from ptx.train.state import initial_params
 # Problems with seed 0 train SFT, seed 2 are GRPO's prompts, seed 1 is held out.
 TRAIN_SEED, RL_SEED, EVAL_SEED, EVAL_SIZE = 0, 2, 1, 512
 MAX_DIGITS = 2
-# GRPO stage: prompts per step (each sampled group_size times) and its optimizer.
-RL_PROMPTS, RL_OPTIM = 32, OptimizerConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.0, weight_decay=0.0)
+# GRPO stage: prompts per step (each sampled group_size times) and its optimizer. Sweep (pass@1 after SFT 34.3%): 32
+# prompts at constant lr 3e-4 collapsed entropy (38.4% at 150 steps), 1e-3 diverged (8.7%); with lr decayed to 0 over
+# 400 steps, 32 / 64 / 128 prompts reached 43.3% / 46.8% / 49.5%: less gradient noise, more learning.
+RL_PROMPTS, RL_OPTIM = 128, OptimizerConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.0, weight_decay=0.0)
 # Passes over each step's rollouts (PPO's mu) and optimizer updates per pass.
 RL_EPOCHS, RL_MINIBATCHES = 1, 1
 # Sampled pass@k (temperature 1) is measured on the first held-out problems.
@@ -113,8 +115,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
   prompts = PromptBatches(ArithmeticTask(RL_SEED, MAX_DIGITS), tokenizer, batch_size=RL_PROMPTS,
                           prompt_len=PROMPT_LEN, answer_width=ANSWER_WIDTH)
   make_step = functools.partial(
-      make_grpo_step, model=cfg.model, cfg=cfg.grpo, reward_fn=lambda gen, task: token_rewards.exact_match(
-          gen.tokens, gen.lengths, task["targets"]),
+      make_grpo_step, model=cfg.model, cfg=cfg.grpo, reward_fn=token_rewards.target_reward,
       sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
       epochs=RL_EPOCHS, minibatches=RL_MINIBATCHES)
   state, rl_summary = fit(rl_cfg, train_data=prompts, out=out / "grpo", make_step=make_step,
