@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -23,6 +24,10 @@ import jax
 import ptx
 from ptx import config as config_lib
 from ptx.data.hf_tokenizer import load_tokenizer
+from ptx.data.pipeline import make_pipeline
+from ptx.data.sources import JsonlSource
+from ptx.train.export import export_hf
+from ptx.train.loop import fit
 
 Presets = dict[str, Callable[[], ptx.Config]]
 
@@ -136,3 +141,20 @@ def synthetic_data(out: pathlib.Path, train: list[dict], evaluation: list[dict])
 def progress(args: argparse.Namespace) -> bool:
   """Whether to draw a progress bar: asked for, and on a terminal."""
   return not args.no_progress and sys.stderr.isatty()
+
+
+def run_sft(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[int, int], list[dict]],
+            n: int) -> dict:
+  """An SFT recipe's whole run: `data_recipe`, the pipelines, `fit`, then the HF export; returns fit's summary."""
+  args, cfg, params, tokenizer = data_recipe(doc, presets, argv, synthetic, n)
+  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  evaluation = None
+  if cfg.data.eval_files:
+    eval_cfg = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
+    evaluation = list(pipeline(JsonlSource(cfg.data.eval_files), cfg=eval_cfg))
+  state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
+                       train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
+                       resume=args.resume, eval_data=evaluation, init_params=params, progress=progress(args))
+  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  return summary

@@ -40,17 +40,10 @@ test_long_context_recipe.py) on synthetic needle chats written to OUT/data.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import jax
 
 import launch
 import ptx
-from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import JsonlSource
 from ptx.rl.environments.needle import NeedleTask
-from ptx.train.export import export_hf
-from ptx.train.loop import fit
 
 _SEQ_PARALLEL = dict(attention_impl="ring", seq_layout="zigzag", remat="full")
 PRESETS: launch.Presets = {
@@ -78,18 +71,7 @@ def synthetic_needles(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  args, cfg, params, tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_needles, 512)
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  evaluation = None
-  if cfg.data.eval_files:
-    eval_cfg = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
-    evaluation = list(pipeline(JsonlSource(cfg.data.eval_files), cfg=eval_cfg))
-  state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
-                       train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
-                       resume=args.resume, eval_data=evaluation, init_params=params, progress=launch.progress(args))
-  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
-  return summary
+  return launch.run_sft(__doc__, PRESETS, argv, synthetic_needles, 512)
 
 
 if __name__ == "__main__":

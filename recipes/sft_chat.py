@@ -27,17 +27,10 @@ chats it writes to OUT/data.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import jax
 
 import launch
 import ptx
 from ptx.data.arithmetic import ArithmeticTask
-from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import JsonlSource
-from ptx.train.export import export_hf
-from ptx.train.loop import fit
 
 PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
@@ -63,18 +56,7 @@ def synthetic_chats(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  args, cfg, params, tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_chats, 4000)
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  evaluation = None
-  if cfg.data.eval_files:
-    eval_cfg = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
-    evaluation = list(pipeline(JsonlSource(cfg.data.eval_files), cfg=eval_cfg))
-  state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
-                       train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
-                       resume=args.resume, eval_data=evaluation, init_params=params, progress=launch.progress(args))
-  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
-  return summary
+  return launch.run_sft(__doc__, PRESETS, argv, synthetic_chats, 4000)
 
 
 if __name__ == "__main__":
