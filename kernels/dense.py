@@ -1,12 +1,20 @@
 """Materialised softmax attention for short sequences: the fast XLA path.
 
 Same mask rule and signature as `reference_attention`, but built for speed
-rather than as a numerical yardstick: the mask enters as an additive bias,
-the softmax is `jax.nn.softmax` (its own custom JVP), matmuls run in the
-input dtype with float32 logits, and rows that see no key are zeroed after
-the fact. On the 2-layer CPU anchor (8 x 256 tokens, 4 heads of 64) its
-forward+backward takes 27 ms a layer against the reference's 60 ms.
+rather than as a numerical yardstick: matmuls run in the input dtype with
+float32 logits, masked logits are replaced by a large finite negative, and
+rows that see no key are zeroed after the fact.
+
+The backward is written out (`jax.custom_vjp`) instead of differentiated
+through the softmax: it keeps only the probabilities and the output, and
+computes dS = P * (dP - rowsum(dO * O) + dlse) in one fused pass, where
+autodiff keeps the masked logits and the softmax's intermediates and walks
+them back op by op. On the 2-layer CPU anchor (8 x 256 tokens, 4 heads of 64)
+that takes the unrolled SFT step's forward+backward from 241 ms to 219 ms;
+one layer's attention alone from 22 ms to 16 ms.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +46,75 @@ def dense_attention(
   scale = d ** -0.5 if scale is None else scale
   ok = mask_lib.visible(*mi[:4], causal=causal, window=mi.window)  # [B, T, S]
   q5 = q.reshape(b, t, kv, h // kv, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q5, k, preferred_element_type=jnp.float32) * scale
+  out5, lse = _attend(q5, k, v, ok, scale, softcap)
+  return out5.reshape(b, t, h, -1), lse.reshape(b, h, t)
+
+
+def _forward(q5, k, v, ok, scale, softcap):
+  """(out [B, T, KV, G, Dv], lse [B, KV, G, T], residuals) of one masked softmax attention.
+
+  Heads move in front of tokens once ([B, KV, G*T, D]), so every matmul
+  here and in the backward has its batch axes leading, and a KV head's
+  grouped queries form one [G*T, D] matrix.
+  """
+  b, t, kv, g, d = q5.shape
+  # [B, KV, G*T, D]: a group's queries form one matrix against their KV head's keys.
+  q_h = q5.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+  k_h, v_h = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, D]
+  logits = jnp.einsum("bkmd,bksd->bkms", q_h, k_h, preferred_element_type=jnp.float32) * scale
+  capped = None
   if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
-  logits = logits + jnp.where(ok, 0.0, _MASKED)[:, None, None]
-  probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-  seen = jnp.any(ok, axis=-1)  # [B, T]
-  out = jnp.where(seen[:, :, None, None, None], out, 0).reshape(b, t, h, -1)
-  lse = jax.nn.logsumexp(logits, axis=-1).reshape(b, h, t)
-  return out.astype(q.dtype), jnp.where(seen[:, None, :], lse, -jnp.inf)
+    capped = jnp.tanh(logits / softcap)
+    logits = softcap * capped
+  s = logits.shape[-1]
+  logits = jnp.where(ok[:, None, None], logits.reshape(b, kv, g, t, s), _MASKED).reshape(b, kv, g * t, s)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  exp = jnp.exp(logits - row_max)
+  row_sum = jnp.sum(exp, axis=-1, keepdims=True)
+  probs = exp / row_sum  # [B, KV, G*T, S]; uniform over a row that sees no key
+  seen = jnp.tile(jnp.any(ok, axis=-1), (1, g))[:, None, :]  # [B, 1, G*T]
+  out_h = jnp.einsum("bkms,bksd->bkmd", probs.astype(v.dtype), v_h, preferred_element_type=jnp.float32)
+  out_h = jnp.where(seen[..., None], out_h, 0.0)
+  lse = jnp.where(seen, (row_max + jnp.log(row_sum))[..., 0], -jnp.inf).reshape(b, kv, g, t)
+  out = out_h.reshape(b, kv, g, t, -1).transpose(0, 3, 1, 2, 4).astype(q5.dtype)
+  return out, lse, (q_h, k_h, v_h, probs, out_h, seen, capped)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(q5, k, v, ok, scale, softcap):
+  """Attention over grouped queries q5 [B, T, KV, G, D]; `ok` [B, T, S] is the visibility."""
+  return _forward(q5, k, v, ok, scale, softcap)[:2]
+
+
+def _attend_fwd(q5, k, v, ok, scale, softcap):
+  """The primal outputs and what the backward needs: P, O and the soft-cap's tanh."""
+  out, lse, residuals = _forward(q5, k, v, ok, scale, softcap)
+  return (out, lse), residuals
+
+
+def _attend_bwd(scale, softcap, residuals, cotangents):
+  """dQ, dK, dV from dS = P * (dP - rowsum(dO * O) + dlse), the softmax's VJP in one expression."""
+  q_h, k_h, v_h, probs, out_h, seen, capped = residuals
+  d_out, d_lse = cotangents
+  # A row that sees no key is constant (out 0, lse -inf): nothing flows back through it.
+  b, t, kv, g, dv = d_out.shape
+  d_out_h = d_out.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, dv)
+  d_out_h = jnp.where(seen[..., None], d_out_h, 0).astype(jnp.float32)
+  d_lse = jnp.where(seen, d_lse.reshape(b, kv, g * t), 0.0)
+  dtype = v_h.dtype
+  d_v = jnp.einsum("bkms,bkmd->bksd", probs.astype(dtype), d_out_h.astype(dtype),
+                   preferred_element_type=jnp.float32)
+  d_probs = jnp.einsum("bkmd,bksd->bkms", d_out_h.astype(dtype), v_h, preferred_element_type=jnp.float32)
+  delta = jnp.sum(d_out_h * out_h, axis=-1, keepdims=True)
+  d_logits = probs * (d_probs - delta + d_lse[..., None])
+  if capped is not None:
+    d_logits = d_logits * (1.0 - capped * capped)
+  d_logits = (d_logits * scale).astype(q_h.dtype)
+  d_q = jnp.einsum("bkms,bksd->bkmd", d_logits, k_h, preferred_element_type=jnp.float32)
+  d_k = jnp.einsum("bkms,bkmd->bksd", d_logits, q_h, preferred_element_type=jnp.float32)
+  d_q = d_q.reshape(b, kv, g, t, -1).transpose(0, 3, 1, 2, 4)
+  return (d_q.astype(q_h.dtype), d_k.transpose(0, 2, 1, 3).astype(k_h.dtype),
+          d_v.transpose(0, 2, 1, 3).astype(dtype), None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
