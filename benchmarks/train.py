@@ -3,6 +3,8 @@
 Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
 MLP 1024, vocab 512, float32, untied), AdamW, batch 8 x 256 random tokens with
 every target counted, one device. Each step is timed blocked, after warm-up.
+The two layers run unrolled, as Tunix runs its layers (a Python loop);
+`--scan-layers` times ptx's scanned layers instead (`ModelConfig.scan_layers`).
 
   .venv/bin/python benchmarks/train.py --steps 10
   /tmp/tunix-venv/bin/python ../shared/anchors/tunix_bench.py --parts sft   # the peer, same machine
@@ -42,10 +44,12 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--peak-gflops", type=float, default=294.4)
+  parser.add_argument("--scan-layers", action="store_true",
+                      help="run the layers under lax.scan (the default for deep models) instead of unrolled")
   args = parser.parse_args()
 
   cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
-                    rope_theta=500_000.0, norm_eps=1e-5)
+                    rope_theta=500_000.0, norm_eps=1e-5, scan_layers=args.scan_layers)
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
   optimizer = make_optimizer(OptimizerConfig(lr=1e-5, warmup_steps=0, weight_decay=0.0, clip_norm=0.0),
                              args.warmup + args.steps)
@@ -74,7 +78,7 @@ def main() -> None:
       "framework": "ptx", "jax_version": jax.__version__, "backend": jax.default_backend(), "devices": 1,
       "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "n_params": n_params,
       "sft": {
-          "batch": args.batch, "seq_len": args.seq_len, "tokens_per_s": tokens / mean,
+          "batch": args.batch, "seq_len": args.seq_len, "scan_layers": args.scan_layers, "tokens_per_s": tokens / mean,
           "tokens_per_s_median": tokens / statistics.median(timed), "tokens_per_s_best": tokens / min(timed),
           "step_s": mean, "step_s_min": min(timed), "step_s_median": statistics.median(timed),
           "first_step_s": times[0], "mfu": flops_per_token * tokens / statistics.median(timed) / (args.peak_gflops * 1e9),

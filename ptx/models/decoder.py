@@ -185,7 +185,9 @@ def decode_layers(
     segment_ids: jax.Array | None,
     rules: sharding.Rules,
 ) -> jax.Array:
-  """Runs the stacked layers over the residual stream x [B, T, D] with a scan."""
+  """Runs the stacked layers over the residual stream x [B, T, D]: a scan, or unrolled (`cfg.scan_layers`)."""
+  if not cfg.scan_layers:
+    layers = unstack_layers({"layers": layers}, cfg)["layers"]
   return _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None)[0]
 
 

@@ -114,6 +114,21 @@ def test_remat_gives_the_same_gradients(tiny_config, remat):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), got, want)
 
 
+@pytest.mark.parametrize("variant", ["llama", "gemma"])
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_equal_the_scan(tiny_config, variant, remat):
+  """scan_layers=False runs the same layers: same logits, same gradients for the stacked weights."""
+  cfg = dataclasses.replace(VARIANTS[variant](tiny_config), remat=remat)
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(9), (2, 8), 0, cfg.vocab_size)
+  loss = lambda p, c: (forward(p, tokens, c) ** 2).mean()
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  want_loss, want = grad(params, cfg)
+  got_loss, got = grad(params, dataclasses.replace(cfg, scan_layers=False))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), got, want)
+
+
 def test_bfloat16_compute_keeps_float32_logits(tiny_config):
   cfg = dataclasses.replace(tiny_config, param_dtype="bfloat16", compute_dtype="bfloat16")
   params = init_params(cfg, jax.random.key(0))
