@@ -219,24 +219,25 @@ def _run_layers(
     local_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_theta))
   windows = layer_windows(cfg)
 
-  def body(x_and_cache, layer_window_index):
-    x, cache = x_and_cache
-    layer, window, index = layer_window_index
+  def body(x, cache, layer, window, index):
     # Global layers have an int32-max window, so "is local" is a traced flag.
     is_local = False if window is None else window < jnp.iinfo(jnp.int32).max
     sin, cos = (jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, global_rope))
-    x, cache = block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
-                     segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index)
-    return (x, cache), None
+    return block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
+                 segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index)
 
   if cfg.remat != "none":
-    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    # The layer index stays a Python int: it picks the cache's per-layer arrays.
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False, static_argnums=(4,))
   if isinstance(layers, tuple):
     for index, layer in enumerate(layers):
-      (x, cache), _ = body((x, cache), (layer, None if windows is None else windows[index], index))
+      x, cache = body(x, cache, layer, None if windows is None else windows[index], index)
     return x, cache
-  per_layer = (layers, None if windows is None else jnp.asarray(windows), None)
-  (x, cache), _ = jax.lax.scan(body, (x, cache), per_layer)
+
+  def scan_body(x, layer_and_window):
+    return body(x, None, *layer_and_window, None)[0], None
+
+  x, _ = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows)))
   return x, cache
 
 

@@ -129,6 +129,21 @@ def test_unrolled_layers_equal_the_scan(tiny_config, variant, remat):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), got, want)
 
 
+def test_cached_decoding_runs_under_remat(tiny_config):
+  """A remat config still samples: the layer index that picks the cache's arrays stays static."""
+  from ptx.models import kv_cache
+  from ptx.models.decoder import forward_with_cache
+  tokens = jax.random.randint(jax.random.key(10), (2, 6), 0, tiny_config.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+  def run(cfg):
+    params = _params(cfg)
+    cache = kv_cache.init_cache(cfg, 2, 8)
+    return jax.jit(lambda p, c: forward_with_cache(p, tokens, cfg, c, positions=positions)[0])(params, cache)
+
+  np.testing.assert_allclose(run(dataclasses.replace(tiny_config, remat="full")), run(tiny_config), atol=1e-6)
+
+
 def test_bfloat16_compute_keeps_float32_logits(tiny_config):
   cfg = dataclasses.replace(tiny_config, param_dtype="bfloat16", compute_dtype="bfloat16")
   params = init_params(cfg, jax.random.key(0))
