@@ -6,7 +6,8 @@ x group 4, each BOS + 31 random ids in [3, V) (no padding), 64 new tokens at
 temperature 1 with stop id V (never emitted, so every row generates all 64),
 reward = fraction of even ids, beta 0.04 (KL k3 in the loss against a frozen
 reference copy), mu = 1 with one AdamW update (lr 1e-5, optax.adamw's
-defaults b2 0.999 and weight decay 1e-4, no clipping) per step.
+defaults b2 0.999 and weight decay 1e-4, no clipping) per step. The two layers
+run unrolled (`scan_layers=False`), as Tunix runs its layers.
 
 `step` is ptx's fused step (sample -> reward -> advantages -> update, one
 executable), blocked per step. The phase split times the same pieces as
@@ -43,7 +44,7 @@ from ptx.train.state import init_state, state_shardings
 from ptx.train.step import model_params, reference_params
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
-                  rope_theta=500_000.0, norm_eps=1e-5)
+                  rope_theta=500_000.0, norm_eps=1e-5, scan_layers=False)
 PROMPTS, GROUP, PROMPT_LEN, NEW, BETA = 4, 4, 32, 64, 0.04
 
 
