@@ -301,6 +301,25 @@ class GRPOConfig:
   tis_mode: Literal["token", "sequence_mask"] = "token"
   # Lower bound C_min of the sequence mask.
   tis_min: float = 0.0
+  # A reward of named components ({name: [R]}): "sum_then_normalize" (their weighted sum is R) or
+  # "normalize_then_sum" (GDPO: each component group-normalised, weighted sum, then normalised over the batch).
+  reward_combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+  # Weights of the reward components in sorted-name order (empty: all 1).
+  reward_weights: tuple[float, ...] = ()
+  # Adaptive KL-in-reward coefficient: the target KL (None: beta stays fixed); each step
+  # beta <- beta * (1 + clip(KL / kl_target - 1, -0.2, 0.2) * rollouts / kl_horizon).
+  kl_target: float | None = None
+  # Horizon of the adaptive KL coefficient, in rollouts (verl's and OpenRLHF's unit).
+  kl_horizon: int = 10000
+  # Adaptive entropy coefficient: the target mean entropy (None: c_H stays entropy_coef); c_H applies only while
+  # the last update's mean entropy is <= target and moves +-entropy_coef_delta each optimizer update.
+  entropy_target: float | None = None
+  # Step of the adaptive entropy coefficient per optimizer update.
+  entropy_coef_delta: float = 0.0
+  # Lower bound of the adaptive entropy coefficient.
+  entropy_coef_min: float = 0.0
+  # Upper bound of the adaptive entropy coefficient.
+  entropy_coef_max: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
