@@ -1,0 +1,79 @@
+"""Logits of grouped rollouts with each group's shared prompt computed once.
+
+GRPO scores G completions of every prompt, so a rollout batch holds each
+prompt G times. Under causal attention a prompt's hidden states do not depend
+on what follows it, so running it once per group and letting the G
+completions attend to its keys and values gives the same logits (and, through
+the shared K/V, the same gradients) as the plain forward over [prompt,
+completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of 384 for
+the CPU anchor's 4 x 4 rollouts of 32 + 64 tokens.
+
+The mechanism is the sampler's: the prompts fill a KV cache
+(`ptx.models.kv_cache`), `kv_cache.repeat` hands each prompt's cache to its
+G rows, and the completions run against it (`decoder.forward_with_cache`).
+The cache attention is differentiable when the rollout fits one attention
+block (`fits`); longer rollouts take the plain forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models import kv_cache
+from ptx.models.decoder import Params, forward_with_cache
+
+
+def fits(prompt_len: int, seq_len: int) -> bool:
+  """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes."""
+  return 0 < prompt_len < seq_len <= kv_cache.BLOCK_SLOTS
+
+
+def grouped_logits(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    cfg: ModelConfig,
+    *,
+    group_size: int,
+    prompt_len: int,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.Array:
+  """float32 logits [R, S, V] as `forward` gives them at every column that predicts a completion token.
+
+  Args:
+    params: the parameter tree.
+    tokens: int32 [R, S]: R = B * G rows, row b * G + g the g-th rollout of
+      prompt b; columns [0, P) the left-padded prompt (identical within a
+      group), then the completion.
+    positions: int32 [R, S] positions (0 on prompt padding).
+    segment_ids: int32 [R, S]; 0 marks padding (prompt padding is read from
+      the group's first row).
+    cfg: the model config.
+    group_size: G.
+    prompt_len: P, the prompt columns.
+    rules: the sharding rules.
+
+  Returns:
+    Logits [R, S, V]: columns P - 1 .. S - 1 equal the plain forward's; the
+    prompt columns before P - 1 predict prompt tokens, which no RL loss
+    scores, and are zero.
+  """
+  R, S = tokens.shape
+  G, P = group_size, prompt_len
+  if R % G:
+    raise ValueError(f"grouped_logits: {R} rows do not split into groups of {G}")
+  if not fits(P, S):
+    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit one "
+                     f"attention block of {kv_cache.BLOCK_SLOTS} slots (check `fits` first)")
+  prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
+  cache = kv_cache.init_cache(cfg, R // G, S, starts=P - prompt_lengths, rules=rules)
+  last_B1V, cache = forward_with_cache(params, tokens[::G, :P], cfg, cache, positions=positions[::G, :P],
+                                       last_only=True, rules=rules)
+  completion_RNV, _ = forward_with_cache(params, tokens[:, P:], cfg, kv_cache.repeat(cache, G, rules),
+                                         positions=positions[:, P:], rules=rules)
+  unscored = jnp.zeros((R, P - 1, completion_RNV.shape[-1]), completion_RNV.dtype)
+  return jnp.concatenate([unscored, jnp.repeat(last_B1V, G, axis=0), completion_RNV], axis=1)
