@@ -35,8 +35,9 @@ from ptx.models.decoder import Params, forward_with_cache, token_log_probs, unst
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
 
-# New tokens the first decode phase has cache room for (see `_phase_slots`).
-PHASE_TOKENS = 256
+# New tokens the first decode phase has cache room for (see `_phase_slots`). Small, so short generations
+# read a cache near their fill: on the CPU anchor (16 rows, 32 + 64 tokens) 16 is 5% faster than 256.
+PHASE_TOKENS = 16
 
 # Finish reasons.
 STOP = 1  # the row emitted one of its stop ids (counted in its length)
@@ -253,7 +254,7 @@ def _batch_devices(mesh: Mesh | jax.sharding.AbstractMesh, rules: sharding.Rules
 
 
 def _phase_slots(P: int, budget: int, multiple: int) -> list[int]:
-  """Cache sizes of the decode phases: room for 256 new tokens, doubling up to P + budget - 1 slots.
+  """Cache sizes of the decode phases: room for PHASE_TOKENS new tokens, doubling up to P + budget - 1 slots.
 
   Every decode step reads its whole cache (on CPU a dot cannot read a
   dynamic slice of it without a copy), so the cache grows between phases,
