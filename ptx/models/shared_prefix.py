@@ -12,7 +12,9 @@ The mechanism is the sampler's: the prompts fill a KV cache
 (`ptx.models.kv_cache`), `kv_cache.repeat` hands each prompt's cache to its
 G rows, and the completions run against it (`decoder.forward_with_cache`).
 The cache attention is differentiable when the rollout fits one attention
-block (`fits`); longer rollouts take the plain forward.
+block (`fits`); `rollout_logits` takes the plain forward for longer
+rollouts, for ring attention (long contexts shard the sequence, not a cache)
+and when the caller cannot promise whole groups.
 """
 
 from __future__ import annotations
@@ -23,12 +25,36 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
-from ptx.models.decoder import Params, forward_with_cache
+from ptx.models.decoder import Params, forward, forward_with_cache
 
 
 def fits(prompt_len: int, seq_len: int) -> bool:
   """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes."""
   return 0 < prompt_len < seq_len <= kv_cache.BLOCK_SLOTS
+
+
+def rollout_logits(
+    params: Params,
+    batch: dict[str, jax.Array],
+    cfg: ModelConfig,
+    *,
+    group_size: int,
+    prompt_len: int | None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.Array:
+  """Logits [R, S, V] of a rollout batch (`tokens`, `positions`, `segment_ids`) for an RL loss.
+
+  With `prompt_len` set, the batch's rows are whole groups of `group_size`
+  sharing their first `prompt_len` columns, and where that pays and is
+  supported the prompts run once per group (`grouped_logits`); otherwise, and
+  with `prompt_len` None, this is `forward`.
+  """
+  tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+  if (prompt_len is None or group_size == 1 or cfg.attention_impl == "ring"
+      or not fits(prompt_len, tokens.shape[1])):
+    return forward(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  return grouped_logits(params, tokens, positions, segment_ids, cfg, group_size=group_size, prompt_len=prompt_len,
+                        rules=rules)
 
 
 def grouped_logits(

@@ -8,7 +8,7 @@ import pytest
 from model_variants import gemma_like
 from ptx.models import forward, init_params, kv_cache
 from ptx.models.decoder import token_log_probs
-from ptx.models.shared_prefix import fits, grouped_logits
+from ptx.models.shared_prefix import fits, grouped_logits, rollout_logits
 
 B, G, P, N = 2, 3, 6, 5
 
@@ -55,3 +55,17 @@ def test_rejects_rows_that_are_not_whole_groups_and_rollouts_too_long(tiny_confi
   long = jnp.zeros((G, kv_cache.BLOCK_SLOTS + 1), jnp.int32)
   with pytest.raises(ValueError, match="does not fit"):
     grouped_logits(params, long, long, long, tiny_config, group_size=G, prompt_len=P)
+
+
+def test_rollout_logits_shares_prompts_only_when_asked_and_supported(tiny_config):
+  params = init_params(tiny_config, jax.random.key(1))
+  tokens, positions, segment_ids, loss_mask = _rollouts(tiny_config.vocab_size)
+  batch = {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
+  plain = forward(params, tokens, tiny_config, positions=positions, segment_ids=segment_ids)
+  # Without a prompt length (or with one group member) it is the plain forward, bit for bit.
+  np.testing.assert_array_equal(rollout_logits(params, batch, tiny_config, group_size=G, prompt_len=None), plain)
+  np.testing.assert_array_equal(rollout_logits(params, batch, tiny_config, group_size=1, prompt_len=P), plain)
+  shared = rollout_logits(params, batch, tiny_config, group_size=G, prompt_len=P)
+  np.testing.assert_array_equal(shared[:, :P - 1], 0.0)  # unscored prompt columns
+  scored = loss_mask[:, 1:, None] > 0
+  np.testing.assert_allclose(np.where(scored, shared[:, :-1], 0), np.where(scored, plain[:, :-1], 0), atol=2e-5)
