@@ -3,16 +3,21 @@
 Rewards are float32 [N] with N = B prompts x G samples laid out group-major
 (sequence i belongs to group i // G). NaN marks an unscorable sample: it is
 left out of every group statistic and gets advantage 0 (its tokens are
-masked by the caller). Formulas and test vectors: shared/specs/grpo-loss.md
-sections 5.2, 5.7 and 5.8.
+masked by the caller). A reward may come as named components {name: [N]}
+(sorted by name wherever weights align with them). Formulas and test
+vectors: shared/specs/grpo-loss.md sections 5.2, 5.7 and 5.8.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 ESTIMATORS = ("grpo", "grpo_no_std", "grpo_batch_std", "rloo", "reinforce_pp_baseline")
+# Any reward: one float32 [N] array, or named components {name: [N]}.
+Rewards = Any
 
 
 def _group_stats(rewards_BG: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -71,6 +76,57 @@ def advantages(rewards: jax.Array, group_size: int, estimator: str, *, eps: floa
     var = (jnp.where(valid, flat - mu, 0.0) ** 2) @ tokens / jnp.maximum(total - 1.0, 1.0)
     adv = ((flat - mu) / (jnp.sqrt(var) + eps)).reshape(rewards_BG.shape)
   return jnp.where(valid, adv.reshape(n), 0.0)
+
+
+def component_weights(rewards: Rewards, weights: Sequence[float]) -> tuple[float, ...]:
+  """The weight of each reward component in sorted-name order (all 1 when `weights` is empty)."""
+  if not isinstance(rewards, dict):
+    if weights:
+      raise ValueError(f"grpo.reward_weights={tuple(weights)} is set but the reward has no named components")
+    return (1.0,)
+  names = sorted(rewards)
+  if weights and len(weights) != len(names):
+    raise ValueError(f"grpo.reward_weights: {len(weights)} weights for the reward components {names} "
+                     "(one per component, in sorted-name order)")
+  return tuple(float(w) for w in weights) if weights else (1.0,) * len(names)
+
+
+def components(rewards: Rewards) -> jax.Array:
+  """The reward components as one array [K, N] in sorted-name order ([1, N] for a single reward)."""
+  if not isinstance(rewards, dict):
+    return jnp.asarray(rewards)[None]
+  return jnp.stack([jnp.asarray(rewards[k]) for k in sorted(rewards)])
+
+
+def total_reward(rewards: Rewards, weights: Sequence[float] = ()) -> Any:
+  """The scalar reward R [N]: the reward itself, or the weighted sum of its components (NaN if any is NaN)."""
+  if not isinstance(rewards, dict):
+    component_weights(rewards, weights)  # rejects weights without components
+    return rewards
+  w = component_weights(rewards, weights)
+  return sum(wk * rewards[k] for wk, k in zip(w, sorted(rewards)))
+
+
+def normalize_then_sum(components_KN: jax.Array, weights: Sequence[float], group_size: int, *,
+                       eps: float = 1e-6) -> jax.Array:
+  """GDPO advantages A [N]: each component group-normalised, their weighted sum, then normalised over the batch.
+
+  Args:
+    components_KN: float32 [K, N] reward components, group-major; a sample
+      with a NaN in any component is unscorable.
+    weights: K component weights.
+    group_size: G.
+    eps: added to every standard deviation.
+
+  Returns:
+    float32 [N]; 0 for unscorable samples.
+  """
+  valid = ~jnp.isnan(components_KN).any(axis=0)
+  scored_KN = jnp.where(valid, components_KN, jnp.nan)  # unscorable in one component: out of every statistic
+  per_KN = jax.vmap(lambda r: advantages(r, group_size, "grpo", eps=eps))(scored_KN)
+  combined = jnp.asarray(weights, jnp.float32) @ per_KN
+  mean, std, _ = _group_stats(jnp.where(valid, combined, jnp.nan)[None])
+  return jnp.where(valid, (combined - mean[0]) / (std[0] + eps), 0.0)
 
 
 def overlong_punishment(lengths: jax.Array, max_tokens: int, buffer: int) -> jax.Array:

@@ -11,7 +11,9 @@ the log-prob of token t; index 0 is unused):
   agg_weights   [N, S] per-token weights from `aggregation_weights`, computed
                 once over the whole optimizer mini-batch, so the loss and its
                 gradient do not depend on the micro-batch split
-  agg_total     [N], every entry sum(agg_weights) over the whole mini-batch.
+  agg_total     [N], every entry sum(agg_weights) over the whole mini-batch
+  entropy_coef  [N], optional: every entry the adaptive c_H of this update
+                (`adaptive_entropy_coef`), which then replaces the config's.
 The mini-batch loss is sum(w * (rho + beta * k - c_H * H)) over its tokens.
 A micro-batch returns agg_total * (its weighted mean) with `weight` = its
 sum(w); gradient accumulation, which averages micro-batches by `weight`,
@@ -168,9 +170,10 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     rho = rho * is_weight
     stats["actor/is_weight"] = is_weight
   entropy = token_entropy(logits)
-  if grpo.entropy_coef == 0:  # static: logged only, so no backward pass through the full-vocab entropy
+  adaptive = "entropy_coef" in batch  # static: the adaptive rule passes this update's c_H
+  if grpo.entropy_coef == 0 and not adaptive:  # logged only, so no backward pass through the full-vocab entropy
     entropy = jax.lax.stop_gradient(entropy)
-  per_token = rho - grpo.entropy_coef * entropy
+  per_token = rho - (batch["entropy_coef"][0] if adaptive else grpo.entropy_coef) * entropy
   mean = lambda x: (w * x).sum() / denominator
   metrics = {k: mean(v.astype(jnp.float32)) for k, v in stats.items()}
   metrics["actor/pg_loss"] = mean(rho)
@@ -183,3 +186,23 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     metrics["actor/kl_loss"] = mean(kl)
   value = batch["agg_total"][0] * mean(per_token)
   return value, {"loss": value, **metrics, "weight": total}
+
+
+def adaptive_kl_coef(beta: jax.Array, kl: jax.Array, n_steps: int, cfg: GRPOConfig) -> jax.Array:
+  """The next KL-in-reward coefficient: beta * (1 + clip(kl / kl_target - 1, -0.2, 0.2) * n_steps / kl_horizon).
+
+  verl's `AdaptiveKLController`: `kl` is the step's measured KL, `n_steps`
+  the rollouts it measured (spec section 5.5).
+  """
+  error = jnp.clip(kl / cfg.kl_target - 1.0, -0.2, 0.2)
+  return beta * (1.0 + error * (n_steps / cfg.kl_horizon))
+
+
+def adaptive_entropy_coef(coef: jax.Array, entropy: jax.Array, cfg: GRPOConfig) -> jax.Array:
+  """The next entropy coefficient: c_H + delta while `entropy` <= target, else c_H - delta, within the bounds.
+
+  Skywork-OR1's rule (spec section 5.6); the caller applies c_H to the next
+  update only while `entropy` <= target.
+  """
+  step = jnp.where(entropy <= cfg.entropy_target, cfg.entropy_coef_delta, -cfg.entropy_coef_delta)
+  return jnp.clip(coef + step, cfg.entropy_coef_min, cfg.entropy_coef_max)

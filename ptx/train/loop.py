@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import numpy as np
+import optax
 import tqdm
 
 from ptx import config as config_lib
@@ -54,6 +55,8 @@ def fit(
     init_params: Any = None,
     with_reference: bool = False,
     progress: bool = True,
+    updates_per_step: int = 1,
+    optimizer_stage: optax.GradientTransformation | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
   """Trains `cfg.train.steps` steps of `loss_fn` on `train_data`, writing to `out`.
 
@@ -76,6 +79,11 @@ def fit(
     with_reference: keep a frozen copy of the initial parameters
       (implied by `prepare`).
     progress: show a progress bar.
+    updates_per_step: optimizer updates one step makes (an RL step's epochs x
+      mini-batches, `RLSpec.updates_per_step`): the learning-rate schedule
+      spans `cfg.train.steps` times this many updates.
+    optimizer_stage: an optax stage chained after the optimizer, whose state
+      the step reads and writes (`rl_step.coefficient_stage`).
 
   Returns:
     (state, summary): the final state, and the final step, last logged
@@ -90,7 +98,10 @@ def fit(
   mesh = make_mesh(cfg.mesh)
   lora = cfg.lora if cfg.lora.rank > 0 else None
   # Adapters are all matrices: every one of them decays.
-  optimizer = make_optimizer(cfg.optim, cfg.train.steps, None if lora else weight_decay_mask(cfg.model))
+  updates = cfg.train.steps * updates_per_step
+  optimizer = make_optimizer(cfg.optim, updates, None if lora else weight_decay_mask(cfg.model))
+  if optimizer_stage is not None:
+    optimizer = optax.chain(optimizer, optimizer_stage)
   with_reference = with_reference or prepare is not None
   shardings = state_shardings(cfg.model, optimizer, mesh, with_reference=with_reference, lora=lora)
   if make_step is None:
@@ -117,7 +128,8 @@ def fit(
     state = start()
   writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
   evaluate = None if eval_data is None else _evaluator(loss_fn, prepare, shardings, mesh, eval_data, lora)
-  schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+  lr_of_update = learning_rate_schedule(cfg.optim, updates)
+  schedule = lambda step: lr_of_update(step * updates_per_step)  # a step logs the lr of its first update
   started = time.perf_counter()
   try:
     with _preemption_notice() as preempted:

@@ -50,8 +50,9 @@ from ptx.train.rl_step import RLSpec, learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
 
-# reward(tokens [R, N], lengths [R], tasks of the B prompts) -> float32 [R], NaN where unscorable.
-HostReward = Callable[[np.ndarray, np.ndarray, Any], np.ndarray]
+# reward(tokens [R, N], lengths [R], tasks of the B prompts) -> float32 [R], or named components {name: [R]};
+# NaN where unscorable.
+HostReward = Callable[[np.ndarray, np.ndarray, Any], Any]
 # The cap of the importance weight for stale rollouts when `grpo.tis_cap` is unset.
 STALE_TIS_CAP = 2.0
 
@@ -174,14 +175,14 @@ class HostRewardStep:
     fetched = time.perf_counter()
     tokens, lengths = jax.device_get((entry.gen.tokens, entry.gen.lengths))
     scored = time.perf_counter()
-    rewards = np.asarray(self._reward(tokens, lengths, entry.task), np.float32)
+    rewards = self._score(tokens, lengths, entry.task)
     done = time.perf_counter()
     rollouts, gen, filter_metrics = entry.rollouts, entry.gen, {}
     if self._spec.grpo.filter_groups == "refill":
       rollouts, gen, rewards, filter_metrics = self._refill(state, entry, rewards)
       done = time.perf_counter()
     self._watch.dispatching(done)
-    state, metrics = self._learn(state, rollouts, gen, jnp.asarray(rewards))
+    state, metrics = self._learn(state, rollouts, gen, jax.tree.map(jnp.asarray, rewards))
     self._watch.start(metrics["loss"])
     self._next_step = k + 1
     wall_start = start if self._last_return is None else self._last_return
@@ -192,6 +193,15 @@ class HostRewardStep:
                "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
+
+  def _score(self, tokens: np.ndarray, lengths: np.ndarray, task: Any) -> Any:
+    """The host reward of a batch as float32 arrays [R] (one, or one per named component)."""
+    return jax.tree.map(lambda r: np.asarray(r, np.float32), self._reward(tokens, lengths, task))
+
+  def _signal(self, rewards: Any) -> np.ndarray:
+    """Groups [B] whose (weighted total) reward is not constant."""
+    total = adv_lib.total_reward(rewards, self._spec.grpo.reward_weights)
+    return np.asarray(adv_lib.groups_with_signal(jnp.asarray(total), self._spec.grpo.group_size))
 
   def _fill(self, state: TrainState) -> None:
     """Keeps `max_staleness` batches sampling ahead (pending batch i is the stream's next item i)."""
@@ -206,8 +216,8 @@ class HostRewardStep:
     with `keep` = 0.
     """
     G, cfg = self._spec.grpo.group_size, self._spec.grpo
-    B = rewards.shape[0] // G
-    signal = np.asarray(adv_lib.groups_with_signal(jnp.asarray(rewards), G))
+    B = entry.gen.lengths.shape[0] // G
+    signal = self._signal(rewards)
     parts, kept, rounds = [(entry, rewards, np.flatnonzero(signal))], int(signal.sum()), 0
     sampled = B
     while kept < B and rounds < cfg.max_refill_rounds:
@@ -216,8 +226,8 @@ class HostRewardStep:
       self._prompts.skip()
       extra = self._pending.popleft()
       tokens, lengths = jax.device_get((extra.gen.tokens, extra.gen.lengths))
-      extra_rewards = np.asarray(self._reward(tokens, lengths, extra.task), np.float32)
-      extra_signal = np.asarray(adv_lib.groups_with_signal(jnp.asarray(extra_rewards), G))
+      extra_rewards = self._score(tokens, lengths, extra.task)
+      extra_signal = self._signal(extra_rewards)
       parts.append((extra, extra_rewards, np.flatnonzero(extra_signal)))
       kept, rounds, sampled = kept + int(extra_signal.sum()), rounds + 1, sampled + B
       self._fill(state)
@@ -230,7 +240,7 @@ class HostRewardStep:
     rollouts = cat([take(p.rollouts, g) for p, _, g in groups])
     rollouts["keep"] = jnp.asarray(np.repeat(np.arange(B) < filled, G).astype(np.int32))
     gen = cat([take(p.gen, g) for p, _, g in groups])
-    all_rewards = np.concatenate([r[rows(g)] for _, r, g in groups])
+    all_rewards = cat([take(r, g) for _, r, g in groups])
     metrics = {"filter_groups/evicted": float(sampled - kept), "filter_groups/pass_rate": kept / sampled,
                "filter_groups/rounds": float(rounds + 1), "filter_groups/unfilled": float(B - filled)}
     return rollouts, gen, all_rewards, metrics

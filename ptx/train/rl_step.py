@@ -18,13 +18,18 @@ model code, so it must stay at rounding level.
 Under LoRA (`lora=`) `state.params` are the adapters: the sampler and the
 loss run base + adapters, the optimizer state covers the adapters only, and
 the reference log-probs come from the base with the adapters off.
+
+A reward may return named components {name: [R]} (`grpo.reward_combine`).
+The adaptive KL-in-reward and entropy coefficients (`grpo.kl_target`,
+`grpo.entropy_target`) live in the optimizer state, in the stage
+`coefficient_stage` adds, so checkpoints and exact resume keep them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +47,9 @@ from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 from ptx.train.step import accumulate_gradients, model_params, reference_params, trainable_loss
 
-# reward(generation, task) -> float32 [R]; task arrays are already repeated to R = B * G rows.
-RewardFn = Callable[[Generation, dict[str, jax.Array]], jax.Array]
+# reward(generation, task) -> float32 [R] or named components {name: [R]}; task arrays are already repeated to
+# R = B * G rows.
+RewardFn = Callable[[Generation, dict[str, jax.Array]], adv_lib.Rewards]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +83,63 @@ class RLSpec:
   rules: sharding.Rules = sharding.DEFAULT_RULES
 
   def __post_init__(self):
-    if self.lora is not None and self.grpo.ref_sync_every > 0:
+    cfg = self.grpo
+    if self.lora is not None and cfg.ref_sync_every > 0:
       raise ValueError("grpo.ref_sync_every: under LoRA the reference is the base model, which is never refreshed")
+    if cfg.reward_combine == "normalize_then_sum" and cfg.advantage != "grpo":
+      raise ValueError(f"grpo.reward_combine='normalize_then_sum' is its own estimator (GDPO); it needs "
+                       f"grpo.advantage='grpo', got {cfg.advantage!r}")
+    if cfg.kl_target is not None and (cfg.kl_placement != "reward" or cfg.beta <= 0 or cfg.kl_target <= 0
+                                      or cfg.kl_horizon <= 0):
+      raise ValueError("grpo.kl_target (adaptive KL) needs kl_placement='reward', beta > 0, kl_target > 0 and "
+                       f"kl_horizon > 0; got {cfg.kl_placement!r}, {cfg.beta}, {cfg.kl_target}, {cfg.kl_horizon}")
+    if cfg.entropy_target is not None and not (
+        cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max):
+      raise ValueError("grpo.entropy_target (adaptive entropy) needs entropy_coef_delta >= 0 and entropy_coef_min "
+                       f"<= entropy_coef <= entropy_coef_max; got {cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, "
+                       f"{cfg.entropy_coef}, {cfg.entropy_coef_max}")
+
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer updates per RL step: the length of the learning-rate schedule is steps times this."""
+    return self.epochs * self.minibatches
+
+
+class Coefficients(NamedTuple):
+  """The adaptive loss coefficients, an optimizer-state stage (float32 scalars)."""
+
+  kl_coef: jax.Array  # beta of KL-in-reward
+  entropy_coef: jax.Array  # c_H
+  entropy_on: jax.Array  # 1 while the last update's mean entropy was <= the target: c_H applies
+
+
+def coefficient_stage(cfg: GRPOConfig) -> optax.GradientTransformation | None:
+  """An optax stage that changes no update and holds `Coefficients`; None when no coefficient adapts.
+
+  Chain it after the optimizer (`fit(optimizer_stage=...)`) when
+  `cfg.kl_target` or `cfg.entropy_target` is set; `learn` updates it.
+  """
+  if cfg.kl_target is None and cfg.entropy_target is None:
+    return None
+  init = lambda params: Coefficients(jnp.float32(cfg.beta), jnp.float32(cfg.entropy_coef), jnp.float32(1.0))
+  return optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
+
+
+def _coefficients(opt_state: Any) -> Coefficients:
+  """The optimizer state's `Coefficients`, with a clear error when the optimizer lacks the stage."""
+  found = optax.tree_utils.tree_get(opt_state, "Coefficients")
+  if found is None:
+    raise ValueError("grpo.kl_target / grpo.entropy_target keep their coefficients in the optimizer state: chain "
+                     "rl_step.coefficient_stage(cfg.grpo) after the optimizer (fit(optimizer_stage=...))")
+  return found
+
+
+def _next_entropy_coef(opt_state: Any, entropy: jax.Array, cfg: GRPOConfig) -> Any:
+  """The optimizer state after the adaptive entropy rule saw an update's mean entropy (a non-finite one is ignored)."""
+  coefs, ok = _coefficients(opt_state), jnp.isfinite(entropy)
+  coef = jnp.where(ok, grpo.adaptive_entropy_coef(coefs.entropy_coef, entropy, cfg), coefs.entropy_coef)
+  on = jnp.where(ok, (entropy <= cfg.entropy_target).astype(jnp.float32), coefs.entropy_on)
+  return optax.tree_utils.tree_set(opt_state, entropy_coef=coef, entropy_on=on)
 
 
 def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation, group_size: int) -> dict[str, jax.Array]:
@@ -123,7 +184,7 @@ def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[s
   return jax.tree.map(split, batch)
 
 
-def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewards: jax.Array, key: jax.Array,
+def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewards: adv_lib.Rewards, key: jax.Array,
           spec: RLSpec, optimizer: optax.GradientTransformation, *,
           proximal: bool = False) -> tuple[TrainState, dict[str, jax.Array]]:
   """The policy update from scored rollouts (call under the mesh, inside a jit).
@@ -133,7 +194,8 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
     batch: `rollout_batch` of the rollouts [R, S], optionally with `keep` [R]
       (0 masks a row out of the loss: an unfilled refill slot).
     gen: the rollouts' Generation (lengths and finish reasons).
-    rewards: raw (un-shaped) rewards [R]; NaN for unscorable samples.
+    rewards: raw (un-shaped) rewards [R], or named components {name: [R]};
+      NaN for unscorable samples.
     key: the update's PRNG key (adapter dropout).
     spec: the static step description.
     optimizer: the optax transformation of the state.
@@ -148,11 +210,12 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   cfg, G = spec.grpo, spec.grpo.group_size
   batch = dict(batch)
   keep = batch.pop("keep", None)
-  valid = ~jnp.isnan(rewards)
+  total = adv_lib.total_reward(rewards, cfg.reward_weights)
+  valid = ~jnp.isnan(total)
   row_mask = valid if keep is None else valid & (keep > 0)
   filter_metrics = {}
   if cfg.filter_groups == "mask":  # static: DAPO's cheap alternative, zero-variance groups leave the loss
-    signal = adv_lib.groups_with_signal(rewards, G)
+    signal = adv_lib.groups_with_signal(total, G)
     row_mask = row_mask & jnp.repeat(signal, G)
     filter_metrics = {"filter_groups/evicted": (~signal).sum().astype(jnp.float32),
                       "filter_groups/pass_rate": signal.mean()}
@@ -164,14 +227,16 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   # measures the sampler-trainer difference: no extra forward pass.
   trainer_logps = batch_logps(model_params(state, spec.lora), batch, spec) if proximal else None
   batch["old_logps"] = trainer_logps if proximal else batch["sampler_logps"]
-  shaped = rewards + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
-                                                                        cfg.overlong_buffer)
+  shaped = total + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
+                                                                      cfg.overlong_buffer)
+  beta = _coefficients(state.opt_state).kl_coef if cfg.kl_target is not None else cfg.beta
   if cfg.beta > 0 and cfg.kl_placement != "none":  # static: the config decides whether a reference exists
     batch["ref_logps"] = batch_logps(reference_params(state), batch, spec)
     if cfg.kl_placement == "reward":
       kl = grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator)
-      shaped = shaped - cfg.beta * (kl * mask).sum(axis=1)
-  batch["advantages"] = adv_lib.advantages(shaped, G, cfg.advantage, eps=cfg.advantage_eps, lengths=gen.lengths)
+      seq_kl = (kl * mask).sum(axis=1)
+      shaped = shaped - beta * seq_kl
+  batch["advantages"] = _advantages(rewards, shaped, total, gen, cfg)
   minis = _minibatches(batch, spec.minibatches, G)
   loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules), state.base,
                            spec.lora)
@@ -180,22 +245,52 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
     params, opt_state = carry
     mb = jax.tree.map(lambda x: x[i % spec.minibatches], minis)
     mb = {**mb, **grpo.aggregation_inputs(mb["loss_mask"], cfg)}
+    if cfg.entropy_target is not None:  # static: c_H of this update, from the previous update's entropy
+      coefs = _coefficients(opt_state)
+      entropy_coef = coefs.entropy_coef * coefs.entropy_on
+      mb["entropy_coef"] = jnp.full(mb["loss_mask"].shape[:1], entropy_coef)
     grads, metrics = accumulate_gradients(loss_fn, params, mb, jax.random.fold_in(key, i), spec.grad_accum)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), {**metrics, "actor/grad_norm": optax.tree.norm(grads)}
+    metrics = {**metrics, "actor/grad_norm": optax.tree.norm(grads)}
+    if cfg.entropy_target is not None:
+      opt_state = _next_entropy_coef(opt_state, metrics["actor/entropy"], cfg)
+      metrics["actor/entropy_coef"] = entropy_coef
+    return (optax.apply_updates(params, updates), opt_state), metrics
 
   (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
                                                  jnp.arange(spec.epochs * spec.minibatches))
   metrics = jax.tree.map(jnp.mean, per_update)
   metrics["rollout/logp_diff_max"] = per_update["rollout/logp_diff_max"][0]  # at the sampling parameters
-  metrics.update(_rollout_metrics(rewards, gen, mask, spec), **filter_metrics)
+  metrics.update(_rollout_metrics(rewards, total, gen, spec), **filter_metrics)
   if proximal:
     metrics.update(_staleness_metrics(mask, trainer_logps, batch["sampler_logps"]))
   metrics["skipped_steps"] = skipped_steps(opt_state)
   if cfg.beta > 0 and cfg.kl_placement != "none":
-    metrics["actor/kl_coef"] = jnp.float32(cfg.beta)
+    metrics["actor/kl_coef"] = jnp.float32(beta)
+  if cfg.kl_target is not None:  # static
+    opt_state, metrics["actor/reward_kl"] = _next_kl_coef(opt_state, beta, seq_kl, mask, cfg)
   state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return _refresh_reference(state, cfg), metrics
+
+
+def _next_kl_coef(opt_state: Any, beta: jax.Array, seq_kl: jax.Array, mask: jax.Array,
+                  cfg: GRPOConfig) -> tuple[Any, jax.Array]:
+  """(optimizer state with the next adaptive beta, the step's KL): verl's mean over rollouts of their token-mean KL."""
+  lengths = mask.sum(axis=1)
+  measured = (seq_kl / jnp.maximum(lengths, 1.0)).sum() / jnp.maximum((lengths > 0).sum(), 1)
+  kl_coef = grpo.adaptive_kl_coef(beta, measured, seq_kl.shape[0], cfg)
+  return optax.tree_utils.tree_set(opt_state, kl_coef=kl_coef), measured
+
+
+def _advantages(rewards: adv_lib.Rewards, shaped: jax.Array, total: jax.Array, gen: Generation,
+                cfg: GRPOConfig) -> jax.Array:
+  """Advantages [R] of the shaped scalar rewards, or GDPO's of the components (the shaping one more, weight 1)."""
+  if cfg.reward_combine == "sum_then_normalize":
+    return adv_lib.advantages(shaped, cfg.group_size, cfg.advantage, eps=cfg.advantage_eps, lengths=gen.lengths)
+  components, weights = adv_lib.components(rewards), adv_lib.component_weights(rewards, cfg.reward_weights)
+  if cfg.overlong_buffer > 0 or (cfg.kl_placement == "reward" and cfg.beta > 0):  # static: shaping exists
+    components, weights = jnp.concatenate([components, (shaped - total)[None]]), (*weights, 1.0)
+  return adv_lib.normalize_then_sum(components, weights, cfg.group_size, eps=cfg.advantage_eps)
 
 
 def _refresh_reference(state: TrainState, cfg: GRPOConfig) -> TrainState:
@@ -220,7 +315,8 @@ def sample_kept_groups(params: Any, batch: dict[str, Any], key: jax.Array, spec:
   crash). Without refill, one round of B prompts.
 
   Returns:
-    (rollout batch with `keep` [R], generation, raw rewards [R], metrics).
+    (rollout batch with `keep` [R], generation, raw rewards [R] or their
+    components, metrics).
   """
   G, rounds = spec.grpo.group_size, 1 + (spec.grpo.max_refill_rounds if spec.grpo.filter_groups == "refill" else 0)
   if batch["prompts"].shape[0] % rounds:
@@ -235,8 +331,8 @@ def sample_kept_groups(params: Any, batch: dict[str, Any], key: jax.Array, spec:
     rewards = reward_fn(gen, task)
     by_group = lambda x: x.reshape(B, G, *x.shape[1:])
     rows = {"batch": jax.tree.map(by_group, rollout_batch(prompts, lengths, gen, G)),
-            "gen": jax.tree.map(by_group, gen), "rewards": by_group(rewards)}
-    return rows, adv_lib.groups_with_signal(rewards, G)
+            "gen": jax.tree.map(by_group, gen), "rewards": jax.tree.map(by_group, rewards)}
+    return rows, adv_lib.groups_with_signal(adv_lib.total_reward(rewards, spec.grpo.reward_weights), G)
 
   first, signal = sample_round(0)
   if rounds == 1:
@@ -331,19 +427,22 @@ def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:
   return sample_key, update_key
 
 
-def _rollout_metrics(rewards, gen: Generation, mask, spec: RLSpec):
-  """Reward and length metrics (spec section 5.10 names)."""
+def _rollout_metrics(rewards, total, gen: Generation, spec: RLSpec):
+  """Reward and length metrics (spec section 5.10 names), `reward/{component}/mean` for named components."""
   G = spec.grpo.group_size
   lengths = gen.lengths.astype(jnp.float32)
-  scored = ~jnp.isnan(rewards)
-  r = jnp.where(scored, rewards, 0.0)
+  scored_mean = lambda x: jnp.where(jnp.isnan(x), 0.0, x).sum() / jnp.maximum((~jnp.isnan(x)).sum(), 1)
+  components = {f"reward/{k}/mean": scored_mean(v) for k, v in rewards.items()} if isinstance(rewards, dict) else {}
+  scored = ~jnp.isnan(total)
+  r = jnp.where(scored, total, 0.0)
   n_scored = jnp.maximum(scored.sum(), 1)
-  mean = r.sum() / n_scored
+  mean = scored_mean(total)
   return {
+      **components,
       "reward/mean": mean,
       "reward/std": jnp.sqrt((jnp.where(scored, r - mean, 0.0) ** 2).sum() / n_scored),
       "reward/unscored_frac": 1.0 - scored.mean(),
-      "frac_reward_zero_std": jnp.mean(~adv_lib.groups_with_signal(rewards, G)) if G > 1 else jnp.float32(1.0),
+      "frac_reward_zero_std": jnp.mean(~adv_lib.groups_with_signal(total, G)) if G > 1 else jnp.float32(1.0),
       "response_length/mean": lengths.mean(),
       "response_length/max": lengths.max(),
       "response_length/min": lengths.min(),

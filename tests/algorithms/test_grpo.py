@@ -170,3 +170,60 @@ def test_every_aggregation_mode_is_invariant_to_the_micro_batch_split(tiny_confi
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), gk, g1)
   # The whole-batch loss is exactly sum(w * per-token terms).
   assert np.isfinite(float(m1["loss"])) and float(m1["weight"]) == pytest.approx(float(batch["agg_total"][0]))
+
+
+def test_reward_components_sum_then_normalize_and_gdpo_normalize_then_sum_by_hand():
+  rewards = {"b_format": jnp.asarray([0.0, 1.0, 0.0, 0.0]), "a_correct": jnp.asarray([1.0, 0.0, 1.0, 1.0])}
+  weights = adv_lib.component_weights(rewards, (1.0, 0.5))  # sorted names: a_correct 1.0, b_format 0.5
+  total = adv_lib.total_reward(rewards, (1.0, 0.5))
+  np.testing.assert_allclose(total, [1.0, 0.5, 1.0, 1.0])
+  np.testing.assert_allclose(adv_lib.advantages(total, 2, "grpo"), [0.707107, -0.707107, 0.0, 0.0],
+                             rtol=1e-5)
+  # GDPO: a_correct -> [+0.7071, -0.7071, 0, 0], b_format -> [-0.7071, +0.7071, 0, 0] per group; 1 a + 0.5 b =
+  # [0.3536, -0.3536, 0, 0], then over the batch: mean 0, unbiased std sqrt(0.25 / 3) -> +-sqrt(1.5).
+  gdpo = adv_lib.normalize_then_sum(adv_lib.components(rewards), weights, 2)
+  np.testing.assert_allclose(gdpo, [1.224745, -1.224745, 0.0, 0.0], rtol=1e-5)
+  with_nan = {**rewards, "b_format": jnp.asarray([0.0, 1.0, np.nan, 0.0])}  # unscorable in one component
+  assert float(adv_lib.normalize_then_sum(adv_lib.components(with_nan), weights, 2)[2]) == 0.0
+  assert np.isnan(float(adv_lib.total_reward(with_nan)[2]))
+
+
+def test_reward_weights_must_match_the_components():
+  with pytest.raises(ValueError, match=r"2 weights for the reward components \['a', 'b', 'c'\]"):
+    adv_lib.total_reward({k: jnp.zeros(2) for k in "cab"}, (1.0, 2.0))
+  with pytest.raises(ValueError, match="no named components"):
+    adv_lib.total_reward(jnp.zeros(2), (1.0,))
+  np.testing.assert_array_equal(adv_lib.total_reward(jnp.asarray([1.0, 2.0])), [1.0, 2.0])
+
+
+def test_adaptive_kl_coefficient_follows_verl_rule():
+  cfg = GRPOConfig(kl_placement="reward", beta=0.1, kl_target=0.05, kl_horizon=1000)
+  coef = lambda kl: float(grpo.adaptive_kl_coef(jnp.float32(0.1), jnp.float32(kl), 100, cfg))
+  assert coef(0.055) == pytest.approx(0.1 * (1 + 0.1 * 100 / 1000))  # KL 10% over target
+  assert coef(0.5) == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))  # error clipped at +0.2
+  assert coef(0.0) == pytest.approx(0.1 * (1 - 0.2 * 100 / 1000))  # and at -0.2
+
+
+def test_adaptive_entropy_coefficient_moves_by_delta_within_bounds():
+  cfg = GRPOConfig(entropy_coef=0.01, entropy_target=0.3, entropy_coef_delta=0.004, entropy_coef_min=0.002,
+                   entropy_coef_max=0.012)
+  coef = lambda c, h: float(grpo.adaptive_entropy_coef(jnp.float32(c), jnp.float32(h), cfg))
+  assert coef(0.005, 0.2) == pytest.approx(0.009)  # entropy below target: up
+  assert coef(0.005, 0.3) == pytest.approx(0.009)  # at the target counts as below
+  assert coef(0.01, 0.2) == pytest.approx(0.012)  # capped at the maximum
+  assert coef(0.01, 0.4) == pytest.approx(0.006)  # above target: down
+  assert coef(0.004, 0.4) == pytest.approx(0.002)  # floored at the minimum
+
+
+def test_an_entropy_coefficient_in_the_batch_replaces_the_configs(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  fixed = GRPOConfig(group_size=2, entropy_coef=0.03, max_response_tokens=8)
+  params = init_params(cfg, jax.random.key(0))
+  batch = _rollout_batch(cfg, fixed)
+  grad = lambda g, b: jax.jit(jax.grad(functools.partial(grpo.loss, model=cfg, grpo=g), has_aux=True))(
+      params, b, jax.random.key(1))
+  want, want_metrics = grad(fixed, batch)
+  got, got_metrics = grad(dataclasses.replace(fixed, entropy_coef=0.0),
+                          {**batch, "entropy_coef": np.full(8, 0.03, np.float32)})
+  np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), got, want)
