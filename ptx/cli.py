@@ -255,7 +255,8 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
     make_step = functools.partial(rl_host.HostRewardStep, spec=rl_step.RLSpec(grpo=cfg.grpo, **common),
                                   reward=reward, prompts=prompts)
   state, summary = fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
-                       with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress)
+                       with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress,
+                       optimizer_stage=rl_step.coefficient_stage(cfg.grpo))
   _export(state, cfg, args, summary, tokenizer)
 
 
