@@ -311,8 +311,8 @@ class GRPOConfig:
   kl_target: float | None = None
   # Horizon of the adaptive KL coefficient, in rollouts (verl's and OpenRLHF's unit).
   kl_horizon: int = 10000
-  # Adaptive entropy coefficient: the target mean entropy (None: c_H stays entropy_coef); c_H applies only while
-  # the last update's mean entropy is <= target and moves +-entropy_coef_delta each optimizer update.
+  # Adaptive entropy coefficient: the target mean entropy (None: c_H stays entropy_coef); c_H applies to the first
+  # update, then only while the last update's mean entropy is <= target, and moves +-entropy_coef_delta each update.
   entropy_target: float | None = None
   # Step of the adaptive entropy coefficient per optimizer update.
   entropy_coef_delta: float = 0.0
