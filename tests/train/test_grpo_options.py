@@ -183,3 +183,19 @@ def test_a_resumed_run_continues_with_the_checkpointed_coefficients(tmp_path, ti
   jax.tree.map(np.testing.assert_array_equal, _coefficients(resumed), want)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params,
                straight.params)
+
+
+def _first_sample_of_odd_prompts(tokens, lengths, tasks):
+  """Components where only prompts with an odd first operand give a group with signal."""
+  odd = np.repeat([int(t["prompt"].split("+")[0]) % 2 for t in tasks], 2)
+  return {"hit": (odd * (np.arange(len(odd)) % 2 == 0)).astype(np.float32), "zero": np.zeros(len(odd), np.float32)}
+
+
+def test_host_refill_with_reward_components(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, filter_groups="refill",
+                        max_refill_rounds=3)
+  _, history = _run(cfg, grpo_cfg, 1, reward=_first_sample_of_odd_prompts, host=True)
+  m = history[0]
+  assert m["filter_groups/unfilled"] == 0.0 and m["filter_groups/rounds"] >= 2
+  assert m["reward/hit/mean"] == pytest.approx(0.5) and m["reward/zero/mean"] == 0.0  # every kept group: 1, 0
