@@ -128,7 +128,7 @@ class HostRewardStep:
     optimizer: the optax transformation of the state.
     mesh: the device mesh.
     state_shardings: the state's shardings.
-    reward: scores a batch on the host.
+    reward: scores a batch on the host (one reward, or named components).
     prompts: the prompt stream `fit` also reads (its `next` gives the
       step's batch; the step peeks the next `max_staleness`).
   """
