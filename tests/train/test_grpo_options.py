@@ -131,17 +131,6 @@ def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equ
                host.params, fused.params)
 
 
-def test_an_entropy_over_target_switches_the_bonus_off_and_lowers_it(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", entropy_coef=0.01, entropy_target=0.0,
-                        entropy_coef_delta=0.004)
-  state, history = _run(cfg, grpo_cfg, 2, reward=_weighted_sum)
-  # Update 1 applies c_H = 0.01 (no entropy measured yet); its entropy > 0 switches update 2's bonus off.
-  assert [m["actor/entropy_coef"] for m in history] == pytest.approx([0.01, 0.0])
-  final = _coefficients(state)
-  assert float(final.entropy_coef) == pytest.approx(0.002) and float(final.entropy_on) == 0.0
-
-
 @pytest.mark.parametrize("bad, match", [
     (dict(kl_target=0.1, kl_placement="loss"), "kl_placement='reward'"),
     (dict(entropy_target=0.5, entropy_coef=2.0), "entropy_coef_min <= entropy_coef <= entropy_coef_max"),
