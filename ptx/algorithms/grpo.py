@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.config import GRPOConfig, ModelConfig
-from ptx.models.decoder import forward, token_log_probs
+from ptx.models.decoder import token_log_probs
+from ptx.models.shared_prefix import rollout_logits
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                 "prompt_mean", "token_sum")
@@ -143,7 +144,8 @@ def importance_weights(old_logps: jax.Array, sampler_logps: jax.Array, mask: jax
 
 
 def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: ModelConfig, grpo: GRPOConfig,
-         rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, dict[str, jax.Array]]:
+         rules: sharding.Rules = sharding.DEFAULT_RULES,
+         prompt_len: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The GRPO-family loss of one micro-batch, weighted by the global `agg_weights`.
 
   Returns:
@@ -156,8 +158,8 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     |logp - sampler logp| of the micro-batch.
   """
   del rng
-  logits = forward(params, batch["tokens"], model, positions=batch["positions"],
-                   segment_ids=batch["segment_ids"], rules=rules)
+  # With prompt_len, the rows are whole groups of G over one prompt, which then runs once per group.
+  logits = rollout_logits(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len, rules=rules)
   mask = batch["loss_mask"].astype(jnp.float32)
   w = batch["agg_weights"] * mask
   total = w.sum()

@@ -40,7 +40,7 @@ from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
 from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
-from ptx.models.decoder import forward
+from ptx.models.shared_prefix import rollout_logits
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.sampling.rules import SamplingConfig
 from ptx.train.optimizer import skipped_steps
@@ -168,9 +168,20 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
   """Per-token log-probs [R, S] of the batch's tokens under `params` (float32, no gradient)."""
-  logits = forward(params, batch["tokens"], spec.model, positions=batch["positions"],
-                   segment_ids=batch["segment_ids"], rules=spec.rules)
+  logits = rollout_logits(params, batch, spec.model, group_size=spec.grpo.group_size,
+                          prompt_len=_shared_prompt_len(batch, spec), rules=spec.rules)
   return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"]))
+
+
+def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
+  """P of a `rollout_batch` (prompt columns, then max_new_tokens sampled ones), when the prompt can be shared.
+
+  Adapters with dropout draw per layer inside the loss, which the cached
+  prompt pass does not thread through, so LoRA keeps the plain forward.
+  """
+  if spec.lora is not None:
+    return None
+  return batch["tokens"].shape[1] - spec.max_new_tokens
 
 
 def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[str, jax.Array]:
@@ -238,7 +249,10 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
       shaped = shaped - beta * seq_kl
   batch["advantages"] = _advantages(rewards, shaped, total, gen, cfg)
   minis = _minibatches(batch, spec.minibatches, G)
-  loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules), state.base,
+  # Micro-batches (grad_accum) take strided rows, which breaks groups apart: their prompts are not shared.
+  prompt_len = _shared_prompt_len(batch, spec) if spec.grad_accum == 1 else None
+  loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules,
+                                             prompt_len=prompt_len), state.base,
                            spec.lora)
 
   def update(carry, i):
