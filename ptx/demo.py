@@ -120,7 +120,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
       epochs=RL_EPOCHS, minibatches=RL_MINIBATCHES)
   state, rl_summary = fit(rl_cfg, train_data=prompts, out=out / "grpo", make_step=make_step,
                           init_params=state.params, with_reference=cfg.grpo.beta > 0, resume=resume,
-                          progress=progress)
+                          progress=progress, updates_per_step=RL_EPOCHS * RL_MINIBATCHES)
   after_rl = evaluate(state.params)
   exported = export_hf(state, cfg, out, tokenizer)
   stages = {"initial model": before, f"SFT ({sft_summary['step']} steps)": after_sft,
@@ -141,15 +141,17 @@ def write_plots(out: pathlib.Path, stages: dict[str, dict[str, float]]) -> list[
   """OUT/plots/: SFT loss, GRPO reward and response length over steps, and accuracy per stage."""
   sft_records = plots.read_metrics(out / "sft" / "metrics.jsonl")
   rl_records = plots.read_metrics(out / "grpo" / "metrics.jsonl")
-  return [
-      plots.plot_curves(sft_records, {"loss": "train loss", "eval/loss": "held-out loss"}, out / "plots" / "sft_loss.png",
-                        title="SFT on 2-digit addition", ylabel="cross-entropy (nats / answer token)"),
-      plots.plot_curves(rl_records, {"reward/mean": "mean exact-match reward of the rollouts"},
-                        out / "plots" / "grpo_reward.png", title="GRPO: reward over steps",
-                        ylabel="reward (fraction of samples correct)"),
-      plots.plot_curves(rl_records, {"response_length/mean": "mean", "response_length/max": "max"},
-                        out / "plots" / "grpo_response_length.png", title="GRPO: response length over steps",
-                        ylabel="response length (tokens, incl. eos)"),
-      plots.plot_stages(stages, out / "plots" / "accuracy.png",
-                        title=f"Held-out {MAX_DIGITS}-digit addition before and after each stage"),
-  ]
+  written = [plots.plot_curves(sft_records, {"loss": "train loss", "eval/loss": "held-out loss"},
+                               out / "plots" / "sft_loss.png", title="SFT on 2-digit addition",
+                               ylabel="cross-entropy (nats / answer token)")]
+  if any("reward/mean" in record for record in rl_records):  # --rl-steps 0 logs no GRPO step
+    written += [
+        plots.plot_curves(rl_records, {"reward/mean": "mean exact-match reward of the rollouts"},
+                          out / "plots" / "grpo_reward.png", title="GRPO: reward over steps",
+                          ylabel="reward (fraction of samples correct)"),
+        plots.plot_curves(rl_records, {"response_length/mean": "mean", "response_length/max": "max"},
+                          out / "plots" / "grpo_response_length.png", title="GRPO: response length over steps",
+                          ylabel="response length (tokens, incl. eos)"),
+    ]
+  return written + [plots.plot_stages(stages, out / "plots" / "accuracy.png",
+                                      title=f"Held-out {MAX_DIGITS}-digit addition before and after each stage")]

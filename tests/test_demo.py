@@ -62,3 +62,10 @@ def test_demo_exports_an_hf_model_transformers_reproduces(demo_run):
   ours = load_hf(hf)
   got = np.asarray(ours(np.asarray([ids], np.int32)))
   np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_demo_without_rl_steps_plots_the_sft_stage_only(tmp_path):
+  out = tmp_path / "out"
+  cli.main(["demo", "--out", str(out), "--no-progress", "--train.steps=4", "--train.log_every=2",
+            "--data.batch_size=16", "--rl-steps=0"])
+  assert sorted(p.name for p in (out / "plots").iterdir()) == ["accuracy.png", "sft_loss.png"]
