@@ -8,9 +8,10 @@ the shared K/V, the same gradients) as the plain forward over [prompt,
 completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of 384 for
 the CPU anchor's 4 x 4 rollouts of 32 + 64 tokens.
 
-The mechanism is the sampler's: the prompts fill a KV cache
-(`ptx.models.kv_cache`), `kv_cache.repeat` hands each prompt's cache to its
-G rows, and the completions run against it (`decoder.forward_with_cache`).
+The mechanism is the sampler's, `prefill_groups`: the prompts fill a KV
+cache (`ptx.models.kv_cache`), `kv_cache.repeat` hands each prompt's cache
+to its G rows, and the completions run against it
+(`decoder.forward_with_cache`).
 The cache attention is differentiable when the rollout fits one attention
 block (`fits`); `rollout_logits` takes the plain forward for longer
 rollouts, for ring attention (long contexts shard the sequence, not a cache)
@@ -31,6 +32,31 @@ from ptx.models.decoder import Params, forward, forward_with_cache
 def fits(prompt_len: int, seq_len: int) -> bool:
   """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes."""
   return 0 < prompt_len < seq_len <= kv_cache.BLOCK_SLOTS
+
+
+def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache: kv_cache.KVCache,
+                   cfg: ModelConfig, group_size: int, chunk: int, rules: sharding.Rules = sharding.DEFAULT_RULES
+                   ) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Writes B left-padded prompts [B, P] into the cache `chunk` columns at a time, then gives each to G rows.
+
+  Returns:
+    (float32 logits [B * G, V] of each prompt's last token, the cache of
+    B * G rows, row b * G + g holding prompt b).
+  """
+  B, P = prompt_tokens.shape
+  chunk = min(chunk, P)
+  # Padding columns get position 0; their slots lie before the row's start and are never attended to.
+  positions_BP = jnp.maximum(jnp.arange(P, dtype=jnp.int32)[None, :] - (P - prompt_lengths)[:, None], 0)
+
+  def run(first: jax.Array | int, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+    columns = lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk, axis=1)  # noqa: E731
+    return forward_with_cache(params, columns(prompt_tokens), cfg, cache, positions=columns(positions_BP),
+                              last_only=True, rules=rules)
+
+  # Only the last chunk's logits are used; the loop's are dead code.
+  cache = jax.lax.fori_loop(0, P // chunk - 1, lambda i, cache: run(i * chunk, cache)[1], cache)
+  logits_B1V, cache = run(P - chunk, cache)
+  return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
 
 
 def rollout_logits(
@@ -75,7 +101,9 @@ def grouped_logits(
     tokens: int32 [R, S]: R = B * G rows, row b * G + g the g-th rollout of
       prompt b; columns [0, P) the left-padded prompt (identical within a
       group), then the completion.
-    positions: int32 [R, S] positions (0 on prompt padding).
+    positions: int32 [R, S] positions: 0 on prompt padding, then counting
+      from each prompt's first token (the prompt's own are derived from its
+      length, as the sampler derives them).
     segment_ids: int32 [R, S]; 0 marks padding (prompt padding is read from
       the group's first row).
     cfg: the model config.
@@ -97,9 +125,7 @@ def grouped_logits(
                      f"attention block of {kv_cache.BLOCK_SLOTS} slots (check `fits` first)")
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
   cache = kv_cache.init_cache(cfg, R // G, S, starts=P - prompt_lengths, rules=rules)
-  last_B1V, cache = forward_with_cache(params, tokens[::G, :P], cfg, cache, positions=positions[::G, :P],
-                                       last_only=True, rules=rules)
-  completion_RNV, _ = forward_with_cache(params, tokens[:, P:], cfg, kv_cache.repeat(cache, G, rules),
-                                         positions=positions[:, P:], rules=rules)
+  last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cache, cfg, G, P, rules)
+  completion_RNV, _ = forward_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
   unscored = jnp.zeros((R, P - 1, completion_RNV.shape[-1]), completion_RNV.dtype)
-  return jnp.concatenate([unscored, jnp.repeat(last_B1V, G, axis=0), completion_RNV], axis=1)
+  return jnp.concatenate([unscored, last_RV[:, None], completion_RNV], axis=1)

@@ -32,6 +32,7 @@ from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward_with_cache, token_log_probs, unstack_layers
+from ptx.models.shared_prefix import prefill_groups
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
 
@@ -119,7 +120,7 @@ def generate_padded(
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
   phases = _phase_slots(P, budget, _seq_devices(rules))
   cache = kv_cache.init_cache(cfg, B, phases[0], starts=P - prompt_lengths, int8=kv_int8, rules=rules)
-  prefill_logits_RV, cache = _prefill(params, prompt_tokens, prompt_lengths, cache, cfg, group_size,
+  prefill_logits_RV, cache = prefill_groups(params, prompt_tokens, prompt_lengths, cache, cfg, group_size,
                                       prefill_chunk or P, rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
   stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
@@ -159,26 +160,6 @@ def generate_padded(
                               loop._replace(cache=kv_cache.grow(loop.cache, slots, rules)))
   return Generation(tokens=loop.tokens, lengths=loop.lengths,
                     finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
-
-
-def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache: kv_cache.KVCache,
-             cfg: ModelConfig, group_size: int, chunk: int, rules: sharding.Rules
-             ) -> tuple[jax.Array, kv_cache.KVCache]:
-  """Writes the left-padded prompts into the cache `chunk` columns at a time, then repeats cache and last logits G times."""
-  B, P = prompt_tokens.shape
-  chunk = min(chunk, P)
-  # Padding columns get position 0; their slots lie before the row's start and are never attended to.
-  positions_BP = jnp.maximum(jnp.arange(P, dtype=jnp.int32)[None, :] - (P - prompt_lengths)[:, None], 0)
-
-  def run(first: jax.Array | int, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
-    columns = lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk, axis=1)  # noqa: E731
-    return forward_with_cache(params, columns(prompt_tokens), cfg, cache, positions=columns(positions_BP),
-                              last_only=True, rules=rules)
-
-  # Only the last chunk's logits are used; the loop's are dead code.
-  cache = jax.lax.fori_loop(0, P // chunk - 1, lambda i, cache: run(i * chunk, cache)[1], cache)
-  logits_B1V, cache = run(P - chunk, cache)
-  return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
 
 
 # The arguments of `generate_padded` that are static under jit.
