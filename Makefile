@@ -24,8 +24,9 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# Two workers, whole files each (a module's fixtures run once); XLA alone keeps 2 cores ~70% busy.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/ptx demo

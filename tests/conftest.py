@@ -1,16 +1,42 @@
-"""Test setup: 8 fake CPU devices before JAX is imported, strict numerics."""
+"""Test setup: 8 fake CPU devices before JAX is imported, strict numerics, one compilation cache per run."""
 
+import gc
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests build many identical programs through fresh jits (every init_state, every CLI subprocess), and
+# XLA:CPU spends seconds on each. A persistent cache shared by this run's xdist workers and the
+# subprocesses they start (which inherit the environment) compiles each of them once. Set
+# PTX_TEST_COMPILE_CACHE=0 to compile everything afresh.
+# The xdist controller loads this file first, so its workers inherit its directory.
+_OWN_CACHE = (os.environ.get("PTX_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+              and "PYTEST_XDIST_WORKER" not in os.environ)
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptx-test-jax-cache-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS above)
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_threefry_partitionable", True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops the in-memory compiled programs after each test module.
+
+  A whole run keeps several GB of executables and their buffers alive
+  otherwise; later modules rarely reuse an earlier module's programs, and
+  the persistent cache above still serves the ones they do.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture
@@ -34,3 +60,9 @@ def tiny_config():
 
   return ModelConfig(vocab_size=264, d_model=40, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=14,
                      mlp_dim=96, rope_theta=10_000.0, init_std=0.1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Removes the compilation cache this process created (the controller's, under xdist)."""
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
