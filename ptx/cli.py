@@ -231,6 +231,9 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
   tokenizer = ByteTokenizer() if data.tokenizer == "byte" else load_tokenizer(data.tokenizer)
   if cfg.model.vocab_size < tokenizer.vocab_size:
     error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+  if data.batch_size % cfg.grpo.minibatches:
+    error(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} (the prompts "
+          "of a step, each a group)")
   lora = cfg.lora if cfg.lora.rank > 0 else None
   common = dict(model=cfg.model, sampling=SamplingConfig(), max_new_tokens=cfg.grpo.max_response_tokens,
                 stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum, lora=lora)
@@ -256,7 +259,7 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
                                   reward=reward, prompts=prompts)
   state, summary = fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
                        with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress,
-                       optimizer_stage=rl_step.coefficient_stage(cfg.grpo))
+                       optimizer_stage=rl_step.coefficient_stage(cfg.grpo), updates_per_step=cfg.grpo.updates_per_step)
   _export(state, cfg, args, summary, tokenizer)
 
 

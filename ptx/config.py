@@ -320,6 +320,20 @@ class GRPOConfig:
   entropy_coef_min: float = 0.0
   # Upper bound of the adaptive entropy coefficient.
   entropy_coef_max: float = 1.0
+  # PPO epochs (mu): passes over one step's rollouts.
+  epochs: int = 1
+  # Optimizer updates per epoch, each over whole groups (group g in mini-batch g % minibatches), each normalising
+  # over its own rows; must divide the prompts of a step.
+  minibatches: int = 1
+
+  def __post_init__(self):
+    if self.epochs < 1 or self.minibatches < 1:
+      raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer updates per RL step: the learning-rate schedule spans steps times this."""
+    return self.epochs * self.minibatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,7 +485,10 @@ def _replace_path(node: Any, keys: list[str], raw: str, path: str) -> Any:
     value = _parse(typing.get_type_hints(type(node))[keys[0]], raw, path)
   else:
     value = _replace_path(getattr(node, keys[0]), keys[1:], raw, path)
-  return dataclasses.replace(node, **{keys[0]: value})
+  try:
+    return dataclasses.replace(node, **{keys[0]: value})
+  except ValueError as e:  # a config class's own check (__post_init__)
+    raise ConfigError(f"--{path}: {e}") from e
 
 
 def _parse(hint: Any, raw: str, path: str) -> Any:

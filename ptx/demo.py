@@ -50,8 +50,6 @@ MAX_DIGITS = 2
 # prompts at constant lr 3e-4 collapsed entropy (38.4% at 150 steps), 1e-3 diverged (8.7%); with lr decayed to 0 over
 # 400 steps, 32 / 64 / 128 prompts reached 43.3% / 46.8% / 49.5%: less gradient noise, more learning.
 RL_PROMPTS, RL_OPTIM = 128, OptimizerConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.0, weight_decay=0.0)
-# Passes over each step's rollouts (PPO's mu) and optimizer updates per pass.
-RL_EPOCHS, RL_MINIBATCHES = 1, 1
 # Sampled pass@k (temperature 1) is measured on the first held-out problems.
 SAMPLED_TASKS, K = 256, 8
 # "99+99=" after bos fits 8 tokens; "198" then eos fits 4.
@@ -116,11 +114,10 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
                           prompt_len=PROMPT_LEN, answer_width=ANSWER_WIDTH)
   make_step = functools.partial(
       make_grpo_step, model=cfg.model, cfg=cfg.grpo, reward_fn=token_rewards.target_reward,
-      sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
-      epochs=RL_EPOCHS, minibatches=RL_MINIBATCHES)
+      sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   state, rl_summary = fit(rl_cfg, train_data=prompts, out=out / "grpo", make_step=make_step,
                           init_params=state.params, with_reference=cfg.grpo.beta > 0, resume=resume,
-                          progress=progress, updates_per_step=RL_EPOCHS * RL_MINIBATCHES)
+                          progress=progress, updates_per_step=cfg.grpo.updates_per_step)
   after_rl = evaluate(state.params)
   exported = export_hf(state, cfg, out, tokenizer)
   stages = {"initial model": before, f"SFT ({sft_summary['step']} steps)": after_sft,

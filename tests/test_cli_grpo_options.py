@@ -1,10 +1,12 @@
-"""`ptx grpo --grpo.kl_target=... --grpo.entropy_target=...`: the adaptive coefficients reach the run and its log."""
+"""`ptx grpo` options from the command line: adaptive KL and entropy coefficients, PPO epochs and mini-batches."""
 
+import dataclasses
 import json
 
 import pytest
 
-from ptx import cli
+from ptx import cli, demo
+from ptx.train.optimizer import learning_rate_schedule
 
 
 def test_adaptive_kl_and_entropy_coefficients_from_the_command_line(tmp_path):
@@ -19,3 +21,22 @@ def test_adaptive_kl_and_entropy_coefficients_from_the_command_line(tmp_path):
   # A random byte model's entropy (~ln 264) is over the target: c_H applies to the first update only.
   assert first["actor/entropy"] > 0.5
   assert first["actor/entropy_coef"] == pytest.approx(0.05) and second["actor/entropy_coef"] == 0.0
+
+
+def test_ppo_epochs_and_minibatches_from_the_command_line_span_the_lr_schedule(tmp_path, capsys):
+  args = ["grpo", "--out", str(tmp_path), "--no-progress", "--model.n_layers=1", "--model.d_model=64",
+          "--model.mlp_dim=128", "--train.steps=2", "--train.log_every=1", "--data.batch_size=8",
+          "--grpo.group_size=2", "--optim.lr=0.001", "--optim.warmup_steps=8", "--mesh.data=2", "--mesh.fsdp=4"]
+  with pytest.raises(SystemExit):
+    cli.main(args + ["--grpo.epochs=2", "--grpo.minibatches=3"])
+  assert "grpo.minibatches=3 must divide data.batch_size=8" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(args + ["--grpo.epochs=0"])
+  assert "--grpo.epochs: grpo.epochs and grpo.minibatches must be >= 1" in capsys.readouterr().err
+  cli.main(args + ["--grpo.epochs=2", "--grpo.minibatches=2"])
+  first, second = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  # A step logs the lr of its first update; 2 epochs x 2 mini-batches make 4 updates a step, 8 in the run.
+  schedule = learning_rate_schedule(dataclasses.replace(demo.RL_OPTIM, lr=0.001, warmup_steps=8), 8)
+  assert first["lr"] == pytest.approx(float(schedule(0)), abs=1e-9)
+  assert second["lr"] == pytest.approx(float(schedule(4))) and second["lr"] != pytest.approx(float(schedule(1)))
+  assert json.loads((tmp_path / "config.json").read_text())["grpo"]["minibatches"] == 2

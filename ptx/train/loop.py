@@ -80,7 +80,7 @@ def fit(
       (implied by `prepare`).
     progress: show a progress bar.
     updates_per_step: optimizer updates one step makes (an RL step's epochs x
-      mini-batches, `RLSpec.updates_per_step`): the learning-rate schedule
+      mini-batches, `GRPOConfig.updates_per_step`): the learning-rate schedule
       spans `cfg.train.steps` times this many updates.
     optimizer_stage: an optax stage chained after the optimizer, whose state
       the step reads and writes (`rl_step.coefficient_stage`).

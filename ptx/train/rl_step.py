@@ -5,8 +5,8 @@ The pieces, shared by the fused step here and the host-reward mode
   `sample`    G completions per prompt from the policy (base + adapters under
               LoRA), in-graph; the KV cache and parameters never leave the mesh
   `learn`     from scored rollouts: trainer and reference log-probs, reward
-              shaping, advantages, group filtering, then `epochs` passes of
-              `minibatches` optimizer updates with the GRPO loss
+              shaping, advantages, group filtering, then `grpo.epochs` passes of
+              `grpo.minibatches` optimizer updates with the GRPO loss
 `make_grpo_step` jits `sample`, an in-graph reward and `learn` (with DAPO's
 refill of zero-variance groups when `filter_groups="refill"`) as one
 executable per RL step. On-policy, the behaviour log-probs are the
@@ -63,8 +63,6 @@ class RLSpec:
     max_new_tokens: the completion budget N.
     stop_ids: ids that end a completion.
     pad_id: the pad token of prompts and finished rows.
-    epochs: passes (mu) over the rollouts per step.
-    minibatches: optimizer updates per pass; each normalises over its own rows.
     grad_accum: micro-batches per update.
     lora: the adapters' config when `state.params` are LoRA adapters, else None.
     rules: sharding rules.
@@ -76,8 +74,6 @@ class RLSpec:
   max_new_tokens: int
   stop_ids: tuple[int, ...]
   pad_id: int = 0
-  epochs: int = 1
-  minibatches: int = 1
   grad_accum: int = 1
   lora: LoRAConfig | None = None
   rules: sharding.Rules = sharding.DEFAULT_RULES
@@ -98,11 +94,6 @@ class RLSpec:
       raise ValueError("grpo.entropy_target (adaptive entropy) needs entropy_coef_delta >= 0 and entropy_coef_min "
                        f"<= entropy_coef <= entropy_coef_max; got {cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, "
                        f"{cfg.entropy_coef}, {cfg.entropy_coef_max}")
-
-  @property
-  def updates_per_step(self) -> int:
-    """Optimizer updates per RL step: the length of the learning-rate schedule is steps times this."""
-    return self.epochs * self.minibatches
 
 
 class Coefficients(NamedTuple):
@@ -186,6 +177,9 @@ def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
 
 def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[str, jax.Array]:
   """[n, R / n, ...]: whole groups, group g in mini-batch g % n (spread over the batch shards)."""
+  groups = jax.tree.leaves(batch)[0].shape[0] // group_size
+  if groups % n:
+    raise ValueError(f"grpo.minibatches={n} must divide the {groups} prompts (groups) of a step")
 
   def split(x):
     groups = x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
@@ -248,7 +242,7 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
       seq_kl = (kl * mask).sum(axis=1)
       shaped = shaped - beta * seq_kl
   batch["advantages"] = _advantages(rewards, shaped, total, gen, cfg)
-  minis = _minibatches(batch, spec.minibatches, G)
+  minis = _minibatches(batch, cfg.minibatches, G)
   # Micro-batches (grad_accum) take strided rows, which breaks groups apart: their prompts are not shared.
   prompt_len = _shared_prompt_len(batch, spec) if spec.grad_accum == 1 else None
   loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules,
@@ -257,7 +251,7 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
 
   def update(carry, i):
     params, opt_state = carry
-    mb = jax.tree.map(lambda x: x[i % spec.minibatches], minis)
+    mb = jax.tree.map(lambda x: x[i % cfg.minibatches], minis)
     mb = {**mb, **grpo.aggregation_inputs(mb["loss_mask"], cfg)}
     if cfg.entropy_target is not None:  # static: c_H of this update, from the previous update's entropy
       coefs = _coefficients(opt_state)
@@ -272,7 +266,7 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
     return (optax.apply_updates(params, updates), opt_state), metrics
 
   (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
-                                                 jnp.arange(spec.epochs * spec.minibatches))
+                                                 jnp.arange(cfg.updates_per_step))
   metrics = jax.tree.map(jnp.mean, per_update)
   metrics["rollout/logp_diff_max"] = per_update["rollout/logp_diff_max"][0]  # at the sampling parameters
   metrics.update(_rollout_metrics(rewards, total, gen, spec), **filter_metrics)
@@ -386,8 +380,6 @@ def make_grpo_step(
     max_new_tokens: int,
     stop_ids: tuple[int, ...],
     pad_id: int = 0,
-    epochs: int = 1,
-    minibatches: int = 1,
     grad_accum: int = 1,
     lora: LoRAConfig | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
@@ -405,8 +397,6 @@ def make_grpo_step(
     max_new_tokens: the completion budget N.
     stop_ids: ids that end a completion.
     pad_id: the pad token of prompts and finished rows.
-    epochs: passes (mu) over the rollouts per step.
-    minibatches: optimizer updates per pass; each normalises over its own rows.
     grad_accum: micro-batches per update.
     lora: train LoRA adapters (`state.params`) over the frozen `state.base`.
     rules: sharding rules.
@@ -418,7 +408,7 @@ def make_grpo_step(
     max_refill_rounds) with `filter_groups="refill"`.
   """
   spec = RLSpec(model=model, grpo=cfg, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids),
-                pad_id=pad_id, epochs=epochs, minibatches=minibatches, grad_accum=grad_accum, lora=lora, rules=rules)
+                pad_id=pad_id, grad_accum=grad_accum, lora=lora, rules=rules)
 
   def step(state: TrainState, batch: dict[str, Any]):
     sample_key, update_key = step_keys(state)

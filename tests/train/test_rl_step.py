@@ -151,8 +151,8 @@ def test_refill_keeps_groups_with_signal_in_order_and_never_crashes(tiny_config)
 def test_exact_match_reward_and_several_minibatches_and_epochs(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   reward = lambda gen, task: exact_match(gen.tokens, gen.lengths, task["targets"])
-  _, _, state, step = _setup(cfg, GRPOConfig(group_size=2, beta=0.0, kl_placement="none"), reward,
-                             epochs=2, minibatches=2)
+  _, _, state, step = _setup(cfg, GRPOConfig(group_size=2, beta=0.0, kl_placement="none", epochs=2, minibatches=2),
+                             reward)
   state, metrics = step(state, _prompts(4))
   assert {"reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "response_length/mean",
           "response_length/clip_ratio", "frac_reward_zero_std", "actor/grad_norm"} <= set(metrics)
