@@ -25,8 +25,9 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 install: $(STAMP)
 
 # Two workers, whole files each (a module's fixtures run once); XLA alone keeps 2 cores ~70% busy.
+# A crashed worker is replaced once: xdist re-runs the test that crashed it, so more would loop.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=1
 
 demo: $(STAMP)
 	$(BIN)/ptx demo

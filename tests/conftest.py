@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices before JAX is imported, strict numerics, one compilation cache per run."""
+"""Test setup: 8 fake CPU devices with threads enough for them, strict numerics, one compilation cache per run."""
 
 import gc
 import os
@@ -8,6 +8,13 @@ import tempfile
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs all 8 fake devices on one thread pool, sized max(cores, devices) = 8 here, and a
+# collective blocks its thread until every peer arrives. A device may run collectives over two
+# groups at once (tensor and data axes), so on a loaded machine all 8 threads can end up waiting for
+# peers that have no thread left: XLA aborts the process after 40 s ("Termination timeout ...
+# rendezvous"). Reproduced with tests/train/test_step.py::test_a_tiny_model_overfits_one_batch next
+# to 6 busy loops; 8 threads per device never deadlocked there. Subprocesses inherit it.
+os.environ.setdefault("PJRT_NPROC", "64")
 # Tests build many identical programs through fresh jits (every init_state, every CLI subprocess), and
 # XLA:CPU spends seconds on each. A persistent cache shared by this run's xdist workers and the
 # subprocesses they start (which inherit the environment) compiles each of them once. Set
