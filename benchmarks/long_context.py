@@ -18,6 +18,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("PJRT_NPROC", "64")  # 8 threads can deadlock 8 devices' collectives (tests/conftest.py)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -177,13 +177,13 @@ def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
 
 def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[str, jax.Array]:
   """[n, R / n, ...]: whole groups, group g in mini-batch g % n (spread over the batch shards)."""
-  groups = jax.tree.leaves(batch)[0].shape[0] // group_size
-  if groups % n:
-    raise ValueError(f"grpo.minibatches={n} must divide the {groups} prompts (groups) of a step")
+  n_groups = jax.tree.leaves(batch)[0].shape[0] // group_size
+  if n_groups % n:
+    raise ValueError(f"grpo.minibatches={n} must divide the {n_groups} prompts (groups) of a step")
 
   def split(x):
-    groups = x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
-    per = groups.reshape(groups.shape[0] // n, n, *groups.shape[1:])
+    grouped = x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+    per = grouped.reshape(grouped.shape[0] // n, n, *grouped.shape[1:])
     return jnp.swapaxes(per, 0, 1).reshape(n, -1, *x.shape[1:])
 
   return jax.tree.map(split, batch)
