@@ -493,6 +493,8 @@ def _replace_path(node: Any, keys: list[str], raw: str, path: str) -> Any:
 
 def _parse(hint: Any, raw: str, path: str) -> Any:
   """Parses a command-line string into the field's declared type."""
+  if raw in _literal_strings(hint):  # "none" is an option of some fields (grpo.kl_placement), not None
+    return raw
   try:
     value = json.loads(raw)
   except json.JSONDecodeError:
@@ -502,6 +504,16 @@ def _parse(hint: Any, raw: str, path: str) -> Any:
   elif raw.lower() in ("true", "false"):
     value = raw.lower() == "true"
   return _coerce(hint, value, path)
+
+
+def _literal_strings(hint: Any) -> set[str]:
+  """The strings a Literal field (optional or not) admits; empty for other types."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return set().union(*(_literal_strings(option) for option in typing.get_args(hint)))
+  if origin is Literal:
+    return {v for v in typing.get_args(hint) if isinstance(v, str)}
+  return set()
 
 
 def _coerce(hint: Any, value: Any, path: str) -> Any:

@@ -22,6 +22,13 @@ def test_overrides_parse_into_declared_types():
   assert apply_overrides(cfg, ["--model.sliding_window=none"]).model.sliding_window is None
 
 
+def test_none_is_a_string_where_a_literal_field_offers_it():
+  cfg = apply_overrides(Config(), ["--grpo.kl_placement=none", "--grpo.filter_groups=none", "--model.remat=none",
+                                   "--model.rope_scaling.kind=none", "--model.sliding_window=none"])
+  assert (cfg.grpo.kl_placement, cfg.grpo.filter_groups, cfg.model.remat) == ("none", "none", "none")
+  assert cfg.model.rope_scaling.kind == "none" and cfg.model.sliding_window is None
+
+
 def test_a_preset_then_field_overrides():
   cfg = apply_overrides(Config(), ["--model=gemma2_2b", "--model.n_layers=2"])
   assert cfg.model.n_layers == 2 and cfg.model.d_model == 2304 and cfg.model.attn_logit_softcap == 50.0
