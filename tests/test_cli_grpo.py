@@ -63,13 +63,19 @@ def test_grpo_on_builtin_arithmetic_resumes_exactly(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_grpo_on_rl_records_scores_on_the_host_and_resumes_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_grpo_on_rl_records_scores_on_the_host_and_resumes_exactly(tmp_path, capsys, staleness):
+  # With staleness 1 the checkpoint of step 2 holds batch 3, sampled by the parameters of step 1; the
+  # resumed run must train on that batch, not sample batch 3 again with the parameters of step 2.
   rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
   data = tmp_path / "rl.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
   records = _resumes_exactly(tmp_path, capsys, *COMMON, f"--data.train_files=[\"{data}\"]",
-                             "--grpo.max_staleness=0", "--grpo.max_response_tokens=6")
+                             f"--grpo.max_staleness={staleness}", "--grpo.max_response_tokens=6")
   assert {"timing_s/reward", "perf/device_wait_frac", "rollout/staleness"} <= set(records[STEPS])
+  # Step k + 1 trains on a batch sampled min(k, s) updates earlier.
+  assert [records[k + 1]["rollout/staleness"] for k in range(STEPS)] == [float(min(k, staleness)) for k in range(STEPS)]
+  assert (tmp_path / "full" / "checkpoints" / "2" / "pipeline").exists() == (staleness > 0)
 
 
 def test_grpo_bad_record_names_its_line(tmp_path, capsys):

@@ -6,7 +6,10 @@ logging steps. Checkpoints (state + data position) are written
 asynchronously every `checkpoint_every` steps and at the end. SIGTERM (a
 preemption notice) makes the loop save at the next step boundary and return
 normally; `resume=True` restores the newest complete checkpoint, so a
-resumed run computes exactly the steps an uninterrupted one would.
+resumed run computes exactly the steps an uninterrupted one would. A step
+function that keeps work in flight across steps (GRPO's host-reward mode
+samples ahead) checkpoints it too, through `pipeline_state()` and
+`set_pipeline_state(saved)`.
 
 With LoRA (`cfg.lora.rank > 0`) the state trains adapters over a frozen
 base; checkpoints hold the adapters, optimizer and data position but not
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import pathlib
 import signal
 import threading
@@ -40,6 +44,8 @@ from ptx.train.metrics import MetricsWriter
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
 from ptx.train.state import TrainState, init_state, state_shardings
 from ptx.train.step import LossFn, make_train_step, reference_params, trainable_loss
+
+log = logging.getLogger(__name__)
 
 
 def fit(
@@ -73,7 +79,9 @@ def fit(
       (`TrainState.ref_params`, a copy of the initial parameters), e.g. DPO.
     make_step: `make_step(optimizer=, mesh=, state_shardings=) -> step(state,
       batch)` replaces the supervised step built from `loss_fn` (e.g. GRPO's
-      fused step).
+      fused step). A step object with `pipeline_state() -> host arrays |
+      None` and `set_pipeline_state(saved)` has its work in flight saved with
+      every checkpoint and handed back on resume.
     init_params: start from these parameters instead of a fresh init (under
       LoRA: the frozen base).
     with_reference: keep a frozen copy of the initial parameters
@@ -119,7 +127,12 @@ def fit(
                             jax.eval_shape(start))
     restored = checkpointer.restore(abstract.replace(base=None), data)
     if restored is not None:
-      resumed_from, state = restored
+      resumed_from, state, pipeline = restored
+      if pipeline is not None and hasattr(step_fn, "set_pipeline_state"):
+        step_fn.set_pipeline_state(pipeline)
+      elif pipeline is not None:  # e.g. a host-reward run resumed in fused mode: those batches are sampled again
+        log.warning("checkpoint step %d holds batches sampled ahead that this run's step does not take; "
+                    "they are dropped", resumed_from)
       if lora is not None:  # checkpoints leave out the frozen base
         state = state.replace(base=start().base)
       if primary:
@@ -166,7 +179,8 @@ def _steps(cfg, step_fn, state, data, mesh, checkpointer, writer, evaluate, sche
     if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
       writer.write({"step": step, **evaluate(state)})
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
-      checkpointer.save(step, state.replace(base=None), data)
+      in_flight = step_fn.pipeline_state() if hasattr(step_fn, "pipeline_state") else None
+      checkpointer.save(step, state.replace(base=None), data, pipeline=in_flight)
     bar.update(1)
     if preempted.is_set():
       break

@@ -16,9 +16,9 @@ what the fused step computes.
 Metrics add, per step: `timing_s/step` (wall), `timing_s/generate` (the host
 waiting for batch k's tokens), `timing_s/reward` (host scoring),
 `perf/device_wait_frac` (the fraction of the step's wall time during which
-the device had no work queued) and `rollout/staleness`. A resumed run
-starts with an empty pipeline (its first s batches are sampled on-policy),
-so resume is exact for s = 0 only.
+the device had no work queued) and `rollout/staleness`. Checkpoints hold
+the s batches sampled ahead (`pipeline_state`), and a resumed run trains on
+them as the uninterrupted run does, so resume is exact for every s.
 
 With `filter_groups="refill"` (DAPO dynamic sampling) a step whose batch has
 fewer than B groups with signal takes the pipeline's next batches (consumed
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx.algorithms import advantages as adv_lib
@@ -46,6 +47,7 @@ from ptx.data.global_batch import to_global
 from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
 from ptx.rl.environments.base import Environment, Outcome
+from ptx.sampling.generation import Generation
 from ptx.train.rl_step import RLSpec, learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
@@ -158,6 +160,7 @@ class HostRewardStep:
     self._learn = jax.jit(learn_fn, in_shardings=(state_shardings, None, None, None),
                           out_shardings=(state_shardings, replicated), donate_argnums=0)
     self._pending: collections.deque[_Pending] = collections.deque()
+    self._resumed: dict[str, Any] | None = None  # a checkpoint's pipeline, placed at the next step
     self._next_step: int | None = None
     self._dispatched = 0
     self._watch = _Watch()
@@ -167,6 +170,8 @@ class HostRewardStep:
     start = time.perf_counter()
     if self._next_step is None:  # a fresh or resumed pipeline
       self._next_step = self._dispatched = int(state.step)
+      if self._resumed is not None:
+        self._pending.extend(self._place_resumed(state, batch))
     if not self._pending:  # nothing sampled ahead (on-policy, or the first step): sample this batch now
       self._pending.append(self._dispatch(state, batch))
     k = self._next_step
@@ -193,6 +198,45 @@ class HostRewardStep:
                "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
+
+  def pipeline_state(self) -> dict[str, Any] | None:
+    """The batches sampled ahead, as host arrays for a checkpoint (None when there are none).
+
+    Fetching them waits for their sampling to finish; `fit` calls this only
+    on checkpoint steps. Every process calls it (the arrays are gathered).
+    """
+    if not self._pending:
+      return None
+    fields = lambda gen: {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
+    batches = multihost_utils.process_allgather(
+        {str(i): {"rollouts": p.rollouts, "gen": fields(p.gen)} for i, p in enumerate(self._pending)}, tiled=True)
+    return {"batches": batches, "dispatched": np.int64(self._dispatched),
+            "index": np.asarray([p.index for p in self._pending], np.int64),
+            "sampled_at": np.asarray([p.sampled_at for p in self._pending], np.int64)}
+
+  def set_pipeline_state(self, saved: dict[str, Any]) -> None:
+    """Takes back a checkpoint's batches sampled ahead; the next step places them on the mesh."""
+    self._resumed = saved
+
+  def _place_resumed(self, state: TrainState, batch: dict[str, Any]) -> list[_Pending]:
+    """The resumed pipeline's entries as global arrays; pending batch i is the stream's next item i.
+
+    One throw-away sampling of `batch` gives the shardings the sampler's
+    outputs take on this mesh, so the update program sees the arrays it saw
+    before the interruption.
+    """
+    saved, self._resumed = self._resumed, None
+    rollouts, gen = self._sample(state, batch["prompts"], batch["prompt_lengths"], jnp.int32(0))
+    like = {"rollouts": rollouts, "gen": {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}}
+    place = lambda host, ref: jax.make_array_from_callback(host.shape, ref.sharding, lambda i: np.asarray(host)[i])
+    entries = []
+    for i in range(len(saved["index"])):
+      arrays = jax.tree.map(place, saved["batches"][str(i)], like)
+      task = batch["task"] if i == 0 else self._prompts.peek(i - 1)["task"]
+      entries.append(_Pending(index=int(saved["index"][i]), sampled_at=int(saved["sampled_at"][i]),
+                              rollouts=arrays["rollouts"], gen=Generation(**arrays["gen"]), task=task))
+    self._dispatched = int(saved["dispatched"])
+    return entries
 
   def _score(self, tokens: np.ndarray, lengths: np.ndarray, task: Any) -> Any:
     """The host reward of a batch as float32 arrays [R] (one, or one per named component)."""
