@@ -52,18 +52,23 @@ def _run(cfg, grpo_cfg, steps, *, host_reward=None):
     data = Lookahead(_prompts(None))
     step = HostRewardStep(spec=RLSpec(model=cfg, grpo=grpo_cfg, **kw), optimizer=optimizer, mesh=mesh,
                           state_shardings=shardings, reward=host_reward, prompts=data)
+  state, history = _steps(step, state, data, steps)
+  return state, history, data, step
+
+
+def _steps(step, state, data, n):
   history = []
-  for _ in range(steps):
+  for _ in range(n):
     state, metrics = step(state, next(data))
     history.append(jax.device_get(metrics))
-  return state, history, data
+  return state, history
 
 
 def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0)
-  fused, fused_metrics, _ = _run(cfg, grpo_cfg, 2)
-  host, host_metrics, _ = _run(cfg, grpo_cfg, 2, host_reward=_even_tokens_on_host)
+  fused, fused_metrics, *_ = _run(cfg, grpo_cfg, 2)
+  host, host_metrics, *_ = _run(cfg, grpo_cfg, 2, host_reward=_even_tokens_on_host)
   for want, got in zip(fused_metrics, host_metrics):
     for key in ("reward/mean", "loss", "actor/kl_loss", "response_length/mean"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
@@ -75,7 +80,7 @@ def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
 def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1)
-  state, history, data = _run(cfg, grpo_cfg, 3, host_reward=_even_tokens_on_host)
+  state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_even_tokens_on_host)
   assert int(state.step) == 3
   assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]  # the first batch has nothing ahead of it
   for m in history:
@@ -101,9 +106,30 @@ def test_host_refill_takes_further_batches_until_every_group_has_signal(tiny_con
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, filter_groups="refill",
                         max_refill_rounds=3)
-  state, history, data = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
+  state, history, data, _ = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
   for m in history:
     kept = 8 * (m["filter_groups/rounds"]) - m["filter_groups/evicted"]
     assert m["filter_groups/unfilled"] == 0.0 and kept >= 8 and m["filter_groups/rounds"] >= 2
   rounds = sum(m["filter_groups/rounds"] for m in history)
   assert data.get_state() == {"next_batch": int(rounds)}  # refill batches are consumed from the stream
+
+
+def test_a_refilling_pipeline_taken_back_from_its_saved_state_continues_exactly(tiny_config):
+  # What a checkpoint holds of the host pipeline (the batches sampled ahead, the stream position) is enough:
+  # a fresh step object given it continues as the uninterrupted one does, refills consuming the stream included.
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=2, filter_groups="refill",
+                        max_refill_rounds=3)
+  want_state, want, *_ = _run(cfg, grpo_cfg, 4, host_reward=_first_sample_of_odd_prompts)
+  state, got, data, step = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
+  saved, position = jax.tree.map(np.asarray, step.pipeline_state()), data.get_state()
+  assert len(saved["index"]) == 2 and saved["batches"]["0"]["gen"]["tokens"].shape == (16, N_NEW)
+  _, _, fresh_data, fresh = _run(cfg, grpo_cfg, 0, host_reward=_first_sample_of_odd_prompts)
+  fresh_data.set_state(position)
+  fresh.set_pipeline_state(saved)
+  state, rest = _steps(fresh, state, fresh_data, 2)
+  for step_want, step_got in zip(want, got + rest):
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+    np.testing.assert_equal(drop(step_got), drop(step_want))
+  assert all(m["filter_groups/rounds"] >= 2 for m in want) and want[3]["rollout/staleness"] > 0
+  jax.tree.map(np.testing.assert_array_equal, state.params, want_state.params)
