@@ -207,9 +207,8 @@ class HostRewardStep:
     """
     if not self._pending:
       return None
-    fields = lambda gen: {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
     batches = multihost_utils.process_allgather(
-        {str(i): {"rollouts": p.rollouts, "gen": fields(p.gen)} for i, p in enumerate(self._pending)}, tiled=True)
+        {str(i): {"rollouts": p.rollouts, "gen": _fields(p.gen)} for i, p in enumerate(self._pending)}, tiled=True)
     return {"batches": batches, "dispatched": np.int64(self._dispatched),
             "index": np.asarray([p.index for p in self._pending], np.int64),
             "sampled_at": np.asarray([p.sampled_at for p in self._pending], np.int64)}
@@ -227,7 +226,7 @@ class HostRewardStep:
     """
     saved, self._resumed = self._resumed, None
     rollouts, gen = self._sample(state, batch["prompts"], batch["prompt_lengths"], jnp.int32(0))
-    like = {"rollouts": rollouts, "gen": {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}}
+    like = {"rollouts": rollouts, "gen": _fields(gen)}
     place = lambda host, ref: jax.make_array_from_callback(host.shape, ref.sharding, lambda i: np.asarray(host)[i])
     entries = []
     for i in range(len(saved["index"])):
@@ -296,6 +295,11 @@ class HostRewardStep:
     rollouts, gen = self._sample(state, batch["prompts"], batch["prompt_lengths"], jnp.int32(index))
     self._watch.start(gen.lengths)
     return _Pending(index=index, sampled_at=self._next_step, rollouts=rollouts, gen=gen, task=batch["task"])
+
+
+def _fields(gen: Generation) -> dict[str, jax.Array]:
+  """A Generation's arrays by field name (the form a checkpoint stores)."""
+  return {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
 
 
 class _Watch:
