@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
-from ptx.models.decoder import Params, forward_with_cache, token_log_probs, unstack_layers
+from ptx.models.decoder import Params, forward_with_cache, layer_rope, token_log_probs, unstack_layers
 from ptx.models.shared_prefix import prefill_groups
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
@@ -140,10 +140,16 @@ def generate_padded(
         log_probs=jax.lax.dynamic_update_slice(loop.log_probs, log_prob[:, None], column),
         done=loop.done | stopped, lengths=loop.lengths + live.astype(jnp.int32))
 
+  # Step t feeds token t - 1 at position length + t - 1: every step's RoPE angles, computed once.
+  positions_RN = lengths_R[:, None] + jnp.arange(budget, dtype=jnp.int32)[None, :] - 1
+  angles_RN = layer_rope(positions_RN, cfg)
+
   def step(loop: _Loop) -> _Loop:
     last_R1 = jax.lax.dynamic_slice_in_dim(loop.tokens, loop.t - 1, 1, axis=1)
-    positions_R1 = (lengths_R + loop.t - 1)[:, None]
-    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules)
+    positions_R1 = jax.lax.dynamic_slice_in_dim(positions_RN, loop.t, 1, axis=1)
+    angles_R1 = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, loop.t, 1, axis=1), angles_RN)
+    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules,
+                                       angles=angles_R1)
     return emit(loop._replace(cache=cache), logits[:, 0])
 
   def running(loop: _Loop) -> jax.Array:
