@@ -26,7 +26,8 @@ _ENVIRONMENTS = ("exact_answer", "code")
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="ptx", description="Post-training for LLMs in JAX: SFT, DPO and GRPO in one SPMD program.",
-      epilog="Config overrides: --model=PRESET, --model.d_model=256, --train.steps=100, ...")
+      epilog="Config overrides: --model=PRESET, --model.d_model=256, --train.steps=100, ... Compiled programs are "
+             "cached in ~/.cache/ptx/jax (PTX_COMPILATION_CACHE=DIR moves it, =off turns it off).")
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   sub.add_parser("version", help="print the ptx, jax and flax versions")
   demo = sub.add_parser("demo", help="SFT a tiny model on built-in arithmetic; before/after exact match",
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except (GGUFError, OSError) as e:
       parser.error(str(e))
     return 0
+  from ptx import compile_cache
+
+  compile_cache.enable()  # before anything compiles
   if args.command == "eval":
     if overrides:
       parser.error(f"unrecognized arguments: {' '.join(overrides)}")
