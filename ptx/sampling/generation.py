@@ -140,14 +140,14 @@ def generate_padded(
         log_probs=jax.lax.dynamic_update_slice(loop.log_probs, log_prob[:, None], column),
         done=loop.done | stopped, lengths=loop.lengths + live.astype(jnp.int32))
 
-  # Step t feeds token t - 1 at position length + t - 1: every step's RoPE angles, computed once.
-  positions_RN = lengths_R[:, None] + jnp.arange(budget, dtype=jnp.int32)[None, :] - 1
-  angles_RN = layer_rope(positions_RN, cfg)
+  # Step t feeds token t - 1 at position length + t - 1 < P + N. The RoPE angles of every position, computed
+  # once ([1, P + N, head_dim // 2], as the cache's size grows with P + N): each step gathers its rows' angles.
+  angle_table = layer_rope(jnp.arange(P + budget, dtype=jnp.int32)[None, :], cfg)
 
   def step(loop: _Loop) -> _Loop:
     last_R1 = jax.lax.dynamic_slice_in_dim(loop.tokens, loop.t - 1, 1, axis=1)
-    positions_R1 = jax.lax.dynamic_slice_in_dim(positions_RN, loop.t, 1, axis=1)
-    angles_R1 = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, loop.t, 1, axis=1), angles_RN)
+    positions_R1 = (lengths_R + loop.t - 1)[:, None]
+    angles_R1 = jax.tree.map(lambda table: jnp.take(table[0], positions_R1, axis=0), angle_table)
     logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules,
                                        angles=angles_R1)
     return emit(loop._replace(cache=cache), logits[:, 0])
