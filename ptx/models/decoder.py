@@ -69,6 +69,25 @@ RopeAngles = tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 def layer_rope(positions: jax.Array, cfg: ModelConfig) -> RopeAngles:
   """The RoPE angles of int32 positions [B, T] for global and for local layers (the same unless Gemma's local theta)."""
+  compute = functools.partial(_layer_rope, cfg=cfg)
+  return jax.lax.platform_dependent(positions, cpu=functools.partial(_materialized, compute), default=compute)
+
+
+def _materialized(compute, positions: jax.Array) -> RopeAngles:
+  """`compute(positions)` behind a conditional, so that XLA:CPU writes the [B, T, K/2] angles once.
+
+  Without the boundary XLA:CPU fuses sin and cos into every query and key
+  rotation, forward and backward, and evaluates them per rotated element:
+  2 x heads times the trig of the [B, T, K/2] table, ~10% of an unrolled
+  SFT step of the benchmark model. Both branches compute the same angles;
+  `optimization_barrier` would not do, XLA:CPU expands it before fusion.
+  Other backends fuse as they like (a conditional costs a GPU a host sync).
+  """
+  return jax.lax.cond(jnp.any(positions != 0), compute, compute, positions)
+
+
+def _layer_rope(positions: jax.Array, cfg: ModelConfig) -> RopeAngles:
+  """`layer_rope` as XLA sees it on every backend."""
   global_rope = rope.rope_angles(positions, rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                                  rope.attention_factor(cfg.rope_scaling))
   if cfg.rope_local_theta is None:
