@@ -105,13 +105,17 @@ def _attend_bwd(scale, softcap, residuals, cotangents):
   d_v = jnp.einsum("bkms,bkmd->bksd", probs.astype(dtype), d_out_h.astype(dtype),
                    preferred_element_type=jnp.float32)
   d_probs = jnp.einsum("bkmd,bksd->bkms", d_out_h.astype(dtype), v_h, preferred_element_type=jnp.float32)
-  delta = jnp.sum(d_out_h * out_h, axis=-1, keepdims=True)
-  d_logits = probs * (d_probs - delta + d_lse[..., None])
+  # Every per-row term is folded into one [B, KV, M, 1] delta and the scale
+  # goes on the [.., D] results: XLA:CPU's dot fusions take a broadcast
+  # operand as a materialised [B, KV, M, S] array (2 x 8 MB per layer on
+  # the CPU anchor, one of them zeros when the loss ignores lse).
+  delta = jnp.sum(d_out_h * out_h, axis=-1, keepdims=True) - d_lse[..., None]
+  d_logits = probs * (d_probs - delta)
   if capped is not None:
     d_logits = d_logits * (1.0 - capped * capped)
-  d_logits = (d_logits * scale).astype(q_h.dtype)
-  d_q = jnp.einsum("bkms,bksd->bkmd", d_logits, k_h, preferred_element_type=jnp.float32)
-  d_k = jnp.einsum("bkms,bkmd->bksd", d_logits, q_h, preferred_element_type=jnp.float32)
+  d_logits = d_logits.astype(q_h.dtype)
+  d_q = jnp.einsum("bkms,bksd->bkmd", d_logits, k_h, preferred_element_type=jnp.float32) * scale
+  d_k = jnp.einsum("bkms,bkmd->bksd", d_logits, q_h, preferred_element_type=jnp.float32) * scale
   d_q = d_q.reshape(b, kv, g, t, -1).transpose(0, 3, 1, 2, 4)
   return (d_q.astype(q_h.dtype), d_k.transpose(0, 2, 1, 3).astype(k_h.dtype),
           d_v.transpose(0, 2, 1, 3).astype(dtype), None)
