@@ -163,7 +163,10 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Log-probabilities [B, T] of int32 tokens [B, T] under logits [B, T, V]."""
   # log-softmax in float32 whatever the dtype of the logits.
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+  # A one-hot select rather than a gather: its gradient is elementwise,
+  # where a gather's is a scatter into a zero-filled [B, T, V] array.
+  is_token = tokens[..., None] == jax.lax.broadcasted_iota(tokens.dtype, logits.shape, logits.ndim - 1)
+  return jnp.where(is_token, logp, 0.0).sum(axis=-1)
 
 
 def forward_with_cache(
