@@ -214,6 +214,11 @@ def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:
   as_tuple = lambda axes: () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)  # noqa: E731
   if len(as_tuple(slots)) != 1:
     raise ValueError(f"the KV cache's slots may be sharded over one mesh axis, got {slots}")
+  if mesh.shape[as_tuple(slots)[0]] == 1:
+    # Unsplit slots need no shard_map: its merge gathers and its backward's
+    # psums stay in the program as collectives over one device, ~20 µs each,
+    # 4 per decode step on the CPU anchor.
+    return {}
   return dict(mesh=mesh, axis_name=as_tuple(slots)[0], batch_axes=as_tuple(batch), head_axes=as_tuple(heads))
 
 
