@@ -1,6 +1,8 @@
 """Properties of the decoder: causality, packing, padding, windows, presets."""
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from ptx.config import MODEL_PRESETS, RopeScaling
 from ptx import sharding
 from ptx.models import Decoder, count_params, init_params
 from ptx.models import forward as eager_forward
+from ptx.models import decoder
 from ptx.models.decoder import decode_layers, unembed
 
 forward = jax.jit(eager_forward, static_argnames=("cfg",))
@@ -193,3 +196,30 @@ def test_preset_parameter_counts_match_published(name):
 
 def test_every_real_preset_has_a_published_count():
   assert set(MODEL_PRESETS) - {"tiny"} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("variant", ["llama31_rope", "gemma"])
+def test_layer_rope_behind_its_cpu_conditional_is_the_plain_computation(tiny_config, variant):
+  """The CPU fusion barrier changes nothing: same angles, bit for bit, also for all-zero positions."""
+  cfg = VARIANTS[variant](tiny_config)
+  positions = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3], [5, 9, 100, 4095, 0, 0, 7, 8]], jnp.int32)
+  for p in (positions, jnp.zeros_like(positions)):
+    got = jax.jit(decoder.layer_rope, static_argnums=1)(p, cfg)
+    want = jax.jit(decoder._layer_rope, static_argnums=1)(p, cfg)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+  zero_sin, zero_cos = decoder.layer_rope(jnp.zeros_like(positions), cfg)[0]
+  assert not np.asarray(zero_sin).any() and np.asarray(zero_cos).min() > 0
+
+
+def test_cpu_forward_computes_rope_trig_once(tiny_config):
+  """On XLA:CPU sin and cos are evaluated into [B, T, K/2] tables only, not per rotated element (the barrier holds)."""
+  cfg = dataclasses.replace(tiny_config, scan_layers=False)
+  params = _params(cfg)
+  tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
+  loss = lambda p: (forward(p, tokens, cfg) ** 2).mean()
+  hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+  table_size = 2 * 8 * cfg.head_dim // 2
+  for block in hlo.split("\n\n"):
+    if "sine(" in block or "cosine(" in block:
+      output = re.search(r"-> \(?f32\[([\d,]*)\]", block.strip().split("\n")[0])
+      assert output and math.prod(int(n) for n in output.group(1).split(",")) <= table_size, block[:500]
