@@ -38,6 +38,32 @@ from ptx.models.dense import dense
 Params = dict[str, Any]
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gated_activation(activation: str, gate_BTF: jax.Array, up_BTF: jax.Array) -> jax.Array:
+  """`act(gate) * up` (SwiGLU, GeGLU), differentiated from gate and up alone.
+
+  Autodiff keeps act(gate) and its intermediates (SiLU's sigmoid) as
+  [B, T, F] residuals, each written in the forward and read back in the
+  backward. Recomputing them inside the backward's one elementwise pass is
+  cheaper: on the CPU SFT anchor it removes 2 of the 3 [B, T, F] arrays the
+  forward wrote per layer.
+  """
+  return _ACTIVATIONS[activation](gate_BTF) * up_BTF
+
+
+def _gated_activation_fwd(activation: str, gate_BTF: jax.Array, up_BTF: jax.Array):
+  return gated_activation(activation, gate_BTF, up_BTF), (gate_BTF, up_BTF)
+
+
+def _gated_activation_bwd(activation: str, residuals, d_hidden_BTF: jax.Array):
+  gate_BTF, up_BTF = residuals
+  act_BTF, act_vjp = jax.vjp(_ACTIVATIONS[activation], gate_BTF)
+  return act_vjp(d_hidden_BTF * up_BTF)[0], d_hidden_BTF * act_BTF
+
+
+gated_activation.defvjp(_gated_activation_fwd, _gated_activation_bwd)
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -341,8 +367,9 @@ def block(
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
 
   h = rms_norm(x, p["mlp_norm"], cfg)
-  gate = _ACTIVATIONS[cfg.activation](lora.project("btd,df->btf", h, p["gate"], dtype))
-  hidden = sharding.constrain(gate * lora.project("btd,df->btf", h, p["up"], dtype), ("batch", "seq", "mlp"), rules)
+  hidden = gated_activation(cfg.activation, lora.project("btd,df->btf", h, p["gate"], dtype),
+                            lora.project("btd,df->btf", h, p["up"], dtype))
+  hidden = sharding.constrain(hidden, ("batch", "seq", "mlp"), rules)
   out = lora.project("btf,fd->btd", hidden, p["down"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
