@@ -8,6 +8,8 @@ Layout (L layers, B sequences, S slots, N kv heads, K head_dim):
   starts            int32 [B]: the first slot of each row; slot s of row b
                     holds the token at position s - starts[b]
   index             int32 []: the next slot to write, the same for every row
+  prefix, group     a cache of B prompts shared by G = group consecutive rows
+                    each (`share_prefix`), or None and 1
 
 A left-padded batch writes its prompts at slots [0, P) (row b's padding at
 [0, starts[b])) and every later step at one shared slot, which is a single
@@ -19,6 +21,15 @@ decode step), whose size the sampler keeps near the fill (`grow`). Keys are
 cached after RoPE. Under a mesh whose `seq` axis the rules give the slots,
 the cache stays sharded along it: each device attends over its own slots and
 only the per-token partials are merged.
+
+Groups (G samples of each prompt, as GRPO draws them) either copy each
+prompt's K/V to their G rows (`repeat`) or keep one copy of it
+(`share_prefix`): a `prefix` cache of B rows that row b * G + g reads, and
+rows of their own for the generated tokens only, whose slot s holds
+position len_b + s (`starts` = -len_b). A row then attends over both and
+merges the two softmaxes through their log-sum-exps; the G rows of a prompt
+query its prefix together, as G * T tokens of one sequence. The prompt part
+of the cache is G times smaller, and a decode step reads it once per group.
 
 Measured layout choices (CPU, decode loop): one array per layer rather than a
 stacked [L, ...] array, because reading a layer out of a stack is a copy per
@@ -61,6 +72,8 @@ class KVCache:
   v_scale: Arrays | None
   starts: jax.Array
   index: jax.Array
+  prefix: "KVCache | None" = None
+  group: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @property
   def quantized(self) -> bool:
@@ -95,6 +108,41 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
       k_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
       v_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
       starts=sharding.constrain(starts, ("batch",), rules), index=jnp.zeros((), jnp.int32))
+
+
+def share_prefix(prefix: KVCache, group: int, slots: int,
+                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+  """A cache of B * G rows with `slots` empty slots each, over the filled `prefix` of B prompts.
+
+  Row b * G + g reads prompt b's K/V from `prefix` (never copied) and writes
+  its own tokens from slot 0, which holds position len_b = prefix.index -
+  prefix.starts[b]: the row's positions continue its prompt's.
+
+  Args:
+    prefix: a cache of B rows holding the prompts (after prefill).
+    group: rows per prompt G.
+    slots: slots per row for the tokens that follow the prompt.
+    rules: sharding rules.
+
+  Returns:
+    The cache to decode with: `index` 0, `prefix` and `group` set.
+  """
+  if prefix.prefix is not None:
+    raise ValueError("share_prefix: the prefix cache has a prefix of its own")
+  B, N, _, K = prefix.k[0].shape
+  shape = (B * group, N, slots, K)
+
+  def zeros(like: Arrays | None, shape, names) -> Arrays | None:
+    if like is None:
+      return None
+    return tuple(sharding.constrain(jnp.zeros(shape, x.dtype), names, rules) for x in like)
+
+  lengths = jnp.repeat(prefix.index - prefix.starts, group)
+  return KVCache(k=zeros(prefix.k, shape, KV_NAMES), v=zeros(prefix.v, shape, KV_NAMES),
+                 k_scale=zeros(prefix.k_scale, shape[:-1], SCALE_NAMES),
+                 v_scale=zeros(prefix.v_scale, shape[:-1], SCALE_NAMES),
+                 starts=sharding.constrain(-lengths, ("batch",), rules), index=jnp.zeros((), jnp.int32),
+                 prefix=prefix, group=group)
 
 
 def grow(cache: KVCache, slots: int, rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
@@ -169,6 +217,9 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
            rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, KVCache]:
   """Writes T new tokens' K/V into layer `layer`, then attends their queries over the filled slots.
 
+  A cache with a shared `prefix` (`share_prefix`) also attends over each
+  row's prompt there, merged with its own slots through the log-sum-exps.
+
   Args:
     cache: the cache, B rows.
     layer: the layer index.
@@ -188,7 +239,7 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
   B, T = positions.shape
   # The kernel's [B, S, N, K] view of the [B, N, S, K] store: the swap folds into its products.
   view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
-  out, _, (k, v, k_scale, v_scale) = ptx_kernels.decode_attention(
+  out, lse, (k, v, k_scale, v_scale) = ptx_kernels.decode_attention(
       q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
       lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
       window=window, softcap=softcap, scale=scale, block_kv=BLOCK_SLOTS if T > 1 else cache.k[layer].shape[2],
@@ -199,8 +250,31 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
     # Carry on with the arrays the kernel threaded through its loop, so the cache is never copied.
     return None if stack is None else stack[:layer] + (jnp.swapaxes(x_BSNK, 1, 2),) + stack[layer + 1:]
 
-  return out, dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
-                                  v_scale=put(cache.v_scale, v_scale))
+  cache = dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
+                              v_scale=put(cache.v_scale, v_scale))
+  if cache.prefix is None:
+    return out, cache
+  out_prefix, lse_prefix = _attend_prefix(cache.prefix, cache.group, layer, q_BTHK, positions, window=window,
+                                          softcap=softcap, scale=scale, rules=rules)
+  out, _ = ptx_kernels.merge_lse([out, out_prefix], [lse, lse_prefix])
+  return out.astype(q_BTHK.dtype), cache
+
+
+def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, positions_RT: jax.Array, *,
+                   window: jax.Array | int | None, softcap: float | None, scale: float,
+                   rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
+  """Attention of R = B * G rows' queries over their prompts' K/V: (out [R, T, H, K], lse [R, H, T])."""
+  R, T, H, K = q_RTHK.shape
+  B = R // group
+  view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
+  # A prompt's G rows are G * T queries of one sequence: the prefix is read once per group.
+  out_BQHK, lse_BHQ = ptx_kernels.decode_attention(
+      q_RTHK.reshape(B, group * T, H, K), view(prefix.k), view(prefix.v), k_scale=view(prefix.k_scale),
+      v_scale=view(prefix.v_scale), lengths=jnp.broadcast_to(prefix.index, (B,)), starts=prefix.starts,
+      q_positions=positions_RT.reshape(B, group * T), window=window, softcap=softcap, scale=scale,
+      block_kv=BLOCK_SLOTS if T > 1 else prefix.k[layer].shape[2], **_seq_sharding(prefix.k[layer], rules))
+  lse_RHT = jnp.swapaxes(lse_BHQ.reshape(B, H, group, T), 1, 2).reshape(R, H, T)
+  return out_BQHK.reshape(R, T, H, -1), lse_RHT
 
 
 def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:

@@ -9,13 +9,16 @@ completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of 384 for
 the CPU anchor's 4 x 4 rollouts of 32 + 64 tokens.
 
 The mechanism is the sampler's, `prefill_groups`: the prompts fill a KV
-cache (`ptx.models.kv_cache`), `kv_cache.repeat` hands each prompt's cache
-to its G rows, and the completions run against it
-(`decoder.forward_with_cache`).
-The cache attention is differentiable when the rollout fits one attention
-block (`fits`); `rollout_logits` takes the plain forward for longer
-rollouts, for ring attention (long contexts shard the sequence, not a cache)
-and when the caller cannot promise whole groups.
+cache (`ptx.models.kv_cache`) that each prompt's G rows read, and the
+completions run against it (`decoder.forward_with_cache`). Prompts of
+SHARED_PREFIX_MIN_SLOTS columns or more stay one copy per prompt, which the
+rows share as their prefix (`kv_cache.share_prefix`); shorter ones are
+copied to each row (`kv_cache.repeat`), where one attention pass over
+prompt and completion costs less than two passes and their merge.
+The cache attention is differentiable when the prompts and the completions
+each fit one attention block (`fits`); `rollout_logits` takes the plain
+forward for longer rollouts, for ring attention (long contexts shard the
+sequence, not a cache) and when the caller cannot promise whole groups.
 """
 
 from __future__ import annotations
@@ -29,22 +32,62 @@ from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward, forward_with_cache
 
 
+# Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one.
+# The CPU sampling anchor (16 rows = 4 prompts x 4, 64 new tokens, `benchmarks/sampling.py`): shared against
+# copied, generated tokens/s are 4% lower at 32 prompt columns, even at 64, +12-19% at 128, +16% at 256 and
+# +62% at 512 columns with groups of 8. The copies' memory grows with G * P.
+SHARED_PREFIX_MIN_SLOTS = 64
+
+
+def shares_prompt_cache(group_size: int, prompt_len: int, shared_prompts: bool | None = None) -> bool:
+  """Whether `prefill_groups` keeps one copy of each prompt's K/V for its G > 1 rows (else one per row).
+
+  `shared_prompts` decides when given; None: prompts of at least
+  SHARED_PREFIX_MIN_SLOTS columns are shared.
+  """
+  if group_size == 1:
+    return False
+  return prompt_len >= SHARED_PREFIX_MIN_SLOTS if shared_prompts is None else shared_prompts
+
+
 def fits(prompt_len: int, seq_len: int) -> bool:
   """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes."""
-  return 0 < prompt_len < seq_len <= kv_cache.BLOCK_SLOTS
+  return 0 < prompt_len <= kv_cache.BLOCK_SLOTS and 0 < seq_len - prompt_len <= kv_cache.BLOCK_SLOTS
 
 
-def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache: kv_cache.KVCache,
-                   cfg: ModelConfig, group_size: int, chunk: int, rules: sharding.Rules = sharding.DEFAULT_RULES
-                   ) -> tuple[jax.Array, kv_cache.KVCache]:
-  """Writes B left-padded prompts [B, P] into the cache `chunk` columns at a time, then gives each to G rows.
+def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cfg: ModelConfig,
+                   group_size: int, *, new_slots: int, chunk: int | None = None, kv_int8: bool = False,
+                   slot_multiple: int = 1, shared_prompts: bool | None = None,
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Prefills B left-padded prompts [B, P] once each into a KV cache that their G rows read.
+
+  Args:
+    params: the parameter tree.
+    prompt_tokens: int32 [B, P], each prompt right-aligned.
+    prompt_lengths: int32 [B], each in 1..P.
+    cfg: the model config.
+    group_size: rows per prompt G.
+    new_slots: slots each row gets for the tokens after its prompt.
+    chunk: prefill this many columns at a time (divides P); None: all P.
+    kv_int8: store K/V as int8 (`kv_cache.init_cache`).
+    slot_multiple: round cache sizes up to a multiple of this (the devices
+      along `seq`).
+    shared_prompts: one copy of each prompt's K/V for its rows (True), a
+      copy per row (False), or by prompt length (None, `shares_prompt_cache`).
+    rules: sharding rules.
 
   Returns:
     (float32 logits [B * G, V] of each prompt's last token, the cache of
-    B * G rows, row b * G + g holding prompt b).
+    B * G rows, row b * G + g reading prompt b). A row's first new token
+    goes to slot 0 of its own slots when the prompts are shared
+    (`shares_prompt_cache`: the cache has a `prefix`), else to slot P.
   """
   B, P = prompt_tokens.shape
-  chunk = min(chunk, P)
+  chunk = min(chunk or P, P)
+  shared = shares_prompt_cache(group_size, P, shared_prompts)
+  round_up = lambda n: -(-n // slot_multiple) * slot_multiple  # noqa: E731
+  cache = kv_cache.init_cache(cfg, B, round_up(P if shared else P + new_slots), starts=P - prompt_lengths,
+                              int8=kv_int8, rules=rules)
   # Padding columns get position 0; their slots lie before the row's start and are never attended to.
   positions_BP = jnp.maximum(jnp.arange(P, dtype=jnp.int32)[None, :] - (P - prompt_lengths)[:, None], 0)
 
@@ -56,7 +99,10 @@ def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax
   # Only the last chunk's logits are used; the loop's are dead code.
   cache = jax.lax.fori_loop(0, P // chunk - 1, lambda i, cache: run(i * chunk, cache)[1], cache)
   logits_B1V, cache = run(P - chunk, cache)
-  return jnp.repeat(logits_B1V[:, 0], group_size, axis=0), kv_cache.repeat(cache, group_size, rules)
+  logits_RV = jnp.repeat(logits_B1V[:, 0], group_size, axis=0)
+  if shared:
+    return logits_RV, kv_cache.share_prefix(cache, group_size, round_up(new_slots), rules)
+  return logits_RV, kv_cache.repeat(cache, group_size, rules)
 
 
 def rollout_logits(
@@ -92,6 +138,7 @@ def grouped_logits(
     *,
     group_size: int,
     prompt_len: int,
+    shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> jax.Array:
   """float32 logits [R, S, V] as `forward` gives them at every column that predicts a completion token.
@@ -109,6 +156,7 @@ def grouped_logits(
     cfg: the model config.
     group_size: G.
     prompt_len: P, the prompt columns.
+    shared_prompts: as in `prefill_groups`.
     rules: the sharding rules.
 
   Returns:
@@ -121,11 +169,12 @@ def grouped_logits(
   if R % G:
     raise ValueError(f"grouped_logits: {R} rows do not split into groups of {G}")
   if not fits(P, S):
-    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit one "
-                     f"attention block of {kv_cache.BLOCK_SLOTS} slots (check `fits` first)")
+    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit: the "
+                     f"prompt and the completion must each fit one attention block of {kv_cache.BLOCK_SLOTS} "
+                     f"slots (check `fits` first)")
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
-  cache = kv_cache.init_cache(cfg, R // G, S, starts=P - prompt_lengths, rules=rules)
-  last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cache, cfg, G, P, rules)
+  last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
+                                  shared_prompts=shared_prompts, rules=rules)
   completion_RNV, _ = forward_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
   unscored = jnp.zeros((R, P - 1, completion_RNV.shape[-1]), completion_RNV.dtype)
   return jnp.concatenate([unscored, last_RV[:, None], completion_RNV], axis=1)

@@ -7,9 +7,12 @@ compiled program per bucket.
 
 Layout: prompts are left-padded to P columns, so prompt b holds slots
 [P - len_b, P) of the cache and generated token t of every row goes to slot
-P + t. With `group_size` G each prompt is prefilled once; its cache and last
-logits are then repeated to G consecutive rows (row b * G + g is sample g of
-prompt b), which share the prefill compute. The decode loop is a
+P + t. With `group_size` G each prompt is prefilled once for its G
+consecutive rows (row b * G + g is sample g of prompt b): its K/V is copied
+to each of them, or, for prompts of `SHARED_PREFIX_MIN_SLOTS` columns or
+more, kept once and read by all G as their shared prefix, the rows' own
+slots then holding generated token t at slot t
+(`ptx.models.shared_prefix.prefill_groups`). The decode loop is a
 `lax.while_loop` that stops at `max_new_tokens` or as soon as every row has
 emitted one of its stop ids; long budgets run it in phases over a cache that
 doubles between them, so a step's attention costs what the filled part does
@@ -32,7 +35,7 @@ from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward_with_cache, layer_rope, token_log_probs, unstack_layers
-from ptx.models.shared_prefix import prefill_groups
+from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
 
@@ -87,6 +90,7 @@ def generate_padded(
     kv_int8: bool = False,
     pad_id: int = 0,
     prefill_chunk: int | None = None,
+    shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
@@ -108,6 +112,9 @@ def generate_padded(
     prefill_chunk: prefill the prompts this many columns at a time (each
       chunk attends over the cache filled so far), so prefill memory grows
       with P * chunk rather than P * P; must divide P. None: one pass.
+    shared_prompts: with G > 1, keep one copy of each prompt's K/V that its
+      rows share (True) or copy it to every row (False); None: share prompts
+      of at least `shared_prefix.SHARED_PREFIX_MIN_SLOTS` columns.
     rules: sharding rules for activations and the cache (a mesh whose `seq`
       axis shards the cache's slots keeps it sharded: see `kv_cache`).
 
@@ -118,10 +125,12 @@ def generate_padded(
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
-  phases = _phase_slots(P, budget, _seq_devices(rules))
-  cache = kv_cache.init_cache(cfg, B, phases[0], starts=P - prompt_lengths, int8=kv_int8, rules=rules)
-  prefill_logits_RV, cache = prefill_groups(params, prompt_tokens, prompt_lengths, cache, cfg, group_size,
-                                      prefill_chunk or P, rules)
+  # The slots before a row's first generated token: its prompt's, unless its group shares them as a prefix.
+  offset, seq_devices = (0 if shares_prompt_cache(group_size, P, shared_prompts) else P), _seq_devices(rules)
+  phases = _phase_slots(offset, budget, seq_devices)
+  prefill_logits_RV, cache = prefill_groups(params, prompt_tokens, prompt_lengths, cfg, group_size,
+                                            new_slots=phases[0] - offset, chunk=prefill_chunk, kv_int8=kv_int8,
+                                            slot_multiple=seq_devices, shared_prompts=shared_prompts, rules=rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
   stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
   uniforms_NR = sharding.constrain(jax.random.uniform(rng, (budget, R)), (None, "batch"), rules)
@@ -161,15 +170,16 @@ def generate_padded(
                 done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32))
   loop = emit(start, prefill_logits_RV)
   for slots in phases:
-    # Step t writes the K/V of token t - 1 at slot P + t - 1, so this cache serves steps t <= slots - P.
-    loop = jax.lax.while_loop(lambda loop, slots=slots: running(loop) & (loop.t <= slots - P), step,
+    # Step t writes the K/V of token t - 1 at slot offset + t - 1, so this cache serves steps t <= slots - offset.
+    loop = jax.lax.while_loop(lambda loop, slots=slots: running(loop) & (loop.t <= slots - offset), step,
                               loop._replace(cache=kv_cache.grow(loop.cache, slots, rules)))
   return Generation(tokens=loop.tokens, lengths=loop.lengths,
                     finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
 
 
 # The arguments of `generate_padded` that are static under jit.
-STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "rules")
+STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "shared_prompts",
+                   "rules")
 _generate_jit = jax.jit(generate_padded, static_argnames=STATIC_ARGNAMES)
 
 
@@ -187,6 +197,7 @@ def generate(
     kv_int8: bool = False,
     pad_id: int = 0,
     prefill_chunk: int | None = None,
+    shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples continuations of ragged prompts with one compiled program per shape bucket.
@@ -207,6 +218,9 @@ def generate(
     pad_id: the token that pads prompts and follows a stopped row.
     prefill_chunk: prefill long prompts this many tokens at a time (a power
       of two; prompts are padded to a power of two >= 8). None: one pass.
+    shared_prompts: with groups, one copy of each prompt's K/V for its rows
+      (True), a copy per row (False), or by the padded prompt's length
+      (None: `generate_padded`).
     rules: the sharding rules.
 
   Returns:
@@ -221,7 +235,7 @@ def generate(
   with context:
     out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
                         budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
-                        pad_id=pad_id, prefill_chunk=prefill_chunk, rules=rules)
+                        pad_id=pad_id, prefill_chunk=prefill_chunk, shared_prompts=shared_prompts, rules=rules)
   n = len(prompts) * group_size
   if (n, max_new_tokens) == out.tokens.shape:
     return out
@@ -240,21 +254,23 @@ def _batch_devices(mesh: Mesh | jax.sharding.AbstractMesh, rules: sharding.Rules
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
-def _phase_slots(P: int, budget: int, multiple: int) -> list[int]:
-  """Cache sizes of the decode phases: room for PHASE_TOKENS new tokens, doubling up to P + budget - 1 slots.
+def _phase_slots(offset: int, budget: int, multiple: int) -> list[int]:
+  """Cache sizes of the decode phases: room for PHASE_TOKENS new tokens, doubling up to offset + budget - 1 slots.
 
   Every decode step reads its whole cache (on CPU a dot cannot read a
   dynamic slice of it without a copy), so the cache grows between phases,
-  one copy each, and a step costs at most about twice its filled part. The
-  last token is sampled but never fed back, hence P + budget - 1. Sizes are
-  rounded up to a multiple of the devices along `seq`.
+  one copy each, and a step costs at most about twice its filled part.
+  `offset` is the slots before the first new token (the prompt's, or 0
+  under a shared prefix). The last token is sampled but never fed back,
+  hence budget - 1. Sizes are rounded up to a multiple of the devices
+  along `seq`.
   """
   round_up = lambda n: -(-n // multiple) * multiple  # noqa: E731
   sizes, room = [], PHASE_TOKENS
   while room < budget - 1:
-    sizes.append(round_up(P + room))
+    sizes.append(round_up(offset + room))
     room *= 2
-  return sizes + [round_up(P + budget - 1)]
+  return sizes + [round_up(max(offset + budget - 1, 1))]
 
 
 def _seq_devices(rules: sharding.Rules) -> int:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from model_variants import gemma_like
-from ptx.models import forward, init_params, kv_cache
+from ptx.models import forward, init_params, kv_cache, shared_prefix
 from ptx.models.decoder import token_log_probs
-from ptx.models.shared_prefix import fits, grouped_logits, rollout_logits
+from ptx.models.shared_prefix import fits, grouped_logits, prefill_groups, rollout_logits, shares_prompt_cache
 
 B, G, P, N = 2, 3, 6, 5
 
@@ -30,7 +30,8 @@ def _rollouts(vocab):
 
 
 @pytest.mark.parametrize("variant", ["llama", "gemma"])
-def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, variant):
+@pytest.mark.parametrize("shared_prompts", [False, True], ids=["copied_prompts", "shared_prompts"])
+def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, variant, shared_prompts):
   cfg = tiny_config if variant == "llama" else gemma_like(tiny_config)
   params = init_params(cfg, jax.random.key(1))
   tokens, positions, segment_ids, loss_mask = _rollouts(cfg.vocab_size)
@@ -39,7 +40,8 @@ def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, varian
     return token_log_probs(logits[:, :-1], tokens[:, 1:]) * loss_mask[:, 1:]
 
   plain = lambda p: scored(forward(p, tokens, cfg, positions=positions, segment_ids=segment_ids))
-  shared = lambda p: scored(grouped_logits(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P))
+  shared = lambda p: scored(grouped_logits(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P,
+                                           shared_prompts=shared_prompts))
   np.testing.assert_allclose(jax.jit(shared)(params), jax.jit(plain)(params), atol=2e-5)
   want = jax.jit(jax.grad(lambda p: plain(p).sum()))(params)
   got = jax.jit(jax.grad(lambda p: shared(p).sum()))(params)
@@ -51,21 +53,33 @@ def test_rejects_rows_that_are_not_whole_groups_and_rollouts_too_long(tiny_confi
   tokens, positions, segment_ids, _ = _rollouts(tiny_config.vocab_size)
   with pytest.raises(ValueError, match="groups of 4"):
     grouped_logits(params, tokens, positions, segment_ids, tiny_config, group_size=4, prompt_len=P)
-  assert fits(P, P + N) and not fits(P, kv_cache.BLOCK_SLOTS + 1) and not fits(0, 8)
-  long = jnp.zeros((G, kv_cache.BLOCK_SLOTS + 1), jnp.int32)
+  # Prompt and completion each fit one attention block of the cache.
+  assert fits(P, P + N) and fits(P, P + kv_cache.BLOCK_SLOTS) and fits(kv_cache.BLOCK_SLOTS, kv_cache.BLOCK_SLOTS + 1)
+  assert not fits(P, P + kv_cache.BLOCK_SLOTS + 1) and not fits(kv_cache.BLOCK_SLOTS + 1, 1024)
+  assert not fits(0, 8) and not fits(P, P)
+  long = jnp.zeros((G, P + kv_cache.BLOCK_SLOTS + 1), jnp.int32)
   with pytest.raises(ValueError, match="does not fit"):
     grouped_logits(params, long, long, long, tiny_config, group_size=G, prompt_len=P)
 
 
-def test_rollout_logits_shares_prompts_only_when_asked_and_supported(tiny_config):
-  params = init_params(tiny_config, jax.random.key(1))
-  tokens, positions, segment_ids, loss_mask = _rollouts(tiny_config.vocab_size)
-  batch = {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
-  plain = forward(params, tokens, tiny_config, positions=positions, segment_ids=segment_ids)
-  # Without a prompt length (or with one group member) it is the plain forward, bit for bit.
-  np.testing.assert_array_equal(rollout_logits(params, batch, tiny_config, group_size=G, prompt_len=None), plain)
-  np.testing.assert_array_equal(rollout_logits(params, batch, tiny_config, group_size=1, prompt_len=P), plain)
-  shared = rollout_logits(params, batch, tiny_config, group_size=G, prompt_len=P)
-  np.testing.assert_array_equal(shared[:, :P - 1], 0.0)  # unscored prompt columns
-  scored = loss_mask[:, 1:, None] > 0
-  np.testing.assert_allclose(np.where(scored, shared[:, :-1], 0), np.where(scored, plain[:, :-1], 0), atol=2e-5)
+def test_long_prompts_are_held_once_per_group_short_ones_per_row(tiny_config):
+  cfg = tiny_config
+  params = init_params(cfg, jax.random.key(1))
+  tokens, _, segment_ids, _ = _rollouts(cfg.vocab_size)
+  lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
+  prefill = jax.jit(lambda p, shared: prefill_groups(p, tokens[::G, :P], lengths, cfg, G, new_slots=N,
+                                                     shared_prompts=shared), static_argnums=1)
+  long = shared_prefix.SHARED_PREFIX_MIN_SLOTS
+  assert not shares_prompt_cache(G, P) and shares_prompt_cache(G, long) and not shares_prompt_cache(1, long)
+  assert shares_prompt_cache(G, P, shared_prompts=True) and not shares_prompt_cache(G, long, shared_prompts=False)
+  kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
+  copied_logits, copied = prefill(params, None)  # P = 6 columns: copied by default
+  assert copied.prefix is None and copied.k[0].shape == (B * G, kv_heads, P + N, head_dim)  # the prompt per row
+
+  logits, cache = prefill(params, True)
+  assert cache.prefix.k[0].shape == (B, kv_heads, P, head_dim) and cache.group == G  # the prompts, once
+  assert cache.k[0].shape == (B * G, kv_heads, N, head_dim)  # each row's own slots: its new tokens only
+  np.testing.assert_array_equal(np.asarray(cache.starts), -np.repeat(np.asarray(lengths), G))
+  # The same prefill over caches of P and P + N slots: equal up to the order of the softmax sums.
+  np.testing.assert_allclose(np.asarray(cache.prefix.k[0]), np.asarray(copied.k[0][::G, :, :P]), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(copied_logits), atol=1e-5)

@@ -59,17 +59,22 @@ def test_greedy_equals_full_forward_argmax(tiny_config, variant):
   np.testing.assert_array_equal(np.asarray(out.finish_reasons), LENGTH)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)],
-                         ids=["plain", "truncated"])
-def test_log_probs_equal_training_forward(tiny_config, sampling):
-  cfg = gemma_like(tiny_config)
+@pytest.mark.parametrize("sampling, group_size", [(SamplingConfig(), 1),
+                                                  (SamplingConfig(temperature=0.7, top_k=20, top_p=0.9), 1),
+                                                  (SamplingConfig(), 3)],
+                         ids=["plain", "truncated", "groups_share_their_prompt"])
+def test_log_probs_equal_training_forward(tiny_config, sampling, group_size):
+  cfg = gemma_like(tiny_config)  # sliding windows of 3: the 12 new tokens run past them
   params = _params(cfg)
   n_new = 12
-  out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=sampling, rng=jax.random.key(4))
-  tokens, positions, segments = _right_padded(PROMPTS, np.asarray(out.tokens), max(map(len, PROMPTS)) + n_new)
+  # With groups, one copy of each prompt's K/V that its 3 rows read.
+  out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=sampling, rng=jax.random.key(4),
+                 group_size=group_size, shared_prompts=group_size > 1)
+  prompts = [p for p in PROMPTS for _ in range(group_size)]  # row b * G + g continues prompt b
+  tokens, positions, segments = _right_padded(prompts, np.asarray(out.tokens), max(map(len, prompts)) + n_new)
   logp = token_log_probs(forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)[:, :-1],
                          tokens[:, 1:])
-  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) - 1 + n_new]) for row, p in enumerate(PROMPTS)])
+  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) - 1 + n_new]) for row, p in enumerate(prompts)])
   np.testing.assert_allclose(np.asarray(out.log_probs), expected, atol=1e-5, rtol=0)
 
 
@@ -108,13 +113,16 @@ def test_sharded_equals_single_device(tiny_config, mesh):
   np.testing.assert_allclose(np.asarray(sharded.log_probs), np.asarray(single.log_probs), atol=1e-5)
 
 
-def test_int8_cache_stays_close(tiny_config):
+@pytest.mark.parametrize("group_size", [1, 2], ids=["rows", "groups_share_their_prompt"])
+def test_int8_cache_stays_close(tiny_config, group_size):
   params = _params(tiny_config)
-  out = generate(params, PROMPTS, cfg=tiny_config, max_new_tokens=10, rng=jax.random.key(3), kv_int8=True)
-  tokens, positions, segments = _right_padded(PROMPTS, np.asarray(out.tokens), max(map(len, PROMPTS)) + 10)
+  out = generate(params, PROMPTS, cfg=tiny_config, max_new_tokens=10, rng=jax.random.key(3), kv_int8=True,
+                 group_size=group_size, shared_prompts=group_size > 1)
+  prompts = [p for p in PROMPTS for _ in range(group_size)]
+  tokens, positions, segments = _right_padded(prompts, np.asarray(out.tokens), max(map(len, prompts)) + 10)
   logp = token_log_probs(forward_jit(params, tokens, tiny_config, positions=positions, segment_ids=segments)[:, :-1],
                          tokens[:, 1:])
-  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) + 9]) for row, p in enumerate(PROMPTS)])
+  expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) + 9]) for row, p in enumerate(prompts)])
   error = np.abs(np.asarray(out.log_probs) - expected)
   assert error.max() < 0.05, error.max()
   assert error.max() > 0  # the cache really is quantized

@@ -38,12 +38,15 @@ def test_chunked_prefill_and_phases_equal_full_forward_argmax(tiny_config, small
   np.testing.assert_array_equal(np.asarray(out.tokens), _greedy_reference(params, cfg, PROMPTS, n_new))
 
 
-@pytest.mark.parametrize("shape", [dict(seq=8), dict(data=2, seq=4)], ids=["seq8", "data2_seq4"])
-def test_seq_sharded_cache_equals_unsharded(tiny_config, small_phases, shape):
+@pytest.mark.parametrize("shape, group_size", [(dict(seq=8), 1), (dict(data=2, seq=4), 1), (dict(seq=8), 2)],
+                         ids=["seq8", "data2_seq4", "seq8_shared_prefix"])
+def test_seq_sharded_cache_equals_unsharded(tiny_config, small_phases, shape, group_size):
   cfg = tiny_config
   params = _params(cfg)
   mesh = make_mesh(MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, "seq": 1, **shape}))
-  kwargs = dict(cfg=cfg, max_new_tokens=11, sampling=GREEDY, rng=jax.random.key(1))
+  # Groups share one copy of each prompt's K/V, seq-sharded like the rows' own slots.
+  kwargs = dict(cfg=cfg, max_new_tokens=11, sampling=GREEDY, rng=jax.random.key(1), group_size=group_size,
+                shared_prompts=group_size > 1)
   single = generate(params, PROMPTS, **kwargs)
   sharded = generate(jax.device_put(params, param_shardings(cfg, mesh)), PROMPTS, mesh=mesh, prefill_chunk=8,
                      **kwargs)
