@@ -22,6 +22,11 @@ machine. One JSON line per measurement:
           32 KB a slot)
   int8    greedy agreement and log-prob error of the int8 cache against the
           training forward, and its throughput at 1024 new tokens
+  groups  groups whose prompts are copied to each row against groups that
+          share one copy (`generate(shared_prompts=...)`; by default from
+          `ptx.models.shared_prefix.SHARED_PREFIX_MIN_SLOTS` columns): prompts
+          of 32..512 tokens, tokens/s and the program's temporary memory
+          (where the KV cache lives)
 
     .venv/bin/python benchmarks/sampling.py --parts anchor --rounds 5 \
         --tunix-python /tmp/tunix-venv/bin/python
@@ -43,25 +48,28 @@ import numpy as np
 from ptx.config import ModelConfig
 from ptx.models import init_params
 from ptx.models.decoder import forward, token_log_probs
-from ptx.sampling import SamplingConfig, generate
+from ptx.sampling import SamplingConfig, buckets, generate
+from ptx.sampling import generation
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
                   rope_theta=500_000.0, norm_eps=1e-5)
 PROMPT_LEN = 32
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-  ids = np.random.default_rng(seed).integers(3, CFG.vocab_size, (n, PROMPT_LEN - 1))
+def _prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
+  ids = np.random.default_rng(seed).integers(3, CFG.vocab_size, (n, length - 1))
   return [[1] + row.tolist() for row in ids]
 
 
-def _time(params, *, prompts: int, group: int, new: int, runs: int, kv_int8: bool = False) -> dict:
+def _time(params, *, prompts: int, group: int, new: int, runs: int, kv_int8: bool = False,
+          prompt_len: int = PROMPT_LEN, shared_prompts: bool | None = None) -> dict:
   """Median wall time of blocked generate calls, and the first call's extra (compile) time."""
 
   def call(seed):
     t0 = time.perf_counter()
-    out = generate(params, _prompts(prompts, seed), cfg=CFG, max_new_tokens=new, sampling=SamplingConfig(),
-                   rng=jax.random.key(seed), stop_ids=[CFG.vocab_size], group_size=group, kv_int8=kv_int8)
+    out = generate(params, _prompts(prompts, seed, prompt_len), cfg=CFG, max_new_tokens=new, sampling=SamplingConfig(),
+                   rng=jax.random.key(seed), stop_ids=[CFG.vocab_size], group_size=group, kv_int8=kv_int8,
+                   shared_prompts=shared_prompts)
     jax.block_until_ready(out)
     return time.perf_counter() - t0, out
 
@@ -74,7 +82,7 @@ def _time(params, *, prompts: int, group: int, new: int, runs: int, kv_int8: boo
     cpu.append(time.process_time() - cpu_start)
     generated = int(out.lengths.sum())
   median = statistics.median(times)
-  return {"rows": prompts * group, "prompts": prompts, "group_size": group, "prompt_len": PROMPT_LEN,
+  return {"rows": prompts * group, "prompts": prompts, "group_size": group, "prompt_len": prompt_len,
           "new_tokens": new, "kv_int8": kv_int8, "gen_tokens_per_s": round(generated / median, 1),
           "call_s_median": round(median, 5), "call_s_min": round(min(times), 5), "runs": runs,
           "cpu_s_per_call": round(statistics.mean(cpu), 4),
@@ -108,6 +116,23 @@ def _int8_quality(params, *, new: int) -> dict:
           "mean_token_entropy_nats": float(-np.asarray(sampled.log_probs).mean())}
 
 
+def _groups(params, runs: int) -> list[dict]:
+  """Copied against shared prompt K/V for groups, by prompt length: tokens/s and the program's temp memory."""
+  records = []
+  for prompt_len, prompts, group in ((32, 4, 4), (128, 4, 4), (512, 2, 8)):
+    for shared in (False, True):
+      padded, lengths = buckets.left_pad(_prompts(prompts, 0, prompt_len), prompts, buckets.bucket(prompt_len, 8), 0)
+      program = generation._generate_jit.lower(
+          params, padded, lengths, buckets.stop_table([CFG.vocab_size], prompts, prompts), jax.random.key(0),
+          np.int32(64), cfg=CFG, sampling=SamplingConfig(), budget=64, group_size=group,
+          shared_prompts=shared).compile()
+      records.append({"part": "groups", "shared_prompts": shared,
+                      "temp_mib": round(program.memory_analysis().temp_size_in_bytes / 2**20, 2),
+                      **_time(params, prompts=prompts, group=group, new=64, runs=runs, prompt_len=prompt_len,
+                              shared_prompts=shared)})
+  return records
+
+
 def _anchor(params, args) -> None:
   """The Tunix-comparable config, alternated with Tunix's own bench when its interpreter is given."""
   ours, theirs = [], []
@@ -136,7 +161,7 @@ def _loadavg() -> float:
 def main() -> None:
   """Runs the selected parts and prints one JSON line per measurement."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--parts", default="anchor,batch,length,int8")
+  p.add_argument("--parts", default="anchor,batch,length,int8,groups")
   p.add_argument("--runs", type=int, default=5, help="timed calls per measurement (median)")
   p.add_argument("--rounds", type=int, default=1, help="anchor measurements (alternating with Tunix)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix installed")
@@ -158,6 +183,9 @@ def main() -> None:
   if "int8" in parts:
     emit({"part": "int8", **_int8_quality(params, new=256)})
     emit({"part": "int8", **_time(params, prompts=4, group=4, new=1024, runs=1, kv_int8=True)})
+  if "groups" in parts:
+    for record in _groups(params, args.runs):
+      emit(record)
 
 
 if __name__ == "__main__":
