@@ -19,7 +19,7 @@ machine. One JSON line per measurement:
           which grows in phases with the fill (`ptx.sampling.generation`),
           so a step costs what the filled part does, within 2x; memory-bound
           on CPU (16 rows x 4 heads x 64 dims x 4 bytes x K,V x 2 layers =
-          32 KB a slot)
+          64 KB a slot)
   int8    greedy agreement and log-prob error of the int8 cache against the
           training forward, and its throughput at 1024 new tokens
   groups  groups whose prompts are copied to each row against groups that
