@@ -16,6 +16,7 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import forward
 from ptx.models import lora as lora_lib
+from ptx.models.shared_prefix import SHARED_PREFIX_MIN_SLOTS
 from ptx.rl.token_rewards import encode_targets, exact_match
 from ptx.sampling.buckets import left_pad
 from ptx.sampling.generation import generate_padded
@@ -36,10 +37,10 @@ def _even_tokens(gen, task):
   return ((gen.tokens % 2 == 0) & live).sum(axis=1) / jnp.maximum(gen.lengths, 1)
 
 
-def _prompts(n, seed=0):
+def _prompts(n, seed=0, columns=8):
   task = ArithmeticTask(seed, 2)
   rows = [task[i] for i in range(n)]
-  tokens, lengths = left_pad([[TOK.bos_id] + TOK.encode(r["prompt"]) for r in rows], n, 8, TOK.pad_id)
+  tokens, lengths = left_pad([[TOK.bos_id] + TOK.encode(r["prompt"]) for r in rows], n, columns, TOK.pad_id)
   return {"prompts": tokens, "prompt_lengths": lengths,
           "task": {"targets": encode_targets(TOK, [r["answer"] for r in rows], 4)}}
 
@@ -83,11 +84,14 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
   return rewards, jax.tree.map(np.asarray, optax.apply_updates(state.params, updates))
 
 
-def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config):
+# Prompts padded to 8 columns are copied to each row of their group; to SHARED_PREFIX_MIN_SLOTS columns, each
+# group shares one copy of its prompt's K/V, in the sampler and in the update's forward.
+@pytest.mark.parametrize("columns", [8, SHARED_PREFIX_MIN_SLOTS], ids=["copied_prompts", "shared_prompts"])
+def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config, columns):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=4, beta=0.04)
   mesh, optimizer, state, step = _setup(cfg, grpo_cfg, _even_tokens)
-  batch_in = _prompts(4)
+  batch_in = _prompts(4, columns=columns)
   rewards, want = _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer)
 
   new_state, metrics = step(state, batch_in)
@@ -96,7 +100,7 @@ def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_co
                new_state.params, want)
   assert float(metrics["rollout/logp_diff_max"]) < 1e-4
   for seed in (1, 2):
-    new_state, metrics = step(new_state, _prompts(4, seed))
+    new_state, metrics = step(new_state, _prompts(4, seed, columns))
   assert step._cache_size() == 1, "the fused step recompiled"
   assert int(new_state.step) == 3
 
