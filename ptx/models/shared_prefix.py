@@ -50,9 +50,19 @@ def shares_prompt_cache(group_size: int, prompt_len: int, shared_prompts: bool |
   return prompt_len >= SHARED_PREFIX_MIN_SLOTS if shared_prompts is None else shared_prompts
 
 
-def fits(prompt_len: int, seq_len: int) -> bool:
-  """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes."""
-  return 0 < prompt_len <= kv_cache.BLOCK_SLOTS and 0 < seq_len - prompt_len <= kv_cache.BLOCK_SLOTS
+def fits(prompt_len: int, seq_len: int, group_size: int, shared_prompts: bool | None = None) -> bool:
+  """Whether rollouts of `seq_len` columns, `prompt_len` of them prompt, can share their prefixes.
+
+  The cache attention is differentiable over one block of
+  `kv_cache.BLOCK_SLOTS` slots: copied prompts need the whole rollout to fit
+  one, shared prompts (`shares_prompt_cache`) the prompt and the completion
+  one each.
+  """
+  if not 0 < prompt_len < seq_len:
+    return False
+  if shares_prompt_cache(group_size, prompt_len, shared_prompts):
+    return max(prompt_len, seq_len - prompt_len) <= kv_cache.BLOCK_SLOTS
+  return seq_len <= kv_cache.BLOCK_SLOTS
 
 
 def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cfg: ModelConfig,
@@ -123,7 +133,7 @@ def rollout_logits(
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
   if (prompt_len is None or group_size == 1 or cfg.attention_impl == "ring"
-      or not fits(prompt_len, tokens.shape[1])):
+      or not fits(prompt_len, tokens.shape[1], group_size)):
     return forward(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
   return grouped_logits(params, tokens, positions, segment_ids, cfg, group_size=group_size, prompt_len=prompt_len,
                         rules=rules)
@@ -168,10 +178,10 @@ def grouped_logits(
   G, P = group_size, prompt_len
   if R % G:
     raise ValueError(f"grouped_logits: {R} rows do not split into groups of {G}")
-  if not fits(P, S):
-    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit: the "
-                     f"prompt and the completion must each fit one attention block of {kv_cache.BLOCK_SLOTS} "
-                     f"slots (check `fits` first)")
+  if not fits(P, S, G, shared_prompts):
+    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit one attention "
+                     f"block of {kv_cache.BLOCK_SLOTS} slots (the prompt and the completion one each when prompts "
+                     f"are shared; check `fits` first)")
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
   last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
                                   shared_prompts=shared_prompts, rules=rules)

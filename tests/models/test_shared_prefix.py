@@ -53,11 +53,14 @@ def test_rejects_rows_that_are_not_whole_groups_and_rollouts_too_long(tiny_confi
   tokens, positions, segment_ids, _ = _rollouts(tiny_config.vocab_size)
   with pytest.raises(ValueError, match="groups of 4"):
     grouped_logits(params, tokens, positions, segment_ids, tiny_config, group_size=4, prompt_len=P)
-  # Prompt and completion each fit one attention block of the cache.
-  assert fits(P, P + N) and fits(P, P + kv_cache.BLOCK_SLOTS) and fits(kv_cache.BLOCK_SLOTS, kv_cache.BLOCK_SLOTS + 1)
-  assert not fits(P, P + kv_cache.BLOCK_SLOTS + 1) and not fits(kv_cache.BLOCK_SLOTS + 1, 1024)
-  assert not fits(0, 8) and not fits(P, P)
-  long = jnp.zeros((G, P + kv_cache.BLOCK_SLOTS + 1), jnp.int32)
+  block = kv_cache.BLOCK_SLOTS
+  # Copied prompts: the whole rollout fits one attention block of the cache.
+  assert fits(P, P + N, G) and fits(P, block, G) and not fits(P, block + 1, G)
+  assert not fits(0, 8, G) and not fits(P, P, G)
+  # Shared prompts: the prompt and the completion fit one block each.
+  assert fits(P, P + block, G, shared_prompts=True) and fits(block, 2 * block, G, shared_prompts=True)
+  assert not fits(P, P + block + 1, G, shared_prompts=True) and not fits(block + 1, block + 2, G, shared_prompts=True)
+  long = jnp.zeros((G, block + 1), jnp.int32)
   with pytest.raises(ValueError, match="does not fit"):
     grouped_logits(params, long, long, long, tiny_config, group_size=G, prompt_len=P)
 
