@@ -33,9 +33,10 @@ from ptx.models.decoder import Params, forward, forward_with_cache
 
 
 # Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one.
-# The CPU sampling anchor (16 rows = 4 prompts x 4, 64 new tokens, `benchmarks/sampling.py`): shared against
-# copied, generated tokens/s are 4% lower at 32 prompt columns, even at 64, +12-19% at 128, +16% at 256 and
-# +62% at 512 columns with groups of 8. The copies' memory grows with G * P.
+# Measured on the 2-core CPU with the anchor model, 64 new tokens (`benchmarks/sampling.py --parts groups`,
+# and runs alternated with the copying code): shared against copied, generated tokens/s are 4-12% lower at
+# 32 prompt columns x 4 samples, about even at 64, +8-19% at 128, +16-52% at 256, and +31-67% at 512 columns
+# x 8 samples, where the program's memory halves (61 -> 32 MiB). The copies' memory grows with G * P.
 SHARED_PREFIX_MIN_SLOTS = 64
 
 
