@@ -106,8 +106,9 @@ def _materialized(compute, positions: jax.Array) -> RopeAngles:
   Without the boundary XLA:CPU fuses sin and cos into every query and key
   rotation, forward and backward, and evaluates them per rotated element:
   2 x heads times the trig of the [B, T, K/2] table (the barrier gave the
-  unrolled SFT benchmark a median +6% tokens/s over 7 alternated pairs). Both branches compute the same angles;
-  `optimization_barrier` would not do, XLA:CPU expands it before fusion.
+  unrolled SFT benchmark a median +6% tokens/s over 7 alternated pairs).
+  Both branches compute the same angles; `optimization_barrier` would not
+  do, XLA:CPU expands it before fusion.
   Other backends fuse as they like (a conditional costs a GPU a host sync).
   """
   return jax.lax.cond(jnp.any(positions != 0), compute, compute, positions)

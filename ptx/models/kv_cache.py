@@ -237,8 +237,7 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
   """
   cache = write_layer(cache, layer, k_BTNK, v_BTNK, rules)
   B, T = positions.shape
-  # The kernel's [B, S, N, K] view of the [B, N, S, K] store: the swap folds into its products.
-  view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
+  view = lambda stack: _kernel_view(stack, layer)  # noqa: E731
   out, lse, (k, v, k_scale, v_scale) = ptx_kernels.decode_attention(
       q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
       lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
@@ -266,7 +265,7 @@ def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, p
   """Attention of R = B * G rows' queries over their prompts' K/V: (out [R, T, H, K], lse [R, H, T])."""
   R, T, H, K = q_RTHK.shape
   B = R // group
-  view = lambda stack: None if stack is None else jnp.swapaxes(stack[layer], 1, 2)  # noqa: E731
+  view = lambda stack: _kernel_view(stack, layer)  # noqa: E731
   # A prompt's G rows are G * T queries of one sequence: the prefix is read once per group.
   out_BQHK, lse_BHQ = ptx_kernels.decode_attention(
       q_RTHK.reshape(B, group * T, H, K), view(prefix.k), view(prefix.v), k_scale=view(prefix.k_scale),
@@ -275,6 +274,11 @@ def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, p
       block_kv=BLOCK_SLOTS if T > 1 else prefix.k[layer].shape[2], **_seq_sharding(prefix.k[layer], rules))
   lse_RHT = jnp.swapaxes(lse_BHQ.reshape(B, H, group, T), 1, 2).reshape(R, H, T)
   return out_BQHK.reshape(R, T, H, -1), lse_RHT
+
+
+def _kernel_view(stack: Arrays | None, layer: int) -> jax.Array | None:
+  """The decode kernel's [B, S, N, K] view of a layer's [B, N, S, K] store: the swap folds into its products."""
+  return None if stack is None else jnp.swapaxes(stack[layer], 1, 2)
 
 
 def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:
