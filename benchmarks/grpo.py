@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig
-from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train import rl_step
 from ptx.train.optimizer import make_optimizer
@@ -68,11 +67,9 @@ def _ptx_round(steps: int, warmup: int) -> dict:
   grpo_cfg = GRPOConfig(group_size=GROUP, beta=BETA, max_response_tokens=NEW)
   shardings = state_shardings(CFG, optimizer, mesh, with_reference=True)
   state = init_state(CFG, optimizer, 0, mesh, with_reference=True)
-  spec = rl_step.RLSpec(model=CFG, grpo=grpo_cfg, sampling=SamplingConfig(), max_new_tokens=NEW,
-                        stop_ids=(CFG.vocab_size,))
+  spec = rl_step.RLSpec(model=CFG, grpo=grpo_cfg, max_new_tokens=NEW, stop_ids=(CFG.vocab_size,))
   step = rl_step.make_grpo_step(model=CFG, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                                reward_fn=_even_ids, sampling=spec.sampling, max_new_tokens=NEW,
-                                stop_ids=spec.stop_ids)
+                                reward_fn=_even_ids, max_new_tokens=NEW, stop_ids=spec.stop_ids)
   rng = np.random.default_rng(0)
 
   def batch():

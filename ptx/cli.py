@@ -226,7 +226,6 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
   from ptx.data.tokenizer import ByteTokenizer
   from ptx.rl import token_rewards
   from ptx.rl.prompt_batches import JsonlTasks, PromptBatches
-  from ptx.sampling.rules import SamplingConfig
   from ptx.train import rl_host, rl_step
   from ptx.train.loop import fit
 
@@ -239,7 +238,7 @@ def _grpo(cfg, args, *, progress: bool, error) -> None:
     error(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} (the prompts "
           "of a step, each a group)")
   lora = cfg.lora if cfg.lora.rank > 0 else None
-  common = dict(model=cfg.model, sampling=SamplingConfig(), max_new_tokens=cfg.grpo.max_response_tokens,
+  common = dict(model=cfg.model, max_new_tokens=cfg.grpo.max_response_tokens,
                 stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum, lora=lora)
   batches = functools.partial(PromptBatches, tokenizer=tokenizer, prompt_len=data.seq_len)
   if not data.train_files:

@@ -246,11 +246,41 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How the next token is drawn from the logits (`ptx.sampling.rules`)."""
+
+  # Take the most likely token (the other fields are then ignored).
+  greedy: bool = False
+  # Divide the logits by this before truncating.
+  temperature: float = 1.0
+  # Keep the k most likely tokens (0: off).
+  top_k: int = 0
+  # Keep the smallest set of most likely tokens whose probability reaches top_p (1.0: off).
+  top_p: float = 1.0
+  # Keep tokens at least min_p times as likely as the most likely one (0.0: off).
+  min_p: float = 0.0
+
+  def __post_init__(self):
+    if self.temperature <= 0:
+      raise ValueError(f"sampling.temperature must be > 0 (use greedy=True), got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+
+
+@dataclasses.dataclass(frozen=True)
 class GRPOConfig:
   """The GRPO loss family (shared/specs/grpo-loss.md); `GRPO_PRESETS` names the standard mixes."""
 
   # Sequences sampled per prompt (G).
   group_size: int = 4
+  # How rollouts are drawn (never greedily: a group needs G different samples). Every log-prob of the loss
+  # (behaviour, policy, reference) and the entropy are those of softmax(logits / sampling.temperature),
+  # untruncated, as in TRL and verl: top-k/p and min-p rollouts are slightly off the trained policy.
+  sampling: SamplingConfig = SamplingConfig()
   # "grpo", "grpo_no_std" (Dr.GRPO), "grpo_batch_std", "rloo" or "reinforce_pp_baseline".
   advantage: Literal["grpo", "grpo_no_std", "grpo_batch_std", "rloo", "reinforce_pp_baseline"] = "grpo"
   # Epsilon added to the standard deviation of std-normalised advantages.
@@ -327,6 +357,8 @@ class GRPOConfig:
   minibatches: int = 1
 
   def __post_init__(self):
+    if self.sampling.greedy:
+      raise ValueError("grpo.sampling.greedy: GRPO needs sampled rollouts; a greedy group's G completions are equal")
     if self.epochs < 1 or self.minibatches < 1:
       raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
 

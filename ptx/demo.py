@@ -34,7 +34,6 @@ from ptx.models import forward
 from ptx.rl import evaluation, token_rewards
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.rules import SamplingConfig
 from ptx.sampling.text import TextSampler
 from ptx.sharding import make_mesh
 from ptx.train import plots
@@ -114,7 +113,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
                           prompt_len=PROMPT_LEN, answer_width=ANSWER_WIDTH)
   make_step = functools.partial(
       make_grpo_step, model=cfg.model, cfg=cfg.grpo, reward_fn=token_rewards.target_reward,
-      sampling=SamplingConfig(), max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+      max_new_tokens=ANSWER_WIDTH, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   state, rl_summary = fit(rl_cfg, train_data=prompts, out=out / "grpo", make_step=make_step,
                           init_params=state.params, with_reference=cfg.grpo.beta > 0, resume=resume,
                           progress=progress, updates_per_step=cfg.grpo.updates_per_step)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
   prompts = PromptBatches(ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), tokenizer,
                           batch_size=cfg.data.batch_size, prompt_len=PROMPT_LEN, answer_width=width)
   make_step = functools.partial(
-      make_grpo_step, model=cfg.model, cfg=cfg.grpo, sampling=ptx.SamplingConfig(), max_new_tokens=width,
+      make_grpo_step, model=cfg.model, cfg=cfg.grpo, max_new_tokens=width,
       reward_fn=token_rewards.target_reward,
       stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   state, summary = fit(cfg, train_data=prompts, out=args.out, make_step=make_step, init_params=params,

@@ -46,7 +46,7 @@ def qwen7b(grpo: ptx.GRPOConfig, *, steps: int, prompts: int, prompt_len: int) -
 def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tasks: Any,
           env: Environment) -> tuple[ptx.TrainState, dict]:
   """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`."""
-  spec = rl_step.RLSpec(model=cfg.model, grpo=cfg.grpo, sampling=ptx.SamplingConfig(),
+  spec = rl_step.RLSpec(model=cfg.model, grpo=cfg.grpo,
                         max_new_tokens=cfg.grpo.max_response_tokens, stop_ids=(tokenizer.eos_id,),
                         pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum)
   prompts = rl_host.Lookahead(PromptBatches(tasks, tokenizer, batch_size=cfg.data.batch_size,

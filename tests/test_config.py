@@ -22,6 +22,13 @@ def test_overrides_parse_into_declared_types():
   assert apply_overrides(cfg, ["--model.sliding_window=none"]).model.sliding_window is None
 
 
+def test_rollout_sampling_is_part_of_the_grpo_config():
+  cfg = apply_overrides(Config(), ["--grpo=dapo", "--grpo.sampling.temperature=0.7", "--grpo.sampling.top_p=0.95"])
+  assert (cfg.grpo.sampling.temperature, cfg.grpo.sampling.top_p, cfg.grpo.epsilon_high) == (0.7, 0.95, 0.28)
+  assert config_lib.from_dict(Config, config_lib.to_dict(cfg)) == cfg
+  assert config_lib.from_dict(Config, {"grpo": {"beta": 0.1}}).grpo.sampling == config_lib.SamplingConfig()
+
+
 def test_none_is_a_string_where_a_literal_field_offers_it():
   cfg = apply_overrides(Config(), ["--grpo.kl_placement=none", "--grpo.filter_groups=none", "--model.remat=none",
                                    "--model.rope_scaling.kind=none", "--model.sliding_window=none"])
@@ -44,6 +51,9 @@ def test_a_preset_then_field_overrides():
     ("--model=gpt5", "unknown model preset 'gpt5'"),
     ("model.d_model=3", "not of the form"),
     ("--train.steps", "not of the form"),
+    ("--grpo.sampling.greedy=true", "grpo.sampling.greedy: GRPO needs sampled rollouts"),
+    ("--grpo.sampling.temperature=0", "grpo.sampling.temperature: sampling.temperature must be > 0"),
+    ("--grpo.sampling.top_p=1.5", "top_p must be in"),
 ])
 def test_bad_overrides_name_the_field(arg, message):
   with pytest.raises(ConfigError, match=message):
@@ -67,7 +77,8 @@ def test_every_field_has_a_comment():
   import inspect
 
   for cls in (config_lib.ModelConfig, config_lib.MeshConfig, config_lib.OptimizerConfig,
-              config_lib.TrainConfig, config_lib.Config, config_lib.RopeScaling):
+              config_lib.TrainConfig, config_lib.Config, config_lib.RopeScaling, config_lib.GRPOConfig,
+              config_lib.SamplingConfig):
     source = inspect.getsource(cls).splitlines()
     for field in dataclasses.fields(cls):
       line = next(i for i, l in enumerate(source) if l.strip().startswith(f"{field.name}:"))

@@ -3,7 +3,8 @@
 Implements shared/specs/grpo-loss.md sections 5.3 to 5.6. A batch holds N
 sequences [N, S] (`tokens`, `positions`, `segment_ids`, and `loss_mask` = 1
 on policy-generated tokens only) and, aligned with tokens (index t holds
-the log-prob of token t; index 0 is unused):
+the log-prob of token t; index 0 is unused; all of them, and the entropy,
+are the policy's at the rollouts' temperature `grpo.sampling.temperature`):
   old_logps     behaviour-policy log-probs [N, S]
   ref_logps     reference log-probs [N, S] (KL in the loss only)
   sampler_logps the sampler's log-probs [N, S] (truncated IS only)
@@ -31,6 +32,7 @@ from ptx import sharding
 from ptx.config import GRPOConfig, ModelConfig
 from ptx.models.decoder import token_log_probs
 from ptx.models.shared_prefix import rollout_logits
+from ptx.sampling.rules import tempered
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                 "prompt_mean", "token_sum")
@@ -72,14 +74,14 @@ def aggregation_inputs(loss_mask: jax.Array, cfg: GRPOConfig) -> dict[str, jax.A
   return {"agg_weights": w, "agg_total": jnp.full(loss_mask.shape[:1], w.sum())}
 
 
-def token_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """log p(token t | tokens < t) [N, S] in float32 from logits [N, S, V]; index 0 is 0."""
-  return jnp.pad(token_log_probs(logits[:, :-1], tokens[:, 1:]), ((0, 0), (1, 0)))
+def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """log p(token t | tokens < t) [N, S] in float32 from logits [N, S, V] at `temperature`; index 0 is 0."""
+  return jnp.pad(token_log_probs(tempered(logits[:, :-1], temperature), tokens[:, 1:]), ((0, 0), (1, 0)))
 
 
-def token_entropy(logits: jax.Array) -> jax.Array:
-  """Entropy of the next-token distribution, aligned like `token_logps` [N, S]."""
-  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """Entropy of the next-token distribution at `temperature`, aligned like `token_logps` [N, S]."""
+  logp = jax.nn.log_softmax(tempered(logits[:, :-1].astype(jnp.float32), temperature), axis=-1)
   return jnp.pad(-(jnp.exp(logp) * logp).sum(axis=-1), ((0, 0), (1, 0)))
 
 
@@ -164,14 +166,14 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   w = batch["agg_weights"] * mask
   total = w.sum()
   denominator = jnp.where(total > 0, total, 1.0)
-  logps = token_logps(logits, batch["tokens"])
+  logps = token_logps(logits, batch["tokens"], grpo.sampling.temperature)
   adv = batch["advantages"][:, None] * mask
   rho, stats = surrogate(logps, batch["old_logps"], adv, mask, grpo)
   if grpo.tis_cap is not None:  # truncated importance sampling for stale or mismatched rollouts
     is_weight = jax.lax.stop_gradient(importance_weights(batch["old_logps"], batch["sampler_logps"], mask, grpo))
     rho = rho * is_weight
     stats["actor/is_weight"] = is_weight
-  entropy = token_entropy(logits)
+  entropy = token_entropy(logits, grpo.sampling.temperature)
   adaptive = "entropy_coef" in batch  # static: the adaptive rule passes this update's c_H
   if grpo.entropy_coef == 0 and not adaptive:  # logged only, so no backward pass through the full-vocab entropy
     entropy = jax.lax.stop_gradient(entropy)

@@ -37,7 +37,7 @@ from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward_with_cache, layer_rope, token_log_probs, unstack_layers
 from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache
 from ptx.sampling import buckets
-from ptx.sampling.rules import SamplingConfig, sample_tokens
+from ptx.sampling.rules import SamplingConfig, sample_tokens, tempered
 
 # New tokens the first decode phase has cache room for (see `_phase_slots`). Small, so short generations
 # read a cache near their fill: on the CPU anchor (16 rows, 32 + 64 tokens) 16 is 5% faster than 256.
@@ -60,7 +60,8 @@ class Generation:
   # int32 [R]: STOP or LENGTH.
   finish_reasons: jax.Array
   # float32 [R, N]: log-prob of each token under the raw policy (temperature 1,
-  # no truncation), as the training forward computes it; 0 after a row's length.
+  # no truncation), as the training forward computes it, or under the policy at
+  # `logprob_temperature` (GRPO's: its sampling temperature); 0 after a row's length.
   log_probs: jax.Array
 
 
@@ -91,6 +92,7 @@ def generate_padded(
     pad_id: int = 0,
     prefill_chunk: int | None = None,
     shared_prompts: bool | None = None,
+    logprob_temperature: float = 1.0,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
@@ -115,6 +117,8 @@ def generate_padded(
     shared_prompts: with G > 1, keep one copy of each prompt's K/V that its
       rows share (True) or copy it to every row (False); None: share prompts
       of at least `shared_prefix.SHARED_PREFIX_MIN_SLOTS` columns.
+    logprob_temperature: `log_probs` are those of softmax(logits / this),
+      untruncated (1: the raw policy's).
     rules: sharding rules for activations and the cache (a mesh whose `seq`
       axis shards the cache's slots keeps it sharded: see `kv_cache`).
 
@@ -122,6 +126,8 @@ def generate_padded(
     A Generation of B * G rows and N columns.
   """
   (B, P), R = prompt_tokens.shape, prompt_tokens.shape[0] * group_size
+  if logprob_temperature <= 0:
+    raise ValueError(f"logprob_temperature must be > 0, got {logprob_temperature}")
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
@@ -138,7 +144,7 @@ def generate_padded(
   def emit(loop: _Loop, logits_RV: jax.Array) -> _Loop:
     logits_RV = sharding.constrain(logits_RV, ("batch", "vocab"), rules)
     token = sample_tokens(logits_RV, uniforms_NR[loop.t], sampling)
-    log_prob = token_log_probs(logits_RV[:, None], token[:, None])[:, 0]
+    log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
     live = ~loop.done
     token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
     column = (jnp.zeros((), jnp.int32), loop.t)
@@ -179,7 +185,7 @@ def generate_padded(
 
 # The arguments of `generate_padded` that are static under jit.
 STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "shared_prompts",
-                   "rules")
+                   "logprob_temperature", "rules")
 _generate_jit = jax.jit(generate_padded, static_argnames=STATIC_ARGNAMES)
 
 
@@ -198,6 +204,7 @@ def generate(
     pad_id: int = 0,
     prefill_chunk: int | None = None,
     shared_prompts: bool | None = None,
+    logprob_temperature: float = 1.0,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples continuations of ragged prompts with one compiled program per shape bucket.
@@ -221,6 +228,8 @@ def generate(
     shared_prompts: with groups, one copy of each prompt's K/V for its rows
       (True), a copy per row (False), or by the padded prompt's length
       (None: `generate_padded`).
+    logprob_temperature: the returned log-probs are of softmax(logits / this)
+      (1: the raw policy's).
     rules: the sharding rules.
 
   Returns:
@@ -235,7 +244,8 @@ def generate(
   with context:
     out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
                         budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
-                        pad_id=pad_id, prefill_chunk=prefill_chunk, shared_prompts=shared_prompts, rules=rules)
+                        pad_id=pad_id, prefill_chunk=prefill_chunk, shared_prompts=shared_prompts,
+                        logprob_temperature=logprob_temperature, rules=rules)
   n = len(prompts) * group_size
   if (n, max_new_tokens) == out.tokens.shape:
     return out

@@ -4,42 +4,23 @@ Order: greedy short-circuits everything; otherwise the logits are divided by
 the temperature, then truncated by top-k, then by top-p on the renormalised
 top-k distribution, then by min-p (relative to the most likely token, which
 renormalising does not change), and one token is drawn from what is left.
-Ties at a threshold are kept.
+Ties at a threshold are kept. `SamplingConfig` is defined in `ptx.config`,
+where `GRPOConfig.sampling` holds the rollouts' rules.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
+from ptx.config import SamplingConfig
 
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How the next token is drawn from the logits."""
 
-  # Take the most likely token (the other fields are then ignored).
-  greedy: bool = False
-  # Divide the logits by this before truncating.
-  temperature: float = 1.0
-  # Keep the k most likely tokens (0: off).
-  top_k: int = 0
-  # Keep the smallest set of most likely tokens whose probability reaches top_p (1.0: off).
-  top_p: float = 1.0
-  # Keep tokens at least min_p times as likely as the most likely one (0.0: off).
-  min_p: float = 0.0
-
-  def __post_init__(self):
-    if self.temperature <= 0:
-      raise ValueError(f"sampling.temperature must be > 0 (use greedy=True), got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-    if not 0 <= self.min_p <= 1:
-      raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+  """logits / temperature: the logits of the policy at that temperature (at 1, the logits themselves)."""
+  return logits if temperature == 1.0 else logits / temperature
 
 
 def truncated_logits(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
@@ -48,7 +29,7 @@ def truncated_logits(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
   Each truncation runs only when enabled in the frozen `config`: shape-static
   choices made at trace time (top-k fixes the size of `lax.top_k`).
   """
-  logits = logits_BV.astype(jnp.float32) / config.temperature
+  logits = tempered(logits_BV.astype(jnp.float32), config.temperature)
   if config.top_k and config.top_k < logits.shape[-1]:
     kth_BK = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
     logits = jnp.where(logits >= kth_BK, logits, -jnp.inf)

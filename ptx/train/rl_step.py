@@ -13,7 +13,9 @@ executable per RL step. On-policy, the behaviour log-probs are the
 sampler's; the first update's forward, still at the sampling parameters,
 gives the trainer's log-probs of the same tokens, and their largest
 difference is logged (`rollout/logp_diff_max`): both come from the same
-model code, so it must stay at rounding level.
+model code, so it must stay at rounding level. Both are log-probs of the
+tempered policy softmax(logits / `grpo.sampling.temperature`), as is the
+reference's.
 
 Under LoRA (`lora=`) `state.params` are the adapters: the sampler and the
 loss run base + adapters, the optimizer state covers the adapters only, and
@@ -42,7 +44,6 @@ from ptx.algorithms import grpo
 from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
 from ptx.models.shared_prefix import rollout_logits
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
-from ptx.sampling.rules import SamplingConfig
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 from ptx.train.step import accumulate_gradients, model_params, reference_params, trainable_loss
@@ -54,12 +55,11 @@ RewardFn = Callable[[Generation, dict[str, jax.Array]], adv_lib.Rewards]
 
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
-  """The static description of an RL step: model, loss family, sampling and update schedule.
+  """The static description of an RL step: model, loss family (with the rollouts' sampling) and update schedule.
 
   Attributes:
     model: the model config.
-    grpo: the GRPO loss family config (group size, estimator, clipping, KL, filtering).
-    sampling: the sampling rules of the rollouts.
+    grpo: the GRPO loss family config (group size, rollout sampling, estimator, clipping, KL, filtering).
     max_new_tokens: the completion budget N.
     stop_ids: ids that end a completion.
     pad_id: the pad token of prompts and finished rows.
@@ -70,7 +70,6 @@ class RLSpec:
 
   model: ModelConfig
   grpo: GRPOConfig
-  sampling: SamplingConfig
   max_new_tokens: int
   stop_ids: tuple[int, ...]
   pad_id: int = 0
@@ -153,15 +152,15 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
   """G completions of each left-padded prompt [B, P] from the model parameters `params` (call under the mesh)."""
   stops = jnp.broadcast_to(jnp.asarray(spec.stop_ids, jnp.int32), (prompts.shape[0], len(spec.stop_ids)))
   return generate_padded(params, prompts, prompt_lengths, stops, key, spec.max_new_tokens, cfg=spec.model,
-                         sampling=spec.sampling, budget=spec.max_new_tokens, group_size=spec.grpo.group_size,
-                         pad_id=spec.pad_id, rules=spec.rules)
+                         sampling=spec.grpo.sampling, budget=spec.max_new_tokens, group_size=spec.grpo.group_size,
+                         pad_id=spec.pad_id, logprob_temperature=spec.grpo.sampling.temperature, rules=spec.rules)
 
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
   """Per-token log-probs [R, S] of the batch's tokens under `params` (float32, no gradient)."""
   logits = rollout_logits(params, batch, spec.model, group_size=spec.grpo.group_size,
                           prompt_len=_shared_prompt_len(batch, spec), rules=spec.rules)
-  return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"]))
+  return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"], spec.grpo.sampling.temperature))
 
 
 def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
@@ -376,7 +375,6 @@ def make_grpo_step(
     mesh: Mesh,
     state_shardings: TrainState,
     reward_fn: RewardFn,
-    sampling: SamplingConfig,
     max_new_tokens: int,
     stop_ids: tuple[int, ...],
     pad_id: int = 0,
@@ -388,12 +386,11 @@ def make_grpo_step(
 
   Args:
     model: the model config.
-    cfg: the GRPO loss family config (group size, estimator, clipping, KL).
+    cfg: the GRPO loss family config (group size, rollout sampling, estimator, clipping, KL).
     optimizer: the optax transformation of the state.
     mesh: the device mesh.
     state_shardings: from `state_shardings(..., with_reference=cfg.beta > 0, lora=lora)`.
     reward_fn: the in-graph reward.
-    sampling: the sampling rules of the rollouts.
     max_new_tokens: the completion budget N.
     stop_ids: ids that end a completion.
     pad_id: the pad token of prompts and finished rows.
@@ -407,8 +404,8 @@ def make_grpo_step(
     (`ptx.rl.prompt_batches.PromptBatches`), B' = B prompts, or B * (1 +
     max_refill_rounds) with `filter_groups="refill"`.
   """
-  spec = RLSpec(model=model, grpo=cfg, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids),
-                pad_id=pad_id, grad_accum=grad_accum, lora=lora, rules=rules)
+  spec = RLSpec(model=model, grpo=cfg, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids), pad_id=pad_id,
+                grad_accum=grad_accum, lora=lora, rules=rules)
 
   def step(state: TrainState, batch: dict[str, Any]):
     sample_key, update_key = step_keys(state)

@@ -89,6 +89,19 @@ def test_kl_estimators():
   np.testing.assert_allclose(grad, d, rtol=1e-6)
 
 
+def test_log_probs_and_entropy_are_the_policys_at_the_rollout_temperature():
+  logits = jax.random.normal(jax.random.key(0), (2, 5, 7)) * 3.0
+  tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 7)
+  for temperature in (1.0, 0.6):
+    logp_all = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1))
+    want = np.take_along_axis(logp_all[:, :-1], np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
+    got = np.asarray(grpo.token_logps(logits, tokens, temperature))
+    np.testing.assert_allclose(got[:, 1:], want, atol=1e-5)
+    assert (got[:, 0] == 0).all()
+    entropy = -(np.exp(logp_all) * logp_all).sum(-1)[:, :-1]
+    np.testing.assert_allclose(np.asarray(grpo.token_entropy(logits, temperature))[:, 1:], entropy, atol=1e-5)
+
+
 def test_ppo_clip_dapo_and_dual_clip_by_hand():
   old = jnp.zeros((1, 4))
   logps = jnp.log(jnp.asarray([[1.5, 0.5, 1.1, 3.0]]))  # ratios

@@ -13,7 +13,6 @@ from ptx.data.batch import pad_batch, sft_example
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl import token_rewards
 from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train import rl_step
 from ptx.train.optimizer import make_optimizer
@@ -59,13 +58,12 @@ def test_grpo_raises_the_exact_match_reward_of_an_sft_model():
   rl_optim = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0), RL_STEPS)
   params = state.params
   state = init_state(cfg, rl_optim, 0, mesh, params=params)
-  spec = rl_step.RLSpec(model=cfg, grpo=GRPO, sampling=SamplingConfig(), max_new_tokens=WIDTH,
-                        stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  spec = rl_step.RLSpec(model=cfg, grpo=GRPO, max_new_tokens=WIDTH, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   before = _held_out_reward(params, cfg, mesh, spec)
   step = rl_step.make_grpo_step(model=cfg, cfg=GRPO, optimizer=rl_optim, mesh=mesh,
                                 state_shardings=state_shardings(cfg, rl_optim, mesh),
-                                reward_fn=token_rewards.target_reward, sampling=spec.sampling,
-                                max_new_tokens=WIDTH, stop_ids=spec.stop_ids, pad_id=TOK.pad_id)
+                                reward_fn=token_rewards.target_reward, max_new_tokens=WIDTH,
+                                stop_ids=spec.stop_ids, pad_id=TOK.pad_id)
   prompts = PromptBatches(ArithmeticTask(2, 1), TOK, batch_size=PROMPTS, prompt_len=6, answer_width=WIDTH)
   for _ in range(RL_STEPS):
     state, metrics = step(state, next(prompts))

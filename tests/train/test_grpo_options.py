@@ -15,7 +15,6 @@ from ptx.config import Config, GRPOConfig, MeshConfig, OptimizerConfig, TrainCon
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train import rl_step
@@ -57,7 +56,7 @@ def _run(cfg, grpo_cfg, steps, *, reward=_components, host=False):
   with_ref = grpo_cfg.beta > 0
   shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref)
   state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref)
-  kw = dict(sampling=SamplingConfig(), max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  kw = dict(max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   prompts = lambda width: PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=width)
   if host:
     data = Lookahead(prompts(None))
@@ -138,7 +137,7 @@ def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equ
 ])
 def test_bad_adaptive_configs_are_rejected_naming_the_field(tiny_config, bad, match):
   with pytest.raises(ValueError, match=match):
-    RLSpec(model=tiny_config, grpo=GRPOConfig(**bad), sampling=SamplingConfig(), max_new_tokens=4, stop_ids=(1,))
+    RLSpec(model=tiny_config, grpo=GRPOConfig(**bad), max_new_tokens=4, stop_ids=(1,))
 
 
 def test_adaptive_coefficients_need_the_coefficient_stage():
@@ -157,8 +156,7 @@ def test_a_resumed_run_continues_with_the_checkpointed_coefficients(tmp_path, ti
                optim=OptimizerConfig(lr=1e-3, warmup_steps=0), grpo=grpo_cfg,
                train=TrainConfig(steps=2, log_every=1, checkpoint_every=1))
   make_step = functools.partial(make_grpo_step, model=cfg.model, cfg=grpo_cfg, reward_fn=_weighted_sum,
-                                sampling=SamplingConfig(), max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,),
-                                pad_id=TOK.pad_id)
+                                max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   run = lambda resume: fit(
       cfg, train_data=PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=4),
       out=tmp_path, make_step=make_step, with_reference=True, progress=False, resume=resume,

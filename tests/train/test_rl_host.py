@@ -11,7 +11,6 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train.rl_host import HostRewardStep, Lookahead, env_reward
@@ -43,7 +42,7 @@ def _run(cfg, grpo_cfg, steps, *, host_reward=None):
   optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0), 10)
   shardings = state_shardings(cfg, optimizer, mesh, with_reference=grpo_cfg.beta > 0)
   state = init_state(cfg, optimizer, 0, mesh, with_reference=grpo_cfg.beta > 0)
-  kw = dict(sampling=SamplingConfig(), max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  kw = dict(max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   if host_reward is None:
     data = _prompts(4)
     step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,

@@ -52,7 +52,7 @@ def _setup(cfg, grpo_cfg, reward_fn, lora=None, **kw):
   shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref, lora=lora)
   state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref, lora=lora)
   step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                        reward_fn=reward_fn, sampling=SamplingConfig(), max_new_tokens=N_NEW,
+                        reward_fn=reward_fn, max_new_tokens=N_NEW,
                         stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id, lora=lora, **kw)
   return mesh, optimizer, state, step
 
@@ -65,16 +65,18 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
   G = grpo_cfg.group_size
   sample_key, update_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
   stops = np.full((prompts.shape[0], 1), TOK.eos_id, np.int32)
-  gen = jax.jit(generate_padded, static_argnames=("cfg", "sampling", "budget", "group_size", "pad_id"))(
-      policy, prompts, lengths, stops, sample_key, N_NEW, cfg=cfg, sampling=SamplingConfig(), budget=N_NEW,
-      group_size=G, pad_id=TOK.pad_id)
+  temperature = grpo_cfg.sampling.temperature
+  gen = jax.jit(generate_padded, static_argnames=("cfg", "sampling", "budget", "group_size", "pad_id",
+                                                  "logprob_temperature"))(
+      policy, prompts, lengths, stops, sample_key, N_NEW, cfg=cfg, sampling=grpo_cfg.sampling, budget=N_NEW,
+      group_size=G, pad_id=TOK.pad_id, logprob_temperature=temperature)
   tokens, gen_lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
   rewards = np.asarray([np.mean(tokens[r, :n] % 2 == 0) if n else 0.0 for r, n in enumerate(gen_lengths)])
   batch = jax.tree.map(np.asarray, rollout_batch(jnp.asarray(prompts), jnp.asarray(lengths), gen, G))
   batch["old_logps"] = batch["sampler_logps"]
   logits = jax.jit(lambda p: forward(
       p, batch["tokens"], cfg, positions=batch["positions"], segment_ids=batch["segment_ids"]))(reference)
-  batch["ref_logps"] = np.asarray(grpo.token_logps(logits, jnp.asarray(batch["tokens"])))
+  batch["ref_logps"] = np.asarray(grpo.token_logps(logits / temperature, jnp.asarray(batch["tokens"])))
   batch["advantages"] = np.asarray(adv_lib.advantages(jnp.asarray(rewards, jnp.float32), G, "grpo"))
   batch.update(jax.tree.map(np.asarray, grpo.aggregation_inputs(jnp.asarray(batch["loss_mask"]), grpo_cfg)))
   loss_fn = trainable_loss(functools.partial(grpo.loss, model=cfg, grpo=grpo_cfg), state.base, lora)
@@ -85,18 +87,25 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
 
 
 # Prompts padded to 8 columns are copied to each row of their group; to SHARED_PREFIX_MIN_SLOTS columns, each
-# group shares one copy of its prompt's K/V, in the sampler and in the update's forward.
-@pytest.mark.parametrize("columns", [8, SHARED_PREFIX_MIN_SLOTS], ids=["copied_prompts", "shared_prompts"])
-def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config, columns):
+# group shares one copy of its prompt's K/V, in the sampler and in the update's forward. Rollouts at temperature
+# 0.7 (and top-p): every log-prob of the loss is the tempered policy's, the sampler's too (logp_diff_max).
+# Adam's first update is lr * g / (|g| + eps): a gradient entry within a few eps of 0 turns last-bit differences
+# (the two programs round differently) into up to 1% of lr, so tempered logits, which add a rounding step, get
+# atol 1e-5 (2 of 10560 weights land between 1e-6 and 1e-5).
+@pytest.mark.parametrize("columns, sampling, atol", [
+    (8, SamplingConfig(), 1e-6), (SHARED_PREFIX_MIN_SLOTS, SamplingConfig(), 1e-6),
+    (8, SamplingConfig(temperature=0.7, top_p=0.95), 1e-5)], ids=["copied_prompts", "shared_prompts",
+                                                                   "tempered_rollouts"])
+def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config, columns, sampling, atol):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=4, beta=0.04)
+  grpo_cfg = GRPOConfig(group_size=4, beta=0.04, sampling=sampling)
   mesh, optimizer, state, step = _setup(cfg, grpo_cfg, _even_tokens)
   batch_in = _prompts(4, columns=columns)
   rewards, want = _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer)
 
   new_state, metrics = step(state, batch_in)
   np.testing.assert_allclose(float(metrics["reward/mean"]), rewards.mean(), rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6),
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=atol),
                new_state.params, want)
   assert float(metrics["rollout/logp_diff_max"]) < 1e-4
   for seed in (1, 2):
@@ -134,7 +143,7 @@ def test_refill_keeps_groups_with_signal_in_order_and_never_crashes(tiny_config)
   _, _, state, step = _setup(cfg, grpo_cfg, _flagged)
   batch_in = _prompts(12)
   batch_in["task"] = {"flag": np.asarray([1, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1], np.float32)}
-  spec = RLSpec(model=cfg, grpo=grpo_cfg, sampling=SamplingConfig(), max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,),
+  spec = RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,),
                 pad_id=TOK.pad_id)
   rollouts, _, _, metrics = jax.jit(lambda p, b: sample_kept_groups(p, b, jax.random.key(0), spec, _flagged))(
       state.params, batch_in)
