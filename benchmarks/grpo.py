@@ -32,7 +32,6 @@ import subprocess
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig

@@ -14,7 +14,6 @@ def main(process_id: int, port: str, out: str) -> None:
   from jax.experimental import multihost_utils
 
   from ptx.config import MeshConfig
-  from ptx.config import DataConfig
   from ptx.data import ByteTokenizer, MemorySource, make_pipeline, to_global
   from ptx.sharding import batch_sharding, make_mesh
   from tests.data.test_multihost import CONFIG, RECORDS

@@ -2,7 +2,6 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
 

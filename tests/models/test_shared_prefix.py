@@ -8,7 +8,7 @@ import pytest
 from model_variants import gemma_like
 from ptx.models import forward, init_params, kv_cache, shared_prefix
 from ptx.models.decoder import token_log_probs
-from ptx.models.shared_prefix import fits, grouped_logits, prefill_groups, rollout_logits, shares_prompt_cache
+from ptx.models.shared_prefix import fits, grouped_logits, prefill_groups, shares_prompt_cache
 
 B, G, P, N = 2, 3, 6, 5
 

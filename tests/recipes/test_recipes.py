@@ -4,7 +4,6 @@ import importlib.util
 import json
 import pathlib
 import runpy
-import sys
 
 import pytest
 

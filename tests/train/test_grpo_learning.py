@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import numpy as np
 import pytest
 
 from ptx.algorithms import sft

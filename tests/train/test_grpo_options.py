@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 
-from ptx.algorithms import grpo
 from ptx.config import Config, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer

@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
