@@ -157,7 +157,7 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
 
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
-  """Per-token log-probs [R, S] of the batch's tokens under `params` (float32, no gradient)."""
+  """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient)."""
   logits = rollout_logits(params, batch, spec.model, group_size=spec.grpo.group_size,
                           prompt_len=_shared_prompt_len(batch, spec), rules=spec.rules)
   return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"], spec.grpo.sampling.temperature))

@@ -5,12 +5,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.prompt_batches import PromptBatches
+from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train.rl_host import HostRewardStep, Lookahead, env_reward
@@ -78,10 +80,14 @@ def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
 
 def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1,
+                        sampling=SamplingConfig(temperature=0.8))
   state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_even_tokens_on_host)
   assert int(state.step) == 3
   assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]  # the first batch has nothing ahead of it
+  # The first batch was sampled by the parameters that recompute its old log-probs, both at temperature 0.8.
+  assert history[0]["rollout/is_ratio/max"] == pytest.approx(1.0, abs=1e-4)
+  assert history[0]["rollout/is_ratio/min"] == pytest.approx(1.0, abs=1e-4)
   for m in history:
     assert 0.0 <= m["perf/device_wait_frac"] <= 1.0 and m["timing_s/step"] > 0 and "actor/is_weight" in m
   # Batch 4 was sampled ahead; the stream's position is still the next batch the loop takes.
