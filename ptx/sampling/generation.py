@@ -60,8 +60,8 @@ class Generation:
   # int32 [R]: STOP or LENGTH.
   finish_reasons: jax.Array
   # float32 [R, N]: log-prob of each token under the raw policy (temperature 1,
-  # no truncation), as the training forward computes it, or under the policy at
-  # `logprob_temperature` (GRPO's: its sampling temperature); 0 after a row's length.
+  # no truncation), as the training forward computes it, or with `tempered_log_probs`
+  # under the policy at the sampling temperature (GRPO's); 0 after a row's length.
   log_probs: jax.Array
 
 
@@ -92,7 +92,7 @@ def generate_padded(
     pad_id: int = 0,
     prefill_chunk: int | None = None,
     shared_prompts: bool | None = None,
-    logprob_temperature: float = 1.0,
+    tempered_log_probs: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
@@ -117,8 +117,9 @@ def generate_padded(
     shared_prompts: with G > 1, keep one copy of each prompt's K/V that its
       rows share (True) or copy it to every row (False); None: share prompts
       of at least `shared_prefix.SHARED_PREFIX_MIN_SLOTS` columns.
-    logprob_temperature: `log_probs` are those of softmax(logits / this),
-      untruncated (1: the raw policy's).
+    tempered_log_probs: `log_probs` are those of softmax(logits /
+      sampling.temperature), untruncated, as GRPO's loss takes them; False:
+      the raw policy's.
     rules: sharding rules for activations and the cache (a mesh whose `seq`
       axis shards the cache's slots keeps it sharded: see `kv_cache`).
 
@@ -126,8 +127,6 @@ def generate_padded(
     A Generation of B * G rows and N columns.
   """
   (B, P), R = prompt_tokens.shape, prompt_tokens.shape[0] * group_size
-  if logprob_temperature <= 0:
-    raise ValueError(f"logprob_temperature must be > 0, got {logprob_temperature}")
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
@@ -140,6 +139,8 @@ def generate_padded(
   lengths_R = jnp.repeat(prompt_lengths, group_size)
   stop_RK = jnp.repeat(stop_ids, group_size, axis=0)
   uniforms_NR = sharding.constrain(jax.random.uniform(rng, (budget, R)), (None, "batch"), rules)
+
+  logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
 
   def emit(loop: _Loop, logits_RV: jax.Array) -> _Loop:
     logits_RV = sharding.constrain(logits_RV, ("batch", "vocab"), rules)
@@ -185,7 +186,7 @@ def generate_padded(
 
 # The arguments of `generate_padded` that are static under jit.
 STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "shared_prompts",
-                   "logprob_temperature", "rules")
+                   "tempered_log_probs", "rules")
 _generate_jit = jax.jit(generate_padded, static_argnames=STATIC_ARGNAMES)
 
 
@@ -204,7 +205,7 @@ def generate(
     pad_id: int = 0,
     prefill_chunk: int | None = None,
     shared_prompts: bool | None = None,
-    logprob_temperature: float = 1.0,
+    tempered_log_probs: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples continuations of ragged prompts with one compiled program per shape bucket.
@@ -228,8 +229,8 @@ def generate(
     shared_prompts: with groups, one copy of each prompt's K/V for its rows
       (True), a copy per row (False), or by the padded prompt's length
       (None: `generate_padded`).
-    logprob_temperature: the returned log-probs are of softmax(logits / this)
-      (1: the raw policy's).
+    tempered_log_probs: return the log-probs of the policy at
+      `sampling.temperature` instead of the raw policy's.
     rules: the sharding rules.
 
   Returns:
@@ -245,7 +246,7 @@ def generate(
     out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
                         budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
                         pad_id=pad_id, prefill_chunk=prefill_chunk, shared_prompts=shared_prompts,
-                        logprob_temperature=logprob_temperature, rules=rules)
+                        tempered_log_probs=tempered_log_probs, rules=rules)
   n = len(prompts) * group_size
   if (n, max_new_tokens) == out.tokens.shape:
     return out

@@ -153,7 +153,7 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
   stops = jnp.broadcast_to(jnp.asarray(spec.stop_ids, jnp.int32), (prompts.shape[0], len(spec.stop_ids)))
   return generate_padded(params, prompts, prompt_lengths, stops, key, spec.max_new_tokens, cfg=spec.model,
                          sampling=spec.grpo.sampling, budget=spec.max_new_tokens, group_size=spec.grpo.group_size,
-                         pad_id=spec.pad_id, logprob_temperature=spec.grpo.sampling.temperature, rules=spec.rules)
+                         pad_id=spec.pad_id, tempered_log_probs=True, rules=spec.rules)
 
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:

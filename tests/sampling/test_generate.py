@@ -60,20 +60,21 @@ def test_greedy_equals_full_forward_argmax(tiny_config, variant):
 
 
 # "tempered": the log-probs of the policy at the sampling temperature, untruncated, as GRPO's loss takes them.
-@pytest.mark.parametrize("sampling, group_size, logprob_temperature", [
-    (SamplingConfig(), 1, 1.0), (SamplingConfig(temperature=0.7, top_k=20, top_p=0.9), 1, 1.0),
-    (SamplingConfig(), 3, 1.0), (SamplingConfig(temperature=0.7, top_p=0.9), 3, 0.7)],
+@pytest.mark.parametrize("sampling, group_size, tempered", [
+    (SamplingConfig(), 1, False), (SamplingConfig(temperature=0.7, top_k=20, top_p=0.9), 1, False),
+    (SamplingConfig(), 3, False), (SamplingConfig(temperature=0.7, top_p=0.9), 3, True)],
                          ids=["plain", "truncated", "groups_share_their_prompt", "tempered"])
-def test_log_probs_equal_training_forward(tiny_config, sampling, group_size, logprob_temperature):
+def test_log_probs_equal_training_forward(tiny_config, sampling, group_size, tempered):
   cfg = gemma_like(tiny_config)  # sliding windows of 3: the 12 new tokens run past them
   params = _params(cfg)
   n_new = 12
   # With groups, one copy of each prompt's K/V that its 3 rows read.
   out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=sampling, rng=jax.random.key(4),
-                 group_size=group_size, shared_prompts=group_size > 1, logprob_temperature=logprob_temperature)
+                 group_size=group_size, shared_prompts=group_size > 1, tempered_log_probs=tempered)
   prompts = [p for p in PROMPTS for _ in range(group_size)]  # row b * G + g continues prompt b
   tokens, positions, segments = _right_padded(prompts, np.asarray(out.tokens), max(map(len, prompts)) + n_new)
-  logits = forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments) / logprob_temperature
+  logits = forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)
+  logits = logits / sampling.temperature if tempered else logits
   logp = token_log_probs(logits[:, :-1], tokens[:, 1:])
   expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) - 1 + n_new]) for row, p in enumerate(prompts)])
   np.testing.assert_allclose(np.asarray(out.log_probs), expected, atol=1e-5, rtol=0)

@@ -67,9 +67,9 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
   stops = np.full((prompts.shape[0], 1), TOK.eos_id, np.int32)
   temperature = grpo_cfg.sampling.temperature
   gen = jax.jit(generate_padded, static_argnames=("cfg", "sampling", "budget", "group_size", "pad_id",
-                                                  "logprob_temperature"))(
+                                                  "tempered_log_probs"))(
       policy, prompts, lengths, stops, sample_key, N_NEW, cfg=cfg, sampling=grpo_cfg.sampling, budget=N_NEW,
-      group_size=G, pad_id=TOK.pad_id, logprob_temperature=temperature)
+      group_size=G, pad_id=TOK.pad_id, tempered_log_probs=True)
   tokens, gen_lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
   rewards = np.asarray([np.mean(tokens[r, :n] % 2 == 0) if n else 0.0 for r, n in enumerate(gen_lengths)])
   batch = jax.tree.map(np.asarray, rollout_batch(jnp.asarray(prompts), jnp.asarray(lengths), gen, G))
