@@ -5,7 +5,7 @@ online softmax; the backward loops over key/value tiles, and inside each over
 query tiles, recomputing P = exp(S - lse). The only residuals are q, k, v, out
 and the natural-log LSE, so memory is linear in sequence length (plain autodiff
 through the loops would keep every tile's P: quadratic). Tiles whose mask is all
-False are skipped with `lax.cond`, which halves causal work on CPU.
+False are skipped with `lax.cond`: about half the tiles of a causal mask.
 
 Internal layout: q [B, T, KV, G, D] (a free reshape of [B, T, H, D] with head
 h = kv * G + g), so grouped-query attention never repeats K or V.
@@ -22,6 +22,7 @@ from jax import lax
 
 from ptx_kernels import lse as lse_lib
 from ptx_kernels import mask as mask_lib
+from ptx_kernels import xla_cpu_workarounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,22 +65,23 @@ def vary_like(tree, *refs):
 def loop(n, body, carry, operands):
   """`fori_loop(0, n)` of `body(i, carry, operands)` over read-only operands.
 
-  XLA:CPU slices bf16 arrays in float32 and hoists the upcast of a
-  loop-invariant operand out of the loop, i.e. keeps a float32 copy of every
-  whole bf16 operand. Passing the operands through the carry behind an
-  optimization barrier keeps the upcast inside, on one tile (no copy: the
-  barrier aliases its input).
+  The operands ride in the carry, unchanged (no copy: the loop aliases
+  them). On XLA:CPU an optimization barrier there keeps its upcast of bf16
+  tiles inside the loop, on one tile (`xla_cpu_workarounds`).
   """
+  barrier = xla_cpu_workarounds.active()
+
   def step(i, state):
     carry, operands = state
-    operands = lax.optimization_barrier(operands)
+    if barrier:
+      operands = lax.optimization_barrier(operands)
     return body(i, carry, operands), operands
 
   return lax.fori_loop(0, n, step, (carry, operands))[0]
 
 
-# XLA:CPU also updates a bf16 array in float32, a full-size copy per update;
-# writing the raw 16 bits is in place (the bitcasts are free on every backend).
+# XLA:CPU updates a bf16 array in float32, a full-size copy per update;
+# writing the raw 16 bits is in place (`xla_cpu_workarounds`).
 _BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
 
 
@@ -87,7 +89,7 @@ def update_along(x, tile, start, axis: int):
   """x with `tile` (cast to x.dtype) written at `start` along `axis`."""
   tile = tile.astype(x.dtype)
   bits = _BITS.get(x.dtype)
-  if bits is None:
+  if bits is None or not xla_cpu_workarounds.active():
     return lax.dynamic_update_slice_in_dim(x, tile, start, axis)
   raw = lax.dynamic_update_slice_in_dim(
       lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(tile, bits),

@@ -5,11 +5,10 @@ s - starts[b] and is valid for starts[b] <= s < lengths[b] (a left-padded
 batch starts each row at its padding; the new tokens are already written).
 Only the blocks of `block_kv` slots below max(lengths) are read: a loop with
 a traced trip count runs an online softmax over them, so a decode step at
-fill f costs O(f), not O(S_max). On CPU, XLA copies each block out of the
-cache before its products, which doubles the traffic: there a single token
-does better with one block over a cache kept near the fill (what the ptx
-sampler does); many tokens (chunked prefill) amortise the copy. An int8
-cache is dequantised a block at a time. With a mesh, the cache is sharded along `axis_name`: every device runs
+fill f costs O(f), not O(S_max). XLA:CPU copies each block out of the
+cache before its products, so there the ptx sampler reads a single token's
+cache in one block and keeps it near the fill (`xla_cpu_workarounds`).
+An int8 cache is dequantised a block at a time. With a mesh, the cache is sharded along `axis_name`: every device runs
 the same loop over the filled blocks of its slice, with global slot indices,
 and the per-device partials (a few tokens each) are gathered and merged with
 `merge_lse`; the cache itself never moves.

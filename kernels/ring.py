@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
+from ptx_kernels import xla_cpu_workarounds
 from ptx_kernels.block_sizes import BlockSizes
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -69,10 +70,9 @@ def _rotate(tree, axis_name: str, n: int):
   perm = [(i, (i + 1) % n) for i in range(n)]
 
   def send(x):
-    if x.dtype != jnp.bfloat16:
+    # XLA:CPU permutes bf16 through float32 copies of the whole shard; as uint16 the bits travel as they are.
+    if x.dtype != jnp.bfloat16 or not xla_cpu_workarounds.active():
       return lax.ppermute(x, axis_name, perm)
-    # XLA:CPU permutes bf16 through float32 copies of the whole shard; the
-    # bits travel just as well as uint16 (a free bitcast on every backend).
     bits = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), axis_name, perm)
     return lax.bitcast_convert_type(bits, jnp.bfloat16)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.config import ModelConfig
@@ -47,8 +48,7 @@ def gated_activation(activation: str, gate_BTF: jax.Array, up_BTF: jax.Array) ->
   Autodiff keeps act(gate) and its intermediates (SiLU's sigmoid) as
   [B, T, F] residuals, each written in the forward and read back in the
   backward. Recomputing them inside the backward's one elementwise pass is
-  cheaper: on the CPU SFT anchor it removes 2 of the 3 [B, T, F] arrays the
-  forward wrote per layer.
+  cheaper on any backend: only gate and up stay as residuals.
   """
   return _ACTIVATIONS[activation](gate_BTF) * up_BTF
 
@@ -97,19 +97,17 @@ RopeAngles = tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 def layer_rope(positions: jax.Array, cfg: ModelConfig) -> RopeAngles:
   """The RoPE angles of int32 positions [B, T] for global and for local layers (the same unless Gemma's local theta)."""
   compute = functools.partial(_layer_rope, cfg=cfg)
-  return jax.lax.platform_dependent(positions, cpu=functools.partial(_materialized, compute), default=compute)
+  return xla_cpu_workarounds.platform_dependent(positions, cpu=functools.partial(_materialized, compute),
+                                                default=compute)
 
 
 def _materialized(compute, positions: jax.Array) -> RopeAngles:
   """`compute(positions)` behind a conditional, so that XLA:CPU writes the [B, T, K/2] angles once.
 
-  Without the boundary XLA:CPU fuses sin and cos into every query and key
-  rotation, forward and backward, and evaluates them per rotated element:
-  2 x heads times the trig of the [B, T, K/2] table (the barrier gave the
-  unrolled SFT benchmark a median +6% tokens/s over 7 alternated pairs).
-  Both branches compute the same angles; `optimization_barrier` would not
-  do, XLA:CPU expands it before fusion.
-  Other backends fuse as they like (a conditional costs a GPU a host sync).
+  An XLA:CPU workaround (`ptx_kernels.xla_cpu_workarounds`): both branches
+  compute the same angles; the conditional only stops XLA:CPU from fusing
+  the trig into every rotated element. Other backends skip it (a
+  conditional costs a GPU a host sync).
   """
   return jax.lax.cond(jnp.any(positions != 0), compute, compute, positions)
 
@@ -229,9 +227,7 @@ def forward_with_cache(
       needs no more, and [B, T, V] logits can be large).
     rules: the sharding rules for activation constraints (used under a mesh).
     angles: `layer_rope(positions, cfg)`, for a decode loop that computes
-      every step's angles once before the loop: XLA:CPU fuses sin and cos
-      into each query and key rotation and evaluates them per element
-      there, about 5% of a small model's decode step.
+      every step's angles once before the loop rather than the trig per step.
 
   Returns:
     (float32 logits [B, T, V] or [B, 1, V], the cache with the tokens written).

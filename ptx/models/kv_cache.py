@@ -15,9 +15,9 @@ A left-padded batch writes its prompts at slots [0, P) (row b's padding at
 [0, starts[b])) and every later step at one shared slot, which is a single
 in-place `dynamic_update_slice` instead of a per-row scatter. Slots
 [starts[b], index) of row b are filled; attention (`attend`, on
-`ptx_kernels.decode_attention`) reads only the blocks below `index` when
-several tokens are written (prefill), and the whole cache for one token (a
-decode step), whose size the sampler keeps near the fill (`grow`). Keys are
+`ptx_kernels.decode_attention`) reads only the blocks below `index`; on
+XLA:CPU a decode step (one token) reads the whole cache in one block
+instead, whose size the sampler keeps near the fill (`grow`). Keys are
 cached after RoPE. Under a mesh whose `seq` axis the rules give the slots,
 the cache stays sharded along it: each device attends over its own slots and
 only the per-token partials are merged.
@@ -31,10 +31,10 @@ merges the two softmaxes through their log-sum-exps; the G rows of a prompt
 query its prefix together, as G * T tokens of one sequence. The prompt part
 of the cache is G times smaller, and a decode step reads it once per group.
 
-Measured layout choices (CPU, decode loop): one array per layer rather than a
-stacked [L, ...] array, because reading a layer out of a stack is a copy per
-token; heads before slots, because [B, N, S, K] feeds the attention dots with
-batch dims major and needs no transpose.
+Layout choices: one array per layer rather than a stacked [L, ...] array,
+because reading a layer out of a stack is a copy per token; heads before
+slots, because [B, N, S, K] feeds the attention dots with batch dims major
+and needs no transpose.
 """
 
 from __future__ import annotations
@@ -44,18 +44,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import ptx_kernels
+from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.config import ModelConfig
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")
-# Cache slots per block of the attention loop for several new tokens
-# (prefill): its memory grows with tokens x BLOCK_SLOTS, and only blocks up to
-# the fill are read. One new token (a decode step) attends over the whole
-# cache in one block: on CPU, reading a block out of the cache is a copy that
-# costs as much as the attention, so the sampler bounds the cache instead
-# (decode phases, `ptx.sampling.generation`).
+# Cache slots per block of the attention loop: its memory grows with tokens x BLOCK_SLOTS, and only blocks up
+# to the fill are read (see `_block_slots` for a decode step on XLA:CPU).
 BLOCK_SLOTS = 512
 
 Arrays = tuple[jax.Array, ...]
@@ -241,8 +238,7 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
   out, lse, (k, v, k_scale, v_scale) = ptx_kernels.decode_attention(
       q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
       lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
-      window=window, softcap=softcap, scale=scale, block_kv=BLOCK_SLOTS if T > 1 else cache.k[layer].shape[2],
-      return_cache=True,
+      window=window, softcap=softcap, scale=scale, block_kv=_block_slots(T, cache.k[layer]), return_cache=True,
       **_seq_sharding(cache.k[layer], rules))
 
   def put(stack: Arrays | None, x_BSNK: jax.Array | None) -> Arrays | None:
@@ -271,9 +267,17 @@ def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, p
       q_RTHK.reshape(B, group * T, H, K), view(prefix.k), view(prefix.v), k_scale=view(prefix.k_scale),
       v_scale=view(prefix.v_scale), lengths=jnp.broadcast_to(prefix.index, (B,)), starts=prefix.starts,
       q_positions=positions_RT.reshape(B, group * T), window=window, softcap=softcap, scale=scale,
-      block_kv=BLOCK_SLOTS if T > 1 else prefix.k[layer].shape[2], **_seq_sharding(prefix.k[layer], rules))
+      block_kv=_block_slots(T, prefix.k[layer]), **_seq_sharding(prefix.k[layer], rules))
   lse_RHT = jnp.swapaxes(lse_BHQ.reshape(B, H, group, T), 1, 2).reshape(R, H, T)
   return out_BQHK.reshape(R, T, H, -1), lse_RHT
+
+
+def _block_slots(T: int, store_BNSK: jax.Array) -> int:
+  """Cache slots per attention block for T new tokens over the layer store `store_BNSK`."""
+  if T == 1 and xla_cpu_workarounds.active():
+    # XLA:CPU copies each block out of the cache: one token reads it whole, the sampler bounds its size.
+    return store_BNSK.shape[2]
+  return BLOCK_SLOTS
 
 
 def _kernel_view(stack: Arrays | None, layer: int) -> jax.Array | None:
@@ -294,8 +298,7 @@ def _seq_sharding(k_BNSK: jax.Array, rules: sharding.Rules) -> dict:
     raise ValueError(f"the KV cache's slots may be sharded over one mesh axis, got {slots}")
   if mesh.shape[as_tuple(slots)[0]] == 1:
     # Unsplit slots need no shard_map: its merge gathers and its backward's
-    # psums stay in the program as collectives over one device, ~20 µs each,
-    # 4 per decode step on the CPU anchor.
+    # psums would stay in the program as collectives over one device.
     return {}
   return dict(mesh=mesh, axis_name=as_tuple(slots)[0], batch_axes=as_tuple(batch), head_axes=as_tuple(heads))
 

@@ -6,7 +6,7 @@ on what follows it, so running it once per group and letting the G
 completions attend to its keys and values gives the same logits (and, through
 the shared K/V, the same gradients) as the plain forward over [prompt,
 completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of 384 for
-the CPU anchor's 4 x 4 rollouts of 32 + 64 tokens.
+4 x 4 rollouts of 32 + 64 tokens.
 
 The mechanism is the sampler's, `prefill_groups`: the prompts fill a KV
 cache (`ptx.models.kv_cache`) that each prompt's G rows read, and the
@@ -32,11 +32,8 @@ from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward, forward_with_cache
 
 
-# Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one.
-# Measured on the 2-core CPU with the anchor model, 64 new tokens (`benchmarks/sampling.py --parts groups`,
-# and runs alternated with the copying code): shared against copied, generated tokens/s are 4-12% lower at
-# 32 prompt columns x 4 samples, about even at 64, +8-19% at 128, +16-52% at 256, and +31-67% at 512 columns
-# x 8 samples, where the program's memory halves (61 -> 32 MiB). The copies' memory grows with G * P.
+# Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one:
+# shorter prompts are cheaper copied (one attention pass, no merge), and the copies' memory grows with G * P.
 SHARED_PREFIX_MIN_SLOTS = 64
 
 

@@ -14,9 +14,10 @@ more, kept once and read by all G as their shared prefix, the rows' own
 slots then holding generated token t at slot t
 (`ptx.models.shared_prefix.prefill_groups`). The decode loop is a
 `lax.while_loop` that stops at `max_new_tokens` or as soon as every row has
-emitted one of its stop ids; long budgets run it in phases over a cache that
-doubles between them, so a step's attention costs what the filled part does
-(within 2x), not the whole budget.
+emitted one of its stop ids. On XLA:CPU, where a decode step reads its whole
+cache, long budgets run it in phases over a cache that doubles between them,
+so a step's attention costs what the filled part does (within 2x), not the
+whole budget (`ptx_kernels.xla_cpu_workarounds`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.config import ModelConfig
@@ -40,7 +42,7 @@ from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens, tempered
 
 # New tokens the first decode phase has cache room for (see `_phase_slots`). Small, so short generations
-# read a cache near their fill: on the CPU anchor (16 rows, 32 + 64 tokens) 16 is 5% faster than 256.
+# read a cache near their fill.
 PHASE_TOKENS = 16
 
 # Finish reasons.
@@ -268,17 +270,17 @@ def _batch_devices(mesh: Mesh | jax.sharding.AbstractMesh, rules: sharding.Rules
 def _phase_slots(offset: int, budget: int, multiple: int) -> list[int]:
   """Cache sizes of the decode phases: room for PHASE_TOKENS new tokens, doubling up to offset + budget - 1 slots.
 
-  Every decode step reads its whole cache (on CPU a dot cannot read a
-  dynamic slice of it without a copy), so the cache grows between phases,
-  one copy each, and a step costs at most about twice its filled part.
-  `offset` is the slots before the first new token (the prompt's, or 0
-  under a shared prefix). The last token is sampled but never fed back,
-  hence budget - 1. Sizes are rounded up to a multiple of the devices
-  along `seq`.
+  On XLA:CPU every decode step reads its whole cache (`kv_cache.attend`),
+  so the cache grows between phases, one copy each, and a step costs at
+  most about twice its filled part; elsewhere a step reads the filled
+  blocks only and one phase holds the whole budget. `offset` is the slots
+  before the first new token (the prompt's, or 0 under a shared prefix).
+  The last token is sampled but never fed back, hence budget - 1. Sizes
+  are rounded up to a multiple of the devices along `seq`.
   """
   round_up = lambda n: -(-n // multiple) * multiple  # noqa: E731
   sizes, room = [], PHASE_TOKENS
-  while room < budget - 1:
+  while room < budget - 1 and xla_cpu_workarounds.active():
     sizes.append(round_up(offset + room))
     room *= 2
   return sizes + [round_up(max(offset + budget - 1, 1))]

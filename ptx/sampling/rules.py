@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from ptx_kernels import xla_cpu_workarounds
 
 from ptx.config import SamplingConfig
 
@@ -94,5 +95,6 @@ def invert_cdf(probs_BV: jax.Array, uniforms_B: jax.Array) -> jax.Array:
 
 
 def _cumsum(x_BN: jax.Array) -> jax.Array:
-  # A log-depth scan: XLA:CPU lowers jnp.cumsum to a reduce-window that is quadratic in N.
-  return jax.lax.associative_scan(jnp.add, x_BN, axis=-1)
+  """The cumulative sum along the last axis; on XLA:CPU a log-depth scan, as its cumsum is quadratic in N."""
+  return xla_cpu_workarounds.platform_dependent(
+      x_BN, cpu=lambda x: jax.lax.associative_scan(jnp.add, x, axis=-1), default=lambda x: jnp.cumsum(x, axis=-1))
