@@ -3,12 +3,15 @@
 Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
 such as a run's saved config.json) and overrides `--section.field=value`
 applied after it (`--model=PRESET` swaps in a registered model preset).
+`ptx sft|dpo|grpo` start from the toy preset and a fresh tiny model, or with
+`--model-dir DIR` from an HF checkpoint and the fine-tuning preset
+(`ptx.train.presets`, `ptx.train.pretrained`); one table, `_JOBS`, builds
+each command's Job and data (`ptx.train.job`, `ptx.train.streams`).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import sys
@@ -30,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
              "cached in ~/.cache/ptx/jax (PTX_COMPILATION_CACHE=DIR moves it, =off turns it off).")
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   sub.add_parser("version", help="print the ptx, jax and flax versions")
-  demo = sub.add_parser("demo", help="SFT a tiny model on built-in arithmetic; before/after exact match",
+  # No abbreviations: `--model=PRESET` is a config override, never short for --model-dir.
+  demo = sub.add_parser("demo", allow_abbrev=False,
+                        help="SFT a tiny model on built-in arithmetic; before/after exact match",
                         description="Train the tiny preset by SFT on 2-digit addition and report held-out "
                         "exact match before and after. Accepts config overrides, e.g. --train.steps=100.")
   _job_arguments(demo, default_out="out/demo")
@@ -40,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
   convert.add_argument("src", type=pathlib.Path, help="source file (e.g. model.gguf)")
   convert.add_argument("dst", type=pathlib.Path, help="HF directory to write (weights, config, tokenizer)")
   convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="stored dtype")
-  ev = sub.add_parser("eval", help="pass@k of a model on an evaluation suite, or compare two reports",
+  ev = sub.add_parser("eval", allow_abbrev=False,
+                      help="pass@k of a model on an evaluation suite, or compare two reports",
                       description="Sample k completions per task, score them in the suite's environment and "
                       "write OUT/eval.json (pass@k, mean@k, outcome counts); or --compare two reports.")
   ev.add_argument("--model", type=pathlib.Path, help="Hugging Face model directory (weights and tokenizer)")
@@ -57,8 +63,14 @@ def _parser() -> argparse.ArgumentParser:
   ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A.json", "B.json"),
                   help="print the regression table of report B against report A")
   for name, help_text in _ALGORITHMS.items():
-    job = sub.add_parser(name, help=help_text, description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'.")
-    job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json)")
+    job = sub.add_parser(name, allow_abbrev=False, help=help_text,
+                         description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'. Without "
+                         "--model-dir: a fresh tiny model, the toy preset (ptx.train.presets.TOY); with it: the "
+                         "checkpoint's architecture, weights and tokenizer, the fine-tuning preset (FINETUNE).")
+    job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json) replacing the "
+                     "preset")
+    job.add_argument("--model-dir", type=pathlib.Path, help="start from pretrained weights: an HF directory "
+                     "(config.json, safetensors, tokenizer) or a .gguf file (converted into OUT/pretrained)")
     _job_arguments(job, default_out=f"out/{name}")
     job.add_argument("--no-export", action="store_true",
                      help="skip writing OUT/hf (HF weights + tokenizer; with LoRA also OUT/adapter in PEFT layout)")
@@ -123,147 +135,100 @@ def main(argv: list[str] | None = None) -> int:
   elif args.distributed:
     jax.distributed.initialize()
   from ptx import config as config_lib
-  from ptx import demo
 
-  try:
+  progress = not args.no_progress and sys.stderr.isatty()
+  try:  # everything a job is built from is checked here, before anything compiles
     if args.command == "demo":
+      from ptx import demo
+
       cfg = config_lib.apply_overrides(demo.default_config(), overrides)
     else:
-      base = config_lib.Config() if args.command != "grpo" else _grpo_default_config()
-      if args.config is not None:
-        base = config_lib.from_dict(config_lib.Config, json.loads(args.config.read_text()))
-      cfg = config_lib.apply_overrides(base, overrides)
-  except (config_lib.ConfigError, OSError, json.JSONDecodeError) as e:
+      cfg, params, tokenizer, job, train, evaluation = _prepare(args, overrides)
+  except (config_lib.ConfigError, OSError, ValueError) as e:  # bad config, files or records: named in the message
     parser.error(str(e))
-  progress = not args.no_progress and sys.stderr.isatty()
   if args.command == "demo":
     demo.run(cfg, args.out, rl_steps=args.rl_steps, resume=args.resume, progress=progress)
-  elif args.command == "grpo":
-    _grpo(cfg, args, progress=progress, error=parser.error)
-  else:
-    _train(args.command, cfg, args, progress=progress, error=parser.error)
+    return 0
+  _train(args, cfg, params, tokenizer, job, train, evaluation, progress)
   return 0
 
 
-def _train(algorithm: str, cfg, args, *, progress: bool, error) -> None:
-  """Builds the data pipeline and loss for `algorithm`, runs the training loop and exports the model."""
-  import dataclasses
+def _prepare(args, overrides: list[str]):
+  """`ptx sft|dpo|grpo`: (cfg, starting params, tokenizer, Job, training data, held-out batches or None)."""
+  from ptx import config as config_lib
+  from ptx.train import presets, pretrained
 
-  import jax
+  base = (presets.FINETUNE if args.model_dir is not None else presets.TOY)[args.command]()
+  if args.config is not None:
+    try:
+      base = config_lib.from_dict(config_lib.Config, json.loads(args.config.read_text()))
+    except json.JSONDecodeError as e:
+      raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
+  cfg, params, tokenizer = pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
+  return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params))
 
-  from ptx.algorithms import dpo, sft
-  from ptx.data.hf_tokenizer import load_tokenizer
-  from ptx.data.pipeline import make_pipeline
-  from ptx.data.sources import JsonlSource
-  from ptx.data.tokenizer import ByteTokenizer
+
+def _train(args, cfg, params, tokenizer, job, train, evaluation, progress: bool) -> None:
+  """Runs the job, then writes OUT/hf (and OUT/adapter under LoRA) unless --no-export or preempted."""
   from ptx.train.loop import fit
+
+  state, summary = fit(cfg, job, train_data=train, out=args.out, resume=args.resume, eval_data=evaluation,
+                       init_params=params, progress=progress)
+  if not args.no_export and not summary["preempted"]:  # a preempted run has nothing final to export
+    from ptx.train.export import export_hf
+
+    base_model = None if args.model_dir is None else str(args.model_dir)
+    written = export_hf(state, cfg, args.out, tokenizer, base_model=base_model)
+    print(json.dumps({"exported": {k: str(v) for k, v in written.items()}}), flush=True)
+
+
+def _sft(cfg, tokenizer, args, params):
+  """The SFT job and its JSONL data."""
+  from ptx.train import job, streams
+
+  built = job.sft_job(cfg, tokenizer)
+  return (built, *streams.supervised(cfg, tokenizer, out=args.out, init_params=params))
+
+
+def _dpo(cfg, tokenizer, args, params):
+  """The DPO-family job and its JSONL preference data."""
+  from ptx.train import job, streams
+
+  built = job.dpo_job(cfg, tokenizer)
+  return (built, *streams.supervised(cfg, tokenizer, out=args.out, init_params=params))
+
+
+def _grpo(cfg, tokenizer, args, params):
+  """The fused job on built-in arithmetic, or the host-reward job on rl records scored by --env."""
+  from ptx.rl.prompt_batches import JsonlTasks
+  from ptx.train import job, presets, streams
 
   if not cfg.data.train_files:
-    error(f"ptx {algorithm}: set --data.train_files='[\"train.jsonl\"]'")
-  kind = {"sft": "sft", "dpo": "preference"}[algorithm]
-  data_cfg = dataclasses.replace(cfg.data, kind=kind, pack=cfg.data.pack and kind == "sft")
-  cfg = dataclasses.replace(cfg, data=data_cfg)
-  tokenizer = ByteTokenizer() if data_cfg.tokenizer == "byte" else load_tokenizer(data_cfg.tokenizer)
-  if cfg.model.vocab_size < tokenizer.vocab_size:
-    error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  sources = {"train": JsonlSource(data_cfg.train_files)}
-  train = pipeline(sources["train"], cfg=data_cfg)
-  evaluation = None
-  if data_cfg.eval_files:
-    sources["eval"] = JsonlSource(data_cfg.eval_files)
-    evaluation = pipeline(sources["eval"], cfg=dataclasses.replace(data_cfg, shuffle=False, num_epochs=1))
-  prepare = None
-  if algorithm == "sft":
-    loss_fn = functools.partial(sft.loss, model=cfg.model)
-  else:
-    loss_fn = functools.partial(dpo.loss, model=cfg.model, dpo=cfg.dpo)
-    if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "frozen":
-      prepare = functools.partial(dpo.prepare, model=cfg.model)
-    elif cfg.dpo.loss_type != "simpo":  # one pass now; training then keeps no reference copy
-      from ptx.train.reference_pass import with_reference_table
+    from ptx.data.arithmetic import ArithmeticTask
 
-      table = functools.partial(with_reference_table, pipeline=pipeline, cfg=cfg)
-      train = table(train, source=sources["train"], path=args.out / "reference_logps" / "train.npy")
-      if evaluation is not None:
-        evaluation = table(evaluation, source=sources["eval"], path=args.out / "reference_logps" / "eval.npy")
-  state, summary = fit(cfg, loss_fn=loss_fn, train_data=train, out=args.out, resume=args.resume,
-                       eval_data=None if evaluation is None else list(evaluation), prepare=prepare, progress=progress)
-  _export(state, cfg, args, summary, tokenizer)
+    built = job.grpo_job(cfg, tokenizer)
+    print(f"ptx grpo: no --data.train_files: training on the built-in {presets.DIGITS}-digit addition prompts "
+          f"(ArithmeticTask seed {presets.GRPO_SEED}), reward computed in-graph", flush=True)
+    tasks = ArithmeticTask(presets.GRPO_SEED, presets.DIGITS)
+    return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=True), None
+  from ptx.train.rl_host import EnvReward
+
+  env, fields = _environment(args.env)
+  built = job.grpo_host_job(cfg, tokenizer, EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
+  tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
+  return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
 
 
-def _export(state, cfg, args, summary: dict, tokenizer) -> None:
-  """OUT/hf (and OUT/adapter under LoRA) after a finished run; a preempted run has nothing final to export."""
-  if args.no_export or summary["preempted"]:
-    return
-  from ptx.train.export import export_hf
+def _environment(name: str):
+  """(environment, the fields its records need) of `ptx grpo --env NAME`."""
+  from ptx.rl.environments.exact_answer import ExactAnswerEnv
+  from ptx.rl.environments.python_tests import PythonTestsEnv
 
-  written = export_hf(state, cfg, args.out, tokenizer)
-  print(json.dumps({"exported": {k: str(v) for k, v in written.items()}}), flush=True)
+  return {"exact_answer": (ExactAnswerEnv(), ("answer",)), "code": (PythonTestsEnv(), ("tests",))}[name]
 
 
-def _grpo_default_config():
-  """`ptx grpo`'s defaults: the demo's GRPO stage (tiny preset, 2-digit addition, its optimizer and group size)."""
-  import dataclasses
-
-  from ptx import demo
-  from ptx.config import DataConfig, TrainConfig
-
-  cfg = demo.default_config()
-  return dataclasses.replace(
-      cfg, optim=demo.RL_OPTIM, train=TrainConfig(steps=150, log_every=10, checkpoint_every=50, eval_every=10**9),
-      data=DataConfig(kind="rl", batch_size=demo.RL_PROMPTS, seq_len=demo.PROMPT_LEN, pack=False))
-
-
-def _grpo(cfg, args, *, progress: bool, error) -> None:
-  """`ptx grpo`: the fused step on built-in arithmetic, or the host-reward step on rl records."""
-  import dataclasses
-
-  from ptx import demo
-  from ptx.data.arithmetic import ArithmeticTask
-  from ptx.data.hf_tokenizer import load_tokenizer
-  from ptx.data.tokenizer import ByteTokenizer
-  from ptx.rl import token_rewards
-  from ptx.rl.prompt_batches import JsonlTasks, PromptBatches
-  from ptx.train import rl_host, rl_step
-  from ptx.train.loop import fit
-
-  data = dataclasses.replace(cfg.data, kind="rl", pack=False)
-  cfg = dataclasses.replace(cfg, data=data)
-  tokenizer = ByteTokenizer() if data.tokenizer == "byte" else load_tokenizer(data.tokenizer)
-  if cfg.model.vocab_size < tokenizer.vocab_size:
-    error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
-  if data.batch_size % cfg.grpo.minibatches:
-    error(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} (the prompts "
-          "of a step, each a group)")
-  lora = cfg.lora if cfg.lora.rank > 0 else None
-  common = dict(model=cfg.model, max_new_tokens=cfg.grpo.max_response_tokens,
-                stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum, lora=lora)
-  batches = functools.partial(PromptBatches, tokenizer=tokenizer, prompt_len=data.seq_len)
-  if not data.train_files:
-    rounds = 1 + (cfg.grpo.max_refill_rounds if cfg.grpo.filter_groups == "refill" else 0)
-    prompts = batches(ArithmeticTask(demo.RL_SEED, demo.MAX_DIGITS), batch_size=data.batch_size * rounds,
-                      answer_width=cfg.grpo.max_response_tokens)
-    make_step = functools.partial(rl_step.make_grpo_step, cfg=cfg.grpo, reward_fn=token_rewards.target_reward,
-                                  **common)
-  else:
-    from ptx.rl.environments.exact_answer import ExactAnswerEnv
-    from ptx.rl.environments.python_tests import PythonTestsEnv
-
-    env, fields = {"exact_answer": (ExactAnswerEnv, ("answer",)), "code": (PythonTestsEnv, ("tests",))}[args.env]
-    try:
-      prompts = rl_host.Lookahead(batches(JsonlTasks(data.train_files, data.task_fields or fields),
-                                          batch_size=data.batch_size, answer_width=None))
-    except (OSError, ValueError) as e:
-      error(str(e))
-    reward = rl_host.env_reward(env(), tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size)
-    make_step = functools.partial(rl_host.HostRewardStep, spec=rl_step.RLSpec(grpo=cfg.grpo, **common),
-                                  reward=reward, prompts=prompts)
-  state, summary = fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step,
-                       with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=progress,
-                       optimizer_stage=rl_step.coefficient_stage(cfg.grpo), updates_per_step=cfg.grpo.updates_per_step)
-  _export(state, cfg, args, summary, tokenizer)
+# `ptx sft|dpo|grpo`: (cfg, tokenizer, args, starting params) -> (Job, training data, held-out batches or None).
+_JOBS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
 
 
 def _evaluate(args, error) -> int:

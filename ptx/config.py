@@ -109,8 +109,7 @@ class ModelConfig:
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
   # Run the stacked layers under one lax.scan (compile time flat in depth) or unrolled, one copy of
   # the layer per layer. Unrolled is faster for shallow models: a scan stacks every layer's residuals
-  # into [L, ...] buffers and slices them back in the backward (on the 2-layer CPU anchor, 258 ms of
-  # forward+backward scanned against 219 ms unrolled).
+  # into [L, ...] buffers and slices them back in the backward.
   scan_layers: bool = True
   # Attention: "xla", "blockwise", "pallas", "ring" or "auto" (Pallas on GPU/TPU, else blockwise).
   # "xla" (materialised logits) is the default: the fastest at short sequence lengths.
@@ -126,6 +125,23 @@ class ModelConfig:
   logits_chunk: int = 0
 
 
+# ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
+# field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
+EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention_impl", "ring_heads_per_pass",
+                    "seq_layout", "logits_chunk")
+
+
+def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:
+  """`architecture`'s model (a checkpoint's config) run with `execution`'s settings (`EXECUTION_FIELDS`)."""
+  return dataclasses.replace(architecture, **{name: getattr(execution, name) for name in EXECUTION_FIELDS})
+
+
+def architecture_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+  """The architecture fields (all but `EXECUTION_FIELDS`) whose values differ between `a` and `b`."""
+  return [f.name for f in dataclasses.fields(ModelConfig)
+          if f.name not in EXECUTION_FIELDS and getattr(a, f.name) != getattr(b, f.name)]
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Sizes of the device mesh axes; -1 takes the remaining devices."""
@@ -138,6 +154,11 @@ class MeshConfig:
   tensor: int = 1
   # Sequence (context) parallelism, used by ring attention.
   seq: int = 1
+  # Parameter layout overrides of ptx.sharding.DEFAULT_RULES, each "logical=mesh_axis[,mesh_axis]"
+  # ("vocab=" replicates), e.g. ("mlp=fsdp",); ptx.sharding lists the logical axes.
+  param_rules: tuple[str, ...] = ()
+  # Activation layout overrides, in the same form (e.g. ("batch=data",)).
+  activation_rules: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +265,11 @@ class DPOConfig:
   # data before training, saved in OUT/reference_logps/; no second parameter tree while training).
   reference: Literal["frozen", "precomputed"] = "frozen"
 
+  @property
+  def reference_model(self) -> Literal["none", "frozen", "precomputed"]:
+    """Where the reference log-probs come from: "none" for reference-free SimPO, else `reference`."""
+    return "none" if self.loss_type == "simpo" else self.reference
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -273,7 +299,7 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  """The GRPO loss family (shared/specs/grpo-loss.md); `GRPO_PRESETS` names the standard mixes."""
+  """The GRPO loss family (docs/grpo-loss.md); `GRPO_PRESETS` names the standard mixes."""
 
   # Sequences sampled per prompt (G).
   group_size: int = 4
@@ -303,7 +329,7 @@ class GRPOConfig:
   kl_placement: Literal["none", "loss", "reward"] = "loss"
   # KL estimator: "k1", "k2", "k3" or "k3+" (value of k3, gradient of k2: straight-through).
   kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
-  # KL coefficient beta; a reference model exists only when beta > 0 and kl_placement != "none".
+  # KL coefficient beta; a reference model exists only when beta > 0 and kl_placement != "none" (`uses_reference`).
   beta: float = 0.001
   # Entropy bonus coefficient c_H (entropy is always logged).
   entropy_coef: float = 0.0
@@ -361,6 +387,11 @@ class GRPOConfig:
       raise ValueError("grpo.sampling.greedy: GRPO needs sampled rollouts; a greedy group's G completions are equal")
     if self.epochs < 1 or self.minibatches < 1:
       raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+
+  @property
+  def uses_reference(self) -> bool:
+    """Whether the loss reads a reference policy: a KL term with a positive coefficient."""
+    return self.beta > 0 and self.kl_placement != "none"
 
   @property
   def updates_per_step(self) -> int:
@@ -424,6 +455,78 @@ class Config:
   lora: LoRAConfig = LoRAConfig()
 
 
+class ConfigError(ValueError):
+  """A configuration override names an unknown field or has a bad value."""
+
+
+# The record kind each algorithm reads.
+RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl"}
+
+
+def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
+  """Every cross-field rule of a job's config, checked before anything compiles.
+
+  The Job builders (`ptx.train.job`) call it first; a single field's range is
+  checked by its class (`__post_init__`).
+
+  Raises:
+    ConfigError: naming the fields of the first broken rule.
+  """
+  if algorithm not in RECORD_KINDS:
+    raise ConfigError(f"unknown algorithm {algorithm!r}; known: {sorted(RECORD_KINDS)}")
+  train, data = cfg.train, cfg.data
+  if train.steps < 0:
+    raise ConfigError(f"train.steps must be >= 0, got {train.steps}")
+  for name in ("grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    if getattr(train, name) < 1:
+      raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}")
+  if data.batch_size < 1:
+    raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
+  kind = RECORD_KINDS[algorithm]
+  if data.kind != kind:
+    raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
+                      + ("" if kind == "sft" else " --data.pack=false"))
+  if algorithm == "grpo":
+    check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
+    groups = data.batch_size // cfg.grpo.minibatches
+    if data.batch_size % cfg.grpo.minibatches:
+      raise ConfigError(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} "
+                        "(the prompts of a step, each a group)")
+    if groups * cfg.grpo.group_size % train.grad_accum:
+      raise ConfigError(f"train.grad_accum={train.grad_accum} must divide the {groups * cfg.grpo.group_size} "
+                        "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
+  elif data.batch_size % train.grad_accum:
+    raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
+
+
+def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
+  """The cross-field rules of the GRPO family (with the LoRA config, None when off).
+
+  Raises:
+    ConfigError: naming the fields.
+  """
+  if lora is not None and cfg.ref_sync_every > 0:
+    raise ConfigError("grpo.ref_sync_every: under LoRA (lora.rank > 0) the reference is the base model, which is "
+                      "never refreshed")
+  if cfg.reward_combine == "normalize_then_sum" and cfg.advantage != "grpo":
+    raise ConfigError(f"grpo.reward_combine='normalize_then_sum' is its own estimator (GDPO); it needs "
+                      f"grpo.advantage='grpo', got {cfg.advantage!r}")
+  if cfg.kl_target is not None and (cfg.kl_placement != "reward" or cfg.beta <= 0 or cfg.kl_target <= 0
+                                    or cfg.kl_horizon <= 0):
+    raise ConfigError("grpo.kl_target (adaptive KL) needs grpo.kl_placement='reward', grpo.beta > 0, kl_target > 0 "
+                      f"and grpo.kl_horizon > 0; got {cfg.kl_placement!r}, {cfg.beta}, {cfg.kl_target}, "
+                      f"{cfg.kl_horizon}")
+  if cfg.entropy_target is not None and not (
+      cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max):
+    raise ConfigError("grpo.entropy_target (adaptive entropy) needs grpo.entropy_coef_delta >= 0 and "
+                      "grpo.entropy_coef_min <= grpo.entropy_coef <= grpo.entropy_coef_max; got "
+                      f"{cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, {cfg.entropy_coef}, {cfg.entropy_coef_max}")
+  if cfg.max_staleness < 0:
+    raise ConfigError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
+  if cfg.max_response_tokens < 1:
+    raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
+
+
 # Registered model presets, filled in by the family modules (ptx.models.*).
 MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {}
 
@@ -440,23 +543,20 @@ def register_preset(name: str) -> Callable[[Callable[[], ModelConfig]], Callable
   return wrap
 
 
-class ConfigError(ValueError):
-  """A configuration override names an unknown field or has a bad value."""
+def to_dict(cfg: Any, sections: tuple[str, ...] | None = None) -> dict[str, Any]:
+  """Returns the config tree as plain JSON-able dicts (only `sections` of a Config, when given)."""
+  tree = dataclasses.asdict(cfg)
+  return tree if sections is None else {k: v for k, v in tree.items() if k in sections}
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-  """Returns the config tree as plain JSON-able dicts."""
-  return dataclasses.asdict(cfg)
+def dumps(cfg: Any, sections: tuple[str, ...] | None = None) -> str:
+  """Returns the config tree (or its `sections`) as indented JSON, for printing at start-up."""
+  return json.dumps(to_dict(cfg, sections), indent=2, sort_keys=False)
 
 
-def dumps(cfg: Any) -> str:
-  """Returns the config tree as indented JSON, for printing at start-up."""
-  return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
-
-
-def save(cfg: Any, path: str | pathlib.Path) -> None:
-  """Writes the config tree as JSON to `path`."""
-  pathlib.Path(path).write_text(dumps(cfg) + "\n")
+def save(cfg: Any, path: str | pathlib.Path, sections: tuple[str, ...] | None = None) -> None:
+  """Writes the config tree (or its `sections`; `from_dict` fills the others with defaults) as JSON to `path`."""
+  pathlib.Path(path).write_text(dumps(cfg, sections) + "\n")
 
 
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:

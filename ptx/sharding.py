@@ -90,6 +90,28 @@ DEFAULT_RULES = Rules(
 )
 
 
+def rules_of(cfg: MeshConfig) -> Rules:
+  """DEFAULT_RULES with the config's overrides (`mesh.param_rules`, `mesh.activation_rules`).
+
+  Raises:
+    ValueError: naming the field and entry that is not "logical=axis[,axis]" or names an unknown axis.
+  """
+  tables = {}
+  for kind, field in (("params", "param_rules"), ("activations", "activation_rules")):
+    table = dict(getattr(DEFAULT_RULES, kind))
+    for entry in getattr(cfg, field):
+      name, sep, axes = entry.partition("=")
+      if not sep:
+        raise ValueError(f"mesh.{field}: {entry!r} is not of the form logical=mesh_axis[,mesh_axis]")
+      rule = tuple(a.strip() for a in axes.split(",") if a.strip())
+      table[name.strip()] = None if not rule else rule[0] if len(rule) == 1 else rule
+    tables[kind] = table
+  try:
+    return Rules(**tables)
+  except ValueError as e:
+    raise ValueError(f"mesh.param_rules / mesh.activation_rules: {e}") from e
+
+
 def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
   """Returns the mesh shape in MESH_AXES order, filling in the one -1 axis."""
   sizes = [getattr(cfg, name) for name in MESH_AXES]

@@ -29,58 +29,39 @@ refusal) are in recipes/README.md.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import jax
 
 import launch
 import ptx
-from ptx.data.arithmetic import ArithmeticTask
-from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import JsonlSource
-from ptx.train.export import export_hf
-from ptx.train.loop import fit
 
 PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
         model=ptx.presets["tiny"](),
         optim=ptx.OptimizerConfig(lr=1e-3, warmup_steps=5),
         train=ptx.TrainConfig(steps=60, log_every=10, eval_every=30, checkpoint_every=30),
-        data=ptx.DataConfig(batch_size=16, seq_len=16, pack=False),
+        data=ptx.DataConfig(kind="preference", batch_size=16, seq_len=16, pack=False),
         dpo=ptx.DPOConfig(beta=0.1)),
+    # A small SFT'd model (SmolLM2-135M/360M, Qwen2.5-0.5B) on a laptop or a Colab runtime.
+    "small": lambda: dataclasses.replace(
+        ptx.FINETUNE["dpo"](), data=ptx.DataConfig(kind="preference", batch_size=8, seq_len=512, pack=False)),
     "llama3_8b": lambda: ptx.Config(
         model=dataclasses.replace(ptx.presets["llama3_1_8b"](), remat="full"),
         optim=ptx.OptimizerConfig(lr=5e-7, warmup_steps=50, weight_decay=0.0),
         train=ptx.TrainConfig(steps=1000, log_every=10, eval_every=100, checkpoint_every=100),
-        data=ptx.DataConfig(batch_size=64, seq_len=2048, pack=False),
+        data=ptx.DataConfig(kind="preference", batch_size=64, seq_len=2048, pack=False),
         dpo=ptx.DPOConfig(beta=0.1)),
 }
 
 
 def synthetic_pairs(seed: int, n: int) -> list[dict]:
   """`n` pairs "a+b=": the sum chosen over a refusal (the tiny preset's data)."""
-  tasks = ArithmeticTask(seed, max_digits=2)
-  return [{"prompt": t["prompt"], "chosen": t["answer"], "rejected": "I cannot say."} for t in (tasks[i] for i in range(n))]
+  tasks = ptx.ArithmeticTask(seed, max_digits=2)
+  return [{"prompt": t["prompt"], "chosen": t["answer"], "rejected": "I cannot say."}
+          for t in (tasks[i] for i in range(n))]
 
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  args, cfg, params, tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_pairs, 2000)
-  data_cfg = dataclasses.replace(cfg.data, kind="preference", pack=False)
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  evaluation = None
-  if data_cfg.eval_files:
-    evaluation = list(pipeline(JsonlSource(data_cfg.eval_files),
-                               cfg=dataclasses.replace(data_cfg, shuffle=False, num_epochs=1)))
-  reference_free = cfg.dpo.loss_type == "simpo"
-  state, summary = fit(
-      cfg, loss_fn=functools.partial(ptx.dpo.loss, model=cfg.model, dpo=cfg.dpo),
-      train_data=pipeline(JsonlSource(data_cfg.train_files), cfg=data_cfg), out=args.out, resume=args.resume,
-      eval_data=evaluation, prepare=None if reference_free else functools.partial(ptx.dpo.prepare, model=cfg.model),
-      init_params=params, progress=launch.progress(args))
-  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
-  return summary
+  return launch.run_supervised(__doc__, PRESETS, argv, synthetic_pairs, 2000, ptx.dpo_job)
 
 
 if __name__ == "__main__":

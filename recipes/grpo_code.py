@@ -45,18 +45,15 @@ import jax
 import launch
 import ptx
 import rlvr
-from ptx.config import GRPO_PRESETS
-from ptx.rl.environments.python_tests import PythonTestsEnv
-from ptx.train.export import export_hf
-from ptx.train.state import initial_params
 
 ASK = "Complete this Python function. Reply with the whole function in a ```python code block.\n\n"
 HELD_OUT = 32  # the last problems of HumanEval
 
 PRESETS: launch.Presets = {
     "tiny": lambda: rlvr.tiny(prompt_len=640),
+    "small": lambda: rlvr.small(prompt_len=512, response_len=512),
     "qwen7b": lambda: rlvr.qwen7b(
-        dataclasses.replace(GRPO_PRESETS["dr_grpo"], group_size=8, max_response_tokens=768),
+        dataclasses.replace(ptx.GRPO_PRESETS["dr_grpo"], group_size=8, max_response_tokens=768),
         steps=200, prompts=32, prompt_len=512),
 }
 
@@ -91,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
   launch.start(args)
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
-    params = initial_params(cfg.model, cfg.train.seed)
-  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), PythonTestsEnv()
+    params = ptx.initial_params(cfg.model, cfg.train.seed)
+  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.PythonTestsEnv()
   problems = humaneval()
   # Prompts longer than data.seq_len tokens are left out (the tiny preset's bytes fit about half).
   fits = [p for p in problems if len(tokenizer.encode(CodeTasks((p,), tokenizer)[0]["prompt"])) < cfg.data.seq_len]
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
   if jax.process_index() == 0:
     print(f"{len(train_set)} training problems; greedy pass@1 on {len(evaluation)} held out: "
           f"before {before}, after {after}")
-  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  launch.export(args, state, cfg, hf_tokenizer)
   return {**summary, "pass@1_before": before, "pass@1_after": after}
 
 

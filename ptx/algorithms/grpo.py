@@ -1,6 +1,6 @@
 """The GRPO policy loss family: PPO-clip (DAPO clip-higher, dual-clip), GSPO, CISPO.
 
-Implements shared/specs/grpo-loss.md sections 5.3 to 5.6. A batch holds N
+Implements docs/grpo-loss.md sections 5.3 to 5.6. A batch holds N
 sequences [N, S] (`tokens`, `positions`, `segment_ids`, and `loss_mask` = 1
 on policy-generated tokens only) and, aligned with tokens (index t holds
 the log-prob of token t; index 0 is unused; all of them, and the entropy,

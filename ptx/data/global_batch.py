@@ -15,16 +15,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from ptx.sharding import batch_sharding
+from ptx.sharding import DEFAULT_RULES, Rules, batch_sharding
 
 
-def to_global(batch: dict[str, Any], mesh: jax.sharding.Mesh) -> dict[str, Any]:
+def to_global(batch: dict[str, Any], mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> dict[str, Any]:
   """Turns every array of a host batch into a global, data-sharded jax.Array.
 
   Args:
     batch: a host batch; nested dicts (preference batches) are followed and
       non-array values (RL task fields) stay on the host as they are.
     mesh: the device mesh.
+    rules: the sharding rules (the `batch` and `seq` activation rules place the rows).
 
   Returns:
     The same structure with [B, T] numpy arrays replaced by global arrays of
@@ -33,9 +34,9 @@ def to_global(batch: dict[str, Any], mesh: jax.sharding.Mesh) -> dict[str, Any]:
   out: dict[str, Any] = {}
   for key, value in batch.items():
     if isinstance(value, dict):
-      out[key] = to_global(value, mesh)
+      out[key] = to_global(value, mesh, rules)
     elif isinstance(value, np.ndarray):
-      out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim), value)
+      out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim, rules), value)
     else:
       out[key] = value
   return out

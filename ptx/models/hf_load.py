@@ -62,9 +62,7 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
     FileNotFoundError: when the directory holds no config or weights.
   """
   path = pathlib.Path(path)
-  hf = json.loads((path / "config.json").read_text())
-  family = family_of(hf, str(path / "config.json"))
-  cfg = model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(path / "config.json"))
+  cfg, family = _config(path, dtype)
   specs = param_specs(cfg)
   sources = _match(specs, cfg, family, _headers(path), path)
   if mesh is None:
@@ -79,6 +77,28 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
       for key in specs
   }
   return Decoder(cfg, params=params, rules=rules)
+
+
+def read_model_config(path: str | pathlib.Path, *, dtype: Any = None) -> ModelConfig:
+  """The ModelConfig of an HF model directory's config.json, without reading any weights.
+
+  Raises:
+    HFConfigError: for an unsupported model_type or config option.
+    FileNotFoundError: when the directory holds no config.json.
+  """
+  return _config(pathlib.Path(path), dtype)[0]
+
+
+def _config(path: pathlib.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
+  where = path / "config.json"
+  if not where.is_file():
+    raise FileNotFoundError(f"{where}: no such file (an HF model directory holds config.json and safetensors)")
+  try:
+    hf = json.loads(where.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{where}: not valid JSON ({e})") from e
+  family = family_of(hf, str(where))
+  return model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(where)), family
 
 
 def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:

@@ -58,7 +58,7 @@ def precompute(params: Any, batches: Iterable[dict[str, Any]], *, num_records: i
   table = np.full((num_records, 2), np.nan, np.float32)
   for host_batch in batches:
     index, values = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                     for x in logps(params, to_global(host_batch, mesh)))
+                     for x in logps(params, to_global(host_batch, mesh, rules)))
     kept = index >= 0  # filler rows of a short last batch
     if (index[kept] >= num_records).any():
       raise ValueError(f"record_index {index.max()} outside the source's {num_records} records")
@@ -68,7 +68,7 @@ def precompute(params: Any, batches: Iterable[dict[str, Any]], *, num_records: i
 
 def with_reference_table(dataset: Iterable[dict[str, Any]], *, source: Sequence[Any],
                          pipeline: Callable[..., Iterable[dict[str, Any]]], cfg: Config,
-                         path: pathlib.Path) -> "WithReferenceLogps":
+                         path: pathlib.Path, init_params: Any = None) -> "WithReferenceLogps":
   """`dataset` with the precomputed reference log-probs of `source`'s pairs under the job's initial parameters.
 
   Args:
@@ -78,6 +78,8 @@ def with_reference_table(dataset: Iterable[dict[str, Any]], *, source: Sequence[
       host (`ptx.data.make_pipeline` with the tokenizer and host bound).
     cfg: the job config (model, mesh, seed, data).
     path: the table's file; a resumed run reads it instead of recomputing.
+    init_params: the parameters training starts from (pretrained weights;
+      under LoRA the base); None: the fresh init of `cfg.train.seed`.
 
   Returns:
     The wrapped dataset.
@@ -85,9 +87,12 @@ def with_reference_table(dataset: Iterable[dict[str, Any]], *, source: Sequence[
   mesh = make_mesh(cfg.mesh)
 
   def compute() -> np.ndarray:
-    params = jax.device_put(initial_params(cfg.model, cfg.train.seed), param_shardings(cfg.model, mesh))
+    start = initial_params(cfg.model, cfg.train.seed) if init_params is None else init_params
+    rules = sharding.rules_of(cfg.mesh)
+    params = jax.device_put(start, param_shardings(cfg.model, mesh, rules))
     one_pass = dataclasses.replace(cfg.data, shuffle=False, num_epochs=1)
-    return precompute(params, pipeline(source, cfg=one_pass), num_records=len(source), model=cfg.model, mesh=mesh)
+    return precompute(params, pipeline(source, cfg=one_pass), num_records=len(source), model=cfg.model, mesh=mesh,
+                      rules=rules)
 
   return WithReferenceLogps(dataset, load_or_precompute(path, compute, len(source)))
 

@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import jax
@@ -43,12 +43,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx.algorithms import advantages as adv_lib
+from ptx.algorithms import dynamic_sampling
 from ptx.data.global_batch import to_global
 from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
 from ptx.rl.environments.base import Environment, Outcome
 from ptx.sampling.generation import Generation
-from ptx.train.rl_step import RLSpec, learn, rollout_batch, sample, step_keys
+from ptx.train.rl_step import RLSpec, coefficient_stage, learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
 
@@ -94,21 +95,63 @@ class Lookahead(grain.DatasetIterator):
     self._iterator.set_state(state)
 
 
-def env_reward(env: Environment, tokenizer: Tokenizer, stop_ids: Sequence[int], group_size: int, *,
-               concurrency: int = 32) -> HostReward:
+@dataclasses.dataclass(frozen=True)
+class EnvReward:
   """A HostReward that decodes each completion and scores it in a single-turn environment.
 
   A sample the environment failed to score (infrastructure error) gets a
   NaN reward: it is left out of its group's statistics and of the loss.
-  """
-  stops = set(stop_ids)
 
-  def reward(tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
-    texts = [tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
-    steps = rewards_lib.score(env, [t for t in tasks for _ in range(group_size)], texts, concurrency=concurrency)
+  Attributes:
+    env: the environment (e.g. `ExactAnswerEnv()`).
+    tokenizer: decodes the completions (not compared: it is the job's data side).
+    stop_ids: ids left out of the decoded text.
+    group_size: samples per task (G).
+    concurrency: environment instances scored at once.
+  """
+
+  env: Environment
+  tokenizer: Tokenizer = dataclasses.field(compare=False)
+  stop_ids: tuple[int, ...]
+  group_size: int
+  concurrency: int = 32
+
+  def __call__(self, tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
+    stops = set(self.stop_ids)
+    texts = [self.tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
+    steps = rewards_lib.score(self.env, [t for t in tasks for _ in range(self.group_size)], texts,
+                              concurrency=self.concurrency)
     return np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
 
-  return reward
+
+@dataclasses.dataclass(frozen=True)
+class HostGRPOStep:
+  """The host-reward GRPO step of a Job: `spec` and a host `reward`; it reads ahead of the prompt stream."""
+
+  spec: RLSpec
+  reward: HostReward
+
+  @property
+  def lora(self):
+    return self.spec.lora
+
+  def optimizer_stage(self) -> optax.GradientTransformation | None:
+    """The adaptive coefficients' optimizer-state stage (`rl_step.coefficient_stage`), if any."""
+    return coefficient_stage(self.spec.grpo)
+
+  def stream(self, data: Iterator[dict[str, Any]]) -> "Lookahead":
+    """The prompt iterator as `fit` reads it: a `Lookahead`, which the step peeks to sample ahead."""
+    return data if isinstance(data, Lookahead) else Lookahead(data)
+
+  def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
+            data: "Lookahead") -> "HostRewardStep":
+    """The step object for `fit`, sampling ahead of `data` (`stream`'s); it checkpoints its batches sampled ahead."""
+    return HostRewardStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings,
+                          reward=self.reward, prompts=data)
+
+  def evaluator(self, state_shardings: TrainState, mesh: Mesh, eval_data: Any) -> None:
+    """Raises: a GRPO job has no held-out loss to evaluate."""
+    raise ValueError("fit(eval_data=...): a GRPO job has no held-out loss; measure pass@k with ptx.rl.evaluation")
 
 
 @dataclasses.dataclass
@@ -138,8 +181,6 @@ class HostRewardStep:
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
     cfg = spec.grpo
-    if cfg.max_staleness < 0:
-      raise ValueError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
     self.staleness = cfg.max_staleness
     proximal = self.staleness > 0
     if proximal and cfg.tis_cap is None:
@@ -249,44 +290,36 @@ class HostRewardStep:
   def _fill(self, state: TrainState) -> None:
     """Keeps `max_staleness` batches sampling ahead (pending batch i is the stream's next item i)."""
     while len(self._pending) < self.staleness:
-      self._pending.append(self._dispatch(state, to_global(self._prompts.peek(len(self._pending)), self._mesh)))
+      batch = to_global(self._prompts.peek(len(self._pending)), self._mesh, self._spec.rules)
+      self._pending.append(self._dispatch(state, batch))
 
-  def _refill(self, state: TrainState, entry: _Pending, rewards: np.ndarray):
-    """DAPO dynamic sampling: groups with signal from further batches of the stream until B are kept.
+  def _refill(self, state: TrainState, entry: _Pending, rewards: Any):
+    """DAPO dynamic sampling (`ptx.algorithms.dynamic_sampling`): groups with signal from further batches.
 
-    Each extra batch is the pipeline's next one (consumed from the stream).
-    Slots still free after `max_refill_rounds` hold batch k's first groups
-    with `keep` = 0.
+    Each extra batch is the pipeline's next one (consumed from the stream),
+    for up to `max_refill_rounds` rounds or until B groups are kept.
     """
     G, cfg = self._spec.grpo.group_size, self._spec.grpo
     B = entry.gen.lengths.shape[0] // G
+    by_group = lambda tree: jax.tree.map(lambda x: jnp.asarray(x).reshape(B, G, *x.shape[1:]), tree)
+    rows = lambda p, r: by_group({"rollouts": p.rollouts, "gen": p.gen, "rewards": r})
     signal = self._signal(rewards)
-    parts, kept, rounds = [(entry, rewards, np.flatnonzero(signal))], int(signal.sum()), 0
-    sampled = B
-    while kept < B and rounds < cfg.max_refill_rounds:
+    kept = dynamic_sampling.place(dynamic_sampling.start(rows(entry, rewards)), rows(entry, rewards), signal)
+    rounds, with_signal = 1, int(signal.sum())
+    while int(kept.count) < B and rounds <= cfg.max_refill_rounds:
       if not self._pending:
-        self._pending.append(self._dispatch(state, to_global(self._prompts.peek(0), self._mesh)))
+        self._pending.append(self._dispatch(state, to_global(self._prompts.peek(0), self._mesh, self._spec.rules)))
       self._prompts.skip()
       extra = self._pending.popleft()
       tokens, lengths = jax.device_get((extra.gen.tokens, extra.gen.lengths))
       extra_rewards = self._score(tokens, lengths, extra.task)
       extra_signal = self._signal(extra_rewards)
-      parts.append((extra, extra_rewards, np.flatnonzero(extra_signal)))
-      kept, rounds, sampled = kept + int(extra_signal.sum()), rounds + 1, sampled + B
+      kept = dynamic_sampling.place(kept, rows(extra, extra_rewards), extra_signal)
+      rounds, with_signal = rounds + 1, with_signal + int(extra_signal.sum())
       self._fill(state)
-    groups = [(p, r, g) for p, r, chosen in parts for g in chosen][:B]
-    filled = len(groups)
-    groups += [(entry, rewards, g) for g in range(B - filled)]
-    rows = lambda g: np.arange(g * G, (g + 1) * G)
-    take = lambda tree, g: jax.tree.map(lambda x: x[rows(g)], tree)
-    cat = lambda trees: jax.tree.map(lambda *x: jnp.concatenate(x), *trees)
-    rollouts = cat([take(p.rollouts, g) for p, _, g in groups])
-    rollouts["keep"] = jnp.asarray(np.repeat(np.arange(B) < filled, G).astype(np.int32))
-    gen = cat([take(p.gen, g) for p, _, g in groups])
-    all_rewards = cat([take(r, g) for _, r, g in groups])
-    metrics = {"filter_groups/evicted": float(sampled - kept), "filter_groups/pass_rate": kept / sampled,
-               "filter_groups/rounds": float(rounds + 1), "filter_groups/unfilled": float(B - filled)}
-    return rollouts, gen, all_rewards, metrics
+    flat, keep = dynamic_sampling.flat(kept)
+    metrics = dynamic_sampling.metrics(kept, sampled=rounds * B, with_signal=with_signal, rounds=rounds)
+    return {**flat["rollouts"], "keep": keep}, flat["gen"], flat["rewards"], jax.device_get(metrics)
 
   def _dispatch(self, state: TrainState, batch: dict[str, Any]) -> _Pending:
     """Queues the sampling of `batch` with the current parameters."""

@@ -4,12 +4,15 @@ The pieces, shared by the fused step here and the host-reward mode
 (`ptx.train.rl_host`):
   `sample`    G completions per prompt from the policy (base + adapters under
               LoRA), in-graph; the KV cache and parameters never leave the mesh
-  `learn`     from scored rollouts: trainer and reference log-probs, reward
-              shaping, advantages, group filtering, then `grpo.epochs` passes of
-              `grpo.minibatches` optimizer updates with the GRPO loss
+  `learn`     from scored rollouts: `prepare_rollouts` (masks, trainer and
+              reference log-probs, reward shaping, advantages; no parameter
+              change), then `update` (`grpo.epochs` passes of
+              `grpo.minibatches` optimizer updates with the GRPO loss)
 `make_grpo_step` jits `sample`, an in-graph reward and `learn` (with DAPO's
-refill of zero-variance groups when `filter_groups="refill"`) as one
-executable per RL step. On-policy, the behaviour log-probs are the
+refill of zero-variance groups when `filter_groups="refill"`,
+`ptx.algorithms.dynamic_sampling`, as the host-reward mode does) as one
+executable per RL step; `FusedGRPOStep` is that step as a Job holds it
+(`ptx.train.job.grpo_job`). On-policy, the behaviour log-probs are the
 sampler's; the first update's forward, still at the sampling parameters,
 gives the trainer's log-probs of the same tokens, and their largest
 difference is logged (`rollout/logp_diff_max`): both come from the same
@@ -31,22 +34,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ptx import config as config_lib
 from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
-from ptx.algorithms import grpo
+from ptx.algorithms import dynamic_sampling, grpo
 from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
 from ptx.models.shared_prefix import rollout_logits
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
-from ptx.train.step import accumulate_gradients, model_params, reference_params, trainable_loss
+from ptx.train.step import JittedStep, accumulate_gradients, model_params, reference_params, trainable_loss
 
 # reward(generation, task) -> float32 [R] or named components {name: [R]}; task arrays are already repeated to
 # R = B * G rows.
@@ -78,21 +82,7 @@ class RLSpec:
   rules: sharding.Rules = sharding.DEFAULT_RULES
 
   def __post_init__(self):
-    cfg = self.grpo
-    if self.lora is not None and cfg.ref_sync_every > 0:
-      raise ValueError("grpo.ref_sync_every: under LoRA the reference is the base model, which is never refreshed")
-    if cfg.reward_combine == "normalize_then_sum" and cfg.advantage != "grpo":
-      raise ValueError(f"grpo.reward_combine='normalize_then_sum' is its own estimator (GDPO); it needs "
-                       f"grpo.advantage='grpo', got {cfg.advantage!r}")
-    if cfg.kl_target is not None and (cfg.kl_placement != "reward" or cfg.beta <= 0 or cfg.kl_target <= 0
-                                      or cfg.kl_horizon <= 0):
-      raise ValueError("grpo.kl_target (adaptive KL) needs kl_placement='reward', beta > 0, kl_target > 0 and "
-                       f"kl_horizon > 0; got {cfg.kl_placement!r}, {cfg.beta}, {cfg.kl_target}, {cfg.kl_horizon}")
-    if cfg.entropy_target is not None and not (
-        cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max):
-      raise ValueError("grpo.entropy_target (adaptive entropy) needs entropy_coef_delta >= 0 and entropy_coef_min "
-                       f"<= entropy_coef <= entropy_coef_max; got {cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, "
-                       f"{cfg.entropy_coef}, {cfg.entropy_coef_max}")
+    config_lib.check_grpo(self.grpo, self.lora)
 
 
 class Coefficients(NamedTuple):
@@ -106,8 +96,8 @@ class Coefficients(NamedTuple):
 def coefficient_stage(cfg: GRPOConfig) -> optax.GradientTransformation | None:
   """An optax stage that changes no update and holds `Coefficients`; None when no coefficient adapts.
 
-  Chain it after the optimizer (`fit(optimizer_stage=...)`) when
-  `cfg.kl_target` or `cfg.entropy_target` is set; `learn` updates it.
+  A Job chains it after the optimizer (`Job.optimizer`) when `cfg.kl_target`
+  or `cfg.entropy_target` is set; `learn` updates it.
   """
   if cfg.kl_target is None and cfg.entropy_target is None:
     return None
@@ -120,7 +110,7 @@ def _coefficients(opt_state: Any) -> Coefficients:
   found = optax.tree_utils.tree_get(opt_state, "Coefficients")
   if found is None:
     raise ValueError("grpo.kl_target / grpo.entropy_target keep their coefficients in the optimizer state: chain "
-                     "rl_step.coefficient_stage(cfg.grpo) after the optimizer (fit(optimizer_stage=...))")
+                     "rl_step.coefficient_stage(cfg.grpo) after the optimizer (as Job.optimizer does)")
   return found
 
 
@@ -188,10 +178,19 @@ def _minibatches(batch: dict[str, jax.Array], n: int, group_size: int) -> dict[s
   return jax.tree.map(split, batch)
 
 
+class Prepared(NamedTuple):
+  """Scored rollouts made ready for the update (`prepare_rollouts`)."""
+
+  batch: dict[str, jax.Array]  # [R, S] rows with masks, old / reference log-probs and advantages
+  metrics: dict[str, jax.Array]  # the rollouts' reward, length, filter and staleness metrics
+  kl_coef: jax.Array | float  # beta of the step (adaptive or fixed)
+  seq_kl: jax.Array | None  # [R] summed KL of KL-in-reward, for the adaptive coefficient
+
+
 def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewards: adv_lib.Rewards, key: jax.Array,
           spec: RLSpec, optimizer: optax.GradientTransformation, *,
           proximal: bool = False) -> tuple[TrainState, dict[str, jax.Array]]:
-  """The policy update from scored rollouts (call under the mesh, inside a jit).
+  """The policy update from scored rollouts: `prepare_rollouts`, then `update` (call under the mesh, inside a jit).
 
   Args:
     state: the train state; `state.step` counts RL steps.
@@ -211,44 +210,79 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   Returns:
     (state, metrics): one RL step later, with spec section 5.10's metrics.
   """
+  prepared = prepare_rollouts(state, batch, gen, rewards, spec, proximal=proximal)
+  params, opt_state, metrics = update(state, prepared.batch, key, spec, optimizer)
+  metrics.update(prepared.metrics, skipped_steps=skipped_steps(opt_state))
+  cfg = spec.grpo
+  if cfg.uses_reference:
+    metrics["actor/kl_coef"] = jnp.float32(prepared.kl_coef)
+  if cfg.kl_target is not None:  # static
+    opt_state, metrics["actor/reward_kl"] = _next_kl_coef(opt_state, prepared.kl_coef, prepared.seq_kl,
+                                                          prepared.batch["loss_mask"].astype(jnp.float32), cfg)
+  state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return _refresh_reference(state, cfg), metrics
+
+
+def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewards: adv_lib.Rewards,
+                     spec: RLSpec, *, proximal: bool = False) -> Prepared:
+  """Masks, old and reference log-probs, shaped rewards and advantages of scored rollouts (no parameter change).
+
+  Rows leave the loss (mask 0) when unscorable, an unfilled refill slot,
+  a zero-variance group under `filter_groups="mask"`, or cut at the budget
+  under `mask_truncated`. Arguments as `learn`'s.
+  """
   cfg, G = spec.grpo, spec.grpo.group_size
   batch = dict(batch)
   keep = batch.pop("keep", None)
   total = adv_lib.total_reward(rewards, cfg.reward_weights)
-  valid = ~jnp.isnan(total)
-  row_mask = valid if keep is None else valid & (keep > 0)
-  filter_metrics = {}
+  row_mask = ~jnp.isnan(total) if keep is None else ~jnp.isnan(total) & (keep > 0)
+  metrics = {}
   if cfg.filter_groups == "mask":  # static: DAPO's cheap alternative, zero-variance groups leave the loss
     signal = adv_lib.groups_with_signal(total, G)
     row_mask = row_mask & jnp.repeat(signal, G)
-    filter_metrics = {"filter_groups/evicted": (~signal).sum().astype(jnp.float32),
-                      "filter_groups/pass_rate": signal.mean()}
+    metrics = {"filter_groups/evicted": (~signal).sum().astype(jnp.float32), "filter_groups/pass_rate": signal.mean()}
   if cfg.mask_truncated:  # static: overlong filtering
     row_mask = row_mask & (gen.finish_reasons != LENGTH)
   batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
   mask = batch["loss_mask"].astype(jnp.float32)
   # On-policy the old log-probs are the sampler's, and the first update's forward
   # measures the sampler-trainer difference: no extra forward pass.
-  trainer_logps = batch_logps(model_params(state, spec.lora), batch, spec) if proximal else None
-  batch["old_logps"] = trainer_logps if proximal else batch["sampler_logps"]
+  if proximal:
+    batch["old_logps"] = batch_logps(model_params(state, spec.lora), batch, spec)
+    metrics.update(_staleness_metrics(mask, batch["old_logps"], batch["sampler_logps"]))
+  else:
+    batch["old_logps"] = batch["sampler_logps"]
   shaped = total + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
                                                                       cfg.overlong_buffer)
   beta = _coefficients(state.opt_state).kl_coef if cfg.kl_target is not None else cfg.beta
-  if cfg.beta > 0 and cfg.kl_placement != "none":  # static: the config decides whether a reference exists
+  seq_kl = None
+  if cfg.uses_reference:  # static: the config decides whether a reference exists
     batch["ref_logps"] = batch_logps(reference_params(state), batch, spec)
     if cfg.kl_placement == "reward":
-      kl = grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator)
-      seq_kl = (kl * mask).sum(axis=1)
+      seq_kl = (grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator) * mask).sum(axis=1)
       shaped = shaped - beta * seq_kl
   batch["advantages"] = _advantages(rewards, shaped, total, gen, cfg)
-  minis = _minibatches(batch, cfg.minibatches, G)
+  metrics.update(_rollout_metrics(rewards, total, gen, spec))
+  return Prepared(batch, metrics, beta, seq_kl)
+
+
+def update(state: TrainState, batch: dict[str, jax.Array], key: jax.Array, spec: RLSpec,
+           optimizer: optax.GradientTransformation) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """`grpo.epochs` passes of `grpo.minibatches` optimizer updates of the GRPO loss on a prepared batch.
+
+  Returns:
+    (params, optimizer state, metrics averaged over the updates; the
+    sampler-trainer difference is the first update's, at the sampling
+    parameters).
+  """
+  cfg = spec.grpo
+  minis = _minibatches(batch, cfg.minibatches, cfg.group_size)
   # Micro-batches (grad_accum) take strided rows, which breaks groups apart: their prompts are not shared.
   prompt_len = _shared_prompt_len(batch, spec) if spec.grad_accum == 1 else None
   loss_fn = trainable_loss(functools.partial(grpo.loss, model=spec.model, grpo=cfg, rules=spec.rules,
-                                             prompt_len=prompt_len), state.base,
-                           spec.lora)
+                                             prompt_len=prompt_len), state.base, spec.lora)
 
-  def update(carry, i):
+  def one_update(carry, i):
     params, opt_state = carry
     mb = jax.tree.map(lambda x: x[i % cfg.minibatches], minis)
     mb = {**mb, **grpo.aggregation_inputs(mb["loss_mask"], cfg)}
@@ -264,20 +298,11 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
       metrics["actor/entropy_coef"] = entropy_coef
     return (optax.apply_updates(params, updates), opt_state), metrics
 
-  (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
+  (params, opt_state), per_update = jax.lax.scan(one_update, (state.params, state.opt_state),
                                                  jnp.arange(cfg.updates_per_step))
   metrics = jax.tree.map(jnp.mean, per_update)
   metrics["rollout/logp_diff_max"] = per_update["rollout/logp_diff_max"][0]  # at the sampling parameters
-  metrics.update(_rollout_metrics(rewards, total, gen, spec), **filter_metrics)
-  if proximal:
-    metrics.update(_staleness_metrics(mask, trainer_logps, batch["sampler_logps"]))
-  metrics["skipped_steps"] = skipped_steps(opt_state)
-  if cfg.beta > 0 and cfg.kl_placement != "none":
-    metrics["actor/kl_coef"] = jnp.float32(beta)
-  if cfg.kl_target is not None:  # static
-    opt_state, metrics["actor/reward_kl"] = _next_kl_coef(opt_state, beta, seq_kl, mask, cfg)
-  state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return _refresh_reference(state, cfg), metrics
+  return params, opt_state, metrics
 
 
 def _next_kl_coef(opt_state: Any, beta: jax.Array, seq_kl: jax.Array, mask: jax.Array,
@@ -346,57 +371,30 @@ def sample_kept_groups(params: Any, batch: dict[str, Any], key: jax.Array, spec:
     flat = jax.tree.map(lambda x: x.reshape(B * G, *x.shape[2:]), first)
     return flat["batch"], flat["gen"], flat["rewards"], {}
 
-  def place(carry, rows, keep):
-    buffer, filled, n = carry
-    slot = jnp.where(keep, n + jnp.cumsum(keep) - 1, B)  # B is out of range: dropped
-    buffer = jax.tree.map(lambda b, x: b.at[slot].set(x, mode="drop"), buffer, rows)
-    return buffer, filled.at[slot].set(True, mode="drop"), jnp.minimum(n + keep.sum(), B)
-
   def body(loop):
-    r, carry, sampled, kept = loop
-    rows, keep = sample_round(r)
-    return r + 1, place(carry, rows, keep), sampled + B, kept + keep.sum()
+    r, kept, sampled, with_signal = loop
+    rows, signal = sample_round(r)
+    return r + 1, dynamic_sampling.place(kept, rows, signal), sampled + B, with_signal + signal.sum()
 
-  start = (jnp.int32(1), place((first, jnp.zeros(B, bool), jnp.int32(0)), first, signal), jnp.int32(B), signal.sum())
-  r, (buffer, filled, _), sampled, kept = jax.lax.while_loop(lambda l: (l[0] < rounds) & (l[1][2] < B), body, start)
-  flat = jax.tree.map(lambda x: x.reshape(B * G, *x.shape[2:]), buffer)
-  flat["batch"]["keep"] = jnp.repeat(filled, G).astype(jnp.int32)
-  metrics = {"filter_groups/evicted": (sampled - kept).astype(jnp.float32),
-             "filter_groups/pass_rate": kept / sampled, "filter_groups/rounds": r.astype(jnp.float32),
-             "filter_groups/unfilled": (B - filled.sum()).astype(jnp.float32)}
-  return flat["batch"], flat["gen"], flat["rewards"], metrics
+  start = (jnp.int32(1), dynamic_sampling.place(dynamic_sampling.start(first), first, signal), jnp.int32(B),
+           signal.sum())
+  r, kept, sampled, with_signal = jax.lax.while_loop(lambda l: (l[0] < rounds) & (l[1].count < B), body, start)
+  flat, keep = dynamic_sampling.flat(kept)
+  flat["batch"]["keep"] = keep
+  return flat["batch"], flat["gen"], flat["rewards"], dynamic_sampling.metrics(kept, sampled=sampled,
+                                                                               with_signal=with_signal, rounds=r)
 
 
-def make_grpo_step(
-    *,
-    model: ModelConfig,
-    cfg: GRPOConfig,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    state_shardings: TrainState,
-    reward_fn: RewardFn,
-    max_new_tokens: int,
-    stop_ids: tuple[int, ...],
-    pad_id: int = 0,
-    grad_accum: int = 1,
-    lora: LoRAConfig | None = None,
-    rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+def make_grpo_step(spec: RLSpec, reward_fn: RewardFn, *, optimizer: optax.GradientTransformation, mesh: Mesh,
+                   state_shardings: TrainState) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """Jits one fused RL step with explicit shardings and a donated state.
 
   Args:
-    model: the model config.
-    cfg: the GRPO loss family config (group size, rollout sampling, estimator, clipping, KL).
+    spec: the static step description (model, GRPO config, budget, stop ids, LoRA, rules).
+    reward_fn: the in-graph reward.
     optimizer: the optax transformation of the state.
     mesh: the device mesh.
-    state_shardings: from `state_shardings(..., with_reference=cfg.beta > 0, lora=lora)`.
-    reward_fn: the in-graph reward.
-    max_new_tokens: the completion budget N.
-    stop_ids: ids that end a completion.
-    pad_id: the pad token of prompts and finished rows.
-    grad_accum: micro-batches per update.
-    lora: train LoRA adapters (`state.params`) over the frozen `state.base`.
-    rules: sharding rules.
+    state_shardings: from `state_shardings(..., with_reference=spec.grpo.uses_reference, lora=spec.lora)`.
 
   Returns:
     `step(state, batch) -> (state, metrics)` with batch = {"prompts" [B', P]
@@ -404,13 +402,11 @@ def make_grpo_step(
     (`ptx.rl.prompt_batches.PromptBatches`), B' = B prompts, or B * (1 +
     max_refill_rounds) with `filter_groups="refill"`.
   """
-  spec = RLSpec(model=model, grpo=cfg, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids), pad_id=pad_id,
-                grad_accum=grad_accum, lora=lora, rules=rules)
 
   def step(state: TrainState, batch: dict[str, Any]):
     sample_key, update_key = step_keys(state)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      rollouts, gen, rewards, filter_metrics = sample_kept_groups(model_params(state, lora), batch, sample_key,
+      rollouts, gen, rewards, filter_metrics = sample_kept_groups(model_params(state, spec.lora), batch, sample_key,
                                                                   spec, reward_fn)
       state, metrics = learn(state, rollouts, gen, rewards, update_key, spec, optimizer)
     return state, {**metrics, **filter_metrics}
@@ -420,6 +416,36 @@ def make_grpo_step(
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(step, in_shardings=(state_shardings, None),
                  out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGRPOStep:
+  """The fused GRPO step of a Job: `spec` and an in-graph `reward_fn`, jitted by `build`."""
+
+  spec: RLSpec
+  reward_fn: RewardFn
+
+  @property
+  def lora(self) -> LoRAConfig | None:
+    return self.spec.lora
+
+  def optimizer_stage(self) -> optax.GradientTransformation | None:
+    """The adaptive coefficients' optimizer-state stage (`coefficient_stage`), if any."""
+    return coefficient_stage(self.spec.grpo)
+
+  def stream(self, data: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The prompt iterator as `fit` reads it: unchanged."""
+    return data
+
+  def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
+            data: Iterator[dict[str, Any]]) -> JittedStep:
+    """The jitted step for `fit` (it reads no data of its own)."""
+    return JittedStep(make_grpo_step(self.spec, self.reward_fn, optimizer=optimizer, mesh=mesh,
+                                     state_shardings=state_shardings))
+
+  def evaluator(self, state_shardings: TrainState, mesh: Mesh, eval_data: Any) -> None:
+    """Raises: a GRPO job has no held-out loss to evaluate."""
+    raise ValueError("fit(eval_data=...): a GRPO job has no held-out loss; measure pass@k with ptx.rl.evaluation")
 
 
 def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:

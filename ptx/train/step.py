@@ -10,24 +10,72 @@ Under LoRA (`lora=`), `state.params` are the adapters and `state.base` the
 frozen model: the loss sees `lora.apply(base, adapters)`, gradients and
 optimizer moments exist for the adapters only, and `prepare` gets the base,
 which is the reference policy with the adapters switched off.
+
+`SupervisedStep` is this step as a Job holds it (`ptx.train.job.sft_job`,
+`dpo_job`): the bound loss and preparation, and their evaluator.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ptx import sharding
 from ptx.config import LoRAConfig
+from ptx.data.global_batch import to_global
 from ptx.models import lora as lora_lib
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """`fn(*args, **options)`: a `functools.partial` that compares equal by its function and options.
+
+  Jobs hold their losses bound this way, so two Jobs built from one config
+  are equal (a partial compares by identity).
+  """
+
+  fn: Callable[..., Any]
+  options: tuple[tuple[str, Any], ...]
+
+  @classmethod
+  def of(cls, fn: Callable[..., Any], **options: Any) -> "Bound":
+    return cls(fn, tuple(sorted(options.items())))
+
+  def __call__(self, *args: Any) -> Any:
+    return self.fn(*args, **dict(self.options))
+
+
+class JittedStep:
+  """A jitted `step(state, batch)` as `fit` runs it: no work in flight between steps, so no pipeline to save."""
+
+  def __init__(self, fn: StepFn):
+    self._fn = fn
+
+  def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    return self._fn(state, batch)
+
+  def pipeline_state(self) -> None:
+    """Nothing is sampled ahead."""
+    return None
+
+  def set_pipeline_state(self, saved: Any) -> None:
+    """A checkpoint's batches sampled ahead (a host-reward run) are dropped: this step samples its own."""
+    log.warning("the checkpoint holds batches sampled ahead that this run's step does not take; they are dropped")
 
 
 def reference_params(state: TrainState) -> Any:
@@ -144,3 +192,70 @@ def make_train_step(
   # its rank ([B] reference log-probs, [B, T] tokens), which one in_shardings entry for the batch could not.
   return jax.jit(step, in_shardings=(state_shardings, None), out_shardings=(state_shardings, replicated),
                  donate_argnums=0)
+
+
+def make_evaluator(loss_fn: LossFn, prepare: Callable[[Any, Batch], Batch] | None, lora: LoRAConfig | None, *,
+                   mesh: Mesh, state_shardings: TrainState, eval_data: Iterable[Batch],
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> Callable[[TrainState], dict[str, float]]:
+  """Returns `evaluate(state) -> {"eval/...": mean}` over the finite `eval_data`, weighted like the training loss."""
+
+  @functools.partial(jax.jit, in_shardings=(state_shardings, None))
+  def metrics(state, batch):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      if prepare is not None:
+        batch = prepare(reference_params(state), batch)
+      return trainable_loss(loss_fn, state.base, lora, dropout=False)(state.params, batch, state.rng)[1]
+
+  batches = [to_global(b, mesh, rules) for b in eval_data]
+
+  def evaluate(state):
+    totals: dict[str, float] = {}
+    for batch in batches:
+      m = jax.device_get(metrics(state, batch))
+      w = float(m["weight"])
+      for key, value in m.items():
+        totals[key] = totals.get(key, 0.0) + (w if key == "weight" else w * float(value))
+    weight = totals.get("weight", 0.0) or 1.0
+    return {f"eval/{k}": (v if k == "weight" else v / weight) for k, v in totals.items()}
+
+  return evaluate
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisedStep:
+  """The step of a supervised Job (SFT, DPO): a loss over host batches and its optional reference preparation.
+
+  Attributes:
+    loss: `loss(params, batch, rng) -> (loss, metrics)`.
+    prepare: `prepare(ref_params, batch) -> batch` from the frozen reference
+      (DPO's reference log-probs), or None.
+    grad_accum: micro-batches per step.
+    lora: the adapters' config when the job trains LoRA, else None.
+    rules: the sharding rules the held-out batches are placed by.
+  """
+
+  loss: Bound
+  prepare: Bound | None = None
+  grad_accum: int = 1
+  lora: LoRAConfig | None = None
+  rules: sharding.Rules = sharding.DEFAULT_RULES
+
+  def optimizer_stage(self) -> None:
+    """No stage: the optimizer is the plain one."""
+    return None
+
+  def stream(self, data: Iterator[Batch]) -> Iterator[Batch]:
+    """The training iterator as `fit` reads it: unchanged."""
+    return data
+
+  def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
+            data: Iterator[Batch]) -> JittedStep:
+    """The jitted step for `fit` (it reads no data of its own)."""
+    return JittedStep(make_train_step(self.loss, optimizer, mesh=mesh, state_shardings=state_shardings,
+                                      grad_accum=self.grad_accum, prepare=self.prepare, lora=self.lora))
+
+  def evaluator(self, state_shardings: TrainState, mesh: Mesh,
+                eval_data: Iterable[Batch]) -> Callable[[TrainState], dict[str, float]]:
+    """The held-out evaluation of this step's loss."""
+    return make_evaluator(self.loss, self.prepare, self.lora, mesh=mesh, state_shardings=state_shardings,
+                          eval_data=eval_data, rules=self.rules)

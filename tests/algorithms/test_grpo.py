@@ -1,4 +1,4 @@
-"""The GRPO family against shared/specs/grpo-loss.md: test vectors, clipping, aggregation invariance."""
+"""The GRPO family against docs/grpo-loss.md: test vectors, clipping, aggregation invariance."""
 
 import dataclasses
 import functools

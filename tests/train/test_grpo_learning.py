@@ -59,10 +59,8 @@ def test_grpo_raises_the_exact_match_reward_of_an_sft_model():
   state = init_state(cfg, rl_optim, 0, mesh, params=params)
   spec = rl_step.RLSpec(model=cfg, grpo=GRPO, max_new_tokens=WIDTH, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   before = _held_out_reward(params, cfg, mesh, spec)
-  step = rl_step.make_grpo_step(model=cfg, cfg=GRPO, optimizer=rl_optim, mesh=mesh,
-                                state_shardings=state_shardings(cfg, rl_optim, mesh),
-                                reward_fn=token_rewards.target_reward, max_new_tokens=WIDTH,
-                                stop_ids=spec.stop_ids, pad_id=TOK.pad_id)
+  step = rl_step.make_grpo_step(spec, token_rewards.target_reward, optimizer=rl_optim, mesh=mesh,
+                                state_shardings=state_shardings(cfg, rl_optim, mesh))
   prompts = PromptBatches(ArithmeticTask(2, 1), TOK, batch_size=PROMPTS, prompt_len=6, answer_width=WIDTH)
   for _ in range(RL_STEPS):
     state, metrics = step(state, next(prompts))

@@ -1,7 +1,6 @@
 """GRPO's reward components and adaptive KL / entropy coefficients through the fused and host-reward steps."""
 
 import dataclasses
-import functools
 import shutil
 
 import jax
@@ -10,13 +9,14 @@ import numpy as np
 import optax
 import pytest
 
-from ptx.config import Config, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
+from ptx.config import Config, DataConfig, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl.prompt_batches import PromptBatches
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train import rl_step
+from ptx.train.job import grpo_job
 from ptx.train.loop import fit
 from ptx.train.rl_host import HostRewardStep, Lookahead
 from ptx.train.rl_step import RLSpec, coefficient_stage, make_grpo_step
@@ -63,8 +63,8 @@ def _run(cfg, grpo_cfg, steps, *, reward=_components, host=False):
                           state_shardings=shardings, reward=reward, prompts=data)
   else:
     data = prompts(4)
-    step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                          reward_fn=reward, **kw)
+    step = make_grpo_step(RLSpec(model=cfg, grpo=grpo_cfg, **kw), reward, optimizer=optimizer, mesh=mesh,
+                          state_shardings=shardings)
   history = []
   for _ in range(steps):
     state, metrics = step(state, next(data))
@@ -131,7 +131,7 @@ def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equ
 
 @pytest.mark.parametrize("bad, match", [
     (dict(kl_target=0.1, kl_placement="loss"), "kl_placement='reward'"),
-    (dict(entropy_target=0.5, entropy_coef=2.0), "entropy_coef_min <= entropy_coef <= entropy_coef_max"),
+    (dict(entropy_target=0.5, entropy_coef=2.0), "grpo.entropy_coef_min <= grpo.entropy_coef <= grpo.entropy_coef_max"),
     (dict(reward_combine="normalize_then_sum", advantage="rloo"), "GDPO"),
 ])
 def test_bad_adaptive_configs_are_rejected_naming_the_field(tiny_config, bad, match):
@@ -153,13 +153,13 @@ def test_a_resumed_run_continues_with_the_checkpointed_coefficients(tmp_path, ti
                         entropy_coef=0.01, entropy_target=0.0, entropy_coef_delta=0.004)
   cfg = Config(model=dataclasses.replace(tiny_config, n_layers=1), mesh=MeshConfig(data=2, fsdp=4),
                optim=OptimizerConfig(lr=1e-3, warmup_steps=0), grpo=grpo_cfg,
+               data=DataConfig(kind="rl", batch_size=8, seq_len=8, pack=False),
                train=TrainConfig(steps=2, log_every=1, checkpoint_every=1))
-  make_step = functools.partial(make_grpo_step, model=cfg.model, cfg=grpo_cfg, reward_fn=_weighted_sum,
-                                max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  job = grpo_job(cfg, TOK, _weighted_sum)
+  assert job.with_reference and job.step.optimizer_stage() is not None
   run = lambda resume: fit(
-      cfg, train_data=PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=4),
-      out=tmp_path, make_step=make_step, with_reference=True, progress=False, resume=resume,
-      optimizer_stage=coefficient_stage(grpo_cfg))
+      cfg, job, train_data=PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=4),
+      out=tmp_path, progress=False, resume=resume)
   straight, _ = run(False)
   shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if preempted after step 1
   resumed, summary = run(True)

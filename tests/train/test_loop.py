@@ -1,7 +1,5 @@
 """The training job: exact resume after SIGKILL, SIGTERM, damaged checkpoints, non-finite steps."""
 
-import dataclasses
-import functools
 import json
 import os
 import pathlib
@@ -13,7 +11,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -21,12 +18,12 @@ from ptx.algorithms import sft
 from ptx.config import MODEL_PRESETS, Config, DataConfig, MeshConfig, OptimizerConfig, TrainConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
-from ptx.rl.prompt_batches import PromptBatches
 from ptx.data.sources import MemorySource
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.sharding import make_mesh
+from ptx.train.job import sft_job
 from ptx.train.loop import fit
-from ptx.train.optimizer import learning_rate_schedule, make_optimizer
+from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import make_train_step
 
@@ -119,8 +116,7 @@ def _fit_in_process(out, steps, resume=False):
   task = ArithmeticTask(0, 2)
   records = [{"prompt": task[i]["prompt"], "completion": task[i]["answer"]} for i in range(400)]
   data = make_pipeline(MemorySource(records), ByteTokenizer(), cfg.data)
-  return fit(cfg, loss_fn=functools.partial(sft.loss, model=cfg.model), train_data=data, out=out,
-             resume=resume, progress=False)
+  return fit(cfg, sft_job(cfg, ByteTokenizer()), train_data=data, out=out, resume=resume, progress=False)
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
@@ -158,35 +154,3 @@ def test_non_finite_gradients_skip_the_step_and_leave_parameters_untouched(tiny_
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
   state, metrics = step(state, batch)
   assert int(metrics["skipped_steps"]) == 1 and np.isfinite(float(metrics["loss"]))
-
-
-def test_the_lr_schedule_spans_every_optimizer_update_of_a_step(tmp_path, tiny_config):
-  updates_per_step, steps = 3, 2
-  optim = OptimizerConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=0.0, clip_norm=0.0)
-  cfg = Config(model=dataclasses.replace(tiny_config, n_layers=1), mesh=MeshConfig(data=2, fsdp=4), optim=optim,
-               train=TrainConfig(steps=steps, log_every=1, checkpoint_every=100))
-
-  def make_step(*, optimizer, mesh, state_shardings):
-    """A step of `updates_per_step` Adam updates on a constant gradient, each moving a weight by its lr."""
-
-    def step(state, batch):
-      params, opt_state, lrs = state.params, state.opt_state, {}
-      for i in range(updates_per_step):
-        updates, opt_state = optimizer.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
-        lrs[f"lr_{i}"] = -jax.tree.leaves(updates)[0].ravel()[0]
-        params = optax.apply_updates(params, updates)
-      return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {"loss": jnp.float32(0), **lrs}
-
-    return jax.jit(step)
-
-  prompts = PromptBatches(ArithmeticTask(0, 2), ByteTokenizer(), batch_size=8, prompt_len=8, answer_width=4)
-  fit(cfg, train_data=prompts, out=tmp_path, make_step=make_step, progress=False, updates_per_step=updates_per_step)
-  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  applied = [r[f"lr_{i}"] for r in records if "lr_0" in r for i in range(updates_per_step)]
-  schedule = learning_rate_schedule(optim, steps * updates_per_step)
-  want = [float(schedule(t)) for t in range(steps * updates_per_step)]
-  # The cosine reaches its end (0) one update after the last; before the fix every update after
-  # the first `steps` ran at lr 0.
-  np.testing.assert_allclose(applied, want, rtol=1e-5)
-  assert applied[-1] == pytest.approx(1e-2 * 0.5 * (1 + np.cos(5 * np.pi / 6)), rel=1e-5) and applied[-1] > 0
-  assert [r["lr"] for r in records if "lr_0" in r] == pytest.approx(want[::updates_per_step])

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from ptx.algorithms import dpo
 from ptx.config import Config, DataConfig, DPOConfig, MeshConfig, OptimizerConfig, TrainConfig
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import MemorySource
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.train import reference_pass
+from ptx.train.job import dpo_job
 from ptx.train.loop import fit
 
 TOK = ByteTokenizer()
@@ -36,13 +36,13 @@ def _losses(out):
 def test_precomputed_reference_trains_exactly_like_the_frozen_copy(cfg, tmp_path):
   source = MemorySource(PAIRS)
   pipeline = functools.partial(make_pipeline, tokenizer=TOK)
-  loss_fn = functools.partial(dpo.loss, model=cfg.model, dpo=cfg.dpo)
-  frozen_state, _ = fit(cfg, loss_fn=loss_fn, train_data=pipeline(source, cfg=cfg.data), out=tmp_path / "frozen",
-                        prepare=functools.partial(dpo.prepare, model=cfg.model), progress=False)
+  frozen_cfg = dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, reference="frozen"))
+  frozen_state, _ = fit(frozen_cfg, dpo_job(frozen_cfg, TOK), train_data=pipeline(source, cfg=cfg.data),
+                        out=tmp_path / "frozen", progress=False)
   table_path = tmp_path / "pre" / "reference_logps" / "train.npy"
   data = reference_pass.with_reference_table(pipeline(source, cfg=cfg.data), source=source, pipeline=pipeline,
                                              cfg=cfg, path=table_path)
-  state, _ = fit(cfg, loss_fn=loss_fn, train_data=data, out=tmp_path / "pre", progress=False)
+  state, _ = fit(cfg, dpo_job(cfg, TOK), train_data=data, out=tmp_path / "pre", progress=False)
   assert state.ref_params is None and frozen_state.ref_params is not None  # no second parameter tree
   np.testing.assert_allclose(_losses(tmp_path / "pre"), _losses(tmp_path / "frozen"), rtol=1e-6, atol=1e-6)
   for ours, theirs in zip(jax.tree.leaves(state.params), jax.tree.leaves(frozen_state.params)):

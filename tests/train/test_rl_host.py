@@ -15,7 +15,7 @@ from ptx.rl.prompt_batches import PromptBatches
 from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
-from ptx.train.rl_host import HostRewardStep, Lookahead, env_reward
+from ptx.train.rl_host import EnvReward, HostRewardStep, Lookahead
 from ptx.train.rl_step import RLSpec, make_grpo_step
 from ptx.train.state import init_state, state_shardings
 
@@ -47,8 +47,8 @@ def _run(cfg, grpo_cfg, steps, *, host_reward=None):
   kw = dict(max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   if host_reward is None:
     data = _prompts(4)
-    step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                          reward_fn=_even_tokens, **kw)
+    step = make_grpo_step(RLSpec(model=cfg, grpo=grpo_cfg, **kw), _even_tokens, optimizer=optimizer, mesh=mesh,
+                          state_shardings=shardings)
   else:
     data = Lookahead(_prompts(None))
     step = HostRewardStep(spec=RLSpec(model=cfg, grpo=grpo_cfg, **kw), optimizer=optimizer, mesh=mesh,
@@ -96,7 +96,7 @@ def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
 
 
 def test_env_reward_decodes_and_scores_each_sample_against_its_prompt_task():
-  reward = env_reward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2)
+  reward = EnvReward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2)
   tokens = np.asarray([TOK.encode("12") + [TOK.eos_id], TOK.encode("13") + [TOK.eos_id]])
   np.testing.assert_array_equal(reward(tokens, np.asarray([3, 3]), [{"prompt": "6+6=", "answer": "12"}]), [1.0, 0.0])
 

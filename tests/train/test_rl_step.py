@@ -51,9 +51,9 @@ def _setup(cfg, grpo_cfg, reward_fn, lora=None, **kw):
   with_ref = grpo_cfg.beta > 0
   shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref, lora=lora)
   state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref, lora=lora)
-  step = make_grpo_step(model=cfg, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                        reward_fn=reward_fn, max_new_tokens=N_NEW,
-                        stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id, lora=lora, **kw)
+  spec = RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id, lora=lora,
+                **kw)
+  step = make_grpo_step(spec, reward_fn, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
   return mesh, optimizer, state, step
 
 
@@ -90,10 +90,11 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
 # group shares one copy of its prompt's K/V, in the sampler and in the update's forward. Rollouts at temperature
 # 0.7 (and top-p): every log-prob of the loss is the tempered policy's, the sampler's too (logp_diff_max).
 # Adam's first update is lr * g / (|g| + eps): a gradient entry within a few eps of 0 turns last-bit differences
-# (the two programs round differently) into up to 1% of lr, so tempered logits, which add a rounding step, get
-# atol 1e-5 (2 of 10560 weights land between 1e-6 and 1e-5).
+# (the two programs round differently) into up to 1% of lr, so tempered logits and the shared prompt's merge of two
+# softmaxes through their log-sum-exps, which each add a rounding step, get atol 1e-5 (tempered: 2 of 10560 weights
+# land between 1e-6 and 1e-5; shared: 1 of 1120 at 3.6e-6 on some CPUs).
 @pytest.mark.parametrize("columns, sampling, atol", [
-    (8, SamplingConfig(), 1e-6), (SHARED_PREFIX_MIN_SLOTS, SamplingConfig(), 1e-6),
+    (8, SamplingConfig(), 1e-6), (SHARED_PREFIX_MIN_SLOTS, SamplingConfig(), 1e-5),
     (8, SamplingConfig(temperature=0.7, top_p=0.95), 1e-5)], ids=["copied_prompts", "shared_prompts",
                                                                    "tempered_rollouts"])
 def test_fused_step_is_one_executable_and_equals_the_unfused_computation(tiny_config, columns, sampling, atol):

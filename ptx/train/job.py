@@ -1,0 +1,177 @@
+"""A training job: the step, the reference, LoRA and the optimizer, built once per algorithm from a Config.
+
+Every entry point (the CLI, the demo, recipes, notebooks) turns its `Config`
+into a `Job` with one builder per algorithm and hands it to
+`ptx.train.loop.fit`, which runs it without interpreting algorithm fields of
+the config again:
+
+  sft_job        SFT: the token cross-entropy of `ptx.algorithms.sft`
+  dpo_job        DPO family: `ptx.algorithms.dpo` with a frozen reference, a
+                 precomputed one (`ptx.train.streams`) or none (SimPO)
+  grpo_job       GRPO family, fused: sample, in-graph reward, update in one
+                 program (`ptx.train.rl_step`)
+  grpo_host_job  GRPO family, host reward: the device samples ahead while the
+                 host scores (`ptx.train.rl_host`)
+
+Each builder first runs `ptx.config.check` (every cross-field rule, naming
+the fields) and the tokenizer check, so a bad combination fails before
+anything compiles. Jobs compare by value: the same config gives equal Jobs
+wherever it is built (the data streams and tokenizers are not compared).
+
+A step kind is any frozen object with `lora`, `optimizer_stage()`,
+`stream(iterator)`, `build(optimizer, mesh, state_shardings, data)` and
+`evaluator(state_shardings, mesh, eval_data)`; later algorithms plug in by
+writing one and a builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import optax
+
+from ptx import config as config_lib
+from ptx import sharding
+from ptx.algorithms import dpo, sft
+from ptx.config import Config, ModelConfig, OptimizerConfig
+from ptx.data.tokenizer import Tokenizer
+from ptx.models.params import weight_decay_mask
+from ptx.rl import token_rewards
+from ptx.train.optimizer import learning_rate_schedule, make_optimizer
+from ptx.train.rl_host import HostGRPOStep, HostReward
+from ptx.train.rl_step import FusedGRPOStep, RewardFn, RLSpec
+from ptx.train.step import Bound, SupervisedStep
+
+Algorithm = Literal["sft", "dpo", "grpo", "grpo_host"]
+# The config sections each algorithm reads (printed and saved at the start of a run).
+_SECTIONS = {"sft": ("model", "mesh", "optim", "train", "data", "lora"),
+             "dpo": ("model", "mesh", "optim", "train", "data", "dpo", "lora"),
+             "grpo": ("model", "mesh", "optim", "train", "data", "grpo", "lora"),
+             "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """What `fit` runs: everything an algorithm decides, decided once.
+
+  Attributes:
+    algorithm: "sft", "dpo", "grpo" (fused) or "grpo_host".
+    model: the model config the state is initialised and sharded for.
+    rules: the sharding rules (`mesh.param_rules`, `mesh.activation_rules`
+      over `ptx.sharding.DEFAULT_RULES`) of the state, batches and steps.
+    step: the step kind (`SupervisedStep`, `FusedGRPOStep`, `HostGRPOStep`).
+    with_reference: the state keeps a frozen copy of the initial parameters
+      (`TrainState.ref_params`); under LoRA the base is the reference and no
+      copy is kept.
+    optim: the optimizer's hyperparameters.
+    updates_per_step: optimizer updates one step makes (GRPO: epochs x
+      mini-batches).
+    total_updates: the learning-rate schedule's length: train.steps x
+      updates_per_step.
+  """
+
+  algorithm: Algorithm
+  model: ModelConfig
+  rules: sharding.Rules
+  step: SupervisedStep | FusedGRPOStep | HostGRPOStep
+  with_reference: bool
+  optim: OptimizerConfig
+  updates_per_step: int
+  total_updates: int
+
+  @property
+  def lora(self):
+    """The LoRA config when the job trains adapters over a frozen base, else None."""
+    return self.step.lora
+
+  @property
+  def sections(self) -> tuple[str, ...]:
+    """The config sections this job reads."""
+    return _SECTIONS[self.algorithm]
+
+  def optimizer(self) -> optax.GradientTransformation:
+    """AdamW over `total_updates` (decaying matrices only; every adapter), then the step's own stage if any."""
+    mask = None if self.lora is not None else weight_decay_mask(self.model)  # adapters are all matrices
+    optimizer = make_optimizer(self.optim, self.total_updates, mask)
+    stage = self.step.optimizer_stage()
+    return optimizer if stage is None else optax.chain(optimizer, stage)
+
+  def learning_rate(self, update: int) -> float:
+    """The scheduled learning rate of optimizer update `update` (0-based)."""
+    return float(learning_rate_schedule(self.optim, self.total_updates)(update))
+
+
+def sft_job(cfg: Config, tokenizer: Tokenizer) -> Job:
+  """The SFT job of `cfg` (records of `data.kind="sft"`)."""
+  rules = _check(cfg, "sft", tokenizer)
+  step = SupervisedStep(loss=Bound.of(sft.loss, model=cfg.model, rules=rules), grad_accum=cfg.train.grad_accum,
+                        lora=_lora(cfg), rules=rules)
+  return _job(cfg, "sft", step, with_reference=False, updates_per_step=1)
+
+
+def dpo_job(cfg: Config, tokenizer: Tokenizer) -> Job:
+  """The DPO-family job of `cfg` (`dpo.loss_type`; reference per `dpo.reference_model`)."""
+  rules = _check(cfg, "dpo", tokenizer)
+  frozen = cfg.dpo.reference_model == "frozen"
+  step = SupervisedStep(loss=Bound.of(dpo.loss, model=cfg.model, dpo=cfg.dpo, rules=rules),
+                        prepare=Bound.of(dpo.prepare, model=cfg.model, rules=rules) if frozen else None,
+                        grad_accum=cfg.train.grad_accum, lora=_lora(cfg), rules=rules)
+  return _job(cfg, "dpo", step, with_reference=frozen, updates_per_step=1)
+
+
+def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewards.target_reward) -> Job:
+  """The fused GRPO job of `cfg`: `reward_fn(generation, task)` is computed in-graph.
+
+  Args:
+    cfg: the job config.
+    tokenizer: its eos ends a completion, its pad fills prompts.
+    reward_fn: the in-graph reward; the default scores exact answers
+      against the prompt batches' targets (`ptx.train.streams.grpo_prompts`
+      with `in_graph=True`).
+  """
+  rules = _check(cfg, "grpo", tokenizer)
+  return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn),
+              with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
+
+
+def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
+  """The host-reward GRPO job of `cfg`: `reward(tokens, lengths, tasks)` scores on the host while the device samples.
+
+  Args:
+    cfg: the job config (`grpo.max_staleness` batches sampled ahead).
+    tokenizer: its eos ends a completion, its pad fills prompts.
+    reward: the host reward, e.g. `ptx.train.rl_host.EnvReward` of an
+      environment, or `ptx.train.python_rewards.PythonRewards`.
+  """
+  rules = _check(cfg, "grpo", tokenizer)
+  return _job(cfg, "grpo_host", HostGRPOStep(_rl_spec(cfg, tokenizer, rules), reward),
+              with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
+
+
+def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:
+  """Every rule of `cfg` for `algorithm` and `tokenizer`; returns the config's sharding rules."""
+  config_lib.check(cfg, algorithm)
+  if cfg.model.vocab_size < tokenizer.vocab_size:
+    raise config_lib.ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                                 f"{tokenizer.vocab_size}")
+  try:
+    return sharding.rules_of(cfg.mesh)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+
+
+def _lora(cfg: Config):
+  return cfg.lora if cfg.lora.rank > 0 else None
+
+
+def _rl_spec(cfg: Config, tokenizer: Tokenizer, rules: sharding.Rules) -> RLSpec:
+  return RLSpec(model=cfg.model, grpo=cfg.grpo, max_new_tokens=cfg.grpo.max_response_tokens,
+                stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, grad_accum=cfg.train.grad_accum,
+                lora=_lora(cfg), rules=rules)
+
+
+def _job(cfg: Config, algorithm: Algorithm, step: Any, *, with_reference: bool, updates_per_step: int) -> Job:
+  return Job(algorithm=algorithm, model=cfg.model, rules=sharding.rules_of(cfg.mesh), step=step,
+             with_reference=with_reference, optim=cfg.optim, updates_per_step=updates_per_step,
+             total_updates=cfg.train.steps * updates_per_step)

@@ -1,0 +1,82 @@
+"""A job's config, starting weights and tokenizer: from a preset and overrides, or from an HF checkpoint.
+
+`configure(base, overrides, model_dir=...)` is the one place the CLI and
+the recipes turn their flags into what a job starts from. With a model
+directory the architecture comes from its config.json and the execution
+settings (`ptx.config.EXECUTION_FIELDS`: dtypes, remat, attention, logits
+chunk, scan) stay as the preset and the command line chose them; an
+explicit `--model.n_layers` below the checkpoint's keeps its first layers
+(smoke runs of a real model), and any other architecture override that
+contradicts the checkpoint is an error naming the field. The tokenizer is
+the one that comes with the weights. A `.gguf` file is converted once into
+OUT/pretrained first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+
+from ptx import config as config_lib
+from ptx.config import Config, ConfigError
+from ptx.data.hf_tokenizer import load_tokenizer
+from ptx.data.tokenizer import ByteTokenizer, Tokenizer
+from ptx.models.hf_load import load_hf, read_model_config
+from ptx.sharding import make_mesh, rules_of
+
+
+def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | None = None,
+              out: pathlib.Path | None = None) -> tuple[Config, Any, Tokenizer]:
+  """The run's config, starting parameters (None: a fresh init) and tokenizer.
+
+  Args:
+    base: the preset the run starts from.
+    overrides: `--section.field=value` words, applied in order.
+    model_dir: an HF model directory (config.json, safetensors, tokenizer),
+      or a `.gguf` file; None trains a fresh model.
+    out: the run directory (a `.gguf` file is converted into OUT/pretrained).
+
+  Raises:
+    ConfigError: for a bad override, or one that contradicts the checkpoint.
+    OSError, ValueError: for an unreadable checkpoint or tokenizer (naming the file).
+  """
+  cfg = config_lib.apply_overrides(base, overrides)
+  if model_dir is None:
+    tokenizer = ByteTokenizer() if cfg.data.tokenizer == "byte" else load_tokenizer(cfg.data.tokenizer)
+    return cfg, None, tokenizer
+  if any(arg.split("=", 1)[0] == "--model" for arg in overrides):
+    raise ConfigError("--model=PRESET and --model-dir both choose the architecture: give one")
+  model_dir = _hf_directory(pathlib.Path(model_dir), out)
+  checkpoint = read_model_config(model_dir)
+  model = config_lib.with_architecture(cfg.model, checkpoint)
+  tokenizer_dir = str(model_dir) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+  cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=tokenizer_dir))
+  cfg = config_lib.apply_overrides(cfg, [arg for arg in overrides if arg.startswith("--model.")])
+  for name in config_lib.architecture_differences(cfg.model, checkpoint):
+    if name != "n_layers" or cfg.model.n_layers > checkpoint.n_layers:
+      raise ConfigError(f"--model.{name}={getattr(cfg.model, name)!r} contradicts {model_dir / 'config.json'} "
+                        f"({name}={getattr(checkpoint, name)!r}); only model.n_layers may be lowered (a smoke run "
+                        "keeps the first layers)")
+  model = load_hf(model_dir, mesh=make_mesh(cfg.mesh), dtype=cfg.model.param_dtype, rules=rules_of(cfg.mesh))
+  params = model.params
+  if cfg.model.n_layers < checkpoint.n_layers:
+    params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
+  return cfg, params, load_tokenizer(cfg.data.tokenizer)
+
+
+def _hf_directory(path: pathlib.Path, out: pathlib.Path | None) -> pathlib.Path:
+  """`path`, or for a `.gguf` file the HF directory it converts to under OUT/pretrained (once)."""
+  if path.suffix != ".gguf":
+    return path
+  if out is None:
+    raise ConfigError(f"{path}: a GGUF file is converted into the run directory; give the run's out directory")
+  target = out / "pretrained"
+  if not (target / "config.json").exists():
+    from ptx.models.gguf import convert_gguf  # the gguf extra; only a .gguf start needs it
+
+    convert_gguf(path, target, dtype="float32")
+    print(f"converted {path} into {target} (float32)", flush=True)
+  return target

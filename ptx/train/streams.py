@@ -1,0 +1,74 @@
+"""The data a job trains on: supervised JSONL pipelines, and GRPO prompt batches.
+
+`supervised` builds the training pipeline of `data.train_files` and the
+held-out batches of `data.eval_files` for SFT and DPO (with DPO's
+precomputed reference table when `dpo.reference="precomputed"`);
+`grpo_prompts` turns random-access task records into the prompt batches a
+GRPO step reads. The CLI, recipes and notebooks build their data here, so
+one config reads the same data wherever it is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from typing import Any, Iterable
+
+import jax
+
+from ptx.config import Config, ConfigError
+from ptx.data.pipeline import make_pipeline
+from ptx.data.sources import JsonlSource
+from ptx.data.tokenizer import Tokenizer
+from ptx.rl.prompt_batches import PromptBatches
+from ptx.train.reference_pass import with_reference_table
+
+
+def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
+               init_params: Any = None) -> tuple[Iterable[dict[str, Any]], list[dict[str, Any]] | None]:
+  """(training pipeline, held-out batches or None) of `cfg.data`'s JSONL files for SFT or DPO.
+
+  Args:
+    cfg: the job config; `data.kind` is "sft" or "preference".
+    tokenizer: encodes the records.
+    out: the run directory (DPO's precomputed reference table goes to
+      OUT/reference_logps/).
+    init_params: the parameters training starts from, for the precomputed
+      reference (None: the fresh init of `train.seed`).
+
+  Raises:
+    ConfigError: when `data.train_files` is empty.
+  """
+  data = cfg.data
+  if not data.train_files:
+    raise ConfigError("data.train_files is empty: set --data.train_files='[\"train.jsonl\"]'")
+  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  sources = {"train": JsonlSource(data.train_files)}
+  streams = {"train": pipeline(sources["train"], cfg=data)}
+  if data.eval_files:
+    sources["eval"] = JsonlSource(data.eval_files)
+    streams["eval"] = pipeline(sources["eval"], cfg=dataclasses.replace(data, shuffle=False, num_epochs=1))
+  if data.kind == "preference" and cfg.dpo.reference_model == "precomputed":  # one pass now, no reference copy later
+    streams = {name: with_reference_table(stream, source=sources[name], pipeline=pipeline, cfg=cfg,
+                                          path=out / "reference_logps" / f"{name}.npy", init_params=init_params)
+               for name, stream in streams.items()}
+  return streams["train"], (list(streams["eval"]) if "eval" in streams else None)
+
+
+def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: bool) -> PromptBatches:
+  """Prompt batches of random-access task records for a GRPO step.
+
+  Args:
+    cfg: the job config (`data.batch_size` prompts of `data.seq_len` tokens).
+    tokenizer: encodes prompts (and, in-graph, the answers).
+    tasks: `tasks[i]` is a record with "prompt" (and "answer" in-graph).
+    in_graph: for the fused step: "task" holds each record's answer as
+      targets of `grpo.max_response_tokens` columns, and a DAPO refill step
+      reads its extra rounds' prompts in the same batch; else "task" is the
+      records, for a host reward.
+  """
+  rounds = 1 + (cfg.grpo.max_refill_rounds if in_graph and cfg.grpo.filter_groups == "refill" else 0)
+  return PromptBatches(tasks, tokenizer, batch_size=cfg.data.batch_size * rounds, prompt_len=cfg.data.seq_len,
+                       answer_width=cfg.grpo.max_response_tokens if in_graph else None)

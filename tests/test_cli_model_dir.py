@@ -1,0 +1,116 @@
+"""`ptx sft|dpo|grpo --model-dir DIR` fine-tunes pretrained weights, from checkpoints of save_hf and of transformers."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ptx import cli
+from ptx.config import ModelConfig
+from ptx.data.tokenizer import ByteTokenizer
+from ptx.models import Decoder, init_params, load_hf, save_hf
+
+pytest.importorskip("tokenizers", reason="a checkpoint's tokenizer needs the hf extra (`make test` installs it)")
+
+# A 1-layer Llama with a vocabulary the byte tokenizer fits; dimensions distinct so a swapped axis fails to load.
+ARCH = ModelConfig(vocab_size=272, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, mlp_dim=80,
+                   rope_theta=10_000.0)
+COMMON = ["--no-progress", "--train.steps=2", "--train.log_every=1", "--data.batch_size=8", "--mesh.data=2",
+          "--mesh.fsdp=4"]
+
+
+@pytest.fixture(scope="module")
+def ptx_checkpoint(tmp_path_factory):
+  """A random model written by `save_hf`, with the byte tokenizer's HF files."""
+  path = tmp_path_factory.mktemp("ptx_ckpt")
+  save_hf(Decoder(ARCH, params=init_params(ARCH, jax.random.key(3))), path)
+  ByteTokenizer().save_hf(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def transformers_checkpoint(tmp_path_factory):
+  """A random LlamaForCausalLM written by transformers' `save_pretrained`, with the byte tokenizer's files."""
+  torch = pytest.importorskip("torch", reason="needs torch (`make test` installs it)")
+  transformers = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=ARCH.vocab_size, hidden_size=ARCH.d_model,
+                                    intermediate_size=ARCH.mlp_dim, num_hidden_layers=ARCH.n_layers,
+                                    num_attention_heads=ARCH.n_heads, num_key_value_heads=ARCH.n_kv_heads,
+                                    head_dim=ARCH.head_dim, rope_theta=ARCH.rope_theta, rms_norm_eps=1e-5)
+  path = tmp_path_factory.mktemp("hf_ckpt")
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  ByteTokenizer().save_hf(path)
+  return path
+
+
+def _jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return f'--data.train_files=["{path}"]'
+
+
+def _weights(path):
+  return jax.tree.map(np.asarray, load_hf(path).params)
+
+
+@pytest.mark.parametrize("source", ["ptx_checkpoint", "transformers_checkpoint"])
+def test_sft_starts_from_the_checkpoint_weights_with_its_architecture(source, tmp_path, request):
+  checkpoint = request.getfixturevalue(source)
+  data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(32)])
+  # At lr 0 every update is 0: the exported model is the checkpoint itself, so training started from its weights.
+  cli.main(["sft", "--model-dir", str(checkpoint), "--out", str(tmp_path / "lr0"), data, "--optim.lr=0",
+            "--data.seq_len=16", *COMMON])
+  saved = json.loads((tmp_path / "lr0" / "config.json").read_text())
+  assert saved["model"]["d_model"] == ARCH.d_model and saved["model"]["n_layers"] == ARCH.n_layers
+  assert saved["data"]["tokenizer"] == str(checkpoint)
+  assert saved["optim"]["warmup_steps"] == 20, "not the fine-tuning preset"
+  jax.tree.map(np.testing.assert_array_equal, _weights(tmp_path / "lr0" / "hf"), _weights(checkpoint))
+  cli.main(["sft", "--model-dir", str(checkpoint), "--out", str(tmp_path / "train"), data, "--optim.lr=1e-3",
+            "--optim.warmup_steps=0", "--data.seq_len=16", *COMMON])
+  moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _weights(tmp_path / "train" / "hf"),
+                       _weights(checkpoint))
+  assert min(jax.tree.leaves(moved)) > 0, "some weights did not train"
+
+
+def test_dpo_and_grpo_fine_tune_the_checkpoint(ptx_checkpoint, tmp_path):
+  pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "no"}
+                                            for i in range(16)])
+  cli.main(["dpo", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "dpo"), pairs, "--data.seq_len=16",
+            "--no-export", *COMMON])
+  last = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
+  assert last["step"] == 2 and "rewards/accuracies" in last
+  tasks = _jsonl(tmp_path / "tasks.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(16)])
+  cli.main(["grpo", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "grpo"), tasks, "--data.seq_len=8",
+            "--grpo.group_size=2", "--grpo.max_response_tokens=4", "--no-export", *COMMON])
+  records = [json.loads(l) for l in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2] and "rollout/staleness" in records[-1]
+  assert json.loads((tmp_path / "grpo" / "config.json").read_text())["model"]["d_model"] == ARCH.d_model
+
+
+def test_a_smoke_run_keeps_the_first_layers_and_other_contradictions_are_errors(ptx_checkpoint, tmp_path, capsys):
+  data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 8)
+  cli.main(["sft", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "one"), data, "--model.n_layers=1",
+            "--optim.lr=0", "--data.seq_len=16", *COMMON])
+  exported, original = _weights(tmp_path / "one" / "hf"), _weights(ptx_checkpoint)
+  assert exported["layers"]["q"].shape[0] == 1
+  np.testing.assert_array_equal(exported["layers"]["q"][0], original["layers"]["q"][0])
+  for bad, message in ((["--model.d_model=64"], "--model.d_model=64 contradicts"),
+                       (["--model=tiny"], "--model=PRESET and --model-dir both choose the architecture")):
+    with pytest.raises(SystemExit):
+      cli.main(["sft", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "bad"), data, *bad, *COMMON])
+    assert message in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["sft", "--model-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "bad"), data, *COMMON])
+  assert "missing/config.json: no such file" in capsys.readouterr().err
+
+
+def test_execution_settings_of_the_command_line_survive_the_checkpoint(ptx_checkpoint, tmp_path):
+  data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 8)
+  cli.main(["sft", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "run"), data, "--model.remat=full",
+            "--model.attention_impl=blockwise", "--model.scan_layers=false", "--data.seq_len=16", "--no-export",
+            *COMMON])
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+  assert (saved["remat"], saved["attention_impl"], saved["scan_layers"]) == ("full", "blockwise", False)
+  assert dataclasses.asdict(ARCH)["mlp_dim"] == saved["mlp_dim"]

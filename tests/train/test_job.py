@@ -1,0 +1,166 @@
+"""The Job: built once per algorithm, checked before compiling, and run by `fit` update for update as scheduled."""
+
+import dataclasses
+import json
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ptx import config as config_lib
+from ptx import sharding
+from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
+                        OptimizerConfig, TrainConfig)
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.data.tokenizer import ByteTokenizer
+from ptx.train import streams
+from ptx.train.job import dpo_job, grpo_host_job, grpo_job, sft_job
+from ptx.train.loop import fit
+from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.train.rl_host import EnvReward
+
+TOK = ByteTokenizer()
+
+
+def _even_tokens(gen, task):
+  """In-graph: the fraction of generated tokens that are even (varies within a group: the gradient is not 0)."""
+  live = jnp.arange(gen.tokens.shape[1])[None] < gen.lengths[:, None]
+  return ((gen.tokens % 2 == 0) & live).sum(axis=1) / jnp.maximum(gen.lengths, 1)
+
+
+class _Moves(NamedTuple):
+  """The largest |parameter change| of each optimizer update, by update index."""
+
+  count: jax.Array
+  largest: jax.Array
+
+
+def _recording_stage(updates: int) -> optax.GradientTransformation:
+  """An optax stage that changes nothing and records each update's largest entry."""
+
+  def update(u, state, params=None):
+    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(u)]))
+    return u, _Moves(state.count + 1, state.largest.at[state.count].set(largest))
+
+  return optax.GradientTransformation(lambda params: _Moves(jnp.int32(0), jnp.zeros(updates)), update)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+  """A step kind that runs `inner` with the recording stage after its optimizer."""
+
+  inner: Any
+  updates: int
+
+  lora = property(lambda self: self.inner.lora)
+
+  def optimizer_stage(self):
+    return _recording_stage(self.updates)
+
+  def stream(self, data):
+    return self.inner.stream(data)
+
+  def build(self, *args):
+    return self.inner.build(*args)
+
+  def evaluator(self, *args):
+    return self.inner.evaluator(*args)
+
+
+def _grpo_cfg(**grpo) -> Config:
+  model = ModelConfig(vocab_size=264, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, mlp_dim=96)
+  return Config(model=model,
+                mesh=MeshConfig(data=2, fsdp=4),
+                optim=OptimizerConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=0.0, b1=0.0, b2=0.0, clip_norm=0.0),
+                train=TrainConfig(steps=2, log_every=1, checkpoint_every=100),
+                data=DataConfig(kind="rl", batch_size=8, seq_len=8, pack=False),
+                grpo=GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4, **grpo))
+
+
+def test_ppo_epochs_move_every_update_at_the_scheduled_learning_rate(tmp_path):
+  # 2 epochs x 2 mini-batches: 4 optimizer updates a step, 8 in the run, one cosine over all 8.
+  cfg = _grpo_cfg(epochs=2, minibatches=2)
+  job = grpo_job(cfg, TOK, _even_tokens)
+  assert job.updates_per_step == 4 and job.total_updates == 8
+  recorded = dataclasses.replace(job, step=_Recorded(job.step, job.total_updates))
+  prompts = streams.grpo_prompts(cfg, TOK, ArithmeticTask(0, 2), in_graph=True)
+  state, _ = fit(cfg, recorded, train_data=prompts, out=tmp_path, progress=False)
+  moves = np.asarray(optax.tree_utils.tree_get(state.opt_state, "largest"))
+  want = np.asarray([job.learning_rate(i) for i in range(8)])
+  # Adam with b1 = b2 = 0 moves each weight by lr * g / (|g| + eps): the largest move is lr up to eps / |g| ~ 1e-6
+  # relative. With the schedule cut at 2 updates (the bug this guards) updates 3-8 would move by 0.
+  # The schedule is float32 arithmetic: 1e-5 relative against the float64 cosine.
+  assert (want > 0).all() and want[-1] == pytest.approx(1e-2 * 0.5 * (1 + np.cos(7 * np.pi / 8)), rel=1e-5)
+  np.testing.assert_allclose(moves, want, rtol=1e-4)
+  logged = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert logged == pytest.approx([want[0], want[4]])  # a step logs the lr of its first update
+
+
+def test_jobs_compare_by_value_and_decide_the_reference_once():
+  cfg = _grpo_cfg()
+  assert grpo_job(cfg, TOK) == grpo_job(cfg, ByteTokenizer())
+  assert grpo_job(cfg, TOK) != grpo_job(cfg, TOK, _even_tokens)
+  for placement, beta, reference in (("none", 0.04, False), ("loss", 0.0, False), ("loss", 0.04, True),
+                                     ("reward", 0.04, True)):
+    grpo = dataclasses.replace(cfg.grpo, kl_placement=placement, beta=beta)
+    assert grpo_job(dataclasses.replace(cfg, grpo=grpo), TOK).with_reference is reference
+  host = grpo_host_job(cfg, TOK, EnvReward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2))
+  assert host.algorithm == "grpo_host" and host == grpo_host_job(cfg, TOK, EnvReward(ExactAnswerEnv(), TOK,
+                                                                                     (TOK.eos_id,), 2))
+  sft_cfg = dataclasses.replace(cfg, data=DataConfig(batch_size=8, seq_len=16))
+  assert sft_job(sft_cfg, TOK) == sft_job(sft_cfg, TOK) and not sft_job(sft_cfg, TOK).with_reference
+  dpo_data = DataConfig(kind="preference", batch_size=8, seq_len=16, pack=False)
+  for dpo, reference in ((DPOConfig(), True), (DPOConfig(reference="precomputed"), False),
+                         (DPOConfig(loss_type="simpo"), False)):
+    job = dpo_job(dataclasses.replace(cfg, data=dpo_data, dpo=dpo), TOK)
+    assert job.with_reference is reference and (job.step.prepare is not None) is reference
+  assert "grpo" in host.sections and "dpo" not in host.sections and "grpo" not in sft_job(sft_cfg, TOK).sections
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(data=DataConfig(kind="sft", batch_size=8, seq_len=8)), "data.kind='sft', but grpo reads 'rl' records"),
+    (dict(grpo=GRPOConfig(minibatches=3)), "grpo.minibatches=3 must divide data.batch_size=8"),
+    (dict(train=TrainConfig(grad_accum=3)), "train.grad_accum=3 must divide the 16 rollouts"),
+    (dict(grpo=GRPOConfig(kl_target=0.1, kl_placement="loss")), r"grpo.kl_target \(adaptive KL\) needs grpo.kl_placement='reward'"),
+    (dict(grpo=GRPOConfig(ref_sync_every=5), lora=LoRAConfig(rank=4)),
+     "grpo.ref_sync_every: under LoRA"),
+    (dict(model=ModelConfig(vocab_size=100)), "model.vocab_size=100 is smaller than the tokenizer's"),
+])
+def test_cross_field_rules_fail_before_compiling_naming_the_fields(change, message):
+  cfg = dataclasses.replace(_grpo_cfg(), **change)
+  with pytest.raises(ConfigError, match=message):
+    grpo_job(cfg, TOK)
+
+
+def test_fit_refuses_a_job_built_for_another_config(tmp_path):
+  cfg = _grpo_cfg()
+  job = grpo_job(cfg, TOK)
+  longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=5))
+  with pytest.raises(ValueError, match="the job was built for 2 steps"):
+    fit(longer, job, train_data=[], out=tmp_path, progress=False)
+
+
+def test_sharding_rules_come_from_the_config(tmp_path):
+  from jax.sharding import PartitionSpec
+
+  from ptx.data.pipeline import make_pipeline
+  from ptx.data.sources import MemorySource
+
+  base = _grpo_cfg()
+  cfg = config_lib.apply_overrides(
+      dataclasses.replace(base, data=DataConfig(batch_size=8, seq_len=16, pack=False)),
+      ['--mesh.param_rules=["mlp=fsdp", "embed="]', "--train.steps=1"])
+  job = sft_job(cfg, TOK)
+  assert job.rules.params["mlp"] == "fsdp" and job.rules.params["embed"] is None
+  assert job.rules.activations == sharding.DEFAULT_RULES.activations
+  records = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(16)]
+  state, _ = fit(cfg, job, train_data=make_pipeline(MemorySource(records), TOK, cfg.data), out=tmp_path,
+                 progress=False)
+  # up is [layers, embed, mlp]: embed now replicated, mlp over fsdp (the default shards embed over fsdp).
+  assert state.params["layers"]["up"].sharding.spec == PartitionSpec(None, None, "fsdp")
+  for bad, message in ((["mlp=nowhere"], "unknown mesh axis 'nowhere'"), (["mlp"], "mesh.param_rules: 'mlp' is not")):
+    with pytest.raises(ConfigError, match=message):
+      sft_job(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, param_rules=tuple(bad))), TOK)
