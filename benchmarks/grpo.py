@@ -1,4 +1,4 @@
-"""GRPO step time on the config of shared/anchors/tunix_bench.py `--parts grpo`, with the phase split.
+"""GRPO step time on the Tunix harness's `--parts grpo` config (benchmarks/tunix_harness.py), with the phase split.
 
 Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
 MLP 1024, vocab 512, float32, untied, RoPE theta 5e5), one device; 4 prompts
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import statistics
 import subprocess
 import time
@@ -40,6 +39,8 @@ from ptx.train import rl_step
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import model_params, reference_params
+
+import tunix_harness  # benchmarks/ is the script's folder, first on sys.path
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
                   rope_theta=500_000.0, norm_eps=1e-5, scan_layers=False)
@@ -67,8 +68,7 @@ def _ptx_round(steps: int, warmup: int) -> dict:
   shardings = state_shardings(CFG, optimizer, mesh, with_reference=True)
   state = init_state(CFG, optimizer, 0, mesh, with_reference=True)
   spec = rl_step.RLSpec(model=CFG, grpo=grpo_cfg, max_new_tokens=NEW, stop_ids=(CFG.vocab_size,))
-  step = rl_step.make_grpo_step(model=CFG, cfg=grpo_cfg, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                                reward_fn=_even_ids, max_new_tokens=NEW, stop_ids=spec.stop_ids)
+  step = rl_step.make_grpo_step(spec, _even_ids, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
   rng = np.random.default_rng(0)
 
   def batch():
@@ -130,7 +130,7 @@ def main() -> None:
   ours, theirs = [], []
   for _ in range(args.rounds):
     if args.tunix_python:
-      bench = pathlib.Path(__file__).resolve().parents[2] / "shared/anchors/tunix_bench.py"
+      bench = tunix_harness.path()
       line = subprocess.run([args.tunix_python, str(bench), "--parts", "grpo", "--steps", str(args.steps),
                              "--warmup", str(args.warmup), "--beta", str(BETA)], capture_output=True, text=True,
                             check=True).stdout.strip().splitlines()[-1]

@@ -1,6 +1,6 @@
 """Throughput of ptx.sampling.generate, and the quality cost of the int8 KV cache.
 
-The model is the one of shared/anchors/tunix_bench.py: 2 layers, d_model 256,
+The model is the one of the Tunix harness (benchmarks/tunix_harness.py): 2 layers, d_model 256,
 4 heads (MHA, head_dim 64), ffn 1024, vocab 512, float32, random init. Prompts
 are BOS + 31 random ids in [3, V); the stop id is V, which the model cannot
 emit, so every row generates exactly the requested number of tokens. Each
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import subprocess
 import time
@@ -50,6 +49,8 @@ from ptx.models import init_params
 from ptx.models.decoder import forward, token_log_probs
 from ptx.sampling import SamplingConfig, buckets, generate
 from ptx.sampling import generation
+
+import tunix_harness  # benchmarks/ is the script's folder, first on sys.path
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
                   rope_theta=500_000.0, norm_eps=1e-5)
@@ -138,7 +139,7 @@ def _anchor(params, args) -> None:
   ours, theirs = [], []
   for _ in range(args.rounds):
     if args.tunix_python:
-      bench = pathlib.Path(__file__).resolve().parents[2] / "shared/anchors/tunix_bench.py"
+      bench = tunix_harness.path()
       line = subprocess.run([args.tunix_python, str(bench), "--parts", "sample", "--steps", str(args.runs)],
                             capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
       sample = json.loads(line)["sample"]

@@ -1,7 +1,7 @@
 #!/bin/sh
-# ptx against Tunix on the config of shared/anchors/tunix_bench.py, alternating, on one machine.
+# ptx against Tunix on the config of the Tunix harness (TUNIX_BENCH=path/to/tunix_bench.py, not shipped), alternating.
 #
-#   sh benchmarks/side_by_side.sh /tmp/tunix-venv/bin/python [OUT_DIR]
+#   TUNIX_BENCH=path/to/tunix_bench.py sh benchmarks/side_by_side.sh /tmp/tunix-venv/bin/python [OUT_DIR]
 #
 # Runs, in turn: SFT (3 pairs of benchmarks/train.py and tunix_bench.py --parts sft), ptx's
 # scanned-layers SFT, the sampler (benchmarks/sampling.py, 5 alternated rounds) and the GRPO step
@@ -12,7 +12,7 @@ set -eu
 TUNIX=${1:?usage: side_by_side.sh TUNIX_PYTHON [OUT_DIR]}
 OUT=${2:-/tmp/ptx-side-by-side}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-ANCHOR=$ROOT/../shared/anchors/tunix_bench.py
+ANCHOR=${TUNIX_BENCH:?set TUNIX_BENCH to the Tunix harness tunix_bench.py (not shipped with ptx)}
 PY=$ROOT/.venv/bin/python
 mkdir -p "$OUT"
 rm -f "$OUT"/*.log "$OUT"/load.txt

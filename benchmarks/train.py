@@ -1,4 +1,4 @@
-"""SFT training throughput on the config of shared/anchors/tunix_bench.py; prints one JSON line.
+"""SFT training throughput on the Tunix harness's config (benchmarks/tunix_harness.py); prints one JSON line.
 
 Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
 MLP 1024, vocab 512, float32, untied), AdamW, batch 8 x 256 random tokens with
@@ -7,7 +7,7 @@ The two layers run unrolled, as Tunix runs its layers (a Python loop);
 `--scan-layers` times ptx's scanned layers instead (`ModelConfig.scan_layers`).
 
   .venv/bin/python benchmarks/train.py --steps 10
-  /tmp/tunix-venv/bin/python ../shared/anchors/tunix_bench.py --parts sft   # the peer, same machine
+  /tmp/tunix-venv/bin/python $TUNIX_BENCH --parts sft   # the peer, same machine
 
 MFU divides achieved model FLOP/s (6 x parameters x tokens for the matmuls,
 plus 12 x layers x T x d_model per token for attention scores) by a peak you
