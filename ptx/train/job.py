@@ -107,7 +107,7 @@ def sft_job(cfg: Config, tokenizer: Tokenizer) -> Job:
   rules = _check(cfg, "sft", tokenizer)
   step = SupervisedStep(loss=Bound.of(sft.loss, model=cfg.model, rules=rules), grad_accum=cfg.train.grad_accum,
                         lora=_lora(cfg), rules=rules)
-  return _job(cfg, "sft", step, with_reference=False, updates_per_step=1)
+  return _job(cfg, "sft", step, rules, with_reference=False, updates_per_step=1)
 
 
 def dpo_job(cfg: Config, tokenizer: Tokenizer) -> Job:
@@ -117,7 +117,7 @@ def dpo_job(cfg: Config, tokenizer: Tokenizer) -> Job:
   step = SupervisedStep(loss=Bound.of(dpo.loss, model=cfg.model, dpo=cfg.dpo, rules=rules),
                         prepare=Bound.of(dpo.prepare, model=cfg.model, rules=rules) if frozen else None,
                         grad_accum=cfg.train.grad_accum, lora=_lora(cfg), rules=rules)
-  return _job(cfg, "dpo", step, with_reference=frozen, updates_per_step=1)
+  return _job(cfg, "dpo", step, rules, with_reference=frozen, updates_per_step=1)
 
 
 def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewards.target_reward) -> Job:
@@ -131,7 +131,7 @@ def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewa
       with `in_graph=True`).
   """
   rules = _check(cfg, "grpo", tokenizer)
-  return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn),
+  return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn), rules,
               with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
 
 
@@ -142,10 +142,10 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
     cfg: the job config (`grpo.max_staleness` batches sampled ahead).
     tokenizer: its eos ends a completion, its pad fills prompts.
     reward: the host reward, e.g. `ptx.train.rl_host.EnvReward` of an
-      environment, or `ptx.train.python_rewards.PythonRewards`.
+      environment, or `ptx.train.reward_functions.RewardFunctions`.
   """
   rules = _check(cfg, "grpo", tokenizer)
-  return _job(cfg, "grpo_host", HostGRPOStep(_rl_spec(cfg, tokenizer, rules), reward),
+  return _job(cfg, "grpo_host", HostGRPOStep(_rl_spec(cfg, tokenizer, rules), reward), rules,
               with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
 
 
@@ -171,7 +171,8 @@ def _rl_spec(cfg: Config, tokenizer: Tokenizer, rules: sharding.Rules) -> RLSpec
                 lora=_lora(cfg), rules=rules)
 
 
-def _job(cfg: Config, algorithm: Algorithm, step: Any, *, with_reference: bool, updates_per_step: int) -> Job:
-  return Job(algorithm=algorithm, model=cfg.model, rules=sharding.rules_of(cfg.mesh), step=step,
+def _job(cfg: Config, algorithm: Algorithm, step: Any, rules: sharding.Rules, *, with_reference: bool,
+         updates_per_step: int) -> Job:
+  return Job(algorithm=algorithm, model=cfg.model, rules=rules, step=step,
              with_reference=with_reference, optim=cfg.optim, updates_per_step=updates_per_step,
              total_updates=cfg.train.steps * updates_per_step)

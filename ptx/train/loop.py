@@ -35,7 +35,7 @@ import tqdm
 from ptx import config as config_lib
 from ptx.config import Config
 from ptx.data.global_batch import to_global
-from ptx.sharding import make_mesh
+from ptx.sharding import make_mesh, rules_of
 from ptx.train.checkpoint import Checkpointer
 from ptx.train.job import Job
 from ptx.train.metrics import MetricsWriter
@@ -79,9 +79,12 @@ def fit(
   Raises:
     ValueError: when `job` was built for another length or model than `cfg`.
   """
-  if job.total_updates != cfg.train.steps * job.updates_per_step or job.model != cfg.model:
-    raise ValueError(f"fit: the job was built for {job.total_updates // job.updates_per_step} steps of another model "
-                     f"config than cfg (train.steps={cfg.train.steps}); build it from this cfg")
+  built_for = {"train.steps": (job.total_updates // max(job.updates_per_step, 1), cfg.train.steps),
+               "model": (job.model, cfg.model), "mesh rules": (job.rules, rules_of(cfg.mesh))}
+  differ = [name for name, (a, b) in built_for.items() if a != b]
+  if differ:
+    raise ValueError(f"fit: the job was built for another config ({', '.join(differ)} differ; the job's train.steps: "
+                     f"{built_for['train.steps'][0]}, cfg's: {cfg.train.steps}); build the job from this cfg")
   # Every process runs this loop; only the first writes logs (checkpoints are collective).
   primary = jax.process_index() == 0
   out.mkdir(parents=True, exist_ok=True)

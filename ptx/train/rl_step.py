@@ -48,6 +48,7 @@ from ptx.algorithms import dynamic_sampling, grpo
 from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
 from ptx.models.shared_prefix import rollout_logits
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
+from ptx.train import rl_metrics
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
 from ptx.train.step import JittedStep, accumulate_gradients, model_params, reference_params, trainable_loss
@@ -122,7 +123,8 @@ def _next_entropy_coef(opt_state: Any, entropy: jax.Array, cfg: GRPOConfig) -> A
   return optax.tree_utils.tree_set(opt_state, entropy_coef=coef, entropy_on=on)
 
 
-def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation, group_size: int) -> dict[str, jax.Array]:
+def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation,
+                  group_size: int) -> dict[str, jax.Array]:
   """The [R, P + N] training batch of a generation: left-padded prompt, then the sampled tokens."""
   P, N = prompts_BP.shape[1], gen.tokens.shape[1]
   tokens = jnp.concatenate([jnp.repeat(prompts_BP, group_size, axis=0), gen.tokens], axis=1)
@@ -249,7 +251,7 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
   # measures the sampler-trainer difference: no extra forward pass.
   if proximal:
     batch["old_logps"] = batch_logps(model_params(state, spec.lora), batch, spec)
-    metrics.update(_staleness_metrics(mask, batch["old_logps"], batch["sampler_logps"]))
+    metrics.update(rl_metrics.staleness_metrics(mask, batch["old_logps"], batch["sampler_logps"]))
   else:
     batch["old_logps"] = batch["sampler_logps"]
   shaped = total + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
@@ -262,7 +264,7 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
       seq_kl = (grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator) * mask).sum(axis=1)
       shaped = shaped - beta * seq_kl
   batch["advantages"] = _advantages(rewards, shaped, total, gen, cfg)
-  metrics.update(_rollout_metrics(rewards, total, gen, spec))
+  metrics.update(rl_metrics.rollout_metrics(rewards, total, gen, G))
   return Prepared(batch, metrics, beta, seq_kl)
 
 
@@ -452,40 +454,3 @@ def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:
   """(sampling key, update key) of the state's step: `fold_in(rng, step)`, split."""
   sample_key, update_key = jax.random.split(jax.random.fold_in(state.rng, state.step))
   return sample_key, update_key
-
-
-def _rollout_metrics(rewards, total, gen: Generation, spec: RLSpec):
-  """Reward and length metrics (spec section 5.10 names), `reward/{component}/mean` for named components."""
-  G = spec.grpo.group_size
-  lengths = gen.lengths.astype(jnp.float32)
-  scored_mean = lambda x: jnp.where(jnp.isnan(x), 0.0, x).sum() / jnp.maximum((~jnp.isnan(x)).sum(), 1)
-  components = {f"reward/{k}/mean": scored_mean(v) for k, v in rewards.items()} if isinstance(rewards, dict) else {}
-  scored = ~jnp.isnan(total)
-  r = jnp.where(scored, total, 0.0)
-  n_scored = jnp.maximum(scored.sum(), 1)
-  mean = scored_mean(total)
-  return {
-      **components,
-      "reward/mean": mean,
-      "reward/std": jnp.sqrt((jnp.where(scored, r - mean, 0.0) ** 2).sum() / n_scored),
-      "reward/unscored_frac": 1.0 - scored.mean(),
-      "frac_reward_zero_std": jnp.mean(~adv_lib.groups_with_signal(total, G)) if G > 1 else jnp.float32(1.0),
-      "response_length/mean": lengths.mean(),
-      "response_length/max": lengths.max(),
-      "response_length/min": lengths.min(),
-      "response_length/clip_ratio": jnp.mean(gen.finish_reasons == LENGTH),
-      "rollout/pass_rate_groups": jnp.mean(jnp.any(r.reshape(-1, G) > 0, axis=1)),
-  }
-
-
-def _staleness_metrics(mask, trainer_logps, sampler_logps):
-  """Stale rollouts: the behaviour-to-current mismatch and importance ratios over the response tokens."""
-  diff = (sampler_logps - trainer_logps) * mask
-  is_ratio = jnp.exp(jnp.clip(trainer_logps - sampler_logps, -20.0, 20.0))
-  tokens = jnp.maximum(mask.sum(), 1.0)
-  return {
-      "rollout/logp_mismatch_kl": diff.sum() / tokens,
-      "rollout/is_ratio/mean": (is_ratio * mask).sum() / tokens,
-      "rollout/is_ratio/max": jnp.max(jnp.where(mask > 0, is_ratio, 0.0)),
-      "rollout/is_ratio/min": jnp.min(jnp.where(mask > 0, is_ratio, jnp.float32(1e30))),
-  }

@@ -124,7 +124,8 @@ def test_jobs_compare_by_value_and_decide_the_reference_once():
     (dict(data=DataConfig(kind="sft", batch_size=8, seq_len=8)), "data.kind='sft', but grpo reads 'rl' records"),
     (dict(grpo=GRPOConfig(minibatches=3)), "grpo.minibatches=3 must divide data.batch_size=8"),
     (dict(train=TrainConfig(grad_accum=3)), "train.grad_accum=3 must divide the 16 rollouts"),
-    (dict(grpo=GRPOConfig(kl_target=0.1, kl_placement="loss")), r"grpo.kl_target \(adaptive KL\) needs grpo.kl_placement='reward'"),
+    (dict(grpo=GRPOConfig(kl_target=0.1, kl_placement="loss")),
+     r"grpo.kl_target \(adaptive KL\) needs grpo.kl_placement='reward'"),
     (dict(grpo=GRPOConfig(ref_sync_every=5), lora=LoRAConfig(rank=4)),
      "grpo.ref_sync_every: under LoRA"),
     (dict(model=ModelConfig(vocab_size=100)), "model.vocab_size=100 is smaller than the tokenizer's"),
@@ -139,7 +140,7 @@ def test_fit_refuses_a_job_built_for_another_config(tmp_path):
   cfg = _grpo_cfg()
   job = grpo_job(cfg, TOK)
   longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=5))
-  with pytest.raises(ValueError, match="the job was built for 2 steps"):
+  with pytest.raises(ValueError, match=r"built for another config \(train.steps differ; the job's train.steps: 2"):
     fit(longer, job, train_data=[], out=tmp_path, progress=False)
 
 
