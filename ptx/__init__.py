@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 from ptx import data, models
 from ptx.algorithms import advantages, dpo, grpo, sft
 from ptx.config import (GRPO_PRESETS, Config, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
-                        OptimizerConfig, RopeScaling, TrainConfig, apply_overrides)
+                        OptimizerConfig, RopeScaling, TrainConfig)
+from ptx.config_io import apply_overrides
 from ptx.config import MODEL_PRESETS as presets
 from ptx.data import JsonlSource, MemorySource, load_tokenizer
 from ptx.data.arithmetic import ArithmeticTask

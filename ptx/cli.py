@@ -135,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
   elif args.distributed:
     jax.distributed.initialize()
   from ptx import config as config_lib
+  from ptx import config_io
 
   progress = not args.no_progress and sys.stderr.isatty()
   try:  # everything a job is built from is checked here, before anything compiles
     if args.command == "demo":
       from ptx import demo
 
-      cfg = config_lib.apply_overrides(demo.default_config(), overrides)
+      cfg = config_io.apply_overrides(demo.default_config(), overrides)
     else:
       cfg, params, tokenizer, job, train, evaluation = _prepare(args, overrides)
   except (config_lib.ConfigError, OSError, ValueError) as e:  # bad config, files or records: named in the message
@@ -156,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 def _prepare(args, overrides: list[str]):
   """`ptx sft|dpo|grpo`: (cfg, starting params, tokenizer, Job, training data, held-out batches or None)."""
   from ptx import config as config_lib
+  from ptx import config_io
   from ptx.train import presets, pretrained
 
   base = (presets.FINETUNE if args.model_dir is not None else presets.TOY)[args.command]()
   if args.config is not None:
     try:
-      base = config_lib.from_dict(config_lib.Config, json.loads(args.config.read_text()))
+      base = config_io.from_dict(config_lib.Config, json.loads(args.config.read_text()))
     except json.JSONDecodeError as e:
       raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
   cfg, params, tokenizer = pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
@@ -182,19 +184,11 @@ def _train(args, cfg, params, tokenizer, job, train, evaluation, progress: bool)
     print(json.dumps({"exported": {k: str(v) for k, v in written.items()}}), flush=True)
 
 
-def _sft(cfg, tokenizer, args, params):
-  """The SFT job and its JSONL data."""
+def _supervised(cfg, tokenizer, args, params):
+  """The SFT or DPO-family job (`args.command`) and its JSONL data."""
   from ptx.train import job, streams
 
-  built = job.sft_job(cfg, tokenizer)
-  return (built, *streams.supervised(cfg, tokenizer, out=args.out, init_params=params))
-
-
-def _dpo(cfg, tokenizer, args, params):
-  """The DPO-family job and its JSONL preference data."""
-  from ptx.train import job, streams
-
-  built = job.dpo_job(cfg, tokenizer)
+  built = {"sft": job.sft_job, "dpo": job.dpo_job}[args.command](cfg, tokenizer)
   return (built, *streams.supervised(cfg, tokenizer, out=args.out, init_params=params))
 
 
@@ -228,7 +222,7 @@ def _environment(name: str):
 
 
 # `ptx sft|dpo|grpo`: (cfg, tokenizer, args, starting params) -> (Job, training data, held-out batches or None).
-_JOBS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
+_JOBS = {"sft": _supervised, "dpo": _supervised, "grpo": _grpo}
 
 
 def _evaluate(args, error) -> int:

@@ -1,10 +1,9 @@
-"""Typed, frozen configuration for every ptx job, and command-line overrides.
+"""Typed, frozen configuration for every ptx job.
 
 A job's whole configuration is one `Config` tree of frozen dataclasses. Each
-field has a default and a comment. Overrides come from the command line as
-`--model.d_model=256`; `--model=llama3_8b` swaps in a whole registered preset
-first, so `--model=gemma2_2b --model.n_layers=2` works. The full tree is
-printed and saved as JSON at the start of every run (`to_dict` / `save`).
+field has a default and a comment; a single field's range is checked by its
+class. Reading and writing configs (JSON, `--model.d_model=256` overrides)
+is `ptx.config_io`; the rules across fields are `ptx.config_rules`.
 
 This module sits at the bottom of the import graph: it imports nothing from
 ptx, and model families register their presets into `MODEL_PRESETS`.
@@ -13,11 +12,7 @@ ptx, and model families register their presets into `MODEL_PRESETS`.
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
-import types
-import typing
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,74 +454,6 @@ class ConfigError(ValueError):
   """A configuration override names an unknown field or has a bad value."""
 
 
-# The record kind each algorithm reads.
-RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl"}
-
-
-def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
-  """Every cross-field rule of a job's config, checked before anything compiles.
-
-  The Job builders (`ptx.train.job`) call it first; a single field's range is
-  checked by its class (`__post_init__`).
-
-  Raises:
-    ConfigError: naming the fields of the first broken rule.
-  """
-  if algorithm not in RECORD_KINDS:
-    raise ConfigError(f"unknown algorithm {algorithm!r}; known: {sorted(RECORD_KINDS)}")
-  train, data = cfg.train, cfg.data
-  if train.steps < 0:
-    raise ConfigError(f"train.steps must be >= 0, got {train.steps}")
-  for name in ("grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-    if getattr(train, name) < 1:
-      raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}")
-  if data.batch_size < 1:
-    raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
-  kind = RECORD_KINDS[algorithm]
-  if data.kind != kind:
-    raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
-                      + ("" if kind == "sft" else " --data.pack=false"))
-  if algorithm == "grpo":
-    check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
-    groups = data.batch_size // cfg.grpo.minibatches
-    if data.batch_size % cfg.grpo.minibatches:
-      raise ConfigError(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} "
-                        "(the prompts of a step, each a group)")
-    if groups * cfg.grpo.group_size % train.grad_accum:
-      raise ConfigError(f"train.grad_accum={train.grad_accum} must divide the {groups * cfg.grpo.group_size} "
-                        "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
-  elif data.batch_size % train.grad_accum:
-    raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
-
-
-def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
-  """The cross-field rules of the GRPO family (with the LoRA config, None when off).
-
-  Raises:
-    ConfigError: naming the fields.
-  """
-  if lora is not None and cfg.ref_sync_every > 0:
-    raise ConfigError("grpo.ref_sync_every: under LoRA (lora.rank > 0) the reference is the base model, which is "
-                      "never refreshed")
-  if cfg.reward_combine == "normalize_then_sum" and cfg.advantage != "grpo":
-    raise ConfigError(f"grpo.reward_combine='normalize_then_sum' is its own estimator (GDPO); it needs "
-                      f"grpo.advantage='grpo', got {cfg.advantage!r}")
-  if cfg.kl_target is not None and (cfg.kl_placement != "reward" or cfg.beta <= 0 or cfg.kl_target <= 0
-                                    or cfg.kl_horizon <= 0):
-    raise ConfigError("grpo.kl_target (adaptive KL) needs grpo.kl_placement='reward', grpo.beta > 0, kl_target > 0 "
-                      f"and grpo.kl_horizon > 0; got {cfg.kl_placement!r}, {cfg.beta}, {cfg.kl_target}, "
-                      f"{cfg.kl_horizon}")
-  if cfg.entropy_target is not None and not (
-      cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max):
-    raise ConfigError("grpo.entropy_target (adaptive entropy) needs grpo.entropy_coef_delta >= 0 and "
-                      "grpo.entropy_coef_min <= grpo.entropy_coef <= grpo.entropy_coef_max; got "
-                      f"{cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, {cfg.entropy_coef}, {cfg.entropy_coef_max}")
-  if cfg.max_staleness < 0:
-    raise ConfigError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
-  if cfg.max_response_tokens < 1:
-    raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
-
-
 # Registered model presets, filled in by the family modules (ptx.models.*).
 MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {}
 
@@ -541,155 +468,3 @@ def register_preset(name: str) -> Callable[[Callable[[], ModelConfig]], Callable
     return fn
 
   return wrap
-
-
-def to_dict(cfg: Any, sections: tuple[str, ...] | None = None) -> dict[str, Any]:
-  """Returns the config tree as plain JSON-able dicts (only `sections` of a Config, when given)."""
-  tree = dataclasses.asdict(cfg)
-  return tree if sections is None else {k: v for k, v in tree.items() if k in sections}
-
-
-def dumps(cfg: Any, sections: tuple[str, ...] | None = None) -> str:
-  """Returns the config tree (or its `sections`) as indented JSON, for printing at start-up."""
-  return json.dumps(to_dict(cfg, sections), indent=2, sort_keys=False)
-
-
-def save(cfg: Any, path: str | pathlib.Path, sections: tuple[str, ...] | None = None) -> None:
-  """Writes the config tree (or its `sections`; `from_dict` fills the others with defaults) as JSON to `path`."""
-  pathlib.Path(path).write_text(dumps(cfg, sections) + "\n")
-
-
-def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
-  """Builds dataclass `cls` from nested dicts (the inverse of `to_dict`).
-
-  Raises:
-    ConfigError: naming the dotted field for unknown keys or wrongly typed values.
-  """
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  hints = typing.get_type_hints(cls)
-  kwargs = {}
-  for key, value in data.items():
-    name = f"{where}{key}"
-    if key not in fields:
-      raise ConfigError(f"unknown config field {name!r}; {cls.__name__} has {sorted(fields)}")
-    kwargs[key] = _coerce(hints[key], value, name)
-  return cls(**kwargs)
-
-
-def apply_overrides(cfg: Config, args: list[str]) -> Config:
-  """Applies `--a.b=value` overrides (and `--model=PRESET`, `--grpo=PRESET`) in order.
-
-  Args:
-    cfg: the starting config.
-    args: command-line words, each `--dotted.field=value`.
-
-  Returns:
-    The new config; `cfg` is unchanged.
-
-  Raises:
-    ConfigError: naming the argument for unknown fields, presets or bad values.
-  """
-  for arg in args:
-    if not arg.startswith("--") or "=" not in arg:
-      raise ConfigError(f"override {arg!r} is not of the form --field.path=value")
-    path, raw = arg[2:].split("=", 1)
-    if path == "grpo":
-      if raw not in GRPO_PRESETS:
-        raise ConfigError(f"unknown GRPO preset {raw!r}; known: {sorted(GRPO_PRESETS)}")
-      cfg = dataclasses.replace(cfg, grpo=GRPO_PRESETS[raw])
-      continue
-    if path == "model":
-      if raw not in MODEL_PRESETS:
-        raise ConfigError(f"unknown model preset {raw!r}; known: {sorted(MODEL_PRESETS)}")
-      cfg = dataclasses.replace(cfg, model=MODEL_PRESETS[raw]())
-      continue
-    cfg = _replace_path(cfg, path.split("."), raw, path)
-  return cfg
-
-
-def _replace_path(node: Any, keys: list[str], raw: str, path: str) -> Any:
-  if not dataclasses.is_dataclass(node):
-    raise ConfigError(f"--{path}: {type(node).__name__} has no sub-fields")
-  fields = {f.name for f in dataclasses.fields(node)}
-  if keys[0] not in fields:
-    raise ConfigError(f"--{path}: unknown field {keys[0]!r}; {type(node).__name__} has {sorted(fields)}")
-  if len(keys) == 1:
-    value = _parse(typing.get_type_hints(type(node))[keys[0]], raw, path)
-  else:
-    value = _replace_path(getattr(node, keys[0]), keys[1:], raw, path)
-  try:
-    return dataclasses.replace(node, **{keys[0]: value})
-  except ValueError as e:  # a config class's own check (__post_init__)
-    raise ConfigError(f"--{path}: {e}") from e
-
-
-def _parse(hint: Any, raw: str, path: str) -> Any:
-  """Parses a command-line string into the field's declared type."""
-  if raw in _literal_strings(hint):  # "none" is an option of some fields (grpo.kl_placement), not None
-    return raw
-  try:
-    value = json.loads(raw)
-  except json.JSONDecodeError:
-    value = raw  # bare strings: --model.activation=silu
-  if raw.lower() in ("none", "null"):
-    value = None
-  elif raw.lower() in ("true", "false"):
-    value = raw.lower() == "true"
-  return _coerce(hint, value, path)
-
-
-def _literal_strings(hint: Any) -> set[str]:
-  """The strings a Literal field (optional or not) admits; empty for other types."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    return set().union(*(_literal_strings(option) for option in typing.get_args(hint)))
-  if origin is Literal:
-    return {v for v in typing.get_args(hint) if isinstance(v, str)}
-  return set()
-
-
-def _coerce(hint: Any, value: Any, path: str) -> Any:
-  """Checks `value` against type `hint`, converting where lossless."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    errors = []
-    for option in typing.get_args(hint):
-      try:
-        return _coerce(option, value, path)
-      except ConfigError as e:
-        errors.append(str(e))
-    raise ConfigError(f"{path}: {value!r} matches none of {hint}")
-  if hint is type(None):
-    if value is None:
-      return None
-    raise ConfigError(f"{path}: expected None, got {value!r}")
-  if origin is Literal:
-    if value in typing.get_args(hint):
-      return value
-    raise ConfigError(f"{path}: {value!r} is not one of {typing.get_args(hint)}")
-  if origin is tuple:
-    if not isinstance(value, (list, tuple)):
-      raise ConfigError(f"{path}: expected a list, got {value!r}")
-    (item,) = typing.get_args(hint)[:1]
-    return tuple(_coerce(item, v, path) for v in value)
-  if dataclasses.is_dataclass(hint):
-    if isinstance(value, hint):
-      return value
-    if isinstance(value, dict):
-      return from_dict(hint, value, f"{path}.")
-    raise ConfigError(f"{path}: expected a {hint.__name__} object, got {value!r}")
-  if hint is bool:
-    if isinstance(value, bool):
-      return value
-  elif hint is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-  elif hint is float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-  elif hint is str:
-    if isinstance(value, str):
-      return value
-  else:
-    raise ConfigError(f"{path}: unsupported field type {hint}")
-  raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")

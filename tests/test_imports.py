@@ -23,7 +23,7 @@ LAYERS = {
     "ptx.models": 4,
     "ptx.data": 3,
     "ptx.sharding": 2,
-    "ptx.config": 1, "ptx.compile_cache": 1,
+    "ptx.config_io": 1, "ptx.config_rules": 1, "ptx.config": 1, "ptx.compile_cache": 1,
     "ptx_kernels": 0,
 }
 

@@ -18,7 +18,7 @@ import pytest
 
 import ptx
 from ptx import cli
-from ptx import config as config_lib
+from ptx import config_io
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The options whose wiring used to differ between entry points: PPO epochs (updates per step), and a KL term that
@@ -49,7 +49,7 @@ def _cli_job(tmp_path, captured: _Captured, *extra: str) -> ptx.Job:
     data.write_text(json.dumps(record) + "\n")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=(str(data),), eval_files=()))
   path = tmp_path / f"{command}_config.json"
-  config_lib.save(cfg, path)
+  config_io.save(cfg, path)
   args, overrides = cli._parser().parse_known_args([command, "--config", str(path), "--out", str(tmp_path / "cli"),
                                                    *extra])
   return cli._prepare(args, overrides)[3]
@@ -111,7 +111,7 @@ def test_the_demo_builds_the_cli_jobs(tmp_path, monkeypatch):
     raise _Captured(None, built[-1])
 
   monkeypatch.setattr(demo, "make_pipeline", stop)  # the demo's first step after building its jobs
-  cfg = config_lib.apply_overrides(demo.default_config(), GRPO_OPTIONS)
+  cfg = config_io.apply_overrides(demo.default_config(), GRPO_OPTIONS)
   with pytest.raises(_Captured):
     demo.run(cfg, tmp_path / "demo", rl_steps=7)
   sft, grpo = built

@@ -128,7 +128,7 @@ def generate_padded(
   Returns:
     A Generation of B * G rows and N columns.
   """
-  (B, P), R = prompt_tokens.shape, prompt_tokens.shape[0] * group_size
+  P, R = prompt_tokens.shape[1], prompt_tokens.shape[0] * group_size
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
   params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token

@@ -20,7 +20,7 @@ wherever it is built (the data streams and tokenizers are not compared).
 
 A step kind is any frozen object with `lora`, `optimizer_stage()`,
 `stream(iterator)`, `build(optimizer, mesh, state_shardings, data)` and
-`evaluator(state_shardings, mesh, eval_data)`; later algorithms plug in by
+`evaluator(state_shardings, mesh, batches)`; later algorithms plug in by
 writing one and a builder.
 """
 
@@ -32,6 +32,7 @@ from typing import Any, Literal
 import optax
 
 from ptx import config as config_lib
+from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms import dpo, sft
 from ptx.config import Config, ModelConfig, OptimizerConfig
@@ -106,7 +107,7 @@ def sft_job(cfg: Config, tokenizer: Tokenizer) -> Job:
   """The SFT job of `cfg` (records of `data.kind="sft"`)."""
   rules = _check(cfg, "sft", tokenizer)
   step = SupervisedStep(loss=Bound.of(sft.loss, model=cfg.model, rules=rules), grad_accum=cfg.train.grad_accum,
-                        lora=_lora(cfg), rules=rules)
+                        lora=_lora(cfg))
   return _job(cfg, "sft", step, rules, with_reference=False, updates_per_step=1)
 
 
@@ -116,7 +117,7 @@ def dpo_job(cfg: Config, tokenizer: Tokenizer) -> Job:
   frozen = cfg.dpo.reference_model == "frozen"
   step = SupervisedStep(loss=Bound.of(dpo.loss, model=cfg.model, dpo=cfg.dpo, rules=rules),
                         prepare=Bound.of(dpo.prepare, model=cfg.model, rules=rules) if frozen else None,
-                        grad_accum=cfg.train.grad_accum, lora=_lora(cfg), rules=rules)
+                        grad_accum=cfg.train.grad_accum, lora=_lora(cfg))
   return _job(cfg, "dpo", step, rules, with_reference=frozen, updates_per_step=1)
 
 
@@ -151,7 +152,7 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
 
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:
   """Every rule of `cfg` for `algorithm` and `tokenizer`; returns the config's sharding rules."""
-  config_lib.check(cfg, algorithm)
+  config_rules.check(cfg, algorithm)
   if cfg.model.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                                  f"{tokenizer.vocab_size}")

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import tqdm
 
-from ptx import config as config_lib
+from ptx import config_io
 from ptx.config import Config
 from ptx.data.global_batch import to_global
 from ptx.sharding import make_mesh, rules_of
@@ -79,7 +79,7 @@ def fit(
   Raises:
     ValueError: when `job` was built for another length or model than `cfg`.
   """
-  built_for = {"train.steps": (job.total_updates // max(job.updates_per_step, 1), cfg.train.steps),
+  built_for = {"train.steps": (job.total_updates // job.updates_per_step, cfg.train.steps),
                "model": (job.model, cfg.model), "mesh rules": (job.rules, rules_of(cfg.mesh))}
   differ = [name for name, (a, b) in built_for.items() if a != b]
   if differ:
@@ -89,8 +89,8 @@ def fit(
   primary = jax.process_index() == 0
   out.mkdir(parents=True, exist_ok=True)
   if primary:
-    print(config_lib.dumps(cfg, job.sections), flush=True)
-    config_lib.save(cfg, out / "config.json", job.sections)
+    print(config_io.dumps(cfg, job.sections), flush=True)
+    config_io.save(cfg, out / "config.json", job.sections)
   mesh = make_mesh(cfg.mesh)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if cfg.data.batch_size % batch_devices:
@@ -119,14 +119,15 @@ def fit(
   if state is None:
     state = start()
   writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
-  evaluate = None if eval_data is None else job.step.evaluator(shardings, mesh, eval_data)
+  place = functools.partial(to_global, mesh=mesh, rules=job.rules)
+  evaluate = None if eval_data is None else job.step.evaluator(shardings, mesh, [place(b) for b in eval_data])
   # A step logs the learning rate of its first update.
   schedule = lambda step: job.learning_rate(step * job.updates_per_step)
   started = time.perf_counter()
   try:
     with _preemption_notice() as preempted:
-      state, last = _steps(cfg, step_fn, state, data, functools.partial(to_global, mesh=mesh, rules=job.rules),
-                           checkpointer, writer, evaluate, schedule, preempted, progress and primary)
+      state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, schedule, preempted,
+                           progress and primary)
     checkpointer.wait()
   finally:
     checkpointer.close()

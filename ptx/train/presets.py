@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ptx.config import (MODEL_PRESETS, Config, DataConfig, DPOConfig, GRPOConfig, OptimizerConfig, SamplingConfig,
-                        TrainConfig)
+from ptx.config import MODEL_PRESETS, Config, DataConfig, DPOConfig, GRPOConfig, OptimizerConfig, TrainConfig
 
 DIGITS = 2
 SFT_SEED, GRPO_SEED, HELD_OUT_SEED = 0, 2, 1
@@ -81,8 +80,7 @@ def _finetune_grpo() -> Config:
       optim=OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0, weight_decay=0.0),
       train=TrainConfig(steps=200, log_every=1, checkpoint_every=25, eval_every=10**9),
       data=DataConfig(kind="rl", batch_size=16, seq_len=512, pack=False),
-      grpo=GRPOConfig(group_size=8, max_response_tokens=256, kl_placement="none", beta=0.0,
-                      sampling=SamplingConfig(temperature=1.0)))
+      grpo=GRPOConfig(group_size=8, max_response_tokens=256, kl_placement="none", beta=0.0))
 
 
 TOY: dict[str, Callable[[], Config]] = {"sft": _toy_sft, "dpo": _toy_dpo, "grpo": _toy_grpo}

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from ptx import config as config_lib
+from ptx import config_io
 from ptx.config import Config, ConfigError
 from ptx.data.hf_tokenizer import load_tokenizer
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer
@@ -43,7 +44,7 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
     ConfigError: for a bad override, or one that contradicts the checkpoint.
     OSError, ValueError: for an unreadable checkpoint or tokenizer (naming the file).
   """
-  cfg = config_lib.apply_overrides(base, overrides)
+  cfg = config_io.apply_overrides(base, overrides)
   if model_dir is None:
     tokenizer = ByteTokenizer() if cfg.data.tokenizer == "byte" else load_tokenizer(cfg.data.tokenizer)
     return cfg, None, tokenizer
@@ -54,14 +55,13 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
   model = config_lib.with_architecture(cfg.model, checkpoint)
   tokenizer_dir = str(model_dir) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
   cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=tokenizer_dir))
-  cfg = config_lib.apply_overrides(cfg, [arg for arg in overrides if arg.startswith("--model.")])
+  cfg = config_io.apply_overrides(cfg, [arg for arg in overrides if arg.startswith("--model.")])
   for name in config_lib.architecture_differences(cfg.model, checkpoint):
     if name != "n_layers" or cfg.model.n_layers > checkpoint.n_layers:
       raise ConfigError(f"--model.{name}={getattr(cfg.model, name)!r} contradicts {model_dir / 'config.json'} "
                         f"({name}={getattr(checkpoint, name)!r}); only model.n_layers may be lowered (a smoke run "
                         "keeps the first layers)")
-  model = load_hf(model_dir, mesh=make_mesh(cfg.mesh), dtype=cfg.model.param_dtype, rules=rules_of(cfg.mesh))
-  params = model.params
+  params = load_hf(model_dir, mesh=make_mesh(cfg.mesh), dtype=cfg.model.param_dtype, rules=rules_of(cfg.mesh)).params
   if cfg.model.n_layers < checkpoint.n_layers:
     params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
   return cfg, params, load_tokenizer(cfg.data.tokenizer)

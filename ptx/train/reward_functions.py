@@ -32,6 +32,7 @@ from ptx.data.tokenizer import Tokenizer
 from ptx.train import streams
 from ptx.train.job import grpo_host_job
 from ptx.train.loop import fit
+from ptx.train.rl_host import decode_completions
 from ptx.train.state import TrainState
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -61,9 +62,7 @@ class RewardFunctions:
 
   def __call__(self, tokens: np.ndarray, lengths: np.ndarray,
                tasks: Sequence[Mapping[str, Any]]) -> np.ndarray | dict[str, np.ndarray]:
-    stops = set(self.stop_ids)
-    completions = [self.tokenizer.decode([int(t) for t in row[:n] if t not in stops])
-                   for row, n in zip(tokens, lengths)]
+    completions = decode_completions(self.tokenizer, tokens, lengths, self.stop_ids)
     rows = [task for task in tasks for _ in range(self.group_size)]
     prompts = [row["prompt"] for row in rows]
     fields = {key: [row.get(key) for row in rows] for key in rows[0] if key not in ("prompt", "where")}

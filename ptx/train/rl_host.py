@@ -49,7 +49,7 @@ from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
 from ptx.rl.environments.base import Environment, Outcome
 from ptx.sampling.generation import Generation
-from ptx.train.rl_step import RLSpec, coefficient_stage, learn, rollout_batch, sample, step_keys
+from ptx.train.rl_step import GRPOStepKind, RLSpec, learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
 
@@ -95,6 +95,13 @@ class Lookahead(grain.DatasetIterator):
     self._iterator.set_state(state)
 
 
+def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, lengths: np.ndarray,
+                       stop_ids: Sequence[int]) -> list[str]:
+  """The text of each row's first `lengths` tokens [R, N], stop ids left out: what a host reward scores."""
+  stops = set(stop_ids)
+  return [tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvReward:
   """A HostReward that decodes each completion and scores it in a single-turn environment.
@@ -117,27 +124,17 @@ class EnvReward:
   concurrency: int = 32
 
   def __call__(self, tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
-    stops = set(self.stop_ids)
-    texts = [self.tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
+    texts = decode_completions(self.tokenizer, tokens, lengths, self.stop_ids)
     steps = rewards_lib.score(self.env, [t for t in tasks for _ in range(self.group_size)], texts,
                               concurrency=self.concurrency)
     return np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class HostGRPOStep:
+class HostGRPOStep(GRPOStepKind):
   """The host-reward GRPO step of a Job: `spec` and a host `reward`; it reads ahead of the prompt stream."""
 
-  spec: RLSpec
   reward: HostReward
-
-  @property
-  def lora(self):
-    return self.spec.lora
-
-  def optimizer_stage(self) -> optax.GradientTransformation | None:
-    """The adaptive coefficients' optimizer-state stage (`rl_step.coefficient_stage`), if any."""
-    return coefficient_stage(self.spec.grpo)
 
   def stream(self, data: Iterator[dict[str, Any]]) -> "Lookahead":
     """The prompt iterator as `fit` reads it: a `Lookahead`, which the step peeks to sample ahead."""
@@ -148,10 +145,6 @@ class HostGRPOStep:
     """The step object for `fit`, sampling ahead of `data` (`stream`'s); it checkpoints its batches sampled ahead."""
     return HostRewardStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings,
                           reward=self.reward, prompts=data)
-
-  def evaluator(self, state_shardings: TrainState, mesh: Mesh, eval_data: Any) -> None:
-    """Raises: a GRPO job has no held-out loss to evaluate."""
-    raise ValueError("fit(eval_data=...): a GRPO job has no held-out loss; measure pass@k with ptx.rl.evaluation")
 
 
 @dataclasses.dataclass

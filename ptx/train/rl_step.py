@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ptx import config as config_lib
+from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import dynamic_sampling, grpo
@@ -83,7 +83,7 @@ class RLSpec:
   rules: sharding.Rules = sharding.DEFAULT_RULES
 
   def __post_init__(self):
-    config_lib.check_grpo(self.grpo, self.lora)
+    config_rules.check_grpo(self.grpo, self.lora)
 
 
 class Coefficients(NamedTuple):
@@ -421,11 +421,10 @@ def make_grpo_step(spec: RLSpec, reward_fn: RewardFn, *, optimizer: optax.Gradie
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedGRPOStep:
-  """The fused GRPO step of a Job: `spec` and an in-graph `reward_fn`, jitted by `build`."""
+class GRPOStepKind:
+  """What the GRPO step kinds of a Job share: the spec's LoRA, the coefficient stage, no held-out loss."""
 
   spec: RLSpec
-  reward_fn: RewardFn
 
   @property
   def lora(self) -> LoRAConfig | None:
@@ -434,6 +433,17 @@ class FusedGRPOStep:
   def optimizer_stage(self) -> optax.GradientTransformation | None:
     """The adaptive coefficients' optimizer-state stage (`coefficient_stage`), if any."""
     return coefficient_stage(self.spec.grpo)
+
+  def evaluator(self, state_shardings: TrainState, mesh: Mesh, batches: Any) -> None:
+    """Raises: a GRPO job has no held-out loss to evaluate."""
+    raise ValueError("fit(eval_data=...): a GRPO job has no held-out loss; measure pass@k with ptx.rl.evaluation")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGRPOStep(GRPOStepKind):
+  """The fused GRPO step of a Job: `spec` and an in-graph `reward_fn`, jitted by `build`."""
+
+  reward_fn: RewardFn
 
   def stream(self, data: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The prompt iterator as `fit` reads it: unchanged."""
@@ -444,10 +454,6 @@ class FusedGRPOStep:
     """The jitted step for `fit` (it reads no data of its own)."""
     return JittedStep(make_grpo_step(self.spec, self.reward_fn, optimizer=optimizer, mesh=mesh,
                                      state_shardings=state_shardings))
-
-  def evaluator(self, state_shardings: TrainState, mesh: Mesh, eval_data: Any) -> None:
-    """Raises: a GRPO job has no held-out loss to evaluate."""
-    raise ValueError("fit(eval_data=...): a GRPO job has no held-out loss; measure pass@k with ptx.rl.evaluation")
 
 
 def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array]:

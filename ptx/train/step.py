@@ -20,16 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ptx import sharding
 from ptx.config import LoRAConfig
-from ptx.data.global_batch import to_global
 from ptx.models import lora as lora_lib
 from ptx.train.optimizer import skipped_steps
 from ptx.train.state import TrainState
@@ -195,9 +193,9 @@ def make_train_step(
 
 
 def make_evaluator(loss_fn: LossFn, prepare: Callable[[Any, Batch], Batch] | None, lora: LoRAConfig | None, *,
-                   mesh: Mesh, state_shardings: TrainState, eval_data: Iterable[Batch],
-                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> Callable[[TrainState], dict[str, float]]:
-  """Returns `evaluate(state) -> {"eval/...": mean}` over the finite `eval_data`, weighted like the training loss."""
+                   mesh: Mesh, state_shardings: TrainState,
+                   batches: Sequence[Batch]) -> Callable[[TrainState], dict[str, float]]:
+  """Returns `evaluate(state) -> {"eval/...": mean}` over global `batches`, weighted like the training loss."""
 
   @functools.partial(jax.jit, in_shardings=(state_shardings, None))
   def metrics(state, batch):
@@ -205,8 +203,6 @@ def make_evaluator(loss_fn: LossFn, prepare: Callable[[Any, Batch], Batch] | Non
       if prepare is not None:
         batch = prepare(reference_params(state), batch)
       return trainable_loss(loss_fn, state.base, lora, dropout=False)(state.params, batch, state.rng)[1]
-
-  batches = [to_global(b, mesh, rules) for b in eval_data]
 
   def evaluate(state):
     totals: dict[str, float] = {}
@@ -231,14 +227,12 @@ class SupervisedStep:
       (DPO's reference log-probs), or None.
     grad_accum: micro-batches per step.
     lora: the adapters' config when the job trains LoRA, else None.
-    rules: the sharding rules the held-out batches are placed by.
   """
 
   loss: Bound
   prepare: Bound | None = None
   grad_accum: int = 1
   lora: LoRAConfig | None = None
-  rules: sharding.Rules = sharding.DEFAULT_RULES
 
   def optimizer_stage(self) -> None:
     """No stage: the optimizer is the plain one."""
@@ -255,7 +249,7 @@ class SupervisedStep:
                                       grad_accum=self.grad_accum, prepare=self.prepare, lora=self.lora))
 
   def evaluator(self, state_shardings: TrainState, mesh: Mesh,
-                eval_data: Iterable[Batch]) -> Callable[[TrainState], dict[str, float]]:
-    """The held-out evaluation of this step's loss."""
+                batches: Sequence[Batch]) -> Callable[[TrainState], dict[str, float]]:
+    """The held-out evaluation of this step's loss over global `batches`."""
     return make_evaluator(self.loss, self.prepare, self.lora, mesh=mesh, state_shardings=state_shardings,
-                          eval_data=eval_data, rules=self.rules)
+                          batches=batches)

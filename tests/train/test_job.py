@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from ptx import config as config_lib
+from ptx import config_io
 from ptx import sharding
 from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
                         OptimizerConfig, TrainConfig)
@@ -151,7 +151,7 @@ def test_sharding_rules_come_from_the_config(tmp_path):
   from ptx.data.sources import MemorySource
 
   base = _grpo_cfg()
-  cfg = config_lib.apply_overrides(
+  cfg = config_io.apply_overrides(
       dataclasses.replace(base, data=DataConfig(batch_size=8, seq_len=16, pack=False)),
       ['--mesh.param_rules=["mlp=fsdp", "embed="]', "--train.steps=1"])
   job = sft_job(cfg, TOK)

@@ -6,7 +6,9 @@ import pytest
 
 import ptx.models  # noqa: F401  (registers the presets)
 from ptx import config as config_lib
-from ptx.config import Config, ConfigError, RopeScaling, apply_overrides
+from ptx import config_io
+from ptx.config import Config, ConfigError, RopeScaling
+from ptx.config_io import apply_overrides
 
 
 def test_overrides_parse_into_declared_types():
@@ -25,8 +27,8 @@ def test_overrides_parse_into_declared_types():
 def test_rollout_sampling_is_part_of_the_grpo_config():
   cfg = apply_overrides(Config(), ["--grpo=dapo", "--grpo.sampling.temperature=0.7", "--grpo.sampling.top_p=0.95"])
   assert (cfg.grpo.sampling.temperature, cfg.grpo.sampling.top_p, cfg.grpo.epsilon_high) == (0.7, 0.95, 0.28)
-  assert config_lib.from_dict(Config, config_lib.to_dict(cfg)) == cfg
-  assert config_lib.from_dict(Config, {"grpo": {"beta": 0.1}}).grpo.sampling == config_lib.SamplingConfig()
+  assert config_io.from_dict(Config, config_io.to_dict(cfg)) == cfg
+  assert config_io.from_dict(Config, {"grpo": {"beta": 0.1}}).grpo.sampling == config_lib.SamplingConfig()
 
 
 def test_none_is_a_string_where_a_literal_field_offers_it():
@@ -62,14 +64,14 @@ def test_bad_overrides_name_the_field(arg, message):
 
 def test_config_round_trips_through_json(tmp_path):
   cfg = apply_overrides(Config(), ["--model=gemma3_1b", "--train.steps=7"])
-  config_lib.save(cfg, tmp_path / "config.json")
-  again = config_lib.from_dict(Config, json.loads((tmp_path / "config.json").read_text()))
+  config_io.save(cfg, tmp_path / "config.json")
+  again = config_io.from_dict(Config, json.loads((tmp_path / "config.json").read_text()))
   assert again == cfg
 
 
 def test_from_dict_names_the_bad_key():
   with pytest.raises(ConfigError, match="model.rope_scaling.kindd"):
-    config_lib.from_dict(Config, {"model": {"rope_scaling": {"kindd": "linear"}}})
+    config_io.from_dict(Config, {"model": {"rope_scaling": {"kindd": "linear"}}})
 
 
 def test_every_field_has_a_comment():

@@ -1,0 +1,78 @@
+"""The rules across config fields, checked once before a job compiles.
+
+Each Job builder (`ptx.train.job`) calls `check` first, and `RLSpec` calls
+`check_grpo`; a broken rule raises `ConfigError` naming its fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig
+
+# The record kind each algorithm reads.
+RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl"}
+
+
+def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
+  """Every cross-field rule of a job's config, checked before anything compiles.
+
+  The Job builders (`ptx.train.job`) call it first; a single field's range is
+  checked by its class (`__post_init__`).
+
+  Raises:
+    ConfigError: naming the fields of the first broken rule.
+  """
+  if algorithm not in RECORD_KINDS:
+    raise ConfigError(f"unknown algorithm {algorithm!r}; known: {sorted(RECORD_KINDS)}")
+  train, data = cfg.train, cfg.data
+  if train.steps < 0:
+    raise ConfigError(f"train.steps must be >= 0, got {train.steps}")
+  for name in ("grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    if getattr(train, name) < 1:
+      raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}")
+  if data.batch_size < 1:
+    raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
+  kind = RECORD_KINDS[algorithm]
+  if data.kind != kind:
+    raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
+                      + ("" if kind == "sft" else " --data.pack=false"))
+  if algorithm == "grpo":
+    check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
+    groups = data.batch_size // cfg.grpo.minibatches
+    if data.batch_size % cfg.grpo.minibatches:
+      raise ConfigError(f"grpo.minibatches={cfg.grpo.minibatches} must divide data.batch_size={data.batch_size} "
+                        "(the prompts of a step, each a group)")
+    if groups * cfg.grpo.group_size % train.grad_accum:
+      raise ConfigError(f"train.grad_accum={train.grad_accum} must divide the {groups * cfg.grpo.group_size} "
+                        "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
+  elif data.batch_size % train.grad_accum:
+    raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
+
+
+def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
+  """The cross-field rules of the GRPO family (with the LoRA config, None when off).
+
+  Raises:
+    ConfigError: naming the fields.
+  """
+  if lora is not None and cfg.ref_sync_every > 0:
+    raise ConfigError("grpo.ref_sync_every: under LoRA (lora.rank > 0) the reference is the base model, which is "
+                      "never refreshed")
+  if cfg.reward_combine == "normalize_then_sum" and cfg.advantage != "grpo":
+    raise ConfigError(f"grpo.reward_combine='normalize_then_sum' is its own estimator (GDPO); it needs "
+                      f"grpo.advantage='grpo', got {cfg.advantage!r}")
+  if cfg.kl_target is not None and (cfg.kl_placement != "reward" or cfg.beta <= 0 or cfg.kl_target <= 0
+                                    or cfg.kl_horizon <= 0):
+    raise ConfigError("grpo.kl_target (adaptive KL) needs grpo.kl_placement='reward', grpo.beta > 0, kl_target > 0 "
+                      f"and grpo.kl_horizon > 0; got {cfg.kl_placement!r}, {cfg.beta}, {cfg.kl_target}, "
+                      f"{cfg.kl_horizon}")
+  if cfg.entropy_target is not None and not (
+      cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max):
+    raise ConfigError("grpo.entropy_target (adaptive entropy) needs grpo.entropy_coef_delta >= 0 and "
+                      "grpo.entropy_coef_min <= grpo.entropy_coef <= grpo.entropy_coef_max; got "
+                      f"{cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, {cfg.entropy_coef}, {cfg.entropy_coef_max}")
+  if cfg.max_staleness < 0:
+    raise ConfigError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
+  if cfg.max_response_tokens < 1:
+    raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
