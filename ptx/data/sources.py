@@ -4,7 +4,8 @@ Each source has `__len__` and `__getitem__`, so grain's `MapDataset.source`
 can shuffle and shard it, and returns `RawRecord`s: the undecoded payload plus
 where it came from (`file:line`), so a bad record is reported by location.
 Decoding and validation happen later, in one place (`ptx.data.records`),
-under the pipeline's error policy.
+under the pipeline's error policy. A JSONL source without a single record
+is a `NoDataError` at construction, naming its files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 _CHUNK = 1 << 24
+# Whitespace bytes of JSON (RFC 8259) and the vertical tab and form feed: a line of only these is blank.
+_BLANK = np.zeros(256, bool)
+_BLANK[list(b" \t\r\n\v\f")] = True
+
+
+class NoDataError(ValueError):
+  """Data that gives nothing to train on: files without records, or records of which a pipeline keeps none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +39,15 @@ class RawRecord:
 class JsonlSource:
   """JSON lines files, read by a byte-offset index built once at construction.
 
-  Blank lines are not records; line numbers in errors count them anyway, so
-  they match an editor's.
+  Blank lines (empty or whitespace only, such as a CRLF file's "\\r") are
+  not records; line numbers in errors count them anyway, so they match an
+  editor's.
 
   Args:
     paths: one path or several (read in order, as one sequence).
+
+  Raises:
+    NoDataError: when the files hold no record at all.
   """
 
   def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
@@ -50,6 +62,8 @@ class JsonlSource:
     self._lines = np.concatenate(lines)
     self._files = np.concatenate(files)
     self._fds: dict[int, int] = {}
+    if not len(self._starts):
+      raise NoDataError(f"{', '.join(self.paths)}: no records (only empty or blank lines)")
 
   def __len__(self) -> int:
     return len(self._starts)
@@ -79,18 +93,25 @@ class JsonlSource:
 
 def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Start offsets, end offsets and 1-based line numbers of the non-blank lines."""
-  newlines = []
-  offset = 0
+  newlines, filled = [], []
+  offset, carry = 0, False  # carry: the line running into this chunk has a non-blank byte
   with open(path, "rb") as f:
     while chunk := f.read(_CHUNK):
-      newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + offset)
+      data = np.frombuffer(chunk, np.uint8)
+      local = np.flatnonzero(data == ord("\n"))
+      # Whether each stretch [0, n0), [n0, n1), ..., [nk, end) holds a non-blank byte; a newline is blank.
+      stretches = np.logical_or.reduceat(~_BLANK[data], np.concatenate([[0], local]))
+      if len(local):
+        filled.append(np.concatenate([[stretches[0] | carry], stretches[1:-1]]))
+        carry = bool(stretches[-1])
+      else:
+        carry |= bool(stretches[0])
+      newlines.append(local + offset)
       offset += len(chunk)
   ends = np.concatenate(newlines + [np.asarray([offset], np.int64)]).astype(np.int64)
   starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
   numbers = np.arange(1, len(starts) + 1, dtype=np.int64)
-  # Only fully empty lines (and the empty tail after a final newline) are
-  # dropped here; whitespace-only lines reach the decoder and are reported.
-  keep = ends > starts
+  keep = np.concatenate(filled + [np.asarray([carry])])
   return starts[keep], ends[keep], numbers[keep]
 
 

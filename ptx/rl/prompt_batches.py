@@ -29,9 +29,7 @@ class JsonlTasks:
   """
 
   def __init__(self, paths: str | Sequence[str], task_fields: Sequence[str] = ()):
-    self._source = JsonlSource(paths)
-    if not len(self._source):
-      raise ValueError(f"no task records in {paths}")
+    self._source = JsonlSource(paths)  # a NoDataError for files without records
     self._fields = tuple(task_fields)
 
   def __getitem__(self, index: int) -> dict[str, Any]:

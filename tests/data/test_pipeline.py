@@ -16,7 +16,7 @@ from ptx.data.batch import sft_example
 from ptx.data.global_batch import to_global
 from ptx.config import DataConfig
 from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import ArrayRecordSource, JsonlSource, MemorySource, write_array_record
+from ptx.data.sources import ArrayRecordSource, JsonlSource, MemorySource, NoDataError, write_array_record
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.sharding import batch_sharding
 
@@ -46,11 +46,22 @@ def _ids(batches):
 
 def test_jsonl_source_indexes_lines_and_skips_blank_ones(tmp_path):
   path = tmp_path / "a.jsonl"
-  path.write_text('{"x": 1}\n\n{"x": 2}\r\n{"x": 3}')
+  path.write_text('{"x": 1}\n\n{"x": 2}\r\n \t\r\n{"x": 3}')
   src = JsonlSource([path, path])
   assert len(src) == 6
   assert [json.loads(src[i].payload) for i in range(3)] == [{"x": 1}, {"x": 2}, {"x": 3}]
-  assert [src[i].where for i in (1, 5)] == [f"{path}:3", f"{path}:4"]
+  assert [src[i].where for i in (1, 5)] == [f"{path}:3", f"{path}:5"]
+
+
+def test_jsonl_files_without_records_are_an_error_naming_them(tmp_path):
+  empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+  empty.write_text("")
+  blank.write_text("\n  \n\r\n\t\n")
+  with pytest.raises(NoDataError, match=f"^{empty}, {blank}: no records \\(only empty or blank lines\\)$"):
+    JsonlSource([empty, blank])
+  good = tmp_path / "good.jsonl"
+  good.write_text("{}\n")
+  assert len(JsonlSource([empty, blank, good])) == 1  # empty files beside records are no error
 
 
 def test_jsonl_arrayrecord_and_memory_sources_give_the_same_batches(tmp_path):
