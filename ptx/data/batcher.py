@@ -4,9 +4,17 @@ The `Batcher` receives elements in stream order, each under its stream index
 (its key) and already fitted to the row length (`fit`). It packs them
 first-fit (`ptx.data.packing.BinPool`) or gives each its own row, and hands
 out [B, T] batches (`ptx.data.batch.pack_rows`). Its state is the keys of the
-examples it holds and its counters, all JSON; whoever restores it re-reads
-those examples by key. Both the grain pipeline and the seqio adapter batch
-through it, so they produce identical layouts.
+examples it holds, its counters and the first reasons of records it did not
+keep, all JSON; whoever restores it re-reads those examples by key. Both the
+grain pipeline and the seqio adapter batch through it, so they produce
+identical layouts.
+
+Counters (`metrics()`, plain ints): "read" records, of which "skipped" (bad
+records under on_error="skip"), "truncated" and "dropped" (overlong); and
+"sequences", "tokens" and "slots" of the batches handed out, with their
+"packing_efficiency" (a float). `reasons()` are the first `MAX_REASONS`
+"where: why" of the skipped and dropped records. A stream that ends without
+having kept a single example is a `NoDataError` saying why.
 """
 
 from __future__ import annotations
@@ -17,8 +25,11 @@ import numpy as np
 
 from ptx.data.batch import pack_rows
 from ptx.data.packing import BinPool
+from ptx.data.sources import NoDataError
 
-COUNTERS = ("records", "skipped", "truncated", "dropped", "sequences", "tokens", "slots")
+COUNTERS = ("read", "skipped", "truncated", "dropped", "sequences", "tokens", "slots")
+# Reasons kept of records not kept: enough to see the pattern, few enough for a log line.
+MAX_REASONS = 5
 
 
 def length(example: dict[str, Any]) -> int:
@@ -28,23 +39,35 @@ def length(example: dict[str, Any]) -> int:
   return len(example["tokens"])
 
 
-def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str) -> dict[str, Any]:
+def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str, where: str) -> dict[str, Any]:
   """Applies the overlong policy; returns the element `{"status", "example"}`.
 
   Status is "ok", "truncated" (the first `seq_len` tokens kept) or "dropped"
   (policy "drop"; or nothing left to train on after truncation; or an RL
-  prompt, which truncation would cut off before its question ends).
+  prompt, which truncation would cut off before its question ends). A
+  dropped element also has "reason" ("where: why") and "needed", the
+  seq_len that would keep it.
   """
-  if length(example) <= seq_len:
+  n = length(example)
+  if n <= seq_len:
     return {"status": "ok", "example": example}
-  if overlong == "drop" or kind == "rl":
-    return {"status": "dropped", "example": None}
+  if kind == "rl":
+    return _dropped(where, f"a prompt of {n} tokens, longer than data.seq_len={seq_len} (prompts are never cut)", n)
+  if overlong == "drop":
+    return _dropped(where, f"{n} tokens, longer than data.seq_len={seq_len} (data.overlong='drop')", n)
   streams = [example[k] for k in ("chosen", "rejected")] if kind == "preference" else [example]
+  # Records always have a target (records.encode refuses empty replies), so every stream has a first one.
+  needed = max(int(np.flatnonzero(s["loss_mask"])[0]) + 1 for s in streams)
+  if needed > seq_len:
+    return _dropped(where, f"{n} tokens, the first {needed - 1} before any target: truncation to "
+                    f"data.seq_len={seq_len} leaves no target token", needed)
   for s in streams:
     s["tokens"], s["loss_mask"] = s["tokens"][:seq_len], s["loss_mask"][:seq_len]
-  if not all(s["loss_mask"].any() for s in streams):
-    return {"status": "dropped", "example": None}
   return {"status": "truncated", "example": example}
+
+
+def _dropped(where: str, why: str, needed: int) -> dict[str, Any]:
+  return {"status": "dropped", "example": None, "reason": f"{where}: {why}", "needed": needed}
 
 
 class Batcher:
@@ -65,29 +88,52 @@ class Batcher:
     self._examples: dict[int, dict[str, Any]] = {}
     self._ready: list[list[int]] = []
     self._counts = dict.fromkeys(COUNTERS, 0)
+    self._reasons: list[str] = []
+    self._needed: list[int] = []  # [shortest, longest] seq_len that the dropped records need
 
-  def take(self, key: int, element: dict[str, Any]) -> None:
-    """Adds the element with stream index `key` (a status from `fit`, or "skipped")."""
-    self._counts["records"] += 1
+  def take(self, key: int, element: dict[str, Any]) -> bool:
+    """Adds the element with stream index `key` (from `fit`, or "skipped" with a "reason"); whether it is kept."""
+    self._counts["read"] += 1
     status = element["status"]
     if status != "ok":
       self._counts[status] += 1
     if status in ("skipped", "dropped"):
-      return
+      if len(self._reasons) < MAX_REASONS:
+        self._reasons.append(element["reason"])
+      if "needed" in element:
+        self._needed = [min(self._needed + [element["needed"]]), max(self._needed + [element["needed"]])]
+      return False
     self._examples[key] = element["example"]
     if not self.pack:
       self._ready.append([key])
     elif (closed := self._pool.add(key, length(element["example"]))) is not None:
       self._ready.append(closed)
+    return True
 
   def full(self) -> bool:
     """Whether a whole batch of rows is ready."""
     return len(self._ready) >= self.batch_size
 
   def finish(self) -> bool:
-    """At the end of the stream, closes every open row; whether any row is left."""
+    """At the end of the stream, closes every open row; whether any row is left.
+
+    Raises:
+      NoDataError: when the stream read records and kept none of them.
+    """
+    c = self._counts
+    if c["read"] and c["read"] == c["skipped"] + c["dropped"]:
+      raise self.nothing_kept(f"the {c['read']} records of the stream")
     self._ready += self._pool.drain()
     return bool(self._ready)
+
+  def nothing_kept(self, what: str) -> NoDataError:
+    """The error for a stream that kept no example of `what` (e.g. "the 3 records of the stream")."""
+    c = self._counts
+    message = (f"no example to train on: none of {what} was kept ({c['dropped']} dropped, {c['skipped']} skipped "
+               f"as bad records); first: {'; '.join(self._reasons)}")
+    if self._needed:
+      message += f". The shortest record needs data.seq_len >= {self._needed[0]}, the longest {self._needed[1]}"
+    return NoDataError(message)
 
   def batch(self) -> dict[str, Any]:
     """The next batch; at the end of the stream, short batches get empty rows."""
@@ -109,20 +155,29 @@ class Batcher:
       batch["task"] = [row[0]["task"] if row else None for row in rows]
     return batch
 
-  def metrics(self) -> dict[str, float]:
-    """Counts so far: records read, skipped, truncated, dropped, packed; packing efficiency."""
-    out: dict[str, float] = dict(self._counts)
+  def metrics(self) -> dict[str, int | float]:
+    """The counters of the module docstring, as plain numbers."""
+    out: dict[str, int | float] = {k: int(v) for k, v in self._counts.items()}
     out["packing_efficiency"] = out["tokens"] / out["slots"] if out["slots"] else 0.0
     return out
 
+  def reasons(self) -> list[str]:
+    """The first `MAX_REASONS` skipped or dropped records, as "where: why"."""
+    return list(self._reasons)
+
   def get_state(self) -> dict[str, Any]:
-    """Open rows, ready rows and counters, as JSON-able values."""
+    """Open rows, ready rows, counters and reasons, as JSON-able values."""
     return {"pool": self._pool.get_state(), "ready": [list(r) for r in self._ready],
-            "counts": dict(self._counts)}
+            "counts": dict(self._counts), "reasons": list(self._reasons), "needed": list(self._needed)}
 
   def set_state(self, state: dict[str, Any], read: Callable[[list[int]], dict[int, dict[str, Any]]]) -> None:
     """Restores `get_state`'s output; `read(keys)` returns those examples again."""
     self._pool.set_state(state["pool"])
     self._ready = [list(r) for r in state["ready"]]
-    self._counts = dict(state["counts"])
+    counts = dict(state["counts"])
+    if "records" in counts:  # a checkpoint from before the counter was named "read"
+      counts["read"] = counts.pop("records")
+    self._counts = counts
+    # Checkpoints from before reasons were kept have none.
+    self._reasons, self._needed = list(state.get("reasons", [])), list(state.get("needed", []))
     self._examples = read(self._pool.keys() + [k for row in self._ready for k in row])

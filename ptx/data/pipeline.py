@@ -19,15 +19,31 @@ file and line; "skip" drops the record, logs it and counts it in
 keeps the first T tokens (`truncated`), "drop" drops them (`dropped`); a
 truncation that leaves no target token, and any overlong RL prompt (whose
 question would be cut), is dropped.
+
+Accounting: `metrics()` counts records "read", "skipped", "truncated" and
+"dropped", and the "sequences", "tokens", "slots" and "packing_efficiency"
+of the batches so far (`ptx.data.batcher`); `skip_reasons()` gives the first
+few skipped or dropped records as "file:line: why". These names are the
+`data/...` metrics a training run logs.
+
+A stream that can never yield a batch stops with a `NoDataError` from
+`next()`, naming the first records it did not keep, why, and the shortest
+and longest data.seq_len they need: as soon as every record this host can
+read (all of them when shuffled or on one host; else its fixed share) was
+read since the last kept example and none was kept, or when a finite stream
+ends without a kept example.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import logging
+import math
 from typing import Any, Sequence
 
 import grain
+import numpy as np
 
 from ptx.config import DataConfig
 from ptx.data.batcher import Batcher, fit
@@ -66,18 +82,33 @@ def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataCo
     ds = ds.seed(cfg.seed).shuffle()
   ds = ds.repeat(cfg.num_epochs)[process_index::process_count]
   prepare = functools.partial(_prepare, tokenizer=tokenizer, cfg=cfg, template=template)
-  return BatchDataset(ds.map(prepare), cfg, tokenizer.pad_id, cfg.batch_size // process_count)
+  # Shuffled epochs deal every record to every host in time; in source order a host reads one residue class.
+  readable = len(source) if cfg.shuffle else len(source) // math.gcd(len(source), process_count)
+  return BatchDataset(ds.map(prepare), cfg, tokenizer.pad_id, cfg.batch_size // process_count,
+                      len(source), readable)
 
 
 class BatchDataset(grain.IterDataset):
-  """Packs or pads a MapDataset of prepared examples into host batches."""
+  """Packs or pads a MapDataset of prepared examples into host batches.
 
-  def __init__(self, examples: grain.MapDataset, cfg: DataConfig, pad_id: int, batch_size: int):
+  Args:
+    examples: the prepared elements of this host, in stream order.
+    cfg: the pipeline configuration.
+    pad_id: token id of padding.
+    batch_size: rows per host batch.
+    num_records: records in the source.
+    readable: distinct records this host's stream ever reads.
+  """
+
+  def __init__(self, examples: grain.MapDataset, cfg: DataConfig, pad_id: int, batch_size: int, num_records: int,
+               readable: int):
     super().__init__()
     self.examples = examples
     self.cfg = cfg
     self.pad_id = pad_id
     self.batch_size = batch_size
+    self.num_records = num_records
+    self.readable = readable
 
   def __iter__(self) -> "BatchIterator":
     return BatchIterator(self)
@@ -93,6 +124,7 @@ class BatchIterator(grain.DatasetIterator):
     cfg = ds.cfg
     self._batcher = Batcher(cfg.kind, cfg.seq_len, ds.batch_size, ds.pad_id, cfg.pack, cfg.num_bins)
     self._read = 0
+    self._unkept = _UnkeptRecords(ds.num_records)
 
   def __next__(self) -> dict[str, Any]:
     while not self._batcher.full():
@@ -102,13 +134,19 @@ class BatchIterator(grain.DatasetIterator):
         if not self._batcher.finish():
           raise
         break
-      self._batcher.take(self._read, element)
+      kept = self._batcher.take(self._read, element)
       self._read += 1
+      if self._unkept.add(None if kept else element["index"]) == self._ds.readable:
+        raise self._batcher.nothing_kept(f"the {self._ds.readable} records this host reads")
     return self._batcher.batch()
 
-  def metrics(self) -> dict[str, float]:
-    """Counts so far: records read, skipped, truncated, dropped, packed; packing efficiency."""
+  def metrics(self) -> dict[str, int | float]:
+    """Counts so far (see the module docstring), as plain numbers."""
     return self._batcher.metrics()
+
+  def skip_reasons(self) -> list[str]:
+    """The first (at most 5) skipped or dropped records, as "file:line: why"."""
+    return self._batcher.reasons()
 
   def get_state(self) -> dict[str, Any]:
     return {"parent": self._parent.get_state(), "read": self._read, **self._batcher.get_state()}
@@ -116,6 +154,7 @@ class BatchIterator(grain.DatasetIterator):
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])
     self._read = state["read"]
+    self._unkept = _UnkeptRecords(self._ds.num_records)  # counts afresh: a resumed stream stops a pass later at most
     # Element k of the MapDataset is a pure function of k, so the examples
     # waiting in open rows are re-read by key.
     self._batcher.set_state(state, lambda keys: {k: self._ds.examples[k]["example"] for k in keys})
@@ -133,5 +172,33 @@ def _prepare(indexed: tuple[int, RawRecord], *, tokenizer: Tokenizer, cfg: DataC
     if cfg.on_error == "raise":
       raise
     logging.warning("ptx.data: skipping bad record %s", e)
-    return {"status": "skipped", "example": None}
-  return fit(example, cfg.kind, cfg.seq_len, cfg.overlong)
+    return {"status": "skipped", "example": None, "reason": str(e), "index": index}
+  return {**fit(example, cfg.kind, cfg.seq_len, cfg.overlong, raw.where), "index": index}
+
+
+class _UnkeptRecords:
+  """How many distinct records were read since the last kept example.
+
+  One flag per record (made once a record goes unkept: a byte per record)
+  and the indices of those set, which a kept example clears in time
+  proportional to the run it ends.
+  """
+
+  def __init__(self, num_records: int):
+    self._num_records = num_records
+    self._seen: np.ndarray | None = None
+    self._set = array.array("q")
+
+  def add(self, index: int | None) -> int:
+    """Counts the source index of an unkept record (None: an example was kept); returns the run's count."""
+    if index is None:
+      if self._set:
+        self._seen[np.frombuffer(self._set, np.int64)] = False
+        self._set = array.array("q")
+    else:
+      if self._seen is None:
+        self._seen = np.zeros(self._num_records, bool)
+      if not self._seen[index]:
+        self._seen[index] = True
+        self._set.append(index)
+    return len(self._set)

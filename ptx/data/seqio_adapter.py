@@ -82,15 +82,16 @@ class SeqioBatches:
     """A seqio example as a fitted ptx element (or a skipped one)."""
     inputs = np.asarray(example.get("inputs", []), np.int32)
     targets = np.asarray(example["targets"], np.int32)
+    where = f"{self.task.name}[{key}]"
     if not targets.size:
-      error = RecordError(f"{self.task.name}[{key}]", "empty targets")
+      error = RecordError(where, "empty targets")
       if self.cfg.on_error == "raise":
         raise error
       logging.warning("ptx.data: skipping bad record %s", error)
-      return {"status": "skipped", "example": None}
+      return {"status": "skipped", "example": None, "reason": str(error)}
     tokens = np.concatenate([np.asarray([self.bos_id], np.int32), inputs, targets])
     mask = np.concatenate([np.zeros(1 + inputs.size, np.int32), np.ones(targets.size, np.int32)])
-    return fit({"tokens": tokens, "loss_mask": mask}, "sft", self.cfg.seq_len, self.cfg.overlong)
+    return fit({"tokens": tokens, "loss_mask": mask}, "sft", self.cfg.seq_len, self.cfg.overlong, where)
 
 
 class SeqioIterator(grain.DatasetIterator):
@@ -116,9 +117,13 @@ class SeqioIterator(grain.DatasetIterator):
       self._read += 1
     return self._batcher.batch()
 
-  def metrics(self) -> dict[str, float]:
+  def metrics(self) -> dict[str, int | float]:
     """Counts so far, as `ptx.data.pipeline.BatchIterator.metrics`."""
     return self._batcher.metrics()
+
+  def skip_reasons(self) -> list[str]:
+    """The first skipped or dropped examples, as `ptx.data.pipeline.BatchIterator.skip_reasons`."""
+    return self._batcher.reasons()
 
   def get_state(self) -> dict[str, Any]:
     return {"read": self._read, **self._batcher.get_state()}

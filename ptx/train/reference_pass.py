@@ -150,6 +150,10 @@ class _ReferenceIterator(grain.DatasetIterator):
   def set_state(self, state: dict[str, Any]) -> None:
     self._batches.set_state(state)
 
-  def metrics(self) -> dict[str, float]:
+  def metrics(self) -> dict[str, int | float]:
     """The wrapped pipeline's counters."""
     return self._batches.metrics()
+
+  def skip_reasons(self) -> list[str]:
+    """The wrapped pipeline's first skipped or dropped records."""
+    return self._batches.skip_reasons()

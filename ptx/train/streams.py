@@ -6,6 +6,11 @@ precomputed reference table when `dpo.reference="precomputed"`);
 `grpo_prompts` turns random-access task records into the prompt batches a
 GRPO step reads. The CLI, recipes and notebooks build their data here, so
 one config reads the same data wherever it is launched.
+
+Data that cannot train fails here, before anything compiles or is written:
+files without records (`JsonlSource`), and a training pipeline that yields
+no batch (every record too long for data.seq_len, or bad and skipped), whose
+first batch is read once to find out.
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import jax
 
 from ptx.config import Config, ConfigError
 from ptx.data.pipeline import make_pipeline
-from ptx.data.sources import JsonlSource
+from ptx.data.sources import JsonlSource, NoDataError
 from ptx.data.tokenizer import Tokenizer
 from ptx.rl.prompt_batches import PromptBatches
 from ptx.train.reference_pass import with_reference_table
@@ -39,6 +44,8 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
 
   Raises:
     ConfigError: when `data.train_files` is empty.
+    NoDataError: when the files hold no records, or the training pipeline
+      (or the held-out one) keeps none of them.
   """
   data = cfg.data
   if not data.train_files:
@@ -47,6 +54,7 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
                                process_count=jax.process_count())
   sources = {"train": JsonlSource(data.train_files)}
   streams = {"train": pipeline(sources["train"], cfg=data)}
+  _first_batch(streams["train"], data.train_files)
   if data.eval_files:
     sources["eval"] = JsonlSource(data.eval_files)
     streams["eval"] = pipeline(sources["eval"], cfg=dataclasses.replace(data, shuffle=False, num_epochs=1))
@@ -55,6 +63,14 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
                                           path=out / "reference_logps" / f"{name}.npy", init_params=init_params)
                for name, stream in streams.items()}
   return streams["train"], (list(streams["eval"]) if "eval" in streams else None)
+
+
+def _first_batch(stream: Iterable[dict[str, Any]], files: Sequence[str]) -> None:
+  """Reads a batch from a fresh iterator of `stream`; one that keeps no example raises its NoDataError."""
+  try:
+    next(iter(stream))
+  except StopIteration:  # this host reads no record at all (fewer records than hosts, or no epochs)
+    raise NoDataError(f"{', '.join(files)}: the training pipeline of this host yields no batch") from None
 
 
 def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: bool) -> PromptBatches:

@@ -64,6 +64,43 @@ def test_jsonl_files_without_records_are_an_error_naming_them(tmp_path):
   assert len(JsonlSource([empty, blank, good])) == 1  # empty files beside records are no error
 
 
+def test_metrics_are_plain_counts_and_skip_reasons_survive_a_resume(tmp_path):
+  path = tmp_path / "d.jsonl"
+  too_long = json.dumps({"prompt": "p" * 200, "completion": "c"})
+  lines = [json.dumps(r) for r in _records(20)] + ["not json"] * 6 + [too_long]
+  path.write_text("\n".join(lines) + "\n")
+  cfg = DataConfig(batch_size=2, seq_len=96, pack=False, shuffle=False, num_epochs=1, on_error="skip",
+                   overlong="drop")
+  it = iter(make_pipeline(JsonlSource(path), TOK, cfg))
+  batches = list(it)
+  metrics = it.metrics()
+  assert {k: metrics[k] for k in ("read", "skipped", "truncated", "dropped", "sequences")} == {
+      "read": 27, "skipped": 6, "truncated": 0, "dropped": 1, "sequences": 20}
+  assert all(type(v) is int for k, v in metrics.items() if k != "packing_efficiency")
+  assert len(batches) == 10 and isinstance(metrics["packing_efficiency"], float)
+  reasons = it.skip_reasons()
+  assert len(reasons) == 5 and all(r.startswith(f"{path}:") and "malformed JSON" in r for r in reasons)
+  assert reasons[0] == f"{path}:21: malformed JSON: Expecting value at column 1"
+  resumed = iter(make_pipeline(JsonlSource(path), TOK, cfg))
+  resumed.set_state(json.loads(json.dumps(it.get_state())))
+  assert resumed.skip_reasons() == reasons and resumed.metrics() == metrics
+
+
+def test_a_host_whose_share_keeps_nothing_stops_and_the_others_go_on():
+  # Record i is too long for every odd i: in source order host 1 of 2 reads only those.
+  records = [{"prompt": f"#{i}", "completion": "c" * (80 if i % 2 else 3)} for i in range(8)]
+  cfg = DataConfig(batch_size=2, seq_len=32, pack=False, shuffle=False, overlong="drop")
+  first = iter(make_pipeline(MemorySource(records), TOK, cfg, process_index=0, process_count=2))
+  assert [next(first)["tokens"].shape for _ in range(6)] == [(1, 32)] * 6
+  with pytest.raises(NoDataError, match=r"none of the 4 records this host reads was kept \(4 dropped"):
+    next(iter(make_pipeline(MemorySource(records), TOK, cfg, process_index=1, process_count=2)))
+  # Shuffled, every host reads every record in time, so neither stops.
+  shuffled = dataclasses.replace(cfg, shuffle=True)
+  for p in range(2):
+    it = iter(make_pipeline(MemorySource(records), TOK, shuffled, process_index=p, process_count=2))
+    assert len([next(it) for _ in range(6)]) == 6
+
+
 def test_jsonl_arrayrecord_and_memory_sources_give_the_same_batches(tmp_path):
   records = _records(40)
   (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -130,7 +167,7 @@ def test_resume_from_saved_state_matches_an_uninterrupted_run(pack):
   resumed = iter(ds)
   resumed.set_state(state)
   rest = list(resumed)
-  assert len(rest) == len(full) - 7 and resumed.metrics()["records"] == 100
+  assert len(rest) == len(full) - 7 and resumed.metrics()["read"] == 100
   for a, b in zip(full[7:], rest):
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])

@@ -8,7 +8,7 @@ import pytest
 from ptx.config import DataConfig
 from ptx.data.pipeline import make_pipeline
 from ptx.data.records import RecordError, decode, encode
-from ptx.data.sources import JsonlSource, RawRecord
+from ptx.data.sources import JsonlSource, NoDataError, RawRecord
 from ptx.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -52,7 +52,7 @@ def test_raise_policy_names_file_and_line(tmp_path, case):
 def test_skip_policy_counts_and_keeps_the_good_records(tmp_path, case):
   batches, metrics = _run(_file(tmp_path, BAD[case][0]), on_error="skip")
   assert len(batches) == 3
-  assert (metrics["records"], metrics["skipped"], metrics["sequences"]) == (4, 1, 3)
+  assert (metrics["read"], metrics["skipped"], metrics["sequences"]) == (4, 1, 3)
 
 
 def _long_records():
@@ -103,3 +103,50 @@ def test_rl_record_keeps_task_fields_and_requires_them():
 def test_decode_accepts_dicts_from_memory_and_json_bytes():
   assert decode(RawRecord({"a": 1}, "m[0]")) == {"a": 1}
   assert decode(RawRecord(json.dumps({"a": "é"}).encode(), "f:1")) == {"a": "é"}
+
+
+def _jsonl(tmp_path, records):
+  path = tmp_path / "data.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return path
+
+
+# (records, config changes, what the error says after "first: "); each case keeps no record at seq_len 32.
+NOTHING_KEPT = {
+    "every_record_too_long": (
+        [{"prompt": "p" * n, "completion": "c"} for n in (40, 50, 45)], dict(overlong="drop"),
+        "{path}:1: 43 tokens, longer than data.seq_len=32 (data.overlong='drop'); {path}:2: 53 tokens",
+        "The shortest record needs data.seq_len >= 43, the longest 53"),
+    "preference_prompts_truncated_to_nothing": (
+        [{"prompt": "q" * n, "chosen": "yes", "rejected": "no"} for n in (31, 40)], dict(kind="preference"),
+        "{path}:1: 36 tokens, the first 32 before any target: truncation to data.seq_len=32 leaves no target token",
+        "The shortest record needs data.seq_len >= 33, the longest 42"),
+    "every_record_bad_and_skipped": (
+        [{"prompt": "1+1="}] * 3, dict(on_error="skip"), "{path}:1: missing field 'completion'; {path}:2:", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOTHING_KEPT))
+@pytest.mark.parametrize("num_epochs", [None, 1])
+def test_a_stream_that_keeps_no_record_stops_saying_which_and_why(tmp_path, case, num_epochs):
+  records, changes, first, needed = NOTHING_KEPT[case]
+  path = _jsonl(tmp_path, records)
+  cfg = DataConfig(batch_size=2, seq_len=32, pack=False, shuffle=False, num_epochs=num_epochs, num_threads=2,
+                   **changes)
+  # Repeating forever, the error comes after one pass (in reader threads' order); one epoch ends with it.
+  with pytest.raises(NoDataError) as info:
+    next(iter(make_pipeline(JsonlSource(path), TOK, cfg)))
+  message = str(info.value)
+  assert message.startswith(f"no example to train on: none of the {len(records)} records ")
+  assert f"first: {first.format(path=path)}" in message
+  assert (needed in message) if needed else "needs data.seq_len" not in message
+
+
+def test_one_good_record_among_many_too_long_keeps_a_repeating_stream_going():
+  from ptx.data.sources import MemorySource
+
+  records = [{"prompt": "p" * 40, "completion": "c"}] * 30 + [{"prompt": "ok", "completion": "fine"}]
+  cfg = DataConfig(batch_size=1, seq_len=32, pack=False, overlong="drop", seed=5)
+  it = iter(make_pipeline(MemorySource(records), TOK, cfg))
+  # Shuffled epochs put the good record anywhere, so up to 2 * 30 unkept records run between two kept ones.
+  assert all(TOK.decode(next(it)["tokens"][0]).startswith("okfine") for _ in range(4))
