@@ -13,6 +13,11 @@ reference's summed target log-probs, and z = beta * ((h_c - h_r) - (r_c - r_r)):
 Reference log-probs come from `TrainState.ref_params` through `prepare`
 (a frozen copy of the initial policy, in the same jitted step), or are
 given in the batch as `ref_chosen_logps` / `ref_rejected_logps`.
+
+A row without any target token is padding (the empty filler rows of a short
+last batch): it is in neither the loss nor any metric mean, and `weight`
+counts only the real pairs, so a padded batch gives the unpadded one's
+loss, gradient and metrics.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ def loss(params: Any, batch: Batch, rng: jax.Array, *, model: ModelConfig, dpo: 
 
   Returns:
     (loss, metrics): `loss`, `rewards/chosen`, `rewards/rejected`,
-    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
-    and `weight` (the number of pairs).
+    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`
+    (means over the real pairs), and `weight` (the number of real pairs).
   """
   del rng
   chosen, rejected, n_chosen, n_rejected = _pair_logps(params, batch, model, rules)
@@ -107,14 +112,17 @@ def loss(params: Any, batch: Batch, rng: jax.Array, *, model: ModelConfig, dpo: 
     ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
   losses, reward_chosen, reward_rejected = preference_loss(
       chosen, rejected, ref_chosen, ref_rejected, n_chosen, n_rejected, dpo)
-  mean = losses.mean()
-  return mean, {
-      "loss": mean,
-      "rewards/chosen": reward_chosen.mean(),
-      "rewards/rejected": reward_rejected.mean(),
-      "rewards/accuracies": (reward_chosen > reward_rejected).mean(),
-      "rewards/margins": (reward_chosen - reward_rejected).mean(),
-      "logps/chosen": chosen.mean(),
-      "logps/rejected": rejected.mean(),
-      "weight": jnp.asarray(chosen.shape[0], jnp.float32),
+  real = (n_chosen + n_rejected > 0).astype(jnp.float32)  # padding rows have no target token
+  pairs = real.sum()
+  mean = lambda x: (x * real).sum() / jnp.maximum(pairs, 1.0)  # a batch of padding only contributes 0
+  value = mean(losses)
+  return value, {
+      "loss": value,
+      "rewards/chosen": mean(reward_chosen),
+      "rewards/rejected": mean(reward_rejected),
+      "rewards/accuracies": mean((reward_chosen > reward_rejected).astype(jnp.float32)),
+      "rewards/margins": mean(reward_chosen - reward_rejected),
+      "logps/chosen": mean(chosen),
+      "logps/rejected": mean(rejected),
+      "weight": pairs,
   }

@@ -9,7 +9,7 @@ import pytest
 
 from ptx.algorithms import dpo
 from ptx.config import DPOConfig, MeshConfig, OptimizerConfig
-from ptx.data.batch import pad_batch, sft_example
+from ptx.data.batch import pack_rows, sft_example
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import init_params
 from ptx.sharding import make_mesh
@@ -68,7 +68,8 @@ def test_rewards_are_beta_times_the_log_ratio():
   np.testing.assert_allclose(rejected, [-0.05, 0.0], atol=1e-7)
 
 
-def _preference_batch(n, seed):
+def _preference_batch(n, seed, filler=0):
+  """n pairs, then `filler` empty rows as the batcher pads a short last batch with."""
   tok = ByteTokenizer()
   rng = np.random.default_rng(seed)
   chosen, rejected = [], []
@@ -77,7 +78,23 @@ def _preference_batch(n, seed):
     prompt = f"{a}+{b}="
     chosen.append(sft_example(tok, prompt, str(a + b)))
     rejected.append(sft_example(tok, prompt, "".join(rng.choice(list("xyzw"), 2))))
-  return {"chosen": pad_batch(chosen, 16, tok.pad_id), "rejected": pad_batch(rejected, 16, tok.pad_id)}
+  rows = lambda examples: [[ex] for ex in examples] + [[]] * filler
+  return {"chosen": pack_rows(rows(chosen), 16, tok.pad_id), "rejected": pack_rows(rows(rejected), 16, tok.pad_id)}
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_padding_pairs_count_in_neither_the_loss_nor_any_metric(tiny_config, loss_type):
+  params, ref_params = (init_params(tiny_config, jax.random.key(seed)) for seed in (0, 1))
+  cfg = DPOConfig(loss_type=loss_type, beta=0.5)
+
+  def metrics(batch):
+    batch = dpo.prepare(ref_params, batch, model=tiny_config)
+    return {k: float(v) for k, v in dpo.loss(params, batch, None, model=tiny_config, dpo=cfg)[1].items()}
+
+  plain, padded = metrics(_preference_batch(2, 0)), metrics(_preference_batch(2, 0, filler=2))
+  assert plain["weight"] == padded["weight"] == 2
+  # The padded batch is another program (4 rows, not 2): float32 rounding of its reordered sums, ~1e-7 relative.
+  assert padded == pytest.approx(plain, rel=1e-5, abs=1e-6)
 
 
 def test_missing_reference_is_an_error(tiny_config):
