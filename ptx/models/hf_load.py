@@ -1,9 +1,11 @@
 """Loading an HF checkpoint directory into a sharded ptx `Decoder`.
 
 Invariants:
-  * Everything is checked before any tensor is read: the config, and the
-    name, presence and shape of every tensor (from the safetensors headers).
-    An error names the tensor and its file; nothing is half-loaded.
+  * Everything is checked before any tensor is read: the config, each file's
+    size against its safetensors header (a cut download or copy is named
+    with both sizes), and the name, presence and shape of every tensor
+    (from the headers). An error names the tensor and its file; nothing is
+    half-loaded.
   * Each parameter is built with `jax.make_array_from_callback` straight into
     its target sharding. The callback reads, with safetensors `get_slice`, only
     the rows of the device's block, one layer at a time, into one host buffer
@@ -37,7 +39,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-  """A checkpoint whose tensors do not match its config (names the tensor and file)."""
+  """A checkpoint whose files are unreadable or whose tensors do not match its config (names the tensor and file)."""
 
 
 def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = None,
@@ -58,7 +60,8 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
 
   Raises:
     HFConfigError: for an unsupported model_type or config option.
-    CheckpointError: for a missing, unexpected or wrongly shaped tensor.
+    CheckpointError: for a cut or unreadable safetensors file, or a
+      missing, unexpected or wrongly shaped tensor.
     FileNotFoundError: when the directory holds no config or weights.
   """
   path = pathlib.Path(path)
@@ -103,8 +106,6 @@ def _config(path: pathlib.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
 
 def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
   """Checkpoint tensor name -> (file, shape), read from the safetensors headers only."""
-  from safetensors import safe_open
-
   index = path / "model.safetensors.index.json"
   if index.exists():
     weight_map = json.loads(index.read_text())["weight_map"]
@@ -115,13 +116,44 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
   out = {}
   for file in files:
-    with safe_open(str(file), framework="np") as f:
+    _check_size(file)
+    with _open(file) as f:
       for name in f.keys():
         out[name] = (file, tuple(f.get_slice(name).get_shape()))
   for name, file in (weight_map or {}).items():
     if out.get(name, (None,))[0] != path / file:
       raise CheckpointError(f"{index}: names tensor {name!r} in {file}, which does not hold it")
   return out
+
+
+def _check_size(file: pathlib.Path) -> None:
+  """Raises CheckpointError naming `file` when it is shorter than its safetensors header says."""
+  size = file.stat().st_size
+  with open(file, "rb") as f:
+    prefix = f.read(8)
+    header_len = int.from_bytes(prefix, "little")
+    if len(prefix) < 8 or 8 + header_len > size:
+      what = "a safetensors header" if len(prefix) < 8 else f"the {header_len}-byte safetensors header it announces"
+      raise CheckpointError(f"{file}: {size} bytes, too short for {what}: the file is cut short (an interrupted "
+                            "download or copy?) or not a safetensors file")
+    try:
+      header = json.loads(f.read(header_len))
+      end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+      raise CheckpointError(f"{file}: not a safetensors file (its header does not parse: {e})") from None
+  if 8 + header_len + end > size:
+    raise CheckpointError(f"{file}: {size} bytes, but its safetensors header describes {8 + header_len + end}: the "
+                          "tensor data is cut short (an interrupted download or copy?)")
+
+
+def _open(file: pathlib.Path) -> Any:
+  """safetensors' `safe_open` of `file`, its errors raised as CheckpointError naming the file."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return safe_open(str(file), framework="np")
+  except SafetensorError as e:
+    raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
 
 
 def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
@@ -163,8 +195,6 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
 def _load(spec: ParamSpec, leaf: str, sources: list[tuple[pathlib.Path, str]], target: jax.sharding.Sharding,
           dtype: np.dtype) -> jax.Array:
   """Builds one parameter on its sharding, reading each distinct device block once."""
-  from safetensors import safe_open
-
   stacked = spec.logical_axes[0] == "layers"
   axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
   handles: dict[pathlib.Path, Any] = {}
@@ -173,7 +203,7 @@ def _load(spec: ParamSpec, leaf: str, sources: list[tuple[pathlib.Path, str]], t
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
     file, name = sources[i]
     if file not in handles:
-      handles[file] = safe_open(str(file), framework="np")
+      handles[file] = _open(file)
     tensor = handles[file].get_slice(name)
     return hf_layout.read_block(lambda index: tensor[index], leaf, axes, shape, block)
 

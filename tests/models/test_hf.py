@@ -181,6 +181,28 @@ def test_wrong_shape_is_named(tmp_path):
     load_hf(path)
 
 
+def test_a_cut_shard_is_named_with_its_sizes(tmp_path):
+  path = _tiny_llama(tmp_path)
+  shard = path / "model.safetensors"
+  data = shard.read_bytes()
+  header_len = int.from_bytes(data[:8], "little")
+  shard.write_bytes(data[:300])  # inside the header
+  with pytest.raises(CheckpointError, match=f"{shard}: 300 bytes, too short for the {header_len}-byte safetensors "
+                                            "header it announces: the file is cut short"):
+    load_hf(path)
+  shard.write_bytes(data[:-1000])  # the header whole, the last tensor's data cut
+  with pytest.raises(CheckpointError, match=f"{shard}: {len(data) - 1000} bytes, but its safetensors header describes "
+                                            f"{len(data)}: the tensor data is cut short"):
+    load_hf(path)
+  shard.write_bytes(data[:8] + b"{" * header_len + data[8 + header_len:])
+  with pytest.raises(CheckpointError, match=f"{shard}: not a safetensors file \\(its header does not parse"):
+    load_hf(path)
+  header = json.dumps({"x": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}).encode()
+  shard.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))  # sizes agree; safetensors refuses it
+  with pytest.raises(CheckpointError, match=f"{shard}: unreadable safetensors file \\(.*unknown variant `F99`"):
+    load_hf(path)
+
+
 def test_unknown_model_type_and_options_are_refused(tmp_path):
   path = _tiny_llama(tmp_path)
   config = json.loads((path / "config.json").read_text())
