@@ -6,6 +6,11 @@ tokens: callers add `bos_id`/`eos_id` (or a chat template renders them), so
 one text always has one encoding. A tokenizer may carry a chat template in a
 `chat_template` attribute (see `ptx.data.chat`); where it has none, chat
 records use the built-in ChatML template.
+
+`check_fits(tokenizer, vocab_size, where)` is the one check, wherever a
+tokenizer meets a model, that every id it can produce has an embedding
+row: a model vocabulary larger than the tokenizer's is normal (padded
+embeddings), a smaller one is an error.
 """
 
 from __future__ import annotations
@@ -39,6 +44,23 @@ class Tokenizer(Protocol):
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def check_fits(tokenizer: Tokenizer, vocab_size: int, where: str) -> None:
+  """Refuses a tokenizer with ids the model has no embedding for.
+
+  Args:
+    tokenizer: the tokenizer that feeds the model.
+    vocab_size: the model's vocabulary (`ModelConfig.vocab_size`).
+    where: what the two come from, for the message.
+
+  Raises:
+    ValueError: when the tokenizer's vocabulary is larger than the model's.
+  """
+  if tokenizer.vocab_size > vocab_size:
+    raise ValueError(f"{where}: tokenizer vocab {tokenizer.vocab_size} > model vocab_size {vocab_size}: ids "
+                     f"{vocab_size}..{tokenizer.vocab_size - 1} have no embedding; use the model's own tokenizer "
+                     "or a model with a vocabulary at least as large")
 
 
 class ByteTokenizer:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from ptx.config import ModelConfig
 from ptx.data.chat import encode_chat
-from ptx.data.tokenizer import Tokenizer
+from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.sampling.generation import generate
 from ptx.sampling.rules import SamplingConfig
 
@@ -35,11 +35,15 @@ class TextSampler:
     chat: render each prompt as a user turn of the tokenizer's chat template.
     mesh: sample sharded on this mesh.
     stop_ids: ids that end a completion; defaults to the tokenizer's eos.
+
+  Raises:
+    ValueError: when the tokenizer has more tokens than the model's vocab_size.
   """
 
   def __init__(self, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, *, max_new_tokens: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0, chat: bool = False,
                mesh: Mesh | None = None, stop_ids: Sequence[int] | None = None):
+    check_fits(tokenizer, cfg.vocab_size, "TextSampler")
     self.params, self.cfg, self.tokenizer = params, cfg, tokenizer
     self.max_new_tokens, self.sampling, self.chat, self.mesh = max_new_tokens, sampling, chat, mesh
     self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_id]

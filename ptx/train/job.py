@@ -36,7 +36,7 @@ from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms import dpo, sft
 from ptx.config import Config, ModelConfig, OptimizerConfig
-from ptx.data.tokenizer import Tokenizer
+from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models.params import weight_decay_mask
 from ptx.rl import token_rewards
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
@@ -153,10 +153,8 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:
   """Every rule of `cfg` for `algorithm` and `tokenizer`; returns the config's sharding rules."""
   config_rules.check(cfg, algorithm)
-  if cfg.model.vocab_size < tokenizer.vocab_size:
-    raise config_lib.ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                                 f"{tokenizer.vocab_size}")
   try:
+    check_fits(tokenizer, cfg.model.vocab_size, "model.vocab_size")
     return sharding.rules_of(cfg.mesh)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e

@@ -8,8 +8,9 @@ chunk, scan) stay as the preset and the command line chose them; an
 explicit `--model.n_layers` below the checkpoint's keeps its first layers
 (smoke runs of a real model), and any other architecture override that
 contradicts the checkpoint is an error naming the field. The tokenizer is
-the one that comes with the weights. A `.gguf` file is converted once into
-OUT/pretrained first.
+the one that comes with the weights (or `--data.tokenizer`), and it must
+fit the model's vocabulary (`ptx.data.tokenizer.check_fits`). A `.gguf`
+file is converted once into OUT/pretrained first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ptx import config as config_lib
 from ptx import config_io
 from ptx.config import Config, ConfigError
 from ptx.data.hf_tokenizer import load_tokenizer
-from ptx.data.tokenizer import ByteTokenizer, Tokenizer
+from ptx.data.tokenizer import ByteTokenizer, Tokenizer, check_fits
 from ptx.models.hf_load import load_hf, read_model_config
 from ptx.sharding import make_mesh, rules_of
 
@@ -42,12 +43,13 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
 
   Raises:
     ConfigError: for a bad override, or one that contradicts the checkpoint.
-    OSError, ValueError: for an unreadable checkpoint or tokenizer (naming the file).
+    OSError, ValueError: for an unreadable checkpoint or tokenizer (naming the file), or a tokenizer with more
+      tokens than model.vocab_size.
   """
   cfg = config_io.apply_overrides(base, overrides)
   if model_dir is None:
     tokenizer = ByteTokenizer() if cfg.data.tokenizer == "byte" else load_tokenizer(cfg.data.tokenizer)
-    return cfg, None, tokenizer
+    return cfg, None, tokenizer  # the job builders check that it fits model.vocab_size
   if any(arg.split("=", 1)[0] == "--model" for arg in overrides):
     raise ConfigError("--model=PRESET and --model-dir both choose the architecture: give one")
   model_dir = _hf_directory(pathlib.Path(model_dir), out)
@@ -61,10 +63,13 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
       raise ConfigError(f"--model.{name}={getattr(cfg.model, name)!r} contradicts {model_dir / 'config.json'} "
                         f"({name}={getattr(checkpoint, name)!r}); only model.n_layers may be lowered (a smoke run "
                         "keeps the first layers)")
+  tokenizer = load_tokenizer(cfg.data.tokenizer)
+  # Before the weights load: the job builders check again, but only once they are in memory.
+  check_fits(tokenizer, cfg.model.vocab_size, f"the tokenizer of {cfg.data.tokenizer} with {model_dir / 'config.json'}")
   params = load_hf(model_dir, mesh=make_mesh(cfg.mesh), dtype=cfg.model.param_dtype, rules=rules_of(cfg.mesh)).params
   if cfg.model.n_layers < checkpoint.n_layers:
     params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
-  return cfg, params, load_tokenizer(cfg.data.tokenizer)
+  return cfg, params, tokenizer
 
 
 def _hf_directory(path: pathlib.Path, out: pathlib.Path | None) -> pathlib.Path:

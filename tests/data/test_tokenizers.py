@@ -7,7 +7,7 @@ import pytest
 
 from ptx.data.chat import encode_chat
 from ptx.data.hf_tokenizer import HFTokenizer, load_tokenizer
-from ptx.data.tokenizer import ByteTokenizer, Tokenizer
+from ptx.data.tokenizer import ByteTokenizer, Tokenizer, check_fits
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "2+2=4 and 3+5=8", "héllo wörld ünïcode"] * 20
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -115,3 +115,11 @@ def test_byte_tokenizer_saved_as_hf_encodes_and_decodes_identically(tmp_path):
     assert reloaded.encode(text) == ids and auto(text, add_special_tokens=False)["input_ids"] == ids
     assert auto(text)["input_ids"] == [byte.bos_id, *ids]
     assert reloaded.decode([1, *ids, 2]) == text == auto.decode([1, *ids, 2], skip_special_tokens=True)
+
+
+def test_check_fits_refuses_only_a_tokenizer_larger_than_the_model():
+  check_fits(ByteTokenizer(), 259, "same size")
+  check_fits(ByteTokenizer(), 512, "padded embeddings")
+  with pytest.raises(ValueError, match=r"^model x: tokenizer vocab 259 > model vocab_size 200: ids 200\.\.258 have no "
+                                       "embedding"):
+    check_fits(ByteTokenizer(), 200, "model x")

@@ -128,7 +128,7 @@ def test_jobs_compare_by_value_and_decide_the_reference_once():
      r"grpo.kl_target \(adaptive KL\) needs grpo.kl_placement='reward'"),
     (dict(grpo=GRPOConfig(ref_sync_every=5), lora=LoRAConfig(rank=4)),
      "grpo.ref_sync_every: under LoRA"),
-    (dict(model=ModelConfig(vocab_size=100)), "model.vocab_size=100 is smaller than the tokenizer's"),
+    (dict(model=ModelConfig(vocab_size=100)), "tokenizer vocab 259 > model vocab_size 100"),
 ])
 def test_cross_field_rules_fail_before_compiling_naming_the_fields(change, message):
   cfg = dataclasses.replace(_grpo_cfg(), **change)
