@@ -10,6 +10,13 @@ each action and observation on their own lines. Scoring runs through
 pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
 for n samples with c correct, computed as a product that neither overflows
 nor cancels. mean@k is the mean reward over all samples.
+
+The report keeps what the model wrote: "samples" holds one entry per
+completion (task index, sample index, reward, outcome, reason, and the text
+after the prompt, every turn of it), the first of each task with its
+prompt. `write_report` puts them in `samples.jsonl`, one JSON line each,
+beside the summary; both files are replaced atomically, so a crash leaves
+the old file or the new one, never part of one.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +33,8 @@ from ptx.rl.environments.base import Environment, Episode, Outcome, Step
 from ptx.rl.rewards import run_steps
 
 Generate = Callable[[list[str], int], list[list[str]]]
+# The completions of a report, beside its summary.
+SAMPLES_FILE = "samples.jsonl"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,7 +74,8 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
 
   Returns:
     The report: "env", "tasks", "k", "pass@k" (for each power of two below k
-    and k), "mean@k", "outcomes" (counts), and "per_task" details.
+    and k), "mean@k", "outcomes" (counts), "per_task" details, and
+    "samples" (see the module docstring).
   """
   if k < 1:
     raise ValueError(f"evaluate: k must be >= 1, got {k}")
@@ -77,16 +88,16 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
         episodes.append([env.reset(task) for _ in range(k)])
       except ValueError as e:
         raise ValueError(f"evaluate: task {index}: {e}") from None
-    finals = _play(generate, env, episodes, k, concurrency)
+    finals, texts = _play(generate, env, episodes, k, concurrency)
   finally:
     for episode in (e for row in episodes for e in row):
       episode.close()
-  return _report(env.name, finals, k)
+  return {**_report(env.name, finals, k), "samples": _samples([row[0].prompt for row in episodes], finals, texts)}
 
 
 def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k: int,
-          concurrency: int) -> list[list[Step]]:
-  """Runs every episode to its final Step, turn by turn."""
+          concurrency: int) -> tuple[list[list[Step]], list[list[str]]]:
+  """Runs every episode to its final Step, turn by turn; returns the final Steps and what each episode wrote."""
   completions = generate([row[0].prompt for row in episodes], k)
   if len(completions) != len(episodes) or any(len(c) != k for c in completions):
     raise ValueError(f"generate returned {[len(c) for c in completions]} completions; wanted {k} for each of "
@@ -95,6 +106,7 @@ def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k
   actions = [a for row in completions for a in row]
   transcripts = [e.prompt for e in flat]
   finals: list[Step | None] = [None] * len(flat)
+  texts = [""] * len(flat)
   live = list(range(len(flat)))
   for turn in range(env.max_turns):
     steps = run_steps([lambda e=flat[i], a=a: e.step(a) for i, a in zip(live, actions)], concurrency)
@@ -102,6 +114,7 @@ def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k
     for i, action, step in zip(live, actions, steps):
       if step.done or turn == env.max_turns - 1:
         finals[i] = step if step.done else Step.final(Outcome.NO_ANSWER, "out of turns")
+        texts[i] = transcripts[i][len(flat[i].prompt):] + action
       else:
         transcripts[i] += f"{action}\n{step.observation}\n"
         still.append(i)
@@ -109,7 +122,8 @@ def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k
     if not live:
       break
     actions = [c[0] for c in generate([transcripts[i] for i in live], 1)]
-  return [finals[r * k:(r + 1) * k] for r in range(len(episodes))]
+  rows = range(len(episodes))
+  return [finals[r * k:(r + 1) * k] for r in rows], [texts[r * k:(r + 1) * k] for r in rows]
 
 
 def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:
@@ -129,13 +143,39 @@ def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:
   }
 
 
+def _samples(prompts: list[str], finals: list[list[Step]], texts: list[list[str]]) -> list[dict[str, Any]]:
+  """One entry per completion, in task and sample order; the first of each task carries its prompt."""
+  out = []
+  for task, (prompt, steps, written) in enumerate(zip(prompts, finals, texts)):
+    for sample, (step, text) in enumerate(zip(steps, written)):
+      entry = {"task": task, "sample": sample, "reward": step.reward, "outcome": str(step.outcome),
+               "reason": step.reason}
+      out.append({**entry, "prompt": prompt, "completion": text} if sample == 0 else {**entry, "completion": text})
+  return out
+
+
 def write_report(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
-  """Writes a report as indented JSON."""
-  pathlib.Path(path).write_text(json.dumps(report, indent=1) + "\n")
+  """Writes a report's summary as indented JSON to `path`, and its samples to samples.jsonl beside it.
+
+  Both texts are made before either file is touched, and the samples are
+  replaced first, so a summary is never newer than the samples beside it.
+  """
+  path = pathlib.Path(path)
+  summary = json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1) + "\n"
+  if "samples" in report:
+    _replace(path.with_name(SAMPLES_FILE), "".join(json.dumps(s) + "\n" for s in report["samples"]))
+  _replace(path, summary)
+
+
+def _replace(path: pathlib.Path, text: str) -> None:
+  """Writes `text` to a temporary file beside `path`, then renames it over `path` (atomic on POSIX)."""
+  temporary = path.with_name(f".{path.name}.tmp")
+  temporary.write_text(text)
+  os.replace(temporary, path)
 
 
 def read_report(path: str | pathlib.Path) -> dict[str, Any]:
-  """Reads a report written by `write_report`."""
+  """Reads the summary of a report written by `write_report` (without its samples)."""
   report = json.loads(pathlib.Path(path).read_text())
   for key in ("pass@k", "mean@k", "outcomes", "tasks", "k"):
     if key not in report:

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import fractions
+import json
 import math
 
 import pytest
@@ -79,6 +80,9 @@ def test_evaluate_multi_turn_shell_task():
   env = shell.ShellEnv(max_turns=3, limits=sandbox.Limits(timeout_s=20.0, cpu_s=1))
   report = evaluation.evaluate(generate, env, [task], k=2)
   assert report["outcomes"] == {"ok": 1, "wrong": 1}
+  # A sample's text is every turn after the prompt: actions and the observations between them.
+  assert [s["completion"] for s in report["samples"]] == [
+      "sort -n data.txt > sorted.txt\n[exit 0] \nDONE", "sort data.txt > sorted.txt\n[exit 0] \nDONE"]
   assert report["pass@k"] == {"1": 0.5, "2": 1.0}
   assert len(seen) == 2 and all("sorted.txt\n[exit 0] \n" in p for p in seen)
 
@@ -126,7 +130,7 @@ def test_report_round_trip_and_compare(tmp_path):
   evaluation.write_report(a, tmp_path / "a.json")
   evaluation.write_report(b, tmp_path / "b.json")
   a2, b2 = evaluation.read_report(tmp_path / "a.json"), evaluation.read_report(tmp_path / "b.json")
-  assert a2 == a
+  assert a2 == {k: v for k, v in a.items() if k != "samples"}
   table = evaluation.compare(a2, b2)
   lines = {line.split()[0] + (" " + line.split()[1] if line.startswith("rate") else ""): line
            for line in table.splitlines()[2:]}
@@ -137,3 +141,32 @@ def test_report_round_trip_and_compare(tmp_path):
   (tmp_path / "bad.json").write_text("{}")
   with pytest.raises(ValueError, match="lacks 'pass@k'"):
     evaluation.read_report(tmp_path / "bad.json")
+
+
+def test_every_completion_is_written_to_samples_jsonl_beside_the_report(tmp_path):
+  report = _arithmetic_run([0, 1], k=2)
+  evaluation.write_report(report, tmp_path / "eval.json")
+  samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+  tasks = [ArithmeticTask(seed=1)[i] for i in range(2)]
+  answers = [t["answer"] for t in tasks]
+  assert samples == [
+      {"task": 0, "sample": 0, "reward": 0.0, "outcome": "no_answer", "reason": samples[0]["reason"],
+       "prompt": tasks[0]["prompt"], "completion": "no idea"},
+      {"task": 0, "sample": 1, "reward": 0.0, "outcome": "wrong", "reason": samples[1]["reason"],
+       "completion": str(int(answers[0]) + 1)},
+      {"task": 1, "sample": 0, "reward": 1.0, "outcome": "ok", "reason": samples[2]["reason"],
+       "prompt": tasks[1]["prompt"], "completion": answers[1]},
+      {"task": 1, "sample": 1, "reward": 0.0, "outcome": "no_answer", "reason": samples[3]["reason"],
+       "completion": "no idea"}]
+  assert [s["reason"] for s in samples] == [r for t in report["per_task"] for r in t["reasons"]]
+  assert "samples" not in json.loads((tmp_path / "eval.json").read_text())
+
+
+def test_a_report_that_fails_to_write_leaves_the_earlier_files_whole(tmp_path):
+  evaluation.write_report(_arithmetic_run([1]), tmp_path / "eval.json")
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  broken = {**_arithmetic_run([2]), "cells": {"x": object()}}  # not JSON: fails while the summary is made
+  with pytest.raises(TypeError, match="not JSON serializable"):
+    evaluation.write_report(broken, tmp_path / "eval.json")
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+  assert sorted(before) == ["eval.json", "samples.jsonl"]  # and no temporary file is left
