@@ -69,6 +69,20 @@ def tiny_config():
                      mlp_dim=96, rope_theta=10_000.0, init_std=0.1)
 
 
+@pytest.fixture(scope="module")
+def ptx_checkpoint(tmp_path_factory):
+  """An HF model directory: a random `model_variants.HF_ARCH` written by `save_hf`, with the byte tokenizer's files."""
+  pytest.importorskip("tokenizers", reason="a checkpoint's tokenizer needs the hf extra (`make test` installs it)")
+  from model_variants import HF_ARCH
+  from ptx.data.tokenizer import ByteTokenizer
+  from ptx.models import Decoder, init_params, save_hf
+
+  path = tmp_path_factory.mktemp("ptx_ckpt")
+  save_hf(Decoder(HF_ARCH, params=init_params(HF_ARCH, jax.random.key(3))), path)
+  ByteTokenizer().save_hf(path)
+  return path
+
+
 def pytest_sessionfinish(session, exitstatus):
   """Removes the compilation cache this process created (the controller's, under xdist)."""
   if _OWN_CACHE:

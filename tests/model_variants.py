@@ -1,6 +1,13 @@
-"""Config variants shared by model and sampler tests (importable: conftest modules are not)."""
+"""Config variants shared by model, sampler and CLI tests (importable: conftest modules are not)."""
 
 import dataclasses
+
+from ptx.config import ModelConfig
+
+# The HF checkpoint of the CLI tests (`ptx_checkpoint` in conftest.py): a 2-layer Llama with a vocabulary the byte
+# tokenizer fits; dimensions distinct so a swapped axis fails to load.
+HF_ARCH = ModelConfig(vocab_size=272, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, mlp_dim=80,
+                      rope_theta=10_000.0)
 
 
 def gemma_like(cfg):

@@ -7,27 +7,15 @@ import jax
 import numpy as np
 import pytest
 
+from model_variants import HF_ARCH as ARCH
 from ptx import cli
-from ptx.config import ModelConfig
 from ptx.data.tokenizer import ByteTokenizer
-from ptx.models import Decoder, init_params, load_hf, save_hf
+from ptx.models import load_hf
 
 pytest.importorskip("tokenizers", reason="a checkpoint's tokenizer needs the hf extra (`make test` installs it)")
 
-# A 1-layer Llama with a vocabulary the byte tokenizer fits; dimensions distinct so a swapped axis fails to load.
-ARCH = ModelConfig(vocab_size=272, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, mlp_dim=80,
-                   rope_theta=10_000.0)
 COMMON = ["--no-progress", "--train.steps=2", "--train.log_every=1", "--data.batch_size=8", "--mesh.data=2",
           "--mesh.fsdp=4"]
-
-
-@pytest.fixture(scope="module")
-def ptx_checkpoint(tmp_path_factory):
-  """A random model written by `save_hf`, with the byte tokenizer's HF files."""
-  path = tmp_path_factory.mktemp("ptx_ckpt")
-  save_hf(Decoder(ARCH, params=init_params(ARCH, jax.random.key(3))), path)
-  ByteTokenizer().save_hf(path)
-  return path
 
 
 @pytest.fixture(scope="module")
