@@ -29,8 +29,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=1
 
+# The demo replaces its previous run in out/demo (a job refuses an earlier run unless told).
 demo: $(STAMP)
-	$(BIN)/ptx demo
+	$(BIN)/ptx demo --overwrite
 
 # Re-pin after a deliberate upgrade: writes what the current .venv holds.
 constraints: $(STAMP)

@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _job_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out), help="run directory")
-  parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+  parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
+                      "checkpoint (refused when the config changes the model or the data)")
+  parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (deletes its "
+                      "checkpoints, metrics and exports); without --resume or --overwrite an earlier run is refused")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
   multi = parser.add_argument_group("multi-host (run the same command on every host)")
   multi.add_argument("--distributed", action="store_true",
@@ -144,14 +147,39 @@ def main(argv: list[str] | None = None) -> int:
 
       cfg = config_io.apply_overrides(demo.default_config(), overrides)
     else:
+      from ptx.train import run_dir
+
+      # Before anything is written into --out; the earlier run's results go only once training starts (fit).
+      run_dir.check(args.out, resume=args.resume, overwrite=args.overwrite)
+      if args.overwrite:
+        run_dir.clear(args.out, run_dir.CACHES, primary=jax.process_index() == 0)
       cfg, params, tokenizer, job, train, evaluation = _prepare(args, overrides)
   except (config_lib.ConfigError, OSError, ValueError) as e:  # bad config, files or records: named in the message
     parser.error(str(e))
-  if args.command == "demo":
-    demo.run(cfg, args.out, rl_steps=args.rl_steps, resume=args.resume, progress=progress)
-    return 0
-  _train(args, cfg, params, tokenizer, job, train, evaluation, progress)
+  try:
+    if args.command == "demo":
+      demo.run(cfg, args.out, rl_steps=args.rl_steps, resume=args.resume, overwrite=args.overwrite,
+               progress=progress)
+    else:
+      _train(args, cfg, params, tokenizer, job, train, evaluation, progress)
+  except _run_errors() as e:  # the run refused or stopped: the message says why and what was kept
+    print(f"ptx {args.command}: error: {e}", file=sys.stderr, flush=True)
+    return 2 if isinstance(e, ValueError) else 1
   return 0
+
+
+def _run_errors() -> tuple[type[Exception], ...]:
+  """Errors that end a run with a message rather than a traceback (refusals exit 2, stops 1)."""
+  from ptx.data.records import RecordError
+  from ptx.data.sources import NoDataError
+  from ptx.train.checkpoint import CheckpointError
+  from ptx.train.export import NonFiniteParams
+  from ptx.train.loop import DivergedError
+  from ptx.train.metrics import MetricsFileError
+  from ptx.train.run_dir import RunDirError
+
+  return (RunDirError, CheckpointError, DivergedError, MetricsFileError, NonFiniteParams, RecordError,
+          NoDataError)
 
 
 def _prepare(args, overrides: list[str]):
@@ -174,8 +202,8 @@ def _train(args, cfg, params, tokenizer, job, train, evaluation, progress: bool)
   """Runs the job, then writes OUT/hf (and OUT/adapter under LoRA) unless --no-export or preempted."""
   from ptx.train.loop import fit
 
-  state, summary = fit(cfg, job, train_data=train, out=args.out, resume=args.resume, eval_data=evaluation,
-                       init_params=params, progress=progress)
+  state, summary = fit(cfg, job, train_data=train, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                       eval_data=evaluation, init_params=params, progress=progress)
   if not args.no_export and not summary["preempted"]:  # a preempted run has nothing final to export
     from ptx.train.export import export_hf
 
@@ -246,11 +274,11 @@ def _evaluate(args, error) -> int:
   try:
     env, tasks = suites.load(args.task, n=args.n, seed=args.seed, path=args.tasks_file)
     model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
-  except (OSError, ValueError) as e:
+    sampler = TextSampler(model.params, model.cfg, tokenizer, max_new_tokens=args.max_new_tokens,
+                          sampling=SamplingConfig(greedy=True) if args.temperature == 0 else
+                          SamplingConfig(temperature=args.temperature), seed=args.seed, chat=args.chat)
+  except (OSError, ValueError) as e:  # a missing or cut file, a tokenizer larger than the model: named
     error(str(e))
-  sampler = TextSampler(model.params, model.cfg, tokenizer, max_new_tokens=args.max_new_tokens,
-                        sampling=SamplingConfig(greedy=True) if args.temperature == 0 else
-                        SamplingConfig(temperature=args.temperature), seed=args.seed, chat=args.chat)
   report = evaluation.evaluate(sampler, env, tasks, k=args.k)
   if args.task == "needle":  # long-context retrieval is read per (haystack length, needle depth) cell
     from ptx.rl.environments import needle

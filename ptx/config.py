@@ -196,6 +196,9 @@ class TrainConfig:
   checkpoint_every: int = 100
   # Keep the newest this many checkpoints.
   keep_checkpoints: int = 3
+  # Stop the run (non-zero exit, no export) after this many consecutive optimizer steps with non-finite
+  # gradients, which are skipped; 0 never stops. Checkpoints are not written during such a streak.
+  max_nonfinite_steps: int = 10
 
 
 @dataclasses.dataclass(frozen=True)

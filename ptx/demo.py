@@ -35,7 +35,7 @@ from ptx.rl import evaluation
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.sampling.text import TextSampler
 from ptx.sharding import make_mesh
-from ptx.train import plots, presets, streams
+from ptx.train import plots, presets, run_dir, streams
 from ptx.train.export import export_hf
 from ptx.train.job import grpo_job, sft_job
 from ptx.train.loop import fit
@@ -74,8 +74,16 @@ def exact_match(params, batch, *, model) -> jax.Array:
   return jnp.mean(~jnp.any(wrong, axis=-1))
 
 
-def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = False, progress: bool = True) -> dict:
-  """Trains (SFT, then `rl_steps` of GRPO) and evaluates the demo; returns the summary (also printed as JSON)."""
+def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = False, overwrite: bool = False,
+        progress: bool = True) -> dict:
+  """Trains (SFT, then `rl_steps` of GRPO) and evaluates the demo; returns the summary (also printed as JSON).
+
+  `resume` continues the runs in OUT/sft and OUT/grpo, `overwrite` replaces
+  them; without either an earlier demo in `out` is refused
+  (`ptx.train.run_dir.check`).
+  """
+  for stage in ("sft", "grpo"):  # before the minutes of the first evaluation; fit replaces them
+    run_dir.check(out / stage, resume=resume, overwrite=overwrite)
   tokenizer = ByteTokenizer()
   rl_cfg = grpo_config(cfg, rl_steps)
   sft_stage, grpo_stage = sft_job(cfg, tokenizer), grpo_job(rl_cfg, tokenizer)  # both checked before compiling
@@ -98,11 +106,11 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
 
   before = evaluate(initial_params(cfg.model, cfg.train.seed))
   state, sft_summary = fit(cfg, sft_stage, train_data=train, out=out / "sft", resume=resume,
-                           eval_data=[held_out_batch], progress=progress)
+                           overwrite=overwrite, eval_data=[held_out_batch], progress=progress)
   after_sft = evaluate(state.params)
   prompts = streams.grpo_prompts(rl_cfg, tokenizer, ArithmeticTask(presets.GRPO_SEED, presets.DIGITS), in_graph=True)
   state, rl_summary = fit(rl_cfg, grpo_stage, train_data=prompts, out=out / "grpo", init_params=state.params,
-                          resume=resume, progress=progress)
+                          resume=resume, overwrite=overwrite, progress=progress)
   after_rl = evaluate(state.params)
   exported = export_hf(state, cfg, out, tokenizer)
   stages = {"initial model": before, f"SFT ({sft_summary['step']} steps)": after_sft,

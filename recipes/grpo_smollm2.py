@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
   job = ptx.grpo_job(cfg, tokenizer)
   prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), in_graph=True)
   state, summary = ptx.fit(cfg, job, train_data=prompts, out=args.out, init_params=params, resume=args.resume,
-                       progress=launch.progress(args))
+                           overwrite=args.overwrite, progress=launch.progress(args))
   after = exact_match(state.params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
   scores = {"exact_match_before": before, "exact_match_after": after}
   if jax.process_index() == 0:

@@ -1,8 +1,8 @@
 """What every recipe shares: its flags, multi-host start-up, its config and its starting weights.
 
 A recipe is a `PRESETS` table of configs plus a short `main`. `parse` reads
-the common flags (`--preset`, `--out`, `--model-dir`, `--resume`, the
-multi-host ones) and leaves `--section.field=value` overrides to `configure`
+the common flags (`--preset`, `--out`, `--model-dir`, `--resume`,
+`--overwrite`, the multi-host ones) and leaves `--section.field=value` overrides to `configure`
 (`data_recipe` does all three for the recipes that read JSONL data). Recipes
 build their Job with the library's builders (`ptx.sft_job`, `ptx.dpo_job`,
 `ptx.grpo_job`, `ptx.grpo_host_job`) and their data with `ptx.train.streams`,
@@ -24,7 +24,7 @@ import jax
 
 import ptx
 from ptx import config as config_lib
-from ptx.train import pretrained
+from ptx.train import pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
 
@@ -38,7 +38,10 @@ def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.
   parser.add_argument("--preset", choices=sorted(presets), default="tiny", help="the recipe's configuration")
   parser.add_argument("--out", type=pathlib.Path, required=True, help="run directory (checkpoints, metrics, export)")
   parser.add_argument("--model-dir", type=pathlib.Path, help="HF model directory to start from (weights, tokenizer)")
-  parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+  parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
+                      "checkpoint (refused when the config changes the model or the data)")
+  parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (deletes its "
+                      "checkpoints, metrics and exports)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (TPU pods, SLURM)")
   args, overrides = parser.parse_known_args(argv)
@@ -47,11 +50,17 @@ def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.
 
 
 def start(args: argparse.Namespace) -> None:
-  """Process-wide JAX settings and, with --distributed, the multi-host runtime."""
+  """Process-wide JAX settings, with --distributed the multi-host runtime, then checks --out (`ptx.train.run_dir`)."""
   # Pinned so RNG streams do not change when JAX's default does (STYLE 17).
   jax.config.update("jax_threefry_partitionable", True)
   if args.distributed:
     jax.distributed.initialize()
+  try:  # before anything is written into --out; the earlier run's results go only once training starts (fit)
+    run_dir.check(args.out, resume=args.resume, overwrite=args.overwrite)
+  except run_dir.RunDirError as e:
+    args.error(str(e))
+  if args.overwrite:
+    run_dir.clear(args.out, run_dir.CACHES, primary=jax.process_index() == 0)
 
 
 def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str], *,
@@ -161,7 +170,7 @@ def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic
   args, cfg, params, tokenizer = data_recipe(doc, presets, argv, synthetic, n)
   job = build(cfg, tokenizer)
   train, evaluation = ptx.supervised_data(cfg, tokenizer, out=args.out, init_params=params)
-  state, summary = ptx.fit(cfg, job, train_data=train, out=args.out, resume=args.resume, eval_data=evaluation,
-                       init_params=params, progress=progress(args))
+  state, summary = ptx.fit(cfg, job, train_data=train, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                           eval_data=evaluation, init_params=params, progress=progress(args))
   export(args, state, cfg, tokenizer)
   return summary

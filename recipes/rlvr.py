@@ -50,8 +50,8 @@ def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tas
   """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`."""
   job = ptx.grpo_host_job(cfg, tokenizer, ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
   prompts = ptx.grpo_prompts(cfg, tokenizer, tasks, in_graph=False)
-  return ptx.fit(cfg, job, train_data=prompts, out=args.out, resume=args.resume, init_params=params,
-             progress=launch.progress(args))
+  return ptx.fit(cfg, job, train_data=prompts, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                 init_params=params, progress=launch.progress(args))
 
 
 def pass_at_1(params: Any, cfg: ptx.Config, tokenizer, env: Environment, tasks: Sequence[dict]) -> float:

@@ -3,7 +3,8 @@
 `export_hf(state, cfg, out, tokenizer)` writes `out/hf` (config.json,
 safetensors and the tokenizer files, loadable by `transformers`, `ptx eval`
 and `ptx.models.load_hf`); under LoRA the adapters are merged into the base
-for it, and also written alone to `out/adapter` for `peft`.
+for it, and also written alone to `out/adapter` for `peft`. Parameters
+with a non-finite value are never written: `NonFiniteParams` names them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import jax.numpy as jnp
 
 from ptx.config import Config
 from ptx.data.tokenizer import Tokenizer
@@ -19,6 +21,10 @@ from ptx.models.decoder import Decoder
 from ptx.models.hf_save import save_hf
 from ptx.models.peft_export import save_peft
 from ptx.train.state import TrainState
+
+
+class NonFiniteParams(ValueError):
+  """The parameters to export hold NaN or infinity."""
 
 
 def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Tokenizer | None = None, *,
@@ -38,7 +44,11 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
 
   Returns:
     {"hf": dir}, plus {"adapter": dir} (and {"base": dir}) under LoRA.
+
+  Raises:
+    NonFiniteParams: a parameter holds NaN or infinity; nothing is written.
   """
+  _check_finite(state.params if cfg.lora.rank == 0 else {"adapters": state.params, "base": state.base})
   written = {}
   params = state.params
   if cfg.lora.rank > 0:
@@ -58,3 +68,12 @@ def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None) 
   if tokenizer is not None and hasattr(tokenizer, "save_hf") and jax.process_index() == 0:
     tokenizer.save_hf(path)
   return path
+
+
+def _check_finite(params) -> None:
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  finite = jax.device_get(jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in leaves]))
+  bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite) if not ok]
+  if bad:
+    raise NonFiniteParams(f"not exporting: {len(bad)} parameter array(s) hold NaN or infinity "
+                          f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")

@@ -15,11 +15,28 @@ With LoRA (`cfg.lora.rank > 0`) the state trains adapters over a frozen
 base; checkpoints hold the adapters, optimizer and data position but not
 the base, which a resumed run rebuilds as the first run did (from the seed,
 or from the same `init_params`).
+
+What a run will not do: start over an earlier run in `out`
+(`ptx.train.run_dir.check`: resume or overwrite it), resume with a config
+that changes the model or the data stream (`run_dir.check_resume`), train
+on a damaged checkpoint (`ptx.train.checkpoint` verifies checksums), or
+keep going when it diverged: after `train.max_nonfinite_steps` optimizer
+steps in a row with non-finite gradients (each skipped) it raises
+`DivergedError`, and no checkpoint is written during such a streak, so the
+newest one kept is the last with finite steps. The streak is read one step
+late (step N's after step N + 1 is queued), as metrics are.
+
+Logged records carry the data pipeline's accounting (`data/read`,
+`data/skipped`, `data/truncated`, `data/dropped`, when the stream counts
+them), and `tokens_per_s` / `samples_per_s` over exactly the steps between
+two logs: token slots (padding included) of all hosts, and
+`data.batch_size` sequences (GRPO: prompts) per step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import functools
 import json
 import pathlib
@@ -36,11 +53,20 @@ from ptx import config_io
 from ptx.config import Config
 from ptx.data.global_batch import to_global
 from ptx.sharding import make_mesh, rules_of
+from ptx.train import run_dir
 from ptx.train.checkpoint import Checkpointer
 from ptx.train.job import Job
 from ptx.train.metrics import MetricsWriter
 from ptx.train.state import TrainState, init_state, state_shardings
 
+log = logging.getLogger(__name__)
+
+# The pipeline counters logged as `data/<name>` (`ptx.data.pipeline.BatchIterator.metrics`).
+_DATA_COUNTS = ("read", "skipped", "truncated", "dropped")
+
+
+class DivergedError(RuntimeError):
+  """The run stopped: too many optimizer steps in a row had non-finite gradients."""
 
 
 def fit(
@@ -50,6 +76,7 @@ def fit(
     train_data: Iterable[dict[str, Any]],
     out: pathlib.Path,
     resume: bool = False,
+    overwrite: bool = False,
     eval_data: Iterable[dict[str, Any]] | None = None,
     init_params: Any = None,
     progress: bool = True,
@@ -65,7 +92,10 @@ def fit(
       (a `ptx.data.make_pipeline` dataset, `PromptBatches`), so checkpoints
       hold its position.
     out: run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/.
-    resume: continue from the newest restorable checkpoint in `out`, if any.
+    resume: continue the run in `out` from its newest intact checkpoint, if
+      any; refused when `cfg` changes more than `run_dir.RESUMABLE_FIELDS`.
+    overwrite: replace an earlier run in `out` (deletes its results); without
+      `resume` or `overwrite` an earlier run there is refused.
     eval_data: a finite iterable of host batches, evaluated every
       `cfg.train.eval_every` steps and at the end (supervised jobs).
     init_params: start from these parameters instead of a fresh init (under
@@ -78,6 +108,10 @@ def fit(
 
   Raises:
     ValueError: when `job` was built for another length or model than `cfg`.
+    ptx.train.run_dir.RunDirError: `out` holds an earlier run (neither
+      `resume` nor `overwrite`), or `resume` changes the run's config.
+    ptx.train.checkpoint.CheckpointError: every checkpoint is damaged.
+    DivergedError: `cfg.train.max_nonfinite_steps` steps in a row were skipped.
   """
   built_for = {"train.steps": (job.total_updates // job.updates_per_step, cfg.train.steps),
                "model": (job.model, cfg.model), "mesh rules": (job.rules, rules_of(cfg.mesh))}
@@ -87,6 +121,12 @@ def fit(
                      f"{built_for['train.steps'][0]}, cfg's: {cfg.train.steps}); build the job from this cfg")
   # Every process runs this loop; only the first writes logs (checkpoints are collective).
   primary = jax.process_index() == 0
+  run_dir.check(out, resume=resume, overwrite=overwrite)
+  if overwrite:
+    run_dir.clear(out, run_dir.RESULTS, primary=primary)
+  saved = run_dir.saved_config(out) if resume else None
+  if saved is not None:
+    run_dir.check_resume(saved, config_io.to_dict(cfg, job.sections), out)
   out.mkdir(parents=True, exist_ok=True)
   if primary:
     print(config_io.dumps(cfg, job.sections), flush=True)
@@ -134,6 +174,8 @@ def fit(
     writer.close()
   summary = {"step": int(state.step), "preempted": preempted.is_set(), "resumed_from": resumed_from,
              "wall_s": round(time.perf_counter() - started, 3), **last}
+  if hasattr(data, "skip_reasons") and data.skip_reasons():
+    summary["data/first_skips"] = data.skip_reasons()
   if primary:
     print(json.dumps({"summary": summary}), flush=True)
   return state, summary
@@ -144,43 +186,126 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, sch
   train = cfg.train
   start = int(state.step)
   bar = tqdm.tqdm(total=train.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+  meter = _Meter(start, samples_per_step=cfg.data.batch_size)
+  guard = _DivergenceGuard(train.max_nonfinite_steps, checkpointer)
   pending, last = None, {}
-  clock = (time.perf_counter(), start, 0)  # time, step and tokens at the previous log
-  tokens = 0
   for step in range(start + 1, train.steps + 1):
     host_batch = next(data)
-    tokens += _token_count(host_batch)
+    meter.add(_token_count(host_batch) * jax.process_count())
     state, metrics = step_fn(state, place(host_batch))
+    guard.queued(step, metrics)  # checks step - 1, whose metrics are now safe to read
     if pending is not None:  # read step N's metrics only now that step N + 1 is queued
-      last, clock = _log(pending, clock, tokens, schedule, writer, bar)
+      last = _log(pending, meter, schedule, writer, bar, data)
       pending = None
     if step % train.log_every == 0 or step == train.steps or preempted.is_set():
-      pending = (step, metrics)
+      pending = (step, metrics, meter.mark())
     if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
       writer.write({"step": step, **evaluate(state)})
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
-      checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
+      if guard.finite(step, metrics):
+        checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
     bar.update(1)
     if preempted.is_set():
       break
   if pending is not None:
-    last, _ = _log(pending, clock, tokens, schedule, writer, bar)
+    last = _log(pending, meter, schedule, writer, bar, data)
+  guard.finish()
   bar.close()
   return state, last
 
 
-def _log(pending, clock, tokens, schedule, writer, bar):
-  step, metrics = pending
-  then, then_step, then_tokens = clock
-  now = time.perf_counter()
+class _Meter:
+  """Token and step counts at each step, so a log's throughput covers exactly the steps since the previous log."""
+
+  def __init__(self, step: int, samples_per_step: int):
+    self._samples_per_step = samples_per_step
+    self._tokens = 0
+    self._step = step
+    self._previous = (time.perf_counter(), step, 0)  # time, step and tokens at the previous log
+
+  def add(self, tokens: int) -> None:
+    """Counts one step of `tokens` token slots."""
+    self._tokens += tokens
+    self._step += 1
+
+  def mark(self) -> tuple[int, int]:
+    """(step, tokens through it): where the log of the step just queued stops counting."""
+    return self._step, self._tokens
+
+  def rates(self, mark: tuple[int, int]) -> dict[str, float]:
+    """steps_per_s, samples_per_s and (when batches have tokens) tokens_per_s since the previous log."""
+    then, then_step, then_tokens = self._previous
+    step, tokens = mark
+    now = time.perf_counter()
+    seconds = max(now - then, 1e-9)
+    self._previous = (now, step, tokens)
+    rates = {"steps_per_s": (step - then_step) / seconds,
+             "samples_per_s": (step - then_step) * self._samples_per_step / seconds}
+    if tokens > then_tokens:  # batches with a `tokens` array (not RL prompt batches)
+      rates["tokens_per_s"] = (tokens - then_tokens) / seconds
+    return rates
+
+
+class _DivergenceGuard:
+  """Stops the run after `limit` optimizer steps in a row with non-finite gradients; 0 never stops."""
+
+  def __init__(self, limit: int, checkpointer: Checkpointer):
+    self._limit = limit
+    self._checkpointer = checkpointer
+    self._previous = None
+    self._warned = False
+
+  def queued(self, step: int, metrics: dict[str, Any]) -> None:
+    """Checks the step before `step` (finished or nearly), then holds `step`'s streak for the next call."""
+    if self._previous is not None:
+      self._check(*self._previous)
+    self._previous = (step, metrics.get("nonfinite_streak")) if self._limit else None
+
+  def finite(self, step: int, metrics: dict[str, Any]) -> bool:
+    """Whether `step` ended a run of finite steps, so its checkpoint may be written (waits for the step)."""
+    streak = metrics.get("nonfinite_streak")
+    if streak is None or int(streak) == 0:
+      return True
+    self._check(step, streak)
+    if not self._warned:
+      log.warning("step %d: %d step(s) in a row had non-finite gradients; not checkpointing until a finite step",
+                  step, int(streak))
+      self._warned = True
+    return False
+
+  def finish(self) -> None:
+    """Checks the last step."""
+    if self._previous is not None:
+      self._check(*self._previous)
+      self._previous = None
+
+  def _check(self, step: int, streak: Any) -> None:
+    if streak is None or not self._limit or int(streak) < self._limit:
+      return
+    kept = self._checkpointer.steps()
+    where = f"the newest checkpoint kept is step {kept[-1]}" if kept else "no checkpoint was written"
+    raise DivergedError(f"diverged: the last {int(streak)} optimizer steps (through step {step}) had non-finite "
+                        f"gradients and were skipped (train.max_nonfinite_steps={self._limit}); {where}, the "
+                        "last before the streak. Lower optim.lr or raise optim.warmup_steps, then --resume or "
+                        "start again")
+
+
+def _log(pending, meter: _Meter, schedule, writer, bar, data) -> dict[str, Any]:
+  step, metrics, mark = pending
   record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
   record["lr"] = float(schedule(step - 1))
-  record["steps_per_s"] = (step - then_step) / max(now - then, 1e-9)
-  if tokens > then_tokens:  # batches with a `tokens` array (not RL prompt batches)
-    record["tokens_per_s"] = (tokens - then_tokens) / max(now - then, 1e-9)
-  bar.set_postfix(loss=f"{record['loss']:.4g}", steps_s=f"{record['steps_per_s']:.3g}")
+  record.update(meter.rates(mark))
+  counts = data.metrics() if hasattr(data, "metrics") else {}
+  record.update({f"data/{name}": float(counts[name]) for name in _DATA_COUNTS if name in counts})
+  postfix = {"loss": f"{record['loss']:.4g}", "steps_s": f"{record['steps_per_s']:.3g}",
+             "samples_s": f"{record['samples_per_s']:.3g}"}
+  if "tokens_per_s" in record:
+    postfix["tokens_s"] = f"{record['tokens_per_s']:.4g}"
+  if record.get("data/skipped") or record.get("data/dropped"):
+    postfix["skipped"] = int(record.get("data/skipped", 0) + record.get("data/dropped", 0))
+  bar.set_postfix(postfix)
   writer.write(record)
-  return record, (now, step, tokens)
+  return record
 
 
 def _token_count(batch: dict[str, Any]) -> int:

@@ -1,17 +1,29 @@
 """Where logged metrics go: `metrics.jsonl`, TensorBoard events and the console.
 
-One JSON object per logged step in `OUT/metrics.jsonl`. On resume, lines for
-steps after the restored checkpoint are dropped first, so the file reads as
-one uninterrupted run.
+One JSON object per logged step in `OUT/metrics.jsonl`, each appended with
+one `write` to a file opened for appending, so a process killed mid-line
+leaves at most a torn last line. On resume, lines for steps after the
+restored checkpoint are dropped first, so the file reads as one
+uninterrupted run; a torn last line is dropped there too, with a warning,
+and the kept lines replace the file atomically. A damaged line anywhere
+else stops the run with its file and line number.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import pathlib
 
 import tensorboardX
 import tqdm
+
+log = logging.getLogger(__name__)
+
+
+class MetricsFileError(ValueError):
+  """A line of metrics.jsonl that is not a JSON record, before its last line."""
 
 
 class MetricsWriter:
@@ -28,23 +40,21 @@ class MetricsWriter:
     self.path = out / "metrics.jsonl"
     if not enabled:
       return
-    kept = []
-    if resume_step is not None and self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= resume_step]
-    self.path.write_text("".join(line + "\n" for line in kept))
-    self._file = self.path.open("a")
+    kept = kept_records(self.path, resume_step) if resume_step is not None else []
+    temporary = self.path.with_name(self.path.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, self.path)
+    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
     self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
 
   def write(self, record: dict[str, float]) -> None:
     """Appends one record; `record["step"]` is the x-axis."""
     if not self.enabled:
       return
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    os.write(self._fd, (json.dumps(record) + "\n").encode())  # one write: a line is whole or torn at the end
     step = int(record["step"])
     for key, value in record.items():
-      if key != "step":
+      if key != "step" and isinstance(value, (int, float)):
         self._tensorboard.add_scalar(key, value, step)
     line = " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
     tqdm.tqdm.write(line)  # above the progress bar when there is one
@@ -53,5 +63,33 @@ class MetricsWriter:
     """Flushes and closes the files."""
     if not self.enabled:
       return
-    self._file.close()
+    os.close(self._fd)
     self._tensorboard.close()
+
+
+def kept_records(path: pathlib.Path, up_to_step: int) -> list[str]:
+  """The lines of `path` whose step is at most `up_to_step`; a torn last line is dropped with a warning.
+
+  Raises:
+    MetricsFileError: a line before the last is not a JSON record with a step.
+  """
+  if not path.exists():
+    return []
+  lines = path.read_text(errors="replace").splitlines()
+  kept = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      step = json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      if number == len(lines):
+        log.warning("%s: dropped the torn last line %d (%d bytes; the run was killed mid-write)", path, number,
+                    len(line))
+        print(f"repaired {path}: dropped its torn last line {number}", flush=True)
+        continue
+      raise MetricsFileError(f"{path}:{number}: not a metrics record ({e}); fix or remove the line to resume") \
+          from e
+    if step <= up_to_step:
+      kept.append(line)
+  return kept

@@ -39,4 +39,9 @@ def skipped_steps(opt_state: Any) -> Any:
   return optax.tree_utils.tree_get(opt_state, "total_notfinite")
 
 
+def nonfinite_streak(opt_state: Any) -> Any:
+  """How many of the latest steps in a row were skipped for non-finite gradients (an int32 scalar)."""
+  return optax.tree_utils.tree_get(opt_state, "notfinite_count")
+
+
 _NEVER = 2**31 - 1

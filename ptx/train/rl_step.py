@@ -49,7 +49,7 @@ from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
 from ptx.models.shared_prefix import rollout_logits
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train import rl_metrics
-from ptx.train.optimizer import skipped_steps
+from ptx.train.optimizer import nonfinite_streak, skipped_steps
 from ptx.train.state import TrainState
 from ptx.train.step import JittedStep, accumulate_gradients, model_params, reference_params, trainable_loss
 
@@ -214,7 +214,7 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
   """
   prepared = prepare_rollouts(state, batch, gen, rewards, spec, proximal=proximal)
   params, opt_state, metrics = update(state, prepared.batch, key, spec, optimizer)
-  metrics.update(prepared.metrics, skipped_steps=skipped_steps(opt_state))
+  metrics.update(prepared.metrics, skipped_steps=skipped_steps(opt_state), nonfinite_streak=nonfinite_streak(opt_state))
   cfg = spec.grpo
   if cfg.uses_reference:
     metrics["actor/kl_coef"] = jnp.float32(prepared.kl_coef)

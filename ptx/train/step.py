@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx.config import LoRAConfig
 from ptx.models import lora as lora_lib
-from ptx.train.optimizer import skipped_steps
+from ptx.train.optimizer import nonfinite_streak, skipped_steps
 from ptx.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -168,8 +168,9 @@ def make_train_step(
 
   Returns:
     `step(state, batch) -> (state, metrics)`; metrics are scalars: the loss
-    function's metrics plus `grad_norm` and `skipped_steps` (steps so far
-    whose non-finite gradients were not applied).
+    function's metrics plus `grad_norm`, `skipped_steps` (steps so far
+    whose non-finite gradients were not applied) and `nonfinite_streak`
+    (how many of the latest steps in a row were).
   """
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -182,7 +183,8 @@ def make_train_step(
                                             grad_accum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "skipped_steps": skipped_steps(opt_state)}
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "skipped_steps": skipped_steps(opt_state),
+               "nonfinite_streak": nonfinite_streak(opt_state)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   replicated = NamedSharding(mesh, PartitionSpec())

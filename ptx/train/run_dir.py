@@ -1,0 +1,114 @@
+"""A run directory belongs to one run: claiming it, and what a resumed run may change.
+
+`check(out, resume=..., overwrite=...)` is called before anything is
+written into `out`: a directory that holds an earlier run (its
+`config.json`, `metrics.jsonl` or `checkpoints/`) is refused unless the
+caller continues it (`resume`) or replaces it (`overwrite`). Replacing
+happens in two steps, so that a new run that fails while it is prepared
+(bad data, a bad checkpoint) loses nothing but caches: the command line
+first clears `CACHES` (files derived from the earlier run's config, which
+preparing the new run would otherwise reuse), and `ptx.fit` clears
+`RESULTS` (checkpoints, metrics, exports) when it starts training. Data
+files in the directory stay.
+
+`check_resume(saved, now)` compares the config a run was started with
+(its `config.json`) to the config it is resumed with: only
+`RESUMABLE_FIELDS` may differ (the run's length, logging, evaluation,
+checkpoint cadence, and how the same program is laid out and executed);
+anything else changes the model or the data stream, and is refused with
+the fields that differ.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import pathlib
+import shutil
+from typing import Any
+
+# What marks a directory as holding a run: `fit` writes config.json first.
+_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+# Derived from a run's config before training: DPO's reference table, a converted GGUF checkpoint.
+CACHES = ("reference_logps", "pretrained")
+# What training and export write.
+RESULTS = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "checkpoints.damaged",
+           "tensorboard", "hf", "adapter", "base", "plots")
+# Config fields a resumed run may change (shell patterns over "section.field").
+RESUMABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+                    "train.keep_checkpoints", "train.max_nonfinite_steps", "data.eval_files", "data.num_threads",
+                    "data.prefetch", "mesh.*", "model.remat", "model.attention_impl", "model.ring_heads_per_pass",
+                    "model.logits_chunk")
+
+
+class RunDirError(ValueError):
+  """A run directory that the requested start would overwrite, or a resume that would change the run."""
+
+
+def check(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+  """Refuses to start in `out` over an earlier run unless resuming or overwriting it; changes nothing.
+
+  Raises:
+    RunDirError: `out` holds an earlier run and neither `resume` nor
+      `overwrite` is set, or both are.
+  """
+  if resume and overwrite:
+    raise RunDirError("--resume continues the run in the directory and --overwrite replaces it: pass one")
+  earlier = [name for name in _MARKERS if (out / name).exists()]
+  if earlier and not (resume or overwrite):
+    raise RunDirError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
+                      "--overwrite to replace it (deletes its checkpoints, metrics and exports), or another --out")
+
+
+def clear(out: pathlib.Path, names: tuple[str, ...], *, primary: bool = True) -> None:
+  """Deletes `out/name` for each of `names` that exists (on the primary process of a multi-host job only)."""
+  if not primary:
+    return
+  for name in names:
+    path = out / name
+    if path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+      path.unlink()
+
+
+def saved_config(out: pathlib.Path) -> dict[str, Any] | None:
+  """The config tree a run in `out` was started with, or None when it has none.
+
+  Raises:
+    RunDirError: config.json is not valid JSON.
+  """
+  path = out / "config.json"
+  if not path.exists():
+    return None
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise RunDirError(f"{path}: not valid JSON ({e}); cannot check that --resume continues the same run") from e
+
+
+def check_resume(saved: dict[str, Any], now: dict[str, Any], where: pathlib.Path) -> None:
+  """Refuses to resume when `now` differs from `saved` outside `RESUMABLE_FIELDS`.
+
+  Raises:
+    RunDirError: naming each differing field with its saved and new value.
+  """
+  before, after = _flat(saved), _flat(json.loads(json.dumps(now)))  # as saved: tuples become lists
+  differ = [name for name in sorted(set(before) | set(after))
+            if before.get(name) != after.get(name) and not any(fnmatch.fnmatch(name, p) for p in RESUMABLE_FIELDS)]
+  if differ:
+    lines = "\n".join(f"  {name}: {json.dumps(before.get(name))} in the run, {json.dumps(after.get(name))} now"
+                      for name in differ)
+    raise RunDirError(f"--resume of {where}: the config changes the model or the data stream:\n{lines}\n"
+                      f"only these may change on resume: {', '.join(RESUMABLE_FIELDS)}; start a new run "
+                      "(another --out) to change the rest")
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
