@@ -32,6 +32,7 @@ def _run(tmp_path, **env) -> dict:
       full.pop(name, None)
     else:
       full[name] = value
+  # A hang guard only: importing JAX and compiling one tiny program takes seconds, even on a loaded machine.
   out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   return json.loads(out.stdout.strip().splitlines()[-1])

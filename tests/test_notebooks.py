@@ -30,6 +30,7 @@ def test_notebook_runs_with_tiny_settings(path, monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.setenv("MPLBACKEND", "Agg")
   notebook = nbformat.read(path, as_version=4)
+  # timeout: per cell, a hang guard only (the tiny settings run each cell in seconds to a minute).
   client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                    resources={"metadata": {"path": str(COLAB)}})
   client.execute()  # raises CellExecutionError naming the failing cell

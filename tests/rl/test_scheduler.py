@@ -97,23 +97,27 @@ def test_higher_priority_starts_first_and_ties_keep_submission_order():
 def test_cancel_ends_running_queued_and_backing_off_jobs():
   started, cancelled = [], []
 
-  async def hang(i):
-    started.append(i)
-    try:
-      await asyncio.Event().wait()
-    except asyncio.CancelledError:
-      cancelled.append(i)
-      raise
-
-  async def infra():
-    raise sched.InfraError("down")
-
   async def main():
-    s = sched.Scheduler(10, retry=sched.Retry(attempts=5, base_s=60))
+    ten_started = asyncio.Event()
+
+    async def hang(i):
+      started.append(i)
+      if len(started) == 10:
+        ten_started.set()
+      try:
+        await asyncio.Event().wait()
+      except asyncio.CancelledError:
+        cancelled.append(i)
+        raise
+
+    async def infra():
+      raise sched.InfraError("down")
+
+    # The retry is an hour away (max_s caps the delay), so it cannot come before cancel() however slow the machine.
+    s = sched.Scheduler(10, retry=sched.Retry(attempts=5, base_s=3600, max_s=3600))
     futures = [s.submit(sched.Job(lambda i=i: hang(i), key=i)) for i in range(50)]
     futures.append(s.submit(sched.Job(infra, key="backing off", priority=1)))
-    while len(started) < 10:  # 9 beside the infra job, then one in its place
-      await asyncio.sleep(0.001)
+    await ten_started.wait()  # 9 beside the infra job, then one in its place
     s.cancel()
     results = await asyncio.gather(*futures)
     await s.close()
@@ -127,11 +131,24 @@ def test_cancel_ends_running_queued_and_backing_off_jobs():
 
 def test_cancelling_one_future_cancels_that_job_only():
   async def main():
+    slow_started, quick_started, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_job():
+      slow_started.set()
+      await asyncio.Event().wait()  # never ends by itself
+
+    async def quick_job():
+      quick_started.set()
+      await release.wait()
+      return Answer("ok")
+
     async with sched.Scheduler(2) as s:
-      slow = s.submit(sched.Job(lambda: asyncio.sleep(60), key="slow"))
-      quick = s.submit(sched.Job(lambda: asyncio.sleep(0.01, Answer("ok")), key="quick"))
-      await asyncio.sleep(0.001)
+      slow = s.submit(sched.Job(slow_job, key="slow"))
+      quick = s.submit(sched.Job(quick_job, key="quick"))
+      await slow_started.wait()
+      await quick_started.wait()  # both running: the cancel must reach only one of them
       slow.cancel()
+      release.set()
       done = await quick
       return s, done
 
