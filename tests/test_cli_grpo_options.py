@@ -20,7 +20,8 @@ def test_adaptive_kl_and_entropy_coefficients_and_rollout_temperature_from_the_c
             "--grpo.entropy_coef_delta=0.01", "--grpo.sampling.temperature=0.8", "--mesh.data=2", "--mesh.fsdp=4"])
   first, second = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert json.loads((tmp_path / "config.json").read_text())["grpo"]["sampling"]["temperature"] == 0.8
-  # The sampler's log-probs and the first update's are both the policy's at temperature 0.8.
+  # The sampler's log-probs and the first update's are both the policy's at temperature 0.8: two programs, ~1e-6
+  # apart; 1e-4 catches a wrong temperature. The coefficients below are float32: pytest.approx's default rel 1e-6.
   assert first["rollout/logp_diff_max"] < 1e-4
   # Step 1 samples the reference policy (KL ~ 0 < target): beta falls by the clipped 20% (16 rollouts = horizon).
   assert first["actor/kl_coef"] == pytest.approx(0.04) and second["actor/kl_coef"] == pytest.approx(0.032)
@@ -43,6 +44,7 @@ def test_ppo_epochs_and_minibatches_from_the_command_line_span_the_lr_schedule(t
   first, second = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   # A step logs the lr of its first update; 2 epochs x 2 mini-batches make 4 updates a step, 8 in the run.
   schedule = learning_rate_schedule(dataclasses.replace(presets.TOY["grpo"]().optim, lr=0.001, warmup_steps=8), 8)
+  # The same float32 schedule logged and recomputed: rounding only; the first update's lr is 0 (abs, not rel).
   assert first["lr"] == pytest.approx(float(schedule(0)), abs=1e-9)
   assert second["lr"] == pytest.approx(float(schedule(4))) and second["lr"] != pytest.approx(float(schedule(1)))
   assert json.loads((tmp_path / "config.json").read_text())["grpo"]["minibatches"] == 2

@@ -8,11 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tolerances import assert_close_to_scale
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
 from ptx.config import GRPO_PRESETS, GRPOConfig
 from ptx.models import init_params
 from ptx.train.step import accumulate_gradients
+
+# By-hand values are float32 results of a few operations against exact numbers: rtol 1e-6 is ~8 float32 ulps.
+# Against the spec's 6-decimal literals, or where the estimator's std + eps (1e-6) shifts the value by ~1e-6
+# relative, rtol 1e-5. Without a tolerance (assert_allclose's rtol 1e-7): small binary fractions, exact in float32.
 
 
 def _adv(rewards, estimator="grpo", group_size=4, **kw):
@@ -36,7 +41,7 @@ def test_zero_variance_groups_nan_rewards_and_single_samples():
   np.testing.assert_array_equal(a[:4], 0.0)  # exactly 0, any eps
   with_nan = _adv([1.0, np.nan, 0.0, 1.0], "grpo_no_std")
   np.testing.assert_allclose(with_nan, [1 / 3, 0.0, -2 / 3, 1 / 3], rtol=1e-6)  # NaN left out of the mean
-  np.testing.assert_allclose(_adv([3.0, -1.0], group_size=1), [3.0, -1.0])
+  np.testing.assert_allclose(_adv([3.0, -1.0], group_size=1), [3.0, -1.0])  # exact: a group of one keeps its reward
 
 
 def test_batch_std_and_reinforce_pp_baseline():
@@ -96,9 +101,10 @@ def test_log_probs_and_entropy_are_the_policys_at_the_rollout_temperature():
     logp_all = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1))
     want = np.take_along_axis(logp_all[:, :-1], np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
     got = np.asarray(grpo.token_logps(logits, tokens, temperature))
+    # float32 log-softmax against float64: log-probs down to -20 (logits to 12 / 0.6), ulp 2e-6, so ~5 ulps.
     np.testing.assert_allclose(got[:, 1:], want, atol=1e-5)
     assert (got[:, 0] == 0).all()
-    entropy = -(np.exp(logp_all) * logp_all).sum(-1)[:, :-1]
+    entropy = -(np.exp(logp_all) * logp_all).sum(-1)[:, :-1]  # as above
     np.testing.assert_allclose(np.asarray(grpo.token_entropy(logits, temperature))[:, 1:], entropy, atol=1e-5)
 
 
@@ -179,9 +185,11 @@ def test_every_aggregation_mode_is_invariant_to_the_micro_batch_split(tiny_confi
   (g1, m1) = results[1]
   for k in (2, 4):
     gk, mk = results[k]
+    # Micro-batches sum the loss and the gradients in another order: float32 rounding, ~1e-6 relative. Gradients are
+    # within 1.6e-6 of each leaf's largest entry; rtol 1e-4 with atol 1e-7 on each entry came within 85% (token_sum).
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-5, err_msg=f"{mode}, {k} micro-batches")
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), gk, g1)
-  # The whole-batch loss is exactly sum(w * per-token terms).
+    jax.tree.map(lambda a, b: assert_close_to_scale(a, b, 1e-5), gk, g1)
+  # The whole-batch loss is exactly sum(w * per-token terms); the weight is a float32 sum (approx's rel 1e-6).
   assert np.isfinite(float(m1["loss"])) and float(m1["weight"]) == pytest.approx(float(batch["agg_total"][0]))
 
 
@@ -191,11 +199,11 @@ def test_reward_components_sum_then_normalize_and_gdpo_normalize_then_sum_by_han
   total = adv_lib.total_reward(rewards, (1.0, 0.5))
   np.testing.assert_allclose(total, [1.0, 0.5, 1.0, 1.0])
   np.testing.assert_allclose(adv_lib.advantages(total, 2, "grpo"), [0.707107, -0.707107, 0.0, 0.0],
-                             rtol=1e-5)
+                             rtol=1e-5)  # 6 decimals, and std + eps
   # GDPO: a_correct -> [+0.7071, -0.7071, 0, 0], b_format -> [-0.7071, +0.7071, 0, 0] per group; 1 a + 0.5 b =
   # [0.3536, -0.3536, 0, 0], then over the batch: mean 0, unbiased std sqrt(0.25 / 3) -> +-sqrt(1.5).
   gdpo = adv_lib.normalize_then_sum(adv_lib.components(rewards), weights, 2)
-  np.testing.assert_allclose(gdpo, [1.224745, -1.224745, 0.0, 0.0], rtol=1e-5)
+  np.testing.assert_allclose(gdpo, [1.224745, -1.224745, 0.0, 0.0], rtol=1e-5)  # 6 decimals; two std + eps
   with_nan = {**rewards, "b_format": jnp.asarray([0.0, 1.0, np.nan, 0.0])}  # unscorable in one component
   assert float(adv_lib.normalize_then_sum(adv_lib.components(with_nan), weights, 2)[2]) == 0.0
   assert np.isnan(float(adv_lib.total_reward(with_nan)[2]))
@@ -211,6 +219,7 @@ def test_reward_weights_must_match_the_components():
 
 def test_adaptive_kl_coefficient_follows_verl_rule():
   cfg = GRPOConfig(kl_placement="reward", beta=0.1, kl_target=0.05, kl_horizon=1000)
+  # float32 arithmetic, a few operations deep, against float64: pytest.approx's default rel 1e-6.
   coef = lambda kl: float(grpo.adaptive_kl_coef(jnp.float32(0.1), jnp.float32(kl), 100, cfg))
   assert coef(0.055) == pytest.approx(0.1 * (1 + 0.1 * 100 / 1000))  # KL 10% over target
   assert coef(0.5) == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))  # error clipped at +0.2
@@ -220,7 +229,7 @@ def test_adaptive_kl_coefficient_follows_verl_rule():
 def test_adaptive_entropy_coefficient_moves_by_delta_within_bounds():
   cfg = GRPOConfig(entropy_coef=0.01, entropy_target=0.3, entropy_coef_delta=0.004, entropy_coef_min=0.002,
                    entropy_coef_max=0.012)
-  coef = lambda c, h: float(grpo.adaptive_entropy_coef(jnp.float32(c), jnp.float32(h), cfg))
+  coef = lambda c, h: float(grpo.adaptive_entropy_coef(jnp.float32(c), jnp.float32(h), cfg))  # float32: rel 1e-6
   assert coef(0.005, 0.2) == pytest.approx(0.009)  # entropy below target: up
   assert coef(0.005, 0.3) == pytest.approx(0.009)  # at the target counts as below
   assert coef(0.01, 0.2) == pytest.approx(0.012)  # capped at the maximum
@@ -238,5 +247,7 @@ def test_an_entropy_coefficient_in_the_batch_replaces_the_configs(tiny_config):
   want, want_metrics = grad(fixed, batch)
   got, got_metrics = grad(dataclasses.replace(fixed, entropy_coef=0.0),
                           {**batch, "entropy_coef": np.full(8, 0.03, np.float32)})
+  # The same terms with the coefficient read from the batch instead of folded in as a constant: float32 rounding
+  # at most (bit-equal here).
   np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), got, want)

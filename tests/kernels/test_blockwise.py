@@ -53,6 +53,7 @@ def test_reference_matches_float64_numpy(helpers):
   want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True),
                    np.repeat(vn, 2, axis=2))
   out, _ = pk.reference_attention(q, k, v)
+  # float32 against float64, the same math: a few ulps (6e-8 each) of the output's scale.
   assert helpers.rel_err(out, want) < 1e-6
 
 
@@ -60,7 +61,7 @@ def test_bf16_matches_reference(helpers):
   q, k, v = helpers.make_qkv(1, 2, 64, 64, 8, 1, 32, jnp.bfloat16)
   helpers.assert_matches(
       functools.partial(pk.flash_attention, block_sizes=SMALL, window=20),
-      functools.partial(pk.reference_attention, window=20), q, k, v, tol=1e-2)
+      functools.partial(pk.reference_attention, window=20), q, k, v, tol=1e-2)  # bfloat16: see assert_matches
 
 
 def test_rows_without_keys_are_zero_with_finite_grads(helpers):
@@ -92,7 +93,7 @@ def test_traced_window_inside_scan_over_layers(helpers):
   x = q
   for i, w in enumerate([5, None, 17]):
     x, _ = pk.reference_attention(x, k, v, window=w)
-    assert helpers.rel_err(got[i], x) < 1e-5
+    assert helpers.rel_err(got[i], x) < 1e-5  # tiled vs direct softmax sums, as in assert_matches
   jax.jit(jax.grad(lambda q: jnp.sum(layers(q))))(q)
 
 
@@ -102,6 +103,7 @@ def test_lengths_not_multiple_of_tiles_and_kv_longer_than_q(helpers):
   out, lse = pk.flash_attention(q, k, v, block_sizes=SMALL, **pos)
   ref_out, ref_lse = pk.reference_attention(q, k, v, **pos)
   assert out.shape == (1, 13, 2, 8) and lse.shape == (1, 2, 13)
+  # Tiled vs direct softmax sums, as in assert_matches.
   assert helpers.rel_err(out, ref_out) < 1e-5
   assert helpers.rel_err(lse, ref_lse) < 1e-5
 
@@ -129,6 +131,7 @@ def test_invalid_inputs_raise(bad, message):
 def test_auto_is_blockwise_on_cpu(helpers):
   q, k, v = helpers.make_qkv(6, 1, 16, 16, 2, 1, 8)
   auto = pk.flash_attention(q, k, v, impl="auto")
+  # Exact: "auto" picks the same blockwise program on CPU.
   np.testing.assert_array_equal(auto[0], pk.flash_attention(q, k, v)[0])
 
 

@@ -23,7 +23,8 @@ def test_matches_reference_f32(helpers, name):
 def test_bf16_matches_reference(helpers):
   q, k, v = helpers.make_qkv(1, 2, 64, 64, 8, 1, 32, jnp.bfloat16)
   helpers.assert_matches(functools.partial(pk.dense_attention, window=20),
-                         functools.partial(pk.reference_attention, window=20), q, k, v, tol=1e-2)
+                         functools.partial(pk.reference_attention, window=20), q, k, v,
+                         tol=1e-2)  # bfloat16: see assert_matches
 
 
 def test_rows_without_keys_are_zero_with_finite_grads(helpers):

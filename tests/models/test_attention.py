@@ -8,11 +8,17 @@ import numpy as np
 import pytest
 
 from model_variants import gemma_like
+from tolerances import assert_close_to_scale
 from ptx.config import MeshConfig
 from ptx.models import attention, forward, init_params
 from ptx.sharding import make_mesh
 
 fwd = jax.jit(forward, static_argnames=("cfg",))
+# The kernels tile the softmax and sum it in another order than the XLA reference: float32 rounding, ~1e-6 relative
+# on O(1) logits (seen <= 12% of rtol = atol = 1e-5). Their gradients of the summed logits differ by <= 9e-7 of each
+# leaf's largest entry, but entries that are cancellations come within 36% of rtol = atol = 1e-4, so the gradients are
+# compared to each leaf's scale.
+LOGITS_TOL, GRADS_REL = 1e-5, 1e-5
 
 
 def _inputs(cfg):
@@ -37,8 +43,8 @@ def test_kernels_match_the_reference_in_the_model(tiny_config, impl, variant):
 
   (_, want), g_want = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, "xla")
   (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g_got, g_want)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=LOGITS_TOL, rtol=LOGITS_TOL)
+  jax.tree.map(lambda a, b: assert_close_to_scale(a, b, GRADS_REL), g_got, g_want)
 
 
 def test_ring_attention_in_the_model_over_the_seq_axis(tiny_config):
@@ -49,7 +55,7 @@ def test_ring_attention_in_the_model_over_the_seq_axis(tiny_config):
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=8))
   with jax.set_mesh(mesh):
     got = fwd(params, tokens, dataclasses.replace(cfg, attention_impl="ring"))
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(got, want, atol=LOGITS_TOL, rtol=LOGITS_TOL)  # ring blocks: another order, as above
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "auto"])
@@ -76,8 +82,8 @@ def test_per_device_kernels_under_batch_sharding_with_left_padding(tiny_config, 
     (_, got), g_got = step(params, impl)
     hlo = step.lower(params, impl).compile().as_text()
   assert "all-gather" not in hlo and "all-reduce" in hlo  # batch-sharded, gradients reduced
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g_got, g_want)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=LOGITS_TOL, rtol=LOGITS_TOL)
+  jax.tree.map(lambda a, b: assert_close_to_scale(a, b, GRADS_REL), g_got, g_want)
 
 
 def test_unknown_and_unavailable_implementations_are_clear_errors():

@@ -47,10 +47,13 @@ def test_chunked_equals_full_logits(tiny_config, mesh_cfg):
   else:
     with jax.set_mesh(make_mesh(mesh_cfg)):
       got_stats, ((got_loss, _), got_grads) = run(chunked)
-  close = functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6)
+  # The chunked projection runs other matmul shapes and, on the mesh, other shards: float32 sums in another order.
+  # The entropy sums 264 vocab terms of values near ln 264 = 5.6 (ulp 4.8e-7): it came within 37% of rtol 1e-6, so
+  # rtol 1e-5 (the typical sqrt(264) ulps of such a sum, ~1e-6 relative, with room for another CPU's vector width).
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
   close(got_stats.log_probs, want_stats.log_probs)
   close(got_stats.entropy, want_stats.entropy)
-  np.testing.assert_array_equal(got_stats.correct, want_stats.correct)
+  np.testing.assert_array_equal(got_stats.correct, want_stats.correct)  # argmax: moves only on a tie within rounding
   close(got_loss, want_loss)
   jax.tree.map(lambda a, b: close(np.asarray(a), np.asarray(b)), got_grads, want_grads)
 
@@ -63,6 +66,7 @@ def test_token_stats_score_each_token_given_its_prefix(tiny_config):
   want = np.take_along_axis(np.asarray(logp[:, :-1]), np.asarray(tokens[:, 1:, None]), -1)[..., 0]
   got = token_stats(params, tokens, cfg).log_probs
   np.testing.assert_array_equal(got[:, 0], 0.0)
+  # Chunked token stats vs jax.nn.log_softmax of the full logits: reordered float32 sums (seen 7% of this).
   np.testing.assert_allclose(got[:, 1:], want, rtol=1e-6, atol=1e-6)
 
 

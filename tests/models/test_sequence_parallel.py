@@ -48,6 +48,8 @@ def test_ring_loss_and_gradients_at_16k_tokens_equal_unsharded(mesh_cfg, b):
   with jax.set_mesh(mesh):
     sharded = jax.device_put(batch, batch_sharding(mesh))
     (got, _), got_grads = grad(ring)(params, sharded, None)
+  # Ring attention, chunked logits and remat sum in other blocks and order: float32 rounding; the gradients sum over
+  # 16k tokens, hence rtol 1e-4 (seen: 1% and 0.3% of these).
   np.testing.assert_allclose(got, want, rtol=1e-5)
   jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6), got_grads, want_grads)
 

@@ -63,6 +63,8 @@ def test_converted_directory_loads_in_transformers(smollm2, prompt):
   with torch.no_grad():
     expected = reference(torch.tensor(tokens[None])).logits.numpy()
   got = np.asarray(model(jnp.asarray(tokens[None])))
+  # HF parity on a real model: torch's and XLA's float32 rounding, each in its own order, grows over 30 layers and
+  # logits of tens, so 1e-3 where the 3-layer tiny models get 1e-4 (seen 1.1e-4 on logits up to 37).
   np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
 
 

@@ -15,6 +15,12 @@ from ptx.sampling import generation as generation_lib
 forward_jit = jax.jit(forward, static_argnames=("cfg",))
 PROMPTS = [[5, 17, 9], [200, 3, 3, 41, 7, 90, 11], [12], [64, 65]]
 GREEDY = SamplingConfig(greedy=True)
+# Tokens are compared exactly across programs (the cached sampler vs the training forward, sharded vs one device):
+# a choice moves only if two candidates lie within float32 rounding (~1e-6) of each other, which these fixed
+# inputs do not produce. Log-probs get a tolerance: the sampler's cached decode sums attention and the vocab in
+# another order than the training forward, a few ulps of log-probs near -12 (ulp 9.5e-7).
+# Seen 2.9e-6 against the training forward: atol 3e-5 leaves 10x; sharded vs single device, 9.1e-7 against 1e-5.
+SAMPLER_VS_TRAINER_ATOL = 3e-5
 
 
 def _params(cfg, seed=0):
@@ -77,7 +83,7 @@ def test_log_probs_equal_training_forward(tiny_config, sampling, group_size, tem
   logits = logits / sampling.temperature if tempered else logits
   logp = token_log_probs(logits[:, :-1], tokens[:, 1:])
   expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) - 1 + n_new]) for row, p in enumerate(prompts)])
-  np.testing.assert_allclose(np.asarray(out.log_probs), expected, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out.log_probs), expected, atol=SAMPLER_VS_TRAINER_ATOL, rtol=0)
 
 
 def test_stop_ids_end_rows_and_groups_share_the_prompt(tiny_config):
@@ -126,6 +132,7 @@ def test_int8_cache_stays_close(tiny_config, group_size):
                          tokens[:, 1:])
   expected = np.stack([np.asarray(logp[row, len(p) - 1:len(p) + 9]) for row, p in enumerate(prompts)])
   error = np.abs(np.asarray(out.log_probs) - expected)
+  # int8 K/V rounds each entry by up to absmax / 254 (0.4%): a loose bound on what that does to the log-probs.
   assert error.max() < 0.05, error.max()
   assert error.max() > 0  # the cache really is quantized
 
