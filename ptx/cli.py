@@ -12,6 +12,7 @@ each command's Job and data (`ptx.train.job`, `ptx.train.streams`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
       from ptx.train import run_dir
 
       # Before anything is written into --out; the earlier run's results go only once training starts (fit).
-      run_dir.check(args.out, resume=args.resume, overwrite=args.overwrite)
+      run_dir.agreed(functools.partial(run_dir.check, args.out, resume=args.resume, overwrite=args.overwrite))
       if args.overwrite:
         run_dir.clear(args.out, run_dir.CACHES, primary=jax.process_index() == 0)
       cfg, params, tokenizer, job, train, evaluation = _prepare(args, overrides)

@@ -83,7 +83,7 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
   (`ptx.train.run_dir.check`).
   """
   for stage in ("sft", "grpo"):  # before the minutes of the first evaluation; fit replaces them
-    run_dir.check(out / stage, resume=resume, overwrite=overwrite)
+    run_dir.agreed(functools.partial(run_dir.check, out / stage, resume=resume, overwrite=overwrite))
   tokenizer = ByteTokenizer()
   rl_cfg = grpo_config(cfg, rl_steps)
   sft_stage, grpo_stage = sft_job(cfg, tokenizer), grpo_job(rl_cfg, tokenizer)  # both checked before compiling

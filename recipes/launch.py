@@ -15,6 +15,7 @@ module as `launch` (a script's own folder is first on `sys.path`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -56,7 +57,7 @@ def start(args: argparse.Namespace) -> None:
   if args.distributed:
     jax.distributed.initialize()
   try:  # before anything is written into --out; the earlier run's results go only once training starts (fit)
-    run_dir.check(args.out, resume=args.resume, overwrite=args.overwrite)
+    run_dir.agreed(functools.partial(run_dir.check, args.out, resume=args.resume, overwrite=args.overwrite))
   except run_dir.RunDirError as e:
     args.error(str(e))
   if args.overwrite:

@@ -121,12 +121,9 @@ def fit(
                      f"{built_for['train.steps'][0]}, cfg's: {cfg.train.steps}); build the job from this cfg")
   # Every process runs this loop; only the first writes logs (checkpoints are collective).
   primary = jax.process_index() == 0
-  run_dir.check(out, resume=resume, overwrite=overwrite)
+  run_dir.agreed(functools.partial(_may_start, out, cfg, job, resume=resume, overwrite=overwrite))
   if overwrite:
     run_dir.clear(out, run_dir.RESULTS, primary=primary)
-  saved = run_dir.saved_config(out) if resume else None
-  if saved is not None:
-    run_dir.check_resume(saved, config_io.to_dict(cfg, job.sections), out)
   out.mkdir(parents=True, exist_ok=True)
   if primary:
     print(config_io.dumps(cfg, job.sections), flush=True)
@@ -179,6 +176,14 @@ def fit(
   if primary:
     print(json.dumps({"summary": summary}), flush=True)
   return state, summary
+
+
+def _may_start(out: pathlib.Path, cfg: Config, job: Job, *, resume: bool, overwrite: bool) -> None:
+  """Refuses an earlier run in `out` (unless resumed or overwritten) and a resume that changes the run."""
+  run_dir.check(out, resume=resume, overwrite=overwrite)
+  saved = run_dir.saved_config(out) if resume else None
+  if saved is not None:
+    run_dir.check_resume(saved, config_io.to_dict(cfg, job.sections), out)
 
 
 def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, schedule, preempted, progress):

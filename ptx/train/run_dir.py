@@ -1,7 +1,7 @@
 """A run directory belongs to one run: claiming it, and what a resumed run may change.
 
 `check(out, resume=..., overwrite=...)` is called before anything is
-written into `out`: a directory that holds an earlier run (its
+written into `out` (on a multi-host job by process 0, `agreed`): a directory that holds an earlier run (its
 `config.json`, `metrics.jsonl` or `checkpoints/`) is refused unless the
 caller continues it (`resume`) or replaces it (`overwrite`). Replacing
 happens in two steps, so that a new run that fails while it is prepared
@@ -25,7 +25,10 @@ import fnmatch
 import json
 import pathlib
 import shutil
-from typing import Any
+from typing import Any, Callable
+
+import jax
+import numpy as np
 
 # What marks a directory as holding a run: `fit` writes config.json first.
 _MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
@@ -58,6 +61,29 @@ def check(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
   if earlier and not (resume or overwrite):
     raise RunDirError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
                       "--overwrite to replace it (deletes its checkpoints, metrics and exports), or another --out")
+
+
+def agreed(verdict: Callable[[], None]) -> None:
+  """Runs a check (`verdict` raises RunDirError to refuse) on process 0 only, and refuses on every process if it did.
+
+  Every host of a multi-host job writes into the same run directory, so
+  one process judges it, before any writes, and all of them stop alike;
+  with one process this is `verdict()`. Every process must call it.
+  """
+  error = None
+  if jax.process_index() == 0:
+    try:
+      verdict()
+    except RunDirError as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused and error is None:
+      raise RunDirError("process 0 refused the run directory; its output says why")
+  if error is not None:
+    raise error
 
 
 def clear(out: pathlib.Path, names: tuple[str, ...], *, primary: bool = True) -> None:

@@ -27,7 +27,10 @@ from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import make_train_step
 
-STEPS = 24
+# Long enough that a fast machine cannot finish between the test seeing step KILL_AT and its signal
+# landing: 40 steps of margin, where the test polls every 50 ms.
+STEPS = 60
+KILL_AT = 13  # between two checkpoints (every 4 steps), after the third
 OVERRIDES = ["--model=tiny", "--model.n_layers=1", "--model.d_model=64", "--model.mlp_dim=128",
              f"--train.steps={STEPS}", "--train.log_every=1", "--train.checkpoint_every=4",
              "--data.batch_size=8", "--data.seq_len=48", "--data.num_bins=4", "--mesh.data=2", "--mesh.fsdp=4",
@@ -76,7 +79,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, train_file):
   full = tmp_path / "full"
   subprocess.run(_command(full, train_file), env=_env(), check=True, capture_output=True)
   killed = tmp_path / "killed"
-  kill_at = int(np.random.default_rng().integers(6, STEPS - 4))
+  kill_at = KILL_AT
   proc = subprocess.Popen(_command(killed, train_file), env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   _wait_for_step(killed, kill_at, proc)

@@ -48,3 +48,10 @@ def test_a_damaged_saved_config_is_named(tmp_path):
   with pytest.raises(run_dir.RunDirError, match="config.json: not valid JSON"):
     run_dir.saved_config(tmp_path)
   assert run_dir.saved_config(tmp_path / "none") is None
+
+
+def test_a_refusal_judged_by_process_0_reaches_the_caller(tmp_path):
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(run_dir.RunDirError, match="holds an earlier run"):
+    run_dir.agreed(lambda: run_dir.check(tmp_path, resume=False, overwrite=False))
+  run_dir.agreed(lambda: run_dir.check(tmp_path, resume=True, overwrite=False))
