@@ -51,10 +51,8 @@ def _words(x: jax.Array) -> jax.Array:
   if x.dtype == jnp.bool_:
     return x.astype(jnp.uint32)
   size = jnp.dtype(x.dtype).itemsize
-  if size == 4:
+  if size in (4, 8):  # 8-byte types get a trailing axis of 2 words
     return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  if size == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of 2 words
   return jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 1: jnp.uint8}[size]).astype(jnp.uint32)
 
 

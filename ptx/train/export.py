@@ -70,9 +70,14 @@ def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None) 
   return path
 
 
+@jax.jit
+def _finite(leaves: list[jax.Array]) -> list[jax.Array]:
+  return [jnp.isfinite(x).all() for x in leaves]
+
+
 def _check_finite(params) -> None:
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  finite = jax.device_get(jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in leaves]))
+  finite = jax.device_get(_finite([x for _, x in leaves]))
   bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite) if not ok]
   if bad:
     raise NonFiniteParams(f"not exporting: {len(bad)} parameter array(s) hold NaN or infinity "

@@ -36,9 +36,9 @@ two logs: token slots (padding included) of all hosts, and
 from __future__ import annotations
 
 import contextlib
-import logging
 import functools
 import json
+import logging
 import pathlib
 import signal
 import threading
@@ -171,8 +171,9 @@ def fit(
     writer.close()
   summary = {"step": int(state.step), "preempted": preempted.is_set(), "resumed_from": resumed_from,
              "wall_s": round(time.perf_counter() - started, 3), **last}
-  if hasattr(data, "skip_reasons") and data.skip_reasons():
-    summary["data/first_skips"] = data.skip_reasons()
+  reasons = data.skip_reasons() if hasattr(data, "skip_reasons") else []
+  if reasons:
+    summary["data/first_skips"] = reasons
   if primary:
     print(json.dumps({"summary": summary}), flush=True)
   return state, summary
@@ -203,7 +204,7 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, sch
       last = _log(pending, meter, schedule, writer, bar, data)
       pending = None
     if step % train.log_every == 0 or step == train.steps or preempted.is_set():
-      pending = (step, metrics, meter.mark())
+      pending = (step, metrics, meter.mark(step))
     if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
       writer.write({"step": step, **evaluate(state)})
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
@@ -220,22 +221,20 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, sch
 
 
 class _Meter:
-  """Token and step counts at each step, so a log's throughput covers exactly the steps since the previous log."""
+  """Tokens counted step by step, so a log's throughput covers exactly the steps since the previous log."""
 
   def __init__(self, step: int, samples_per_step: int):
     self._samples_per_step = samples_per_step
     self._tokens = 0
-    self._step = step
     self._previous = (time.perf_counter(), step, 0)  # time, step and tokens at the previous log
 
   def add(self, tokens: int) -> None:
     """Counts one step of `tokens` token slots."""
     self._tokens += tokens
-    self._step += 1
 
-  def mark(self) -> tuple[int, int]:
-    """(step, tokens through it): where the log of the step just queued stops counting."""
-    return self._step, self._tokens
+  def mark(self, step: int) -> tuple[int, int]:
+    """(step, tokens through it): where the log of `step`, just queued, stops counting."""
+    return step, self._tokens
 
   def rates(self, mark: tuple[int, int]) -> dict[str, float]:
     """steps_per_s, samples_per_s and (when batches have tokens) tokens_per_s since the previous log."""

@@ -4,7 +4,7 @@ One JSON object per logged step in `OUT/metrics.jsonl`, each appended with
 one `write` to a file opened for appending, so a process killed mid-line
 leaves at most a torn last line. On resume, lines for steps after the
 restored checkpoint are dropped first, so the file reads as one
-uninterrupted run; a torn last line is dropped there too, with a warning,
+uninterrupted run; a torn last line is dropped there too, with a message,
 and the kept lines replace the file atomically. A damaged line anywhere
 else stops the run with its file and line number.
 """
@@ -12,14 +12,11 @@ else stops the run with its file and line number.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pathlib
 
 import tensorboardX
 import tqdm
-
-log = logging.getLogger(__name__)
 
 
 class MetricsFileError(ValueError):
@@ -68,7 +65,7 @@ class MetricsWriter:
 
 
 def kept_records(path: pathlib.Path, up_to_step: int) -> list[str]:
-  """The lines of `path` whose step is at most `up_to_step`; a torn last line is dropped with a warning.
+  """The lines of `path` whose step is at most `up_to_step`; a torn last line is dropped with a message.
 
   Raises:
     MetricsFileError: a line before the last is not a JSON record with a step.
@@ -84,9 +81,8 @@ def kept_records(path: pathlib.Path, up_to_step: int) -> list[str]:
       step = json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       if number == len(lines):
-        log.warning("%s: dropped the torn last line %d (%d bytes; the run was killed mid-write)", path, number,
-                    len(line))
-        print(f"repaired {path}: dropped its torn last line {number}", flush=True)
+        print(f"repaired {path}: dropped its torn last line {number} ({len(line)} bytes; the run was killed "
+              "mid-write)", flush=True)
         continue
       raise MetricsFileError(f"{path}:{number}: not a metrics record ({e}); fix or remove the line to resume") \
           from e
