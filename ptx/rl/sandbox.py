@@ -175,7 +175,8 @@ class Workspace:
 
 def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, str | bytes] | None = None,
         stdin: bytes | str | None = None, workspace: Workspace | None = None,
-        env: Mapping[str, str] | None = None, cut_network: bool = True) -> SandboxResult:
+        env: Mapping[str, str] | None = None, cut_network: bool = True,
+        pass_fds: Sequence[int] = ()) -> SandboxResult:
   """Runs `argv` confined and returns how it went; never raises for the program's sake.
 
   Args:
@@ -188,21 +189,35 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
       deleted afterwards.
     env: extra environment variables; nothing else of the caller's leaks in.
     cut_network: run in a new network namespace (no interfaces up).
+    pass_fds: descriptors the program inherits at the same numbers (pipe ends
+      linking it to another run); `run` owns them and closes them once the
+      program has started, so the peer sees EOF when the program exits.
 
   Returns:
     The SandboxResult.
   """
-  if not argv or not all(isinstance(a, str) for a in argv):
-    raise ValueError(f"run: argv must be a non-empty sequence of str, got {argv!r}")
-  if workspace is None:
+  if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
+    raise ValueError(f"run: argv must be a non-empty list of str (the program and its arguments), got {argv!r}")
+  try:
+    if workspace is None:
+      try:
+        workspace = Workspace(files)
+      except OSError as e:
+        return _infra(f"could not make the workspace: {e}")
+      with workspace:
+        return _run_in(list(argv), workspace, limits, stdin, env, cut_network, tuple(pass_fds))
+    workspace.write(files or {})
+    return _run_in(list(argv), workspace, limits, stdin, env, cut_network, tuple(pass_fds))
+  finally:
+    _close_all(pass_fds)
+
+
+def _close_all(fds: Sequence[int]) -> None:
+  for fd in fds:
     try:
-      workspace = Workspace(files)
-    except OSError as e:
-      return _infra(f"could not make the workspace: {e}")
-    with workspace:
-      return _run_in(list(argv), workspace, limits, stdin, env, cut_network)
-  workspace.write(files or {})
-  return _run_in(list(argv), workspace, limits, stdin, env, cut_network)
+      os.close(fd)
+    except OSError:
+      pass  # closed already, once the program started
 
 
 def _infra(reason: str, uid: int | None = None) -> SandboxResult:
@@ -210,7 +225,7 @@ def _infra(reason: str, uid: int | None = None) -> SandboxResult:
 
 
 def _run_in(argv: list[str], ws: Workspace, limits: Limits, stdin: bytes | str | None,
-            env: Mapping[str, str] | None, cut_network: bool) -> SandboxResult:
+            env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
   """Starts the child launcher and collects the run."""
   status_r, status_w = os.pipe()
   config = {"argv": argv, "uid": ws.uid, "status_fd": status_w, "cut_network": cut_network,
@@ -222,12 +237,12 @@ def _run_in(argv: list[str], ws: Workspace, limits: Limits, stdin: bytes | str |
         [sys.executable, "-I", "-S", _CHILD, json.dumps(config)], cwd=ws.path,
         env={**_BASE_ENV, "HOME": str(ws.path), "TMPDIR": str(ws.path), **(env or {})},
         stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
+        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
   except OSError as e:
     os.close(status_r)
     return _infra(f"could not start the sandbox: {e}", ws.uid)
   finally:
-    os.close(status_w)
+    _close_all((status_w, *pass_fds))
   data = stdin.encode() if isinstance(stdin, str) else stdin
   capture = _Capture(proc, status_r, data, limits, ws.uid)
   capture.collect(started + limits.timeout_s)
