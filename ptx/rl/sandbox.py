@@ -264,10 +264,20 @@ class Workspace:
     """The regular files now in the workspace: relative path -> content."""
     return {path: data for kind, path, _, data in workspace_format.decode(self.snapshot) if kind == "f"}
 
-  def copy(self) -> Workspace:
-    """A new workspace (with a uid of its own) holding the same files."""
+  def copy(self, *, keep_outside_links: bool = True) -> Workspace:
+    """A new workspace (with a uid of its own) holding the same files.
+
+    Args:
+      keep_outside_links: False drops every link whose target is absolute or
+        climbs with "..": what is left can only point into the workspace
+        (links through links included), so a judge reading it reads the
+        workspace, not /dev/stdin or a guessed path.
+    """
     other = Workspace()
-    other.snapshot = self.snapshot
+    entries = workspace_format.decode(self.snapshot)
+    if not keep_outside_links:
+      entries = [e for e in entries if e[0] != "l" or not (e[3].startswith("/") or ".." in e[3].split("/"))]
+    other.snapshot = workspace_format.encode(entries)
     return other
 
   def close(self) -> None:

@@ -1,6 +1,8 @@
 """ShellEnv: multi-turn shell tasks in a sandbox workspace."""
 
 import os
+import pathlib
+import secrets
 
 import pytest
 
@@ -11,7 +13,6 @@ from ptx.rl.environments import shell
 FAST = sandbox.Limits(timeout_s=20.0, cpu_s=1, memory_bytes=256 << 20)
 
 
-
 SHELL_TASK = {"prompt": "Sort the numbers in data.txt into sorted.txt.", "files": {"data.txt": "3\n10\n2\n"},
               "check": "printf '2\\n3\\n10\\n' | cmp - sorted.txt", "max_turns": 3}
 SHELL_ENV = shell.ShellEnv(limits=FAST)
@@ -19,7 +20,6 @@ SHELL_ENV = shell.ShellEnv(limits=FAST)
 
 def test_shell_task_solved_over_several_turns():
   episode = SHELL_ENV.reset(SHELL_TASK)
-  path = episode.workspace.path
   try:
     assert "DONE" in episode.prompt
     first = episode.step("```bash\ncat data.txt\n```")
@@ -29,7 +29,7 @@ def test_shell_task_solved_over_several_turns():
   finally:
     episode.close()
   assert final.done and final.outcome == "ok" and final.reward == 1.0
-  assert not path.exists()
+  assert episode.workspace.files() == {}
 
 
 def test_shell_task_wrong_and_out_of_turns():
@@ -54,13 +54,25 @@ def test_shell_task_state_is_fixed_per_episode():
     second.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private uid")
+def _processes_with(marker: str) -> list[int]:
+  """Pids anywhere on the host whose command line holds `marker`."""
+  found = []
+  for name in os.listdir("/proc"):
+    try:
+      if name.isdigit() and marker.encode() in pathlib.Path(f"/proc/{name}/cmdline").read_bytes():
+        found.append(int(name))
+    except OSError:
+      pass  # it exited while we looked
+  return found
+
+
 def test_shell_commands_leave_no_processes_behind():
+  marker = f"ptx-shell-leftover-{secrets.token_hex(4)}"
   episode = SHELL_ENV.reset(SHELL_TASK)
   try:
-    episode.step("sleep 100 & echo started")
-    from ptx.rl import strays
-    assert strays.live_pids(episode.workspace.uid) == []
+    step = episode.step(f"python3 -c 'import time; time.sleep(100)  # {marker}' & echo started")
+    assert step.observation == "[exit 0] started\n"
+    assert _processes_with(marker) == []
   finally:
     episode.close()
 

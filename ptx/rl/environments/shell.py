@@ -1,19 +1,37 @@
-"""A multi-turn shell task: the model runs commands, then a check decides.
+"""A multi-turn shell task: the model runs commands, then a check it cannot reach decides.
 
 Task records are `{"prompt": str, "files": {path: content}, "check": str}`
-with an optional `"max_turns": int` (at most the environment's). Each episode gets a sandbox workspace
-holding `files` (the fixed initial state). Every action is one shell command,
-the last fenced code block of the output or else the whole output, run with
-`sh -c` in the workspace; its exit status and capped output are the next
-observation. The action `DONE` (or running out of turns) ends the episode: the
-task's `check` command runs in the workspace, and the reward is 1.0 when it
-exits 0. Processes a command leaves behind are killed before the next turn.
+with optional `"check_files": {path: content}` and `"max_turns": int` (at most
+the environment's). Each episode gets a sandbox workspace holding `files`
+(the fixed initial state). Every action is one shell command, the last
+fenced code block of the output or else the whole output, run with `sh -c`
+in the workspace; its exit status and capped output are the next
+observation. Processes a command leaves behind are killed when it ends. The
+action `DONE` (or running out of turns) ends the episode and the check
+decides: the reward is 1.0 when it exits 0.
+
+What the model cannot reach:
+- `check_files` (a check script, expected outputs) are never in the
+  workspace while the model acts. The check runs in a separate sandbox on a
+  copy of the final workspace, with them under a directory whose random name
+  is in `$CHECK_DIR`: the model could not have guessed it to plant a link.
+- The check sees the workspace without the model's links that point outside
+  it (to /dev/stdin, /proc, a guessed path): a link `out.txt -> /dev/stdin`
+  would otherwise make `cmp - out.txt` compare its input with itself.
+- The check's environment is clean: the sandbox PATH (system directories
+  only), a fresh HOME and /tmp, PYTHONSAFEPATH and PYTHONNOUSERSITE (a
+  planted `json.py`, `sitecustomize.py` or `usercustomize.py` is not
+  imported), no shell start-up file; no process of the model's survives.
+What it can: a check that runs the model's programs runs them with the check
+files readable (the same sandbox); such a task must compare their output
+against what it cannot learn from those files alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +42,8 @@ _FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.D
 _INSTRUCTIONS = ("\n\nYou are in a shell. Reply with one command per turn (a ```bash block or plain text); "
                  "you will see its exit status and output. Reply DONE when the task is complete.")
 _OBSERVATION_CHARS = 2000  # of each command's output shown to the model
+# Start-up a check must not take from the workspace (Python 3.11 reads both).
+_CHECK_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
 
 
 @dataclasses.dataclass
@@ -32,6 +52,7 @@ class ShellEpisode:
 
   prompt: str
   check: str
+  check_files: Mapping[str, str]
   turns_left: int
   limits: sandbox.Limits
   workspace: sandbox.Workspace
@@ -52,7 +73,14 @@ class ShellEpisode:
     return Step(observation=f"[exit {result.exit_code}] {output}")
 
   def _judge(self) -> Step:
-    result = sandbox.run(["sh", "-c", self.check], limits=self.limits, workspace=self.workspace)
+    secret = f".check-{secrets.token_hex(8)}"
+    with self.workspace.copy(keep_outside_links=False) as judged:
+      # Room for the check files on top of what the model left, so no workspace can make the check fail to start.
+      room = dataclasses.replace(self.limits, disk_bytes=2 * self.limits.disk_bytes)
+      # CHECK_DIR from $PWD: the workspace's path differs between backends.
+      result = sandbox.run(["sh", "-c", f'CHECK_DIR="$PWD/{secret}"; export CHECK_DIR\n{self.check}'],
+                           limits=room, workspace=judged, env=_CHECK_ENV,
+                           files={f"{secret}/{name}": content for name, content in self.check_files.items()})
     if result.outcome == sandbox.Outcome.OK:
       return Step.final(Outcome.OK, "the check passed")
     if result.outcome == sandbox.Outcome.FAILED:
@@ -60,7 +88,7 @@ class ShellEpisode:
     return Step.final(from_sandbox(result.outcome), f"the check did not finish: {result.reason}")
 
   def close(self) -> None:
-    """Kills leftover processes and deletes the workspace."""
+    """Drops the workspace."""
     self.workspace.close()
 
 
@@ -76,13 +104,18 @@ class ShellEnv:
   name: str = "shell"
   max_turns: int = 8
   limits: sandbox.Limits = sandbox.Limits(timeout_s=5.0, cpu_s=5)
+  sandboxed: bool = True
 
   def reset(self, task: Mapping[str, Any]) -> ShellEpisode:
-    """Starts an episode for a `{"prompt", "files", "check"}` record."""
+    """Starts an episode for a `{"prompt", "files", "check"}` record (optional "check_files", "max_turns")."""
     prompt = field(task, "prompt", str, self.name)
     files = field(task, "files", dict, self.name)
     check = field(task, "check", str, self.name)
+    check_files = task.get("check_files", {})
+    if not isinstance(check_files, dict):
+      raise ValueError(f"{self.name} task field 'check_files' must be a dict, got {type(check_files).__name__}")
     turns = int(task.get("max_turns", self.max_turns))
     if not 1 <= turns <= self.max_turns:
       raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns}")
-    return ShellEpisode(prompt + _INSTRUCTIONS, check, turns, self.limits, sandbox.Workspace(files))
+    sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
+    return ShellEpisode(prompt + _INSTRUCTIONS, check, check_files, turns, self.limits, sandbox.Workspace(files))
