@@ -29,6 +29,7 @@ import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ptx.rl import sandbox
 from ptx.rl.environments.base import Environment, Episode, Outcome, Step
 from ptx.rl.rewards import run_steps
 
@@ -74,8 +75,9 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
 
   Returns:
     The report: "env", "tasks", "k", "pass@k" (for each power of two below k
-    and k), "mean@k", "outcomes" (counts), "per_task" details, and
-    "samples" (see the module docstring).
+    and k), "mean@k", "outcomes" (counts), "sandbox" (the backend that ran
+    the model's code; None for environments that run none), "per_task"
+    details, and "samples" (see the module docstring).
   """
   if k < 1:
     raise ValueError(f"evaluate: k must be >= 1, got {k}")
@@ -92,7 +94,9 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
   finally:
     for episode in (e for row in episodes for e in row):
       episode.close()
-  return {**_report(env.name, finals, k), "samples": _samples([row[0].prompt for row in episodes], finals, texts)}
+  backend = str(sandbox.backend()) if getattr(env, "sandboxed", False) else None
+  samples = _samples([row[0].prompt for row in episodes], finals, texts)
+  return {**_report(env.name, finals, k), "sandbox": backend, "samples": samples}
 
 
 def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k: int,
@@ -212,6 +216,8 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.
     watched = not name.startswith("rate ") or name == "rate ok"
     flag = "  REGRESSION" if watched and x - y > tolerance else ""
     lines.append(f"{name:<20}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{flag}")
+  if a.get("sandbox") != b.get("sandbox"):
+    lines.append(f"NOTE: scored by different sandbox backends (A: {a.get('sandbox')}, B: {b.get('sandbox')})")
   return "\n".join(lines)
 
 

@@ -296,7 +296,8 @@ class _DivergenceGuard:
 
 def _log(pending, meter: _Meter, schedule, writer, bar, data) -> dict[str, Any]:
   step, metrics, mark = pending
-  record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+  # Numbers, and the few labels a step reports (`rewards/sandbox`: which backend scored it).
+  record = {"step": step, **{k: v if isinstance(v, str) else float(v) for k, v in jax.device_get(metrics).items()}}
   record["lr"] = float(schedule(step - 1))
   record.update(meter.rates(mark))
   counts = data.metrics() if hasattr(data, "metrics") else {}

@@ -16,7 +16,11 @@ what the fused step computes.
 Metrics add, per step: `timing_s/step` (wall), `timing_s/generate` (the host
 waiting for batch k's tokens), `timing_s/reward` (host scoring),
 `perf/device_wait_frac` (the fraction of the step's wall time during which
-the device had no work queued) and `rollout/staleness`. Checkpoints hold
+the device had no work queued) and `rollout/staleness`; a reward with
+`take_metrics()` (`EnvReward`) adds its own: the fraction of each episode
+outcome, `rewards/infra_error_frac` (samples left out of their group's
+statistics because the environment failed, not the model), and
+`rewards/sandbox`, the backend that ran the model's code. Checkpoints hold
 the s batches sampled ahead (`pipeline_state`), and a resumed run trains on
 them as the uninterrupted run does, so resume is exact for every s.
 
@@ -47,6 +51,7 @@ from ptx.algorithms import dynamic_sampling
 from ptx.data.global_batch import to_global
 from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
+from ptx.rl import sandbox
 from ptx.rl.environments.base import Environment, Outcome
 from ptx.sampling.generation import Generation
 from ptx.train.rl_step import GRPOStepKind, RLSpec, learn, rollout_batch, sample, step_keys
@@ -102,12 +107,37 @@ def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, lengths: np.nda
   return [tokenizer.decode([int(t) for t in row[:n] if t not in stops]) for row, n in zip(tokens, lengths)]
 
 
+class _OutcomeTally:
+  """Episode outcomes counted since the last `take` (thread-safe: refills score from the step's thread)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._counts: collections.Counter[str] = collections.Counter()
+
+  def add(self, outcomes: Sequence[Outcome]) -> None:
+    with self._lock:
+      self._counts.update(str(o) for o in outcomes)
+
+  def take(self) -> dict[str, float]:
+    """The fraction of each outcome (every label, 0 included), then starts afresh; {} when nothing was scored."""
+    with self._lock:
+      counts, self._counts = self._counts, collections.Counter()
+    total = sum(counts.values())
+    if not total:
+      return {}
+    fracs = {f"rewards/outcome/{o}_frac": counts[str(o)] / total for o in Outcome}
+    return {**fracs, "rewards/infra_error_frac": fracs[f"rewards/outcome/{Outcome.INFRA_ERROR}_frac"]}
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvReward:
   """A HostReward that decodes each completion and scores it in a single-turn environment.
 
-  A sample the environment failed to score (infrastructure error) gets a
-  NaN reward: it is left out of its group's statistics and of the loss.
+  A sample the environment failed to score (infrastructure error, after the
+  scheduler's retries) gets a NaN reward: it is left out of its group's
+  statistics and of the loss, and counted in `rewards/infra_error_frac`.
+  Building one for a sandboxed environment raises
+  `ptx.rl.sandbox.SandboxUnavailable` when no sandbox backend works here.
 
   Attributes:
     env: the environment (e.g. `ExactAnswerEnv()`).
@@ -122,12 +152,25 @@ class EnvReward:
   stop_ids: tuple[int, ...]
   group_size: int
   concurrency: int = 32
+  tally: _OutcomeTally = dataclasses.field(default_factory=_OutcomeTally, compare=False, repr=False)
+
+  def __post_init__(self):
+    if getattr(self.env, "sandboxed", False):
+      sandbox.backend()  # refuses now, naming the fix, rather than at the first step
 
   def __call__(self, tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
     texts = decode_completions(self.tokenizer, tokens, lengths, self.stop_ids)
     steps = rewards_lib.score(self.env, [t for t in tasks for _ in range(self.group_size)], texts,
                               concurrency=self.concurrency)
+    self.tally.add([s.outcome for s in steps])
     return np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
+
+  def take_metrics(self) -> dict[str, Any]:
+    """Outcome fractions of the batches scored since the last call, and the sandbox backend that ran them."""
+    metrics = self.tally.take()
+    if metrics and getattr(self.env, "sandboxed", False):
+      metrics["rewards/sandbox"] = str(sandbox.backend())
+    return metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +271,9 @@ class HostRewardStep:
     end = time.perf_counter()
     wall = end - wall_start
     self._last_return = end
-    metrics = {**metrics, **filter_metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
+    take = getattr(self._reward, "take_metrics", None)
+    reward_metrics = take() if take is not None else {}
+    metrics = {**metrics, **filter_metrics, **reward_metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
                "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics

@@ -12,7 +12,7 @@ import pytest
 
 RL = pathlib.Path(__file__).resolve().parents[2] / "ptx" / "rl"
 FORBIDDEN = ("ptx.train", "ptx.cli")
-SCRIPTS = ("sandbox_child.py", "symbolic_worker.py")
+SCRIPTS = ("sandbox_child.py", "sandbox_init.py", "symbolic_worker.py", "workspace_format.py")
 
 
 def _ptx_imports(path: pathlib.Path) -> list[str]:

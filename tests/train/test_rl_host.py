@@ -11,6 +11,8 @@ from tolerances import ADAM_EPS
 from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
+from ptx.rl import sandbox
+from ptx.rl.environments.base import Outcome, SingleTurn, Step
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.prompt_batches import PromptBatches
 from ptx.sampling.rules import SamplingConfig
@@ -87,9 +89,10 @@ def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1,
                         sampling=SamplingConfig(temperature=0.8))
-  state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_even_tokens_on_host)
+  state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_ReportingReward())
   assert int(state.step) == 3
-  assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]  # the first batch has nothing ahead of it
+  assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]
+  assert [m["rewards/calls"] for m in history] == [1, 1, 1]  # each step reports the batch it scored  # the first batch has nothing ahead of it
   # The first batch was sampled by the parameters that recompute its old log-probs, both at temperature 0.8: the
   # sampler's and the trainer's programs round differently, ~1e-6 per log-prob, so the ratios are 1 to ~1e-5.
   assert history[0]["rollout/is_ratio/max"] == pytest.approx(1.0, abs=1e-4)
@@ -99,6 +102,49 @@ def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
   # Batch 4 was sampled ahead; the stream's position is still the next batch the loop takes.
   assert data.get_state() == {"next_batch": 3}
   assert next(data)["prompts"].shape == (8, 8) and data.get_state() == {"next_batch": 4}
+
+
+class _ReportingReward:
+  """`_even_tokens_on_host` with host metrics, as EnvReward has: the calls since the last take."""
+
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self, tokens, lengths, tasks):
+    self.calls += 1
+    return _even_tokens_on_host(tokens, lengths, tasks)
+
+  def take_metrics(self):
+    calls, self.calls = self.calls, 0
+    return {"rewards/calls": calls}
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlakyCodeEnv:
+  """A sandboxed single-turn env: "1" is right, "x" loses its environment (an infrastructure error)."""
+
+  name: str = "flaky"
+  max_turns: int = 1
+  sandboxed: bool = True
+
+  def reset(self, task):
+    def score(action):
+      if "x" in action:
+        return Step.final(Outcome.INFRA_ERROR, "the environment went away")
+      return Step.final(Outcome.OK if action == "1" else Outcome.WRONG, "")
+    return SingleTurn(task["prompt"], score)
+
+
+def test_env_reward_counts_outcomes_and_names_the_sandbox_backend():
+  reward = EnvReward(_FlakyCodeEnv(), TOK, (TOK.eos_id,), 4)
+  tokens = np.asarray([TOK.encode(t) + [TOK.eos_id] for t in ("1", "x", "2", "1")])
+  rewards = reward(tokens, np.asarray([1, 1, 1, 1]), [{"prompt": "p"}])
+  np.testing.assert_array_equal(rewards, [1.0, np.nan, 0.0, 1.0])  # NaN: out of the group's statistics
+  metrics = reward.take_metrics()
+  assert metrics["rewards/infra_error_frac"] == 0.25 and metrics["rewards/outcome/ok_frac"] == 0.5
+  assert metrics["rewards/outcome/wrong_frac"] == 0.25 and metrics["rewards/outcome/timeout_frac"] == 0.0
+  assert metrics["rewards/sandbox"] == str(sandbox.backend())
+  assert reward.take_metrics() == {}  # nothing scored since
 
 
 def test_env_reward_decodes_and_scores_each_sample_against_its_prompt_task():

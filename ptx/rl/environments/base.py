@@ -71,6 +71,7 @@ class Environment(Protocol):
 
   name: str
   max_turns: int  # the most actions an episode accepts
+  sandboxed: bool  # runs model-written code in `ptx.rl.sandbox` (its backend is reported); absent means False
 
   def reset(self, task: Mapping[str, Any]) -> Episode:
     """Starts an episode for `task`."""

@@ -126,6 +126,7 @@ class CountdownEnv:
 
   name: str = "countdown"
   max_turns: int = 1
+  sandboxed: bool = False
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "numbers", "target"}` record."""

@@ -28,6 +28,7 @@ class ExactAnswerEnv:
 
   name: str = "exact_answer"
   max_turns: int = 1
+  sandboxed: bool = False
   instruction: str = ""
   checker: SymbolicChecker | None = None
 

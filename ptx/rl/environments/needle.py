@@ -73,6 +73,7 @@ class NeedleEnv:
 
   name: str = "needle"
   max_turns: int = 1
+  sandboxed: bool = False
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a NeedleTask record."""
