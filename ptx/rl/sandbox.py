@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
+import io
+import marshal
 import os
 import pathlib
 import secrets
@@ -355,13 +356,14 @@ def _read_memfd(fd: int) -> bytes:
 
 
 def _reports(fd: int) -> dict:
-  """Merges the JSON lines a launcher wrote to the status file."""
-  report = {}
-  for line in _read_memfd(fd).decode("utf-8", "replace").splitlines():
+  """Merges the marshal records a launcher wrote to the status file (out of the program's reach)."""
+  report, stream = {}, io.BytesIO(_read_memfd(fd))
+  while stream.tell() < len(stream.getbuffer()):
     try:
-      report.update(json.loads(line))
-    except ValueError:
-      report["garbled"] = line[:200]
+      report.update(marshal.load(stream))
+    except (EOFError, ValueError, TypeError):
+      report["garbled"] = True  # a launcher killed mid-write: the record is lost, the earlier ones stand
+      break
   return report
 
 
@@ -388,7 +390,7 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
                        "processes": limits.processes, "open_files": limits.open_files},
             "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
             "workspace_bytes": limits.disk_bytes, "pass_fds": list(pass_fds)}
-  command = sandbox_bwrap.command(config_json=json.dumps(config), cut_network=cut_network, seccomp_fd=seccomp,
+  command = sandbox_bwrap.command(config=marshal.dumps(config, 4).hex(), cut_network=cut_network, seccomp_fd=seccomp,
                                   disk_bytes=limits.disk_bytes)
   started = time.monotonic()
   try:
@@ -434,7 +436,7 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
     started = time.monotonic()
     try:
       proc = subprocess.Popen(
-          [sys.executable, "-I", "-S", _CHILD, json.dumps(config)], cwd=path,
+          [sys.executable, "-I", "-S", _CHILD, marshal.dumps(config, 4).hex()], cwd=path,
           env={**_BASE_ENV, "HOME": path, "TMPDIR": path, **(env or {})},
           stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
           stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status, *pass_fds))

@@ -97,11 +97,11 @@ def python() -> str:
   return shutil.which("python3", path=PATH) or ""
 
 
-def command(*, config_json: str, cut_network: bool, seccomp_fd: int | None, disk_bytes: int) -> list[str]:
+def command(*, config: str, cut_network: bool, seccomp_fd: int | None, disk_bytes: int) -> list[str]:
   """The bwrap command line of one run.
 
   Args:
-    config_json: `sandbox_init`'s configuration.
+    config: `sandbox_init`'s configuration (marshal in hex).
     cut_network: give the run an empty network namespace.
     seccomp_fd: a descriptor holding the filter program, or None.
     disk_bytes: size of each tmpfs (/work and /tmp).
@@ -124,4 +124,4 @@ def command(*, config_json: str, cut_network: bool, seccomp_fd: int | None, disk
            "--dir", "/var", "--symlink", "../tmp", "/var/tmp", "--chdir", WORK]
   if seccomp_fd is not None:
     args += ["--seccomp", str(seccomp_fd)]
-  return args + ["--", python(), "-I", "-S", "-c", bootstrap(), config_json]
+  return args + ["--", python(), "-I", "-S", "-c", bootstrap(), config]

@@ -1,6 +1,6 @@
-"""The sandbox's child side: confine this process, then exec the program.
+"""The rlimits backend's child side: confine this process, then exec the program.
 
-Run as `python -I -S sandbox_child.py CONFIG_JSON`, never imported: it uses the
+Run as `python -I -S sandbox_child.py CONFIG` (marshal in hex), never imported: it uses the
 standard library only. `ptx.rl.sandbox` starts it in a new session, inside the
 run's directory, with a scrubbed environment. Before the exec, in this order,
 it cuts the network (a new network namespace; as non-root, inside a new user
@@ -9,9 +9,9 @@ rlimits, drops to the run's uid when it has one, and restores the signal
 dispositions that Python changed. Every step happens before
 the exec so that the program never runs unconfined.
 
-It reports on the status pipe (one JSON line) what it achieved. The pipe is
-close-on-exec, so the parent reads up to EOF and learns that the exec happened;
-an exec failure is written there too, with exit status 127.
+It reports to the status file (a marshal record, as `sandbox_init` does)
+what it achieved; the descriptor is close-on-exec, so the program cannot
+write to it. An exec failure is reported there too, with exit status 127.
 
 With `--reap UID` it becomes UID and sends SIGKILL to every process that UID
 owns: kill(-1) by an unprivileged user reaches exactly that user's processes,
@@ -19,7 +19,7 @@ including strays that left the process group.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import resource
 import signal
@@ -167,12 +167,12 @@ def _launch(cfg):
     # Python ignores these; an exec'd program must get the defaults back.
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
       signal.signal(sig, signal.SIG_DFL)
-    os.write(status, (json.dumps(report) + "\n").encode())
+    os.write(status, marshal.dumps(report, 4))
     os.set_inheritable(status, False)
     argv = cfg["argv"]
     os.execvpe(argv[0], argv, os.environ)
   except Exception as e:  # noqa: BLE001  (any failure here is the sandbox's, not the program's)
-    os.write(status, (json.dumps({"exec_error": f"{cfg['argv'][0]}: {e}"}) + "\n").encode())
+    os.write(status, marshal.dumps({"exec_error": f"{cfg['argv'][0]}: {e}"}, 4))
   os._exit(127)
 
 
@@ -189,4 +189,4 @@ if __name__ == "__main__":
   if sys.argv[1] == "--reap":
     _reap(int(sys.argv[2]))
   else:
-    _launch(json.loads(sys.argv[1]))
+    _launch(marshal.loads(bytes.fromhex(sys.argv[1])))

@@ -6,9 +6,12 @@ when the caller keeps the workspace, packs it again afterwards. The host's
 disk never holds what a program wrote, so nothing a program leaves (deep
 trees, odd permissions, millions of files) can outlive the run.
 
-The format is a sequence of entries, each a JSON header line
-`[kind, path, mode, size_or_target]` followed, for files, by `size` bytes;
-kind is "d" (directory), "f" (file) or "l" (symlink). Paths are relative,
+The format is a sequence of entries, each a fixed header (`_HEADER`: kind,
+mode, payload length, path length) followed by the path and the payload:
+a file's bytes, a link's target, nothing for a directory; kind is "d"
+(directory), "f" (file) or "l" (symlink). A binary header rather than JSON
+because PID 1 inside the sandbox packs and unpacks every run, and importing
+json would cost more than the rest of its start-up. Paths are relative,
 "/"-separated, without "." or ".." parts, parents before children. Packing
 never follows symlinks, stops at `MAX_ENTRIES` entries, `MAX_DEPTH` levels and
 a byte budget, and raises `TooLarge` past them.
@@ -17,13 +20,14 @@ Standard library only: `sandbox_init.py` runs it inside the sandbox, where
 nothing of the project is importable, by prepending this file's source.
 """
 
-import json
 import os
 import stat
+import struct
 
 MAX_ENTRIES = 10_000  # files, directories and links a workspace may hold
 MAX_DEPTH = 64  # directory levels below the workspace root
 _CHUNK = 1 << 20
+_HEADER = struct.Struct("<cIQI")  # kind, mode, payload bytes, path bytes
 
 
 class TooLarge(Exception):
@@ -51,38 +55,38 @@ def check_path(path):
   return path
 
 
+def _entry(kind, path, mode, payload=b""):
+  name = os.fsencode(path)
+  return _HEADER.pack(kind.encode(), mode, len(payload), len(name)) + name + payload
+
+
 def encode(entries):
-  """Returns the bytes of `entries`: (kind, path, mode, data or link target) tuples."""
+  """Returns the bytes of `entries`: (kind, path, mode, file data, link target or 0) tuples."""
   out = bytearray()
   for kind, path, mode, payload in entries:
-    if kind == "f":
-      out += json.dumps(["f", path, mode, len(payload)]).encode() + b"\n"
-      out += payload
-    else:
-      out += json.dumps([kind, path, mode, payload if kind == "l" else 0]).encode() + b"\n"
+    out += _entry(kind, path, mode, payload if kind == "f" else os.fsencode(payload) if kind == "l" else b"")
   return bytes(out)
 
 
 def decode(blob):
-  """Returns the entries of `blob` as (kind, path, mode, data or target) tuples; raises BadEntry."""
+  """Returns the entries of `blob` as (kind, path, mode, file data, link target or 0) tuples; raises BadEntry."""
   entries, pos = [], 0
   while pos < len(blob):
-    end = blob.find(b"\n", pos)
-    if end < 0:
-      raise BadEntry(f"workspace blob: header at byte {pos} has no end")
-    try:
-      kind, path, mode, arg = json.loads(blob[pos:end])
-    except ValueError as e:
-      raise BadEntry(f"workspace blob: bad header at byte {pos}: {e}") from None
-    check_path(path)
-    pos = end + 1
-    if kind == "f":
-      if not isinstance(arg, int) or arg < 0 or pos + arg > len(blob):
-        raise BadEntry(f"workspace blob: file {path!r} claims {arg} bytes past the end")
-      entries.append(("f", path, mode, blob[pos:pos + arg]))
-      pos += arg
-    elif kind in ("d", "l"):
-      entries.append((kind, path, mode, arg))
+    if pos + _HEADER.size > len(blob):
+      raise BadEntry(f"workspace blob: the header at byte {pos} is cut short")
+    kind, mode, size, name_len = _HEADER.unpack_from(blob, pos)
+    pos += _HEADER.size
+    if pos + name_len + size > len(blob):
+      raise BadEntry(f"workspace blob: the entry at byte {pos} claims {name_len + size} bytes past the end")
+    path = check_path(os.fsdecode(bytes(blob[pos:pos + name_len])))
+    payload = bytes(blob[pos + name_len:pos + name_len + size])
+    pos += name_len + size
+    if kind == b"f":
+      entries.append(("f", path, mode, payload))
+    elif kind == b"l":
+      entries.append(("l", path, mode, os.fsdecode(payload)))
+    elif kind == b"d":
+      entries.append(("d", path, mode, 0))
     else:
       raise BadEntry(f"workspace blob: unknown kind {kind!r} for {path!r}")
   return entries
@@ -150,15 +154,14 @@ def pack(root, max_bytes):
           if stat.S_ISDIR(st.st_mode):
             if path.count("/") + 1 >= MAX_DEPTH:
               raise TooLarge(f"the workspace is deeper than {MAX_DEPTH} levels")
-            out += json.dumps(["d", path, mode, 0]).encode() + b"\n"
+            out += _entry("d", path, mode)
             pending.append(path)
           elif stat.S_ISLNK(st.st_mode):
-            out += json.dumps(["l", path, mode, os.readlink(name, dir_fd=fd)]).encode() + b"\n"
+            out += _entry("l", path, mode, os.fsencode(os.readlink(name, dir_fd=fd)))
           elif stat.S_ISREG(st.st_mode):
-            out += json.dumps(["f", path, mode, st.st_size]).encode() + b"\n"
             if len(out) + st.st_size > max_bytes:
               raise TooLarge(f"the workspace holds more than {max_bytes} bytes")
-            out += _read_file(fd, name, st.st_size)
+            out += _entry("f", path, mode, _read_file(fd, name, st.st_size))
           # Sockets, fifos and devices are not part of a workspace.
           if len(out) > max_bytes:
             raise TooLarge(f"the workspace holds more than {max_bytes} bytes")
