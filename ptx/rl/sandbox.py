@@ -28,20 +28,21 @@ cap is killed). A `Workspace` lives between runs as bytes
 booby-trapped: each run starts from its snapshot and, when kept, saves a new
 one.
 
-Threat model. Contained (bwrap): reading or writing host files outside the
-system directories (read-only), the network, other runs' processes, shared
-memory and message queues, signals to or tracing of any process outside the
-run, setuid binaries, new namespaces, kernel keyrings, eBPF, perf and
-io_uring, filling the host's disk, processes outliving the run, and forging
-the run's own result (PID 1 reports it, out of the program's reach). Not
-contained: kernel exploits through the system calls that remain, CPU time
-and memory beyond the per-process and sampled limits when the host delegates
-no cgroup (this module sets none; a fork-and-allocate burst can exceed the
-run's memory limit for up to one 20 ms sampling period), side channels, and
-what the program reads from the system directories (/usr, /etc are visible).
-Grading that the program cannot reach (tests kept out of its workspace,
-exact-type comparisons, a check with a clean environment) is the
-environments' part: `ptx.rl.environments.python_tests`, `.shell`.
+Threat model. Contained under bwrap, with and without root: reading or
+writing host files outside the read-only system directories; the network;
+other runs' and the host's processes (no signals, no tracing, no
+/proc/*/cmdline or environ), shared memory and message queues; setuid
+binaries; new namespaces; kernel keyrings, eBPF, perf and io_uring; filling
+the host's disk; processes outliving the run or the trainer; forging the
+run's result (PID 1 reports it, out of the program's reach); and turning a
+wrong answer into an infrastructure error. Not contained: kernel exploits
+through the system calls that remain; what the program reads in /usr and
+/etc; side channels; and memory past the limits between two samples of
+PID 1 (`sandbox_init._POLL_S`), since runs get no cgroup of their own
+(`use` logs what bounds them on this host). The rlimits backend contains
+much less (see above). Grading the program cannot reach (tests kept out of
+its workspace, exact-type comparisons, a check with a clean environment)
+is the environments' part: `ptx.rl.environments.python_tests`, `.shell`.
 
 Linux only. Thread-safe: runs may proceed concurrently from many threads.
 """
@@ -51,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import logging
 import marshal
 import os
 import pathlib
@@ -193,8 +195,24 @@ def use(name: str) -> Backend:
   if chosen == Backend.BWRAP and (problem := bwrap_problem()):
     raise SandboxUnavailable(f"the bwrap sandbox does not work here: {problem}")
   with _lock:
-    _chosen = chosen
+    first, _chosen = _chosen is None, chosen
+  if first:
+    logging.getLogger(__name__).warning("sandbox backend %s; %s", chosen, _cgroup_note())
   return chosen
+
+
+def _cgroup_note() -> str:
+  """What bounds a whole run's memory and processes here, given that runs get no cgroup of their own."""
+  try:
+    path = next(line[3:].strip() for line in open("/proc/self/cgroup") if line.startswith("0::"))
+    mount = next(line.split()[4] for line in open("/proc/self/mountinfo") if " - cgroup2 " in line)
+    controllers = pathlib.Path(mount, path.lstrip("/"), "cgroup.controllers").read_text().split()
+  except (OSError, StopIteration):
+    controllers = []
+  where = ("cgroup v2 memory and pids are delegated here but not used" if {"memory", "pids"} <= set(controllers)
+           else f"no cgroup v2 memory and pids controllers here (offered: {controllers or 'none'})")
+  return (f"{where}: a run's memory is bounded per process (RLIMIT_AS) and, under bwrap, by PID 1 sampling its "
+          "resident memory; its processes by RLIMIT_NPROC")
 
 
 def backend() -> Backend:
