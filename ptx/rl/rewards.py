@@ -3,9 +3,11 @@
 This is what GRPO's host-reward mode calls on batch k while the device samples
 batch k+1, and what the evaluation harness uses for every turn. Each step runs
 in a thread under a `ptx.rl.scheduler.Scheduler` (sandboxed programs block), so
-up to `concurrency` programs run at once; steps whose result is an
-infrastructure fault are retried, and a step that raises is scored as an
-infrastructure error (the environment failed, not the model), never as wrong.
+up to `concurrency` programs run at once (a step that timed out keeps its slot
+until its thread has returned: threads cannot be stopped); steps whose result is
+an infrastructure fault are retried, and a step that raises, or outlives the
+optional timeout, is scored as an infrastructure error (the environment failed,
+not the model), never as wrong.
 """
 
 from __future__ import annotations
@@ -16,24 +18,28 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ptx.rl.environments.base import Environment, Outcome, Step
-from ptx.rl.scheduler import Job, Scheduler
+from ptx.rl.scheduler import Job, Scheduler, to_thread
 
 
-def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32) -> list[Step]:
+def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32, *,
+              timeout_s: float | None = None) -> list[Step]:
   """Runs blocking step calls, `concurrency` at once, and returns their Steps in order.
 
   Args:
     steps: zero-argument calls, each returning a Step (usually `episode.step(action)`).
-    concurrency: most calls running at once.
+    concurrency: most calls running at once, counting calls that timed out but have not returned.
+    timeout_s: seconds a call may run, from its start, before it is scored as an infrastructure
+      error (None: no limit). Its thread goes on until the call returns (it may watch
+      `ptx.rl.scheduler.abandoned()` to stop early), keeping its slot, and run_steps returns
+      only once every call has returned.
 
   Returns:
     One Step per call.
   """
 
   async def main(pool: concurrent.futures.Executor) -> list[Step]:
-    loop = asyncio.get_running_loop()
-    async with Scheduler(concurrency) as scheduler:
-      results = await scheduler.run(Job(lambda s=s: loop.run_in_executor(pool, s), key=i)
+    async with Scheduler(concurrency, timeout_s=timeout_s) as scheduler:
+      results = await scheduler.run(Job(lambda s=s: to_thread(s, executor=pool), key=i)
                                     for i, s in enumerate(steps))
     return [r.value if isinstance(r.value, Step)
             else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}") for r in results]

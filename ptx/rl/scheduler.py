@@ -3,29 +3,48 @@
 A job is a zero-argument callable returning an awaitable (called again for each
 retry). At most `concurrency` attempts are in flight; the queued job with the
 highest priority starts next (ties: first submitted first). Each attempt may
-have a timeout. Only infrastructure faults are retried, with exponential
-backoff and jitter: an attempt that raises `InfraError`, or returns a value whose
-`outcome` is "infra_error". A wrong answer, a crash or a timeout is a result,
-never a reason to try again.
+have a timeout, counted from the moment the attempt starts running (never from
+submission or time spent queued). Only infrastructure faults are retried, with
+exponential backoff and jitter: an attempt that raises `InfraError`, or returns
+a value whose `outcome` is "infra_error". A wrong answer, a crash or a timeout
+is a result, never a reason to try again.
 
-Every job ends with a `JobResult` whose outcome is the value's `outcome`
-attribute when it has one (a SandboxResult, an environment Step) and "ok"
-otherwise; or "timeout", "crashed" (it raised), "infra_error" (retries spent) or
-"cancelled". `Scheduler.counts` tallies them. Work that blocks (a sandbox run)
-belongs in `asyncio.to_thread` inside the job.
+Every job ends with exactly one `JobResult` whose outcome is the value's
+`outcome` attribute when it has one (a SandboxResult, an environment Step) and
+"ok" otherwise; or "timeout", "crashed" (it raised anything at all, BaseExceptions
+such as SystemExit, GeneratorExit or a CancelledError of its own included),
+"infra_error" (retries spent) or "cancelled" (the caller cancelled its future,
+or `cancel()` / `close()` ended it). `Scheduler.counts` tallies them.
+
+Work that blocks (a sandbox run) belongs in this module's `to_thread` inside the
+job, not `asyncio.to_thread`: a thread cannot be stopped, so when an attempt
+times out or is cancelled its result is reported at once but its slot stays
+taken until the call has really returned. `concurrency` thus bounds the blocking
+calls actually running, and a started attempt never waits for a thread held by
+an earlier one. A call may watch `abandoned()` to give up early.
+
+A deadline is judged by the attempt's own running time, not by the order in
+which a stalled loop catches up (see `Scheduler._deadline`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import itertools
 import random
+import threading
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
 INFRA_ERROR = "infra_error"
+
+# A deadline timer that runs later than this after its time was held up: a blocking callback,
+# another thread holding the GIL, the process not scheduled. An unhindered loop runs a timer
+# within about a millisecond of its time.
+_LATE_S = 0.01
 
 
 class InfraError(Exception):
@@ -59,7 +78,7 @@ class Job:
   fn: Callable[[], Awaitable[Any]]  # called once per attempt
   key: Hashable = None  # the caller's name for it, echoed in the result
   priority: int = 0  # higher starts first
-  timeout_s: float | None = None  # per attempt; None: the scheduler's default
+  timeout_s: float | None = None  # per attempt, from its start; None: the scheduler's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +92,41 @@ class JobResult:
   error: str = ""  # the exception of the last attempt, if any
 
 
-class _TimedOut(Exception):
-  """The attempt's own deadline passed (not a TimeoutError the job raised)."""
+@dataclasses.dataclass(eq=False)
+class _Attempt:
+  """One attempt in flight: its task, its deadline and the blocking calls it started."""
+
+  timeout_s: float | None
+  pending: set[asyncio.Future]  # the scheduler's: everything close() waits for
+  task: asyncio.Task | None = None
+  timer: asyncio.TimerHandle | None = None  # its deadline
+  credit: float = 0.0  # seconds the deadline may still move for a stalled loop
+  calls: dict[asyncio.Future, threading.Event] = dataclasses.field(default_factory=dict)  # running -> abandoned
+
+  def hold(self, future: asyncio.Future, abandoned: threading.Event) -> None:
+    """Keeps the slot taken until `future` (a blocking call) is done."""
+    self.calls[future] = abandoned
+    self.pending.add(future)
+    future.add_done_callback(self._returned)
+
+  def _returned(self, future: asyncio.Future) -> None:
+    self.calls.pop(future, None)
+    self.pending.discard(future)
+    if not future.cancelled():
+      future.exception()  # seen by its awaiter, or wanted by nobody: either way not "never retrieved"
+
+  def end(self) -> None:
+    """The attempt is over: no deadline left, and no one wants what its calls still compute."""
+    if self.timer is not None:
+      self.timer.cancel()
+    for abandoned in self.calls.values():
+      abandoned.set()
+
+
+_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("ptx_rl_scheduler_attempt",
+                                                                            default=None)
+_ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "ptx_rl_scheduler_abandoned", default=None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,7 +143,8 @@ class Scheduler:
   """Runs jobs under a concurrency limit; use as `async with Scheduler(...) as s`.
 
   Args:
-    concurrency: most attempts in flight at once.
+    concurrency: most attempts in flight at once (an attempt that timed out or was cancelled
+      stays in flight until the blocking calls it started with `to_thread` have returned).
     timeout_s: default per-attempt timeout (None: no limit).
     retry: backoff for infrastructure faults.
     seed: seeds the backoff jitter.
@@ -113,6 +166,7 @@ class Scheduler:
     self._queue: asyncio.PriorityQueue | None = None
     self._workers: list[asyncio.Task] = []
     self._live: set[_Entry] = set()
+    self._pending: set[asyncio.Future] = set()  # attempt tasks and blocking calls not yet done
     self._closed = False
 
   async def __aenter__(self) -> Scheduler:
@@ -161,12 +215,18 @@ class Scheduler:
       self._finish(entry, "cancelled", None, "cancelled by Scheduler.cancel()")
 
   async def close(self) -> None:
-    """Cancels what is left and stops the workers."""
+    """Cancels what is left, stops the workers and waits for the blocking calls still running.
+
+    A thread cannot be stopped: its calls are told (`abandoned()`) and waited for, so none
+    outlives the scheduler.
+    """
     self.cancel()
     for worker in self._workers:
       worker.cancel()
     await asyncio.gather(*self._workers, return_exceptions=True)
     self._workers = []
+    while self._pending:
+      await asyncio.wait(list(self._pending))
 
   def _enqueue(self, entry: _Entry) -> None:
     entry.timer = None
@@ -199,30 +259,96 @@ class Scheduler:
         await self._attempt(entry)
       finally:
         self.in_flight -= 1
-        entry.task = None
 
   async def _attempt(self, entry: _Entry) -> None:
+    """Runs one attempt and reports it; returns once its slot is free (its threads have returned)."""
     entry.attempts += 1
     timeout_s = entry.job.timeout_s if entry.job.timeout_s is not None else self.timeout_s
-    entry.task = asyncio.ensure_future(_call(entry.job.fn, timeout_s))
+    attempt = _Attempt(timeout_s, self._pending)
+    context = contextvars.copy_context()
+    context.run(_ATTEMPT.set, attempt)
+    task = asyncio.get_running_loop().create_task(self._run(entry, attempt), context=context)
+    attempt.task = entry.task = task
+    self._pending.add(task)
+    task.add_done_callback(self._pending.discard)
     try:
-      value = await entry.task
-    except asyncio.CancelledError:
-      if asyncio.current_task().cancelling() or not entry.future.done():
-        raise  # the worker itself is being stopped
-      return  # the job was cancelled; the worker goes on
-    except _TimedOut:
-      self._finish(entry, "timeout", None, f"no result within {timeout_s} s")
+      # asyncio.wait, not `await task`: a stop of this worker stays apart from the attempt's own end.
+      await asyncio.wait([task])
+    except asyncio.CancelledError:  # this worker is being stopped (close())
+      task.cancel()
+      raise
+    finally:
+      attempt.end()
+      entry.task = None
+    self._report(entry, task)
+    while attempt.calls:  # the slot stays taken until the attempt's blocking calls have returned
+      await asyncio.wait(list(attempt.calls))
+
+  async def _run(self, entry: _Entry, attempt: _Attempt) -> tuple[str, Any, str]:
+    """The attempt's task: whatever the job raises ends here as (kind, value, detail).
+
+    Only a cancellation from outside (the deadline, the job's future, a stopping worker) leaves
+    as one; `cancelling()` tells it from a CancelledError the job raised by itself.
+    """
+    if attempt.timeout_s is not None:  # the clock starts now, when the attempt starts running
+      attempt.credit = attempt.timeout_s
+      attempt.timer = asyncio.get_running_loop().call_later(attempt.timeout_s, self._deadline, entry, attempt)
+    try:
+      value = await entry.job.fn()
+      return "value", value, str(getattr(value, "outcome", "ok"))
+    except asyncio.CancelledError as e:
+      if asyncio.current_task().cancelling():
+        raise
+      return "crashed", None, repr(e)
     except InfraError as e:
-      self._fault(entry, None, repr(e))
-    except Exception as e:  # noqa: BLE001  (a crashing job is a result, not our failure)
-      self._finish(entry, "crashed", None, repr(e))
+      return "fault", None, repr(e)
+    except GeneratorExit as e:
+      if not _stepping(attempt.task):
+        raise  # this coroutine itself is being closed (collected unfinished), not a job's exception
+      return "crashed", None, repr(e)
+    except BaseException as e:  # noqa: BLE001  (a crashing job is a result, not our failure)
+      return "crashed", None, repr(e)
+
+  def _report(self, entry: _Entry, task: asyncio.Task) -> None:
+    if entry.future.done():
+      return  # already reported: timed out, or cancelled by the caller, cancel() or close()
+    if task.cancelled():  # none of ours: the job cancelled its own task
+      self._finish(entry, "crashed", None, "CancelledError() (the job cancelled itself)")
+      return
+    kind, value, detail = task.result()
+    if kind == "fault":
+      self._fault(entry, None, detail)
+    elif kind == "crashed":
+      self._finish(entry, "crashed", None, detail)
+    elif detail == INFRA_ERROR:
+      self._fault(entry, value, "")
     else:
-      outcome = str(getattr(value, "outcome", "ok"))
-      if outcome == INFRA_ERROR:
-        self._fault(entry, value, "")
-      else:
-        self._finish(entry, outcome, value)
+      self._finish(entry, detail, value)
+
+  def _deadline(self, entry: _Entry, attempt: _Attempt) -> None:
+    """The attempt's timer: reports "timeout" and cancels it, unless the loop was held up.
+
+    A finished attempt is never timed out, even if its worker has not resumed yet. When this
+    callback itself runs late, the loop was blocked for at least that long just before it (a
+    synchronous callback, the GIL held by other threads), and whatever the job finished in that
+    time (a thread's result) is still queued behind this callback: judging now would let the
+    order in which the loop drains its queue decide. So the deadline moves by the lateness, the
+    time the loop owed the job, at most `timeout_s` in all, and the verdict comes when the timer
+    fires on time or the credit is spent. A job is thus judged by its own running time, and a
+    hanging one still times out, within twice its timeout plus the loop's stalls.
+    """
+    if attempt.task.done() or entry.future.done():
+      return
+    loop = asyncio.get_running_loop()
+    late = loop.time() - attempt.timer.when()
+    if late > _LATE_S and attempt.credit > 0:
+      grace = min(late, attempt.credit)
+      attempt.credit -= grace
+      attempt.timer = loop.call_later(grace, self._deadline, entry, attempt)
+      return
+    self._finish(entry, "timeout", None, f"no result within {attempt.timeout_s} s")
+    attempt.end()
+    attempt.task.cancel()
 
   def _fault(self, entry: _Entry, value: Any, error: str) -> None:
     """Retries after an infrastructure fault, or gives up when attempts are spent."""
@@ -234,12 +360,63 @@ class Scheduler:
     entry.timer = asyncio.get_running_loop().call_later(delay, self._enqueue, entry)
 
 
-async def _call(fn: Callable[[], Awaitable[Any]], timeout_s: float | None) -> Any:
-  """Awaits one attempt; its own deadline raises _TimedOut, the job's TimeoutError stays one."""
+async def to_thread(fn: Callable[..., Any], /, *args: Any, executor: Any = None, **kwargs: Any) -> Any:
+  """Runs blocking `fn(*args, **kwargs)` in a thread; inside a job, its slot stays taken until it returns.
+
+  Like `asyncio.to_thread` (the context is copied into the thread), except that when the
+  attempt awaiting it times out or is cancelled, the call goes on (a thread cannot be stopped)
+  and keeps the attempt's slot until it has returned; a call whose result nobody awaits any more
+  by the time a thread is free for it is not started. `abandoned()`, inside the call, says when
+  its result is no longer wanted.
+
+  Args:
+    fn: the blocking call.
+    *args: its positional arguments.
+    executor: a concurrent.futures.Executor; None: the loop's default one.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    What `fn` returns.
+  """
+  loop = asyncio.get_running_loop()
+  abandoned = threading.Event()
+  context = contextvars.copy_context()
+  context.run(_ABANDONED.set, abandoned)
+
+  def call():
+    if abandoned.is_set():
+      return None  # its attempt is over: do not start work no one will read
+    return context.run(fn, *args, **kwargs)
+
+  future = loop.run_in_executor(executor, call)
+  attempt = _ATTEMPT.get()
+  if attempt is None:  # not inside a job: there is no slot to hold
+    try:
+      return await future
+    finally:
+      abandoned.set()
+  attempt.hold(future, abandoned)
   try:
-    async with asyncio.timeout(timeout_s) as deadline:
-      return await fn()
-  except TimeoutError:
-    if deadline.expired():
-      raise _TimedOut() from None
+    return await asyncio.shield(future)  # a cancellation ends the wait, never the call
+  except asyncio.CancelledError:
+    abandoned.set()
     raise
+
+
+def abandoned() -> threading.Event:
+  """Inside a call run by `to_thread`: an Event set once nobody awaits its result any more.
+
+  That is when its attempt timed out or was cancelled (or the scheduler closed). The call keeps
+  its job's slot until it returns, so a long one may poll this, or wait on it, to stop early.
+  Elsewhere: an Event that is never set.
+  """
+  event = _ABANDONED.get()
+  return event if event is not None else threading.Event()
+
+
+def _stepping(task: asyncio.Task | None) -> bool:
+  """Whether `task` is the task running now (its coroutine is being stepped, not closed)."""
+  try:
+    return task is not None and asyncio.current_task() is task
+  except RuntimeError:  # no running loop
+    return False

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ptx.rl import rewards
+from ptx.rl import rewards, scheduler
 from ptx.rl.environments import base, countdown, shell
 
 
@@ -49,3 +49,53 @@ def test_bad_batches_are_refused():
     rewards.score(countdown.CountdownEnv(), [{}, {}], ["x"])
   with pytest.raises(ValueError, match="multi-turn"):
     rewards.score(shell.ShellEnv(), [{}], ["x"])
+
+
+# Only a hang reaches this (a pass takes milliseconds): it turns a regression into a failure.
+HANG_S = 30
+
+
+class Running:
+  """Counts step calls running at once, from the threads themselves."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.now = self.peak = 0
+
+  def __enter__(self):
+    with self.lock:
+      self.now += 1
+      self.peak = max(self.peak, self.now)
+
+  def __exit__(self, *exc):
+    with self.lock:
+      self.now -= 1
+
+
+def test_concurrency_bounds_the_step_calls_running_at_once():
+  running, all_in = Running(), threading.Barrier(3)
+
+  def step():
+    with running:
+      all_in.wait(HANG_S)  # three at once, no fewer: each batch of three must overlap in full
+    return base.Step.final(base.Outcome.OK, "checked")
+
+  steps = rewards.run_steps([step] * 6, concurrency=3)
+  assert [s.outcome for s in steps] == ["ok"] * 6 and running.peak == 3
+
+
+def test_a_timed_out_step_is_an_infra_error_and_keeps_its_slot_until_its_call_returns():
+  running, told = Running(), []
+
+  def step():
+    with running:
+      told.append(scheduler.abandoned().wait(HANG_S))  # runs on past its timeout, until told it is over
+    return base.Step.final(base.Outcome.OK, "too late")
+
+  # 0.05 s: the calls end only once their attempts timed out, so the value only sets the test's length.
+  steps = rewards.run_steps([step] * 5, concurrency=2, timeout_s=0.05)
+  assert [s.outcome for s in steps] == ["infra_error"] * 5
+  assert all(s.reason == "scoring failed: no result within 0.05 s" for s in steps), steps
+  # A call whose attempt was over before a thread was free is never started; every other one was
+  # told, and none ran beside two others.
+  assert all(told) and running.peak <= 2 and running.now == 0
