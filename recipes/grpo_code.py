@@ -2,9 +2,11 @@
 
 Each problem's signature and docstring become a user turn asking for the
 whole function in a ```python block; the host runs the last code block of
-every sample against the problem's tests in `ptx.rl.sandbox` (own process
-group, rlimits, no network where the OS allows, wall-clock kill) while the
-device samples the next batch (GRPO host-reward mode). The first 132
+every sample against the problem's tests while the device samples the next
+batch (GRPO host-reward mode): the sample runs in a `ptx.rl.sandbox`
+bubblewrap sandbox of its own, the tests in another, and only plain data
+crosses between them (`PythonTestsEnv`), so exiting early, patching
+equality or reading the tests scores nothing. The first 132
 problems train, the last 32 are held out. HumanEval is an evaluation set:
 for a real run train on your own problems (records {"prompt", "tests"};
 `ptx grpo --env code --data.train_files=...` takes them as JSONL) and keep

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from ptx.rl import rewards, scheduler
+from running_calls import Running
 from ptx.rl.environments import base, countdown, shell
 
 
@@ -53,23 +54,6 @@ def test_bad_batches_are_refused():
 
 # Only a hang reaches this (a pass takes milliseconds): it turns a regression into a failure.
 HANG_S = 30
-
-
-class Running:
-  """Counts step calls running at once, from the threads themselves."""
-
-  def __init__(self):
-    self.lock = threading.Lock()
-    self.now = self.peak = 0
-
-  def __enter__(self):
-    with self.lock:
-      self.now += 1
-      self.peak = max(self.peak, self.now)
-
-  def __exit__(self, *exc):
-    with self.lock:
-      self.now -= 1
 
 
 def test_concurrency_bounds_the_step_calls_running_at_once():

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ptx.rl import scheduler as sched
+from running_calls import Running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,23 +283,6 @@ def test_a_real_cancellation_stays_a_cancellation_and_frees_its_slot():
   s, by_caller, timed, by_close = asyncio.run(main())
   assert by_caller.cancelled() and timed.outcome == "timeout" and by_close.outcome == "cancelled"
   assert s.counts == {"cancelled": 2, "ok": 1, "timeout": 1} and s.in_flight == 0
-
-
-class Running:
-  """Counts blocking calls running at once, from the threads themselves."""
-
-  def __init__(self):
-    self.lock = threading.Lock()
-    self.now = self.peak = 0
-
-  def __enter__(self):
-    with self.lock:
-      self.now += 1
-      self.peak = max(self.peak, self.now)
-
-  def __exit__(self, *exc):
-    with self.lock:
-      self.now -= 1
 
 
 def _hold_loop_until(event: threading.Event) -> None:
