@@ -51,12 +51,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import io
+import json
 import logging
 import marshal
 import os
 import pathlib
 import secrets
+import select
 import selectors
 import signal
 import subprocess
@@ -248,7 +251,7 @@ def bwrap_problem() -> str:
   elif not sandbox_bwrap.python():
     problem = f"no python3 on {sandbox_bwrap.PATH} to run the sandbox's first process"
   else:
-    result = _run_bwrap(["true"], Workspace(), False, Limits(timeout_s=30.0), None, None, True, ())
+    result = _run_bwrap(["true"], Workspace(), False, Limits(timeout_s=30.0), None, None, True, _Passed(()))
     problem = "" if result.outcome == Outcome.OK else f"a trial run ended {result.outcome}: {result.reason}"
   with _lock:
     _bwrap_problem = problem
@@ -337,6 +340,7 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
     ValueError: argv is not a non-empty list of str, or a file name leaves the workspace.
     SandboxUnavailable: no backend works here (see `backend`).
   """
+  passed = _Passed(pass_fds)
   try:
     if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
       raise ValueError(f"run: argv must be a non-empty list of str (the program and its arguments), got {argv!r}")
@@ -345,18 +349,31 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
     workspace = workspace if keep else Workspace()
     workspace.write(files or {})
     launch = _run_bwrap if chosen == Backend.BWRAP else _run_rlimits
-    return launch(list(argv), workspace, keep, limits, stdin, env, cut_network, tuple(pass_fds))
+    return launch(list(argv), workspace, keep, limits, stdin, env, cut_network, passed)
   finally:
-    _close_all(pass_fds)
+    passed.close()
+
+
+class _Passed:
+  """The caller's pass_fds, closed exactly once: when the program has started, or when `run` returns.
+
+  Closing by number twice would close whatever another thread opened under
+  that number in between (a concurrent run's pidfd).
+  """
+
+  def __init__(self, fds: Sequence[int]):
+    self.fds, self._open = tuple(fds), True
+
+  def close(self) -> None:
+    if self._open:
+      self._open = False
+      _close_all(self.fds)
 
 
 def _close_all(fds: Sequence[int | None]) -> None:
   for fd in fds:
     if fd is not None:
-      try:
-        os.close(fd)
-      except OSError:
-        pass  # closed already, once the program started
+      os.close(fd)
 
 
 def _memfd(name: str, data: bytes = b"") -> int:
@@ -396,7 +413,7 @@ def _as_uid(uid: int | None) -> dict:
 
 
 def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
-               env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
+               env: Mapping[str, str] | None, cut_network: bool, passed: _Passed) -> SandboxResult:
   """One run in a bubblewrap sandbox."""
   status, ws_in = _memfd("status"), _memfd("workspace-in", ws.snapshot)
   ws_out = _memfd("workspace-out") if keep else None
@@ -407,22 +424,25 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
                        "run_memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
                        "processes": limits.processes, "open_files": limits.open_files},
             "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
-            "workspace_bytes": limits.disk_bytes, "pass_fds": list(pass_fds)}
+            "workspace_bytes": limits.disk_bytes, "pass_fds": list(passed.fds)}
+  info_r, info_w = os.pipe()  # bwrap writes the host pid of the sandbox's PID 1 there
   command = sandbox_bwrap.command(config=marshal.dumps(config, 4).hex(), cut_network=cut_network, seccomp_fd=seccomp,
-                                  disk_bytes=limits.disk_bytes)
+                                  info_fd=info_w, disk_bytes=limits.disk_bytes)
   started = time.monotonic()
   try:
     try:
       proc = subprocess.Popen(
           command, cwd="/", env={}, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-          pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp, *pass_fds) if fd is not None),
+          pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp, info_w, *passed.fds) if fd is not None),
           **_as_uid(ws.uid))
     except OSError as e:
+      os.close(info_r)
       return _infra(f"could not start bwrap: {e}", ws.uid, Backend.BWRAP)
     finally:
-      _close_all((ws_in, seccomp, *pass_fds))
-    capture = _Capture(proc, stdin, limits, after_exit=None)
+      _close_all((ws_in, seccomp, info_w))
+      passed.close()
+    capture = _Capture(proc, stdin, limits, after_exit=None, info_r=info_r)
     capture.collect(started + limits.timeout_s + _BACKSTOP_S)
     report = _reports(status)
     if keep and "packed" in report:
@@ -430,12 +450,14 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
   finally:
     _close_all((status, ws_out))
   notes = () if program is not None else ("no seccomp filter on this architecture",)
+  if capture.inner_survived:
+    notes += (f"the sandbox's PID 1 was still alive {_BACKSTOP_S} s after SIGKILL",)
   return capture.result(limits, time.monotonic() - started, report, network_isolated=cut_network, uid=ws.uid,
                         notes=notes, chosen=Backend.BWRAP)
 
 
 def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
-                 env: Mapping[str, str] | None, cut_network: bool, pass_fds: tuple[int, ...]) -> SandboxResult:
+                 env: Mapping[str, str] | None, cut_network: bool, passed: _Passed) -> SandboxResult:
   """One run under the weaker rlimits backend, in a host directory made from the workspace's snapshot."""
   try:
     path = tempfile.mkdtemp(prefix="ptx-sandbox-")
@@ -457,11 +479,11 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
           [sys.executable, "-I", "-S", _CHILD, marshal.dumps(config, 4).hex()], cwd=path,
           env={**_BASE_ENV, "HOME": path, "TMPDIR": path, **(env or {})},
           stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status, *pass_fds))
+          stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status, *passed.fds))
     except OSError as e:
       return _infra(f"could not start the sandbox: {e}", ws.uid, Backend.RLIMITS)
     finally:
-      _close_all(pass_fds)
+      passed.close()
     after_exit = (lambda: strays.kill_user(ws.uid, _CHILD)) if ws.uid is not None else None
     capture = _Capture(proc, stdin, limits, after_exit=after_exit)
     capture.collect(started + limits.timeout_s)
@@ -496,7 +518,8 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
 class _Capture:
   """Feeds stdin, reads capped output, and enforces the host's deadline on the launched process."""
 
-  def __init__(self, proc: subprocess.Popen, stdin: bytes | str | None, limits: Limits, after_exit):
+  def __init__(self, proc: subprocess.Popen, stdin: bytes | str | None, limits: Limits, after_exit,
+               info_r: int | None = None):
     self.proc, self.cap, self.after_exit = proc, limits.output_bytes, after_exit
     data = stdin.encode() if isinstance(stdin, str) else stdin
     self.stdin = memoryview(data or b"")
@@ -513,12 +536,20 @@ class _Capture:
     if proc.stdin is not None:
       os.set_blocking(proc.stdin.fileno(), False)
       self.sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+    # bwrap's PID 1 is in a session of its own, out of bwrap's group: it is
+    # followed by a pidfd, killed with bwrap, and waited for, so no process
+    # of the run outlives `run`.
+    self.info, self.info_fd, self.inner, self.inner_survived = bytearray(), info_r, None, False
+    if info_r is not None:
+      self.sel.register(info_r, selectors.EVENT_READ, "info")
 
   def kill(self, why: str) -> None:
-    """Kills the launched process and its group once, remembering why."""
+    """Kills the launched process, its group and the sandbox's PID 1 once, remembering why."""
     if not self.killed_for:
       self.killed_for = why
       _kill_group(self.proc.pid)
+      if self.inner is not None:
+        signal.pidfd_send_signal(self.inner, signal.SIGKILL)
 
   def collect(self, deadline: float) -> None:
     """Runs the event loop until the launcher has exited and the pipes are drained."""
@@ -536,16 +567,57 @@ class _Capture:
           exited_at = time.monotonic()
         elif key.data == "stdin":
           self._feed(key.fileobj)
+        elif key.data == "info":
+          self._read_info()
         else:
           self._read(key)
     for key in list(self.sel.get_map().values()):
       self._close(key.fileobj)
     self.sel.close()
 
+  def _read_info(self) -> None:
+    """Reads bwrap's JSON info; once whole, opens a pidfd of the sandbox's PID 1 (checked to be bwrap's child)."""
+    chunk = os.read(self.info_fd, 4096)
+    self.info += chunk
+    try:
+      pid = json.loads(self.info)["child-pid"]
+    except (ValueError, KeyError):
+      if chunk:
+        return  # not whole yet
+      pid = None  # bwrap ended before it started PID 1
+    self._close(self.info_fd)
+    self.info_fd = None
+    if pid is None:
+      return
+    try:
+      inner = os.pidfd_open(pid)
+    except ProcessLookupError:
+      return  # PID 1 is gone already
+    try:
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      parent = None
+    if parent == self.proc.pid:  # not a process that took a freed pid
+      self.inner = inner
+      if self.killed_for:
+        signal.pidfd_send_signal(inner, signal.SIGKILL)
+    else:
+      os.close(inner)
+
   def _on_exit(self) -> None:
     # The exited leader is a zombie until wait4, so its pgid cannot be reused
     # yet: kill the rest of the group first, then the uid's escapees.
     _kill_group(self.proc.pid)
+    while self.info_fd is not None:  # bwrap is gone, so this ends at EOF
+      self._read_info()
+    if self.inner is not None:
+      if self.killed_for:
+        signal.pidfd_send_signal(self.inner, signal.SIGKILL)
+      # PID 1's pidfd turns readable once it is gone, and with it every process of its namespace.
+      self.inner_survived = not select.select([self.inner], [], [], _BACKSTOP_S)[0]
+      os.close(self.inner)
+      self.inner = None
     if self.after_exit is not None:
       self.survivors = self.after_exit()
     _, status, self.rusage = os.wait4(self.proc.pid, 0)
@@ -587,13 +659,16 @@ class _Capture:
                   report.get("max_rss_bytes", 0))
     outcome, reason = self._classify(report, limits, chosen)
     started = outcome != Outcome.INFRA_ERROR
-    return SandboxResult(outcome, report.get("exit") if started else None, bytes(self.out["stdout"]),
+    exit_code = report.get("exit", -signal.SIGKILL if self.killed_for else None) if started else None
+    return SandboxResult(outcome, exit_code, bytes(self.out["stdout"]),
                          bytes(self.out["stderr"]), self.truncated, usage, network_isolated, uid, reason, notes,
                          str(chosen))
 
   def _classify(self, report: dict, limits: Limits, chosen: Backend) -> tuple[Outcome, str]:
     if "exec_error" in report:
       return Outcome.INFRA_ERROR, f"could not exec: {report['exec_error']}"
+    if report.get("setup_errno") == errno.ENOSPC:  # what earlier runs left, or the task's files, does not fit
+      return Outcome.LIMIT, f"the workspace does not fit in {limits.disk_bytes} bytes: {report['setup_error']}"
     if "setup_error" in report:
       return Outcome.INFRA_ERROR, f"the sandbox could not be set up: {report['setup_error']}"
     if self.killed_for == "timeout":

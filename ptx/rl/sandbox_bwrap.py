@@ -97,13 +97,14 @@ def python() -> str:
   return shutil.which("python3", path=PATH) or ""
 
 
-def command(*, config: str, cut_network: bool, seccomp_fd: int | None, disk_bytes: int) -> list[str]:
+def command(*, config: str, cut_network: bool, seccomp_fd: int | None, info_fd: int, disk_bytes: int) -> list[str]:
   """The bwrap command line of one run.
 
   Args:
     config: `sandbox_init`'s configuration (marshal in hex).
     cut_network: give the run an empty network namespace.
     seccomp_fd: a descriptor holding the filter program, or None.
+    info_fd: where bwrap writes, as JSON, the host pid of the sandbox's PID 1 ("child-pid").
     disk_bytes: size of each tmpfs (/work and /tmp).
 
   Returns:
@@ -124,4 +125,5 @@ def command(*, config: str, cut_network: bool, seccomp_fd: int | None, disk_byte
            "--dir", "/var", "--symlink", "../tmp", "/var/tmp", "--chdir", WORK]
   if seccomp_fd is not None:
     args += ["--seccomp", str(seccomp_fd)]
+  args += ["--info-fd", str(info_fd)]
   return args + ["--", python(), "-I", "-S", "-c", bootstrap(), config]

@@ -108,7 +108,7 @@ def main(cfg):
     os.chmod(_WORK, 0o700)
     workspace_format.unpack(_read_all(in_fd), _WORK)
   except Exception as e:  # noqa: BLE001  (the program never ran: not its fault)
-    _report(status_fd, setup_error=f"unpacking the workspace: {e}")
+    _report(status_fd, setup_error=f"unpacking the workspace: {e}", setup_errno=getattr(e, "errno", None))
     return 0
   os.close(in_fd)
   lim = cfg["limits"]

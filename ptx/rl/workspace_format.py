@@ -119,7 +119,9 @@ def pack(root, max_bytes):
 
   Args:
     root: the directory.
-    max_bytes: the most the packed bytes may take.
+    max_bytes: the most the tree may take once unpacked, counting every file
+      and link in whole pages as a tmpfs stores them (a sparse file costs its
+      size): what is packed always unpacks into a tmpfs of that size.
 
   Returns:
     The bytes.
@@ -128,7 +130,8 @@ def pack(root, max_bytes):
     TooLarge: past MAX_ENTRIES, MAX_DEPTH or `max_bytes`.
   """
   out = bytearray()
-  count = 0
+  count = used = 0
+  page = os.sysconf("SC_PAGE_SIZE")
   # Breadth first with one open directory at a time: paths are re-opened
   # relative to the root fd, so depth costs neither recursion nor descriptors.
   root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -156,15 +159,16 @@ def pack(root, max_bytes):
               raise TooLarge(f"the workspace is deeper than {MAX_DEPTH} levels")
             out += _entry("d", path, mode)
             pending.append(path)
-          elif stat.S_ISLNK(st.st_mode):
-            out += _entry("l", path, mode, os.fsencode(os.readlink(name, dir_fd=fd)))
-          elif stat.S_ISREG(st.st_mode):
-            if len(out) + st.st_size > max_bytes:
-              raise TooLarge(f"the workspace holds more than {max_bytes} bytes")
-            out += _entry("f", path, mode, _read_file(fd, name, st.st_size))
+          elif stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode):
+            pages = -(-st.st_size // page)  # a link's target may take a page of its own
+            used += (max(pages, 1) if stat.S_ISLNK(st.st_mode) else pages) * page
+            if used > max_bytes:
+              raise TooLarge(f"the workspace takes more than {max_bytes} bytes")
+            if stat.S_ISLNK(st.st_mode):
+              out += _entry("l", path, mode, os.fsencode(os.readlink(name, dir_fd=fd)))
+            else:
+              out += _entry("f", path, mode, _read_file(fd, name, st.st_size))
           # Sockets, fifos and devices are not part of a workspace.
-          if len(out) > max_bytes:
-            raise TooLarge(f"the workspace holds more than {max_bytes} bytes")
       finally:
         if fd != root_fd:
           os.close(fd)

@@ -17,11 +17,8 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
-import itertools
 import os
 import pathlib
-import resource
 import secrets
 import signal
 import socket
@@ -127,32 +124,6 @@ def _weak_py(code: str, **kwargs) -> sandbox.SandboxResult:
   return result
 
 
-_high_numbers = itertools.count()
-
-
-def _pipe() -> tuple[int, int]:
-  """A pipe (read end, write end) for pass_fds, its ends at numbers far above any the process allocates.
-
-  run() closes its pass_fds once the program has started and again when it
-  returns (test_run_closes_pass_fds_once): a low number may by then be another
-  concurrent run's descriptor, which that run would lose and hang. No
-  allocation reaches these numbers, so the second close finds nothing.
-  """
-  top = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16)  # the highest this process may use
-  ends = []
-  for fd in os.pipe():
-    while True:
-      target = top - 1 - next(_high_numbers) % 512  # the top 512: far more than any test holds at once
-      try:
-        fcntl.fcntl(target, fcntl.F_GETFD)  # in use: try the next
-      except OSError:
-        break
-    os.dup2(fd, target, inheritable=False)
-    os.close(fd)
-    ends.append(target)
-  return ends[0], ends[1]
-
-
 def _lines(result: sandbox.SandboxResult) -> dict[str, str]:
   """The program's `name value` output lines as a dict."""
   return dict(line.split(" ", 1) for line in result.stdout_text.splitlines() if " " in line)
@@ -202,10 +173,6 @@ def test_bad_limits_and_argv_name_the_field():
     sandbox.run(["true"], files={"../escape": "x"})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sandbox bug: run() closes pass_fds right after starting bwrap and again when it returns, so the second "
-    "close hits whatever descriptors took those numbers meanwhile: another thread's, or a concurrent run's "
-    "pidfd and pipes (that run then never sees its exit and spins forever)"))
 def test_run_closes_pass_fds_once():
   """Descriptors this process opens while a run with pass_fds is in progress stay open after it returns."""
   ready_r, ready_w = os.pipe()
@@ -415,9 +382,6 @@ def test_attack_printing_1gb():
   assert len(result.stdout) == LIMITS.output_bytes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sandbox bug: when the host kills a run (output cap), run() returns once bwrap is dead and the pipes are "
-    "drained; its PID 1 dies later, by bwrap's parent-death signal, so processes that closed their pipes still run"))
 def test_attack_children_that_closed_their_output_when_the_host_kills_the_run():
   """10 busy children without stdout or stderr while the parent prints past the cap: none runs once run() returns."""
   code = ("import os, sys\nr, w = os.pipe()\nfor _ in range(10):\n  if os.fork() == 0:\n"
@@ -484,8 +448,8 @@ def test_attack_filling_the_disk(files, monkeypatch, tmp_path):
   host_tmp.mkdir()
   monkeypatch.setattr(tempfile, "tempdir", str(host_tmp))
   free_before = _free_bytes("/tmp")
-  ready_r, ready_w = _pipe()
-  go_r, go_w = _pipe()
+  ready_r, ready_w = os.pipe()
+  go_r, go_w = os.pipe()
   code = _FILL.replace("SIZE", str(size)).replace("COUNT", str(count))
   code = code.replace("READY", str(ready_w)).replace("GO", str(go_r))
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -567,10 +531,6 @@ def test_attack_a_3000_deep_directory_chain_in_a_kept_workspace():
     assert after.outcome == sandbox.Outcome.OK and after.stdout_text == "k 1\n", after
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sandbox bug: a kept workspace's blob is capped at disk_bytes, but unpacking it into the disk_bytes tmpfs "
-    "takes whole pages per file; sparse files cost none in the run that made them, so the next run's unpack "
-    "hits ENOSPC and the run is an infra error"))
 def test_attack_sparse_files_in_a_kept_workspace_cannot_make_the_next_run_an_infra_error():
   """9,000 empty 4097-byte files: 37 MB packed, 74 MB of pages unpacked, none used while the program ran."""
   code = ("import os\nfor i in range(9000):\n  fd = os.open(f'f{i}', os.O_WRONLY | os.O_CREAT, 0o644)\n"
@@ -623,8 +583,8 @@ def test_attack_planting_symlinks_to_host_files_in_a_kept_workspace(tmp_path):
 def test_concurrent_runs_get_distinct_uids_and_private_files():
   """8 runs at once each see only their own files in /work and /tmp, while all of them hold theirs."""
   n = 8
-  ready = [_pipe() for _ in range(n)]
-  go = [_pipe() for _ in range(n)]
+  ready = [os.pipe() for _ in range(n)]
+  go = [os.pipe() for _ in range(n)]
   code = ("import os, sys\ntoken = sys.argv[1]\nfor d in ('/work', '/tmp'): open(f'{d}/{token}', 'w').write(token)\n"
           "os.write(int(sys.argv[2]), b'+')\nos.read(int(sys.argv[3]), 1)\n"
           "print(sorted(os.listdir('/work') + os.listdir('/tmp')))")
@@ -666,9 +626,9 @@ def test_attack_sysv_shared_memory_and_posix_message_queues_across_runs():
   prelude = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
              "rt = libc if hasattr(libc, 'mq_open') else ctypes.CDLL('librt.so.1', use_errno=True)\n"
              "def err(r): return errno.errorcode.get(ctypes.get_errno()) if r < 0 else 'found'\n")
-  a_ready_r, a_ready_w = _pipe()  # A -> host: made
-  b_go_r, b_go_w = _pipe()  # host -> B: look now
-  a_done_r, a_done_w = _pipe()  # B -> A: looked (or EOF: B ended)
+  a_ready_r, a_ready_w = os.pipe()  # A -> host: made
+  b_go_r, b_go_w = os.pipe()  # host -> B: look now
+  a_done_r, a_done_w = os.pipe()  # B -> A: looked (or EOF: B ended)
   a = (prelude + f"libc.shmat.restype = ctypes.c_void_p\nshm = libc.shmget({key}, 4096, {_IPC_CREAT} | 0o666)\n"
        "assert shm >= 0, ctypes.get_errno()\nctypes.memmove(libc.shmat(shm, None, 0), b'ptx', 3)\n"
        f"mq = rt.mq_open({queue!r}, os.O_CREAT | os.O_RDWR, 0o666, None)\nassert mq >= 0, ctypes.get_errno()\n"
