@@ -273,8 +273,9 @@ class HostRewardStep:
     self._last_return = end
     take = getattr(self._reward, "take_metrics", None)
     reward_metrics = take() if take is not None else {}
-    metrics = {**metrics, **filter_metrics, **reward_metrics, "timing_s/step": wall, "timing_s/generate": scored - fetched,
-               "timing_s/reward": done - scored, "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
+    metrics = {**metrics, **filter_metrics, **reward_metrics, "timing_s/step": wall,
+               "timing_s/generate": scored - fetched, "timing_s/reward": done - scored,
+               "perf/device_wait_frac": min(self._watch.take_idle() / wall, 1.0),
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
 

@@ -1,26 +1,19 @@
-"""ptx.rl.environments: math, arithmetic, countdown, and the outcome labels (code and shell tasks have files of their own)."""
+"""ptx.rl.environments: math, arithmetic, countdown and the outcome labels (code and shell: files of their own)."""
 
 
 import pytest
+from episodes import one_step
 
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.rl import sandbox
 from ptx.rl.environments import base, countdown, exact_answer, python_tests
-
-def _one(env, task, action):
-  episode = env.reset(task)
-  try:
-    return episode.step(action)
-  finally:
-    episode.close()
-
 
 @pytest.mark.parametrize("action,outcome", [
     (r"The area is $\boxed{\frac{1}{2}}$.", "ok"), ("so we get\n#### 0.5", "ok"), (r"\boxed{0.6}", "wrong"),
     ("I cannot solve this.", "no_answer"),
 ])
 def test_exact_answer(action, outcome):
-  step = _one(exact_answer.ExactAnswerEnv(), {"prompt": "Half of 1?", "answer": "1/2"}, action)
+  step = one_step(exact_answer.ExactAnswerEnv(), {"prompt": "Half of 1?", "answer": "1/2"}, action)
   assert step.done and step.outcome == outcome and step.reward == (outcome == "ok")
   assert step.reason
 
@@ -30,8 +23,8 @@ def test_arithmetic_records_from_the_data_generator():
   tasks = ArithmeticTask(seed=3, max_digits=3, ops="+-*")
   for i in range(20):
     task = tasks[i]
-    assert _one(env, task, task["prompt"] + task["answer"]).outcome == "ok"
-    assert _one(env, task, task["prompt"] + str(int(task["answer"]) + 1)).outcome == "wrong"
+    assert one_step(env, task, task["prompt"] + task["answer"]).outcome == "ok"
+    assert one_step(env, task, task["prompt"] + str(int(task["answer"]) + 1)).outcome == "wrong"
 
 
 def test_missing_field_is_named():
@@ -49,7 +42,7 @@ def test_countdown_generator_is_seeded_random_access_and_solvable():
   for i in range(200):
     task = tasks[i]
     assert len(task["numbers"]) == 4 and 1 <= task["target"] <= 1000
-    assert _one(env, task, f"<answer>{task['solution']}</answer>").outcome == "ok", task
+    assert one_step(env, task, f"<answer>{task['solution']}</answer>").outcome == "ok", task
   with pytest.raises(ValueError, match="CountdownTask.count"):
     countdown.CountdownTask(count=1)
 

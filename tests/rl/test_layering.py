@@ -12,7 +12,8 @@ import pytest
 
 RL = pathlib.Path(__file__).resolve().parents[2] / "ptx" / "rl"
 FORBIDDEN = ("ptx.train", "ptx.cli")
-SCRIPTS = ("sandbox_child.py", "sandbox_init.py", "symbolic_worker.py", "workspace_format.py")
+SCRIPTS = ("grader.py", "plain_data.py", "sandbox_child.py", "sandbox_init.py", "solution_server.py",
+           "symbolic_worker.py", "workspace_format.py")
 
 
 def _ptx_imports(path: pathlib.Path) -> list[str]:

@@ -3,20 +3,13 @@
 import dataclasses
 
 import pytest
+from episodes import one_step
 
 from ptx.rl import sandbox
 from ptx.rl.environments import python_tests
 
 # cpu_s well below timeout_s, so a busy loop meets the CPU limit first even on a loaded machine.
 FAST = sandbox.Limits(timeout_s=20.0, cpu_s=1, memory_bytes=256 << 20)
-
-
-def _one(env, task, action):
-  episode = env.reset(task)
-  try:
-    return episode.step(action)
-  finally:
-    episode.close()
 
 
 CODE_TASK = {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]}
@@ -35,12 +28,12 @@ CODE_ENV = python_tests.PythonTestsEnv(limits=FAST)
 def test_python_tests(action, outcome):
   short = dataclasses.replace(FAST, timeout_s=1.0)
   env = python_tests.PythonTestsEnv(limits=short) if outcome == "timeout" else CODE_ENV
-  step = _one(env, CODE_TASK, action)
+  step = one_step(env, CODE_TASK, action)
   assert step.done and step.outcome == outcome, step.reason
 
 
 def _score(task, code, env=CODE_ENV):
-  return _one(env, task, f"```python\n{code}\n```")
+  return one_step(env, task, f"```python\n{code}\n```")
 
 
 PARSE_TASK = {"prompt": "Write parse(s): int(s), ValueError('bad') otherwise.", "tests": [

@@ -91,8 +91,8 @@ def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
                         sampling=SamplingConfig(temperature=0.8))
   state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_ReportingReward())
   assert int(state.step) == 3
-  assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]
-  assert [m["rewards/calls"] for m in history] == [1, 1, 1]  # each step reports the batch it scored  # the first batch has nothing ahead of it
+  assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]  # the first batch has nothing ahead of it
+  assert [m["rewards/calls"] for m in history] == [1, 1, 1]  # each step reports the batch it scored
   # The first batch was sampled by the parameters that recompute its old log-probs, both at temperature 0.8: the
   # sampler's and the trainer's programs round differently, ~1e-6 per log-prob, so the ratios are 1 to ~1e-5.
   assert history[0]["rollout/is_ratio/max"] == pytest.approx(1.0, abs=1e-4)

@@ -16,8 +16,8 @@ anything else stays in the solution's process and the grader holds a handle
 to it. Before the tests run, `==`, `!=`, `in` and `not in` in them are
 rewritten to `plain_data.same`, an equality that requires identical types
 all the way down (True != 1, 1 != 1.0, (1,) != [1]; nan equals nan), and
-method calls to one request each. Every request has a deadline, the end of the env's
-`limits.timeout_s` for all tests; the sandboxes get `_GRACE_S` more, so the
+method calls to one request each. Every request has a deadline, the end of the
+env's `limits.timeout_s` for all tests; the sandboxes get `_GRACE_S` more, so the
 grader always reports. The grader prints one JSON verdict; the reward is 1.0
 when every test ran to its end, read from that verdict and never from an
 exit status the solution controls. A grader that gives no verdict is an
@@ -173,9 +173,11 @@ class PythonTestsEnv:
   max_turns: int = 1
   python: str = "python3"
   limits: sandbox.Limits = sandbox.Limits(timeout_s=10.0, cpu_s=10, memory_bytes=1 << 30)
+  sandboxed: bool = True
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "tests"}` record."""
+    sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
     prompt = field(task, "prompt", str, self.name)
     tests = field(task, "tests", (str, list), self.name)
     sources = _rewrite(tests, self.name)
