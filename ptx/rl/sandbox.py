@@ -562,6 +562,8 @@ class _Capture:
         break  # a stray that escaped us still holds a pipe: stop waiting for it
       wait = exited_at + _DRAIN_S - now if exited_at is not None else max(0.0, deadline - now)
       for key, _ in self.sel.select(timeout=max(wait, 0.01) if self.killed_for else wait):
+        if key.fd not in self.sel.get_map():
+          continue  # closed by an earlier event of this batch (the exit drains bwrap's info)
         if key.data == "exit":
           self._on_exit()
           exited_at = time.monotonic()

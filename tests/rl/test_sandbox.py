@@ -923,3 +923,28 @@ def test_attack_forging_the_result():
   assert lines["mem"] == str(errno.EACCES), result.stdout_text
   ptrace = [line for line in result.stdout_text.splitlines() if line.startswith("ptrace")]
   assert ptrace == [f"ptrace 16 -1 {errno.EPERM}", f"ptrace {0x4206} -1 {errno.EPERM}"], result.stdout_text
+
+
+def test_a_run_whose_exit_and_bwrap_info_come_in_one_poll_returns_its_result(monkeypatch):
+  """On a loaded host one poll may bring bwrap's exit before its info: the exit drains the info first."""
+  collect = sandbox._Capture.collect
+
+  class ExitFirst:
+    """The capture's selector, returning the exit ahead of everything else in a batch."""
+
+    def __init__(self, sel, pid):
+      self.sel, self.pid = sel, pid
+
+    def select(self, timeout=None):
+      os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: as if the loop were slow
+      return sorted(self.sel.select(timeout), key=lambda event: event[0].data != "exit")
+
+    def __getattr__(self, name):
+      return getattr(self.sel, name)
+
+  def exit_first(self, deadline):
+    self.sel = ExitFirst(self.sel, self.proc.pid)
+    return collect(self, deadline)
+
+  monkeypatch.setattr(sandbox._Capture, "collect", exit_first)
+  assert sandbox.run(["true"], limits=LIMITS).outcome == sandbox.Outcome.OK
