@@ -61,6 +61,7 @@ import pathlib
 import secrets
 import select
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -407,9 +408,19 @@ def _infra(reason: str, uid: int | None, chosen: Backend) -> SandboxResult:
                        backend=str(chosen))
 
 
-def _as_uid(uid: int | None) -> dict:
-  """Popen arguments that start the launcher as `uid` with no groups (root only)."""
-  return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+def _as_uid(command: list[str], uid: int | None) -> tuple[list[str], dict]:
+  """The command and Popen arguments that start it as `uid` with no groups (root only).
+
+  util-linux's setpriv drops the ids after the fork: Popen's own `user=`
+  makes Python fork instead of vfork, which copies the page tables of a
+  trainer's gigabytes at every run (about 9 ms and 4.5 ms of system time
+  each under JAX).
+  """
+  if uid is None:
+    return command, {}
+  if setpriv := shutil.which("setpriv"):
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *command], {}
+  return command, {"user": uid, "group": uid, "extra_groups": []}
 
 
 def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
@@ -428,6 +439,7 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
   info_r, info_w = os.pipe()  # bwrap writes the host pid of the sandbox's PID 1 there
   command = sandbox_bwrap.command(config=marshal.dumps(config, 4).hex(), cut_network=cut_network, seccomp_fd=seccomp,
                                   info_fd=info_w, disk_bytes=limits.disk_bytes)
+  command, as_uid = _as_uid(command, ws.uid)
   started = time.monotonic()
   try:
     try:
@@ -435,7 +447,7 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
           command, cwd="/", env={}, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
           pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp, info_w, *passed.fds) if fd is not None),
-          **_as_uid(ws.uid))
+          **as_uid)
     except OSError as e:
       os.close(info_r)
       return _infra(f"could not start bwrap: {e}", ws.uid, Backend.BWRAP)
