@@ -44,25 +44,21 @@ much less (see above). Grading the program cannot reach (tests kept out of
 its workspace, exact-type comparisons, a check with a clean environment)
 is the environments' part: `ptx.rl.environments.python_tests`, `.shell`.
 
+The run's vocabulary (Limits, Outcome, SandboxResult) is in `sandbox_result`,
+the host's watch over a running sandbox in `sandbox_capture`.
+
 Linux only. Thread-safe: runs may proceed concurrently from many threads.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import errno
 import io
-import json
 import logging
 import marshal
 import os
 import pathlib
 import secrets
-import select
-import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -71,106 +67,20 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ptx.rl import sandbox_bwrap, seccomp_filter, strays, workspace_format
+from ptx.rl.sandbox_capture import BACKSTOP_S, Capture
+from ptx.rl.sandbox_result import Backend, Limits, Outcome, SandboxResult, Usage
 
 MODE_VARIABLE = "PTX_SANDBOX"  # names the backend for a whole run: "bwrap" or "rlimits"
 _CHILD = str(pathlib.Path(__file__).with_name("sandbox_child.py"))
 _BASE_ENV = {"PATH": sandbox_bwrap.PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-# Python's own messages when an rlimit stops it (it ignores SIGXFSZ).
-_LIMIT_MESSAGES = (b"MemoryError", b"[Errno 12] Cannot allocate memory", b"[Errno 27] File too large",
-                   b"[Errno 11] Resource temporarily unavailable", b"[Errno 24] Too many open files",
-                   b"[Errno 28] No space left on device")
-_DRAIN_S = 0.5  # how long to wait for pipe EOF after the program exits
-# The host's own deadline past the run's: PID 1 inside enforces the timeout and
-# then packs the workspace; this only catches a sandbox that stopped answering.
-_BACKSTOP_S = 10.0
 # Fresh uids for runs started by root: below 2**31 (bwrap parses signed ints),
 # far above any range a system assigns, so no host file or process has one.
 _UID_BASE, _UID_SPAN = 1_500_000_000, 500_000_000
 
 
-class Outcome(enum.StrEnum):
-  """How a run ended."""
-
-  OK = "ok"  # exit status 0
-  FAILED = "failed"  # nonzero exit status
-  TIMEOUT = "timeout"  # killed at the wall-clock limit
-  CRASHED = "crashed"  # killed by a signal it did not ask for (SIGSEGV, SIGABRT...)
-  LIMIT = "limit"  # stopped by a resource limit or the output cap
-  INFRA_ERROR = "infra_error"  # could not be started: not the program's fault
-
-
-class Backend(enum.StrEnum):
-  """How runs are confined."""
-
-  BWRAP = "bwrap"  # namespaces, seccomp, size-capped tmpfs: the default
-  RLIMITS = "rlimits"  # rlimits and a network namespace (and a private uid and root as root): weaker
-
-
 class SandboxUnavailable(RuntimeError):
   """No backend the caller accepts works on this host; the message says why and what to do."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-  """What one run may use."""
-
-  timeout_s: float = 10.0  # wall clock; then every process of the run is killed
-  cpu_s: int = 10  # CPU seconds per process (SIGXCPU, then SIGKILL a second later)
-  memory_bytes: int = 1 << 30  # address space per process; under bwrap also the resident memory of the run
-  file_bytes: int = 16 << 20  # largest file it may write
-  disk_bytes: int = 64 << 20  # under bwrap: the size of /work and of /tmp, each, and of a kept workspace
-  processes: int = 64  # processes of the run (of the caller's uid under rlimits without root)
-  open_files: int = 64  # open file descriptors per process
-  output_bytes: int = 1 << 16  # captured per stream; printing more kills the run
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      if not getattr(self, field.name) > 0:
-        raise ValueError(f"Limits.{field.name} must be > 0, got {getattr(self, field.name)!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Usage:
-  """Resources the program used (its reaped descendants included).
-
-  `max_rss_bytes` is Linux's ru_maxrss of the largest process. Under the
-  rlimits backend it keeps the peak of the process that spawned the program
-  across fork and exec: under a large parent (a JAX trainer) it reports at
-  least the parent's size.
-  """
-
-  wall_s: float
-  cpu_user_s: float
-  cpu_system_s: float
-  max_rss_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxResult:
-  """Everything known about one run."""
-
-  outcome: Outcome
-  exit_code: int | None  # negative: killed by that signal; None: never started
-  stdout: bytes  # at most Limits.output_bytes
-  stderr: bytes
-  truncated: bool  # output hit its cap
-  usage: Usage
-  network_isolated: bool  # ran in a new, empty network namespace
-  uid: int | None  # the run's own host uid; None when the caller was not root
-  reason: str  # one line for people: "exit 1", "killed at the 1 s CPU limit"
-  notes: tuple[str, ...] = ()  # protections that could not be applied
-  backend: str = ""  # the Backend that ran it
-
-  @property
-  def stdout_text(self) -> str:
-    """Standard output decoded as UTF-8 (bad bytes replaced)."""
-    return self.stdout.decode("utf-8", "replace")
-
-  @property
-  def stderr_text(self) -> str:
-    """Standard error decoded as UTF-8 (bad bytes replaced)."""
-    return self.stderr.decode("utf-8", "replace")
 
 
 _lock = threading.Lock()
@@ -377,8 +287,16 @@ def _close_all(fds: Sequence[int | None]) -> None:
       os.close(fd)
 
 
-def _memfd(name: str, data: bytes = b"") -> int:
-  """An anonymous in-memory file holding `data`, positioned at its start."""
+def memory_file(name: str, data: bytes = b"") -> int:
+  """An anonymous in-memory file (close-on-exec) holding `data`, positioned at its start: a run's stdin or status.
+
+  Args:
+    name: shown in /proc/PID/fd, for people.
+    data: its contents.
+
+  Returns:
+    The descriptor; the caller closes it.
+  """
   fd = os.memfd_create(f"ptx-sandbox-{name}", os.MFD_CLOEXEC)
   view = memoryview(data)
   while view:
@@ -387,13 +305,14 @@ def _memfd(name: str, data: bytes = b"") -> int:
   return fd
 
 
-def _read_memfd(fd: int) -> bytes:
+def read_memory_file(fd: int) -> bytes:
+  """Everything in the in-memory (or regular) file `fd`, wherever its offset is."""
   return os.pread(fd, os.fstat(fd).st_size, 0)
 
 
 def _reports(fd: int) -> dict:
   """Merges the marshal records a launcher wrote to the status file (out of the program's reach)."""
-  report, stream = {}, io.BytesIO(_read_memfd(fd))
+  report, stream = {}, io.BytesIO(read_memory_file(fd))
   while stream.tell() < len(stream.getbuffer()):
     try:
       report.update(marshal.load(stream))
@@ -426,10 +345,10 @@ def _as_uid(command: list[str], uid: int | None) -> tuple[list[str], dict]:
 def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin: bytes | str | None,
                env: Mapping[str, str] | None, cut_network: bool, passed: _Passed) -> SandboxResult:
   """One run in a bubblewrap sandbox."""
-  status, ws_in = _memfd("status"), _memfd("workspace-in", ws.snapshot)
-  ws_out = _memfd("workspace-out") if keep else None
+  status, ws_in = memory_file("status"), memory_file("workspace-in", ws.snapshot)
+  ws_out = memory_file("workspace-out") if keep else None
   program = seccomp_filter.program()
-  seccomp = _memfd("seccomp", program) if program is not None else None
+  seccomp = memory_file("seccomp", program) if program is not None else None
   config = {"argv": argv, "env": {**_BASE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp", **(env or {})},
             "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
                        "run_memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
@@ -454,16 +373,16 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
     finally:
       _close_all((ws_in, seccomp, info_w))
       passed.close()
-    capture = _Capture(proc, stdin, limits, after_exit=None, info_r=info_r)
-    capture.collect(started + limits.timeout_s + _BACKSTOP_S)
+    capture = Capture(proc, stdin, limits, after_exit=None, info_r=info_r)
+    capture.collect(started + limits.timeout_s + BACKSTOP_S)
     report = _reports(status)
     if keep and "packed" in report:
-      ws.snapshot = _read_memfd(ws_out)
+      ws.snapshot = read_memory_file(ws_out)
   finally:
     _close_all((status, ws_out))
   notes = () if program is not None else ("no seccomp filter on this architecture",)
   if capture.inner_survived:
-    notes += (f"the sandbox's PID 1 was still alive {_BACKSTOP_S} s after SIGKILL",)
+    notes += (f"the sandbox's PID 1 was still alive {BACKSTOP_S} s after SIGKILL",)
   return capture.result(limits, time.monotonic() - started, report, network_isolated=cut_network, uid=ws.uid,
                         notes=notes, chosen=Backend.BWRAP)
 
@@ -475,7 +394,7 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
     path = tempfile.mkdtemp(prefix="ptx-sandbox-")
   except OSError as e:
     return _infra(f"could not make the workspace: {e}", ws.uid, Backend.RLIMITS)
-  status = _memfd("status")
+  status = memory_file("status")
   try:
     workspace_format.unpack(ws.snapshot, path)
     if ws.uid is not None:
@@ -497,7 +416,7 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
     finally:
       passed.close()
     after_exit = (lambda: strays.kill_user(ws.uid, _CHILD)) if ws.uid is not None else None
-    capture = _Capture(proc, stdin, limits, after_exit=after_exit)
+    capture = Capture(proc, stdin, limits, after_exit=after_exit)
     capture.collect(started + limits.timeout_s)
     report = _reports(status)
     if keep and "exec_error" not in report:
@@ -525,207 +444,3 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
   return capture.result(limits, time.monotonic() - started, report,
                         network_isolated=cut_network and not report.get("net_error"), uid=ws.uid,
                         notes=tuple(notes), chosen=Backend.RLIMITS)
-
-
-class _Capture:
-  """Feeds stdin, reads capped output, and enforces the host's deadline on the launched process."""
-
-  def __init__(self, proc: subprocess.Popen, stdin: bytes | str | None, limits: Limits, after_exit,
-               info_r: int | None = None):
-    self.proc, self.cap, self.after_exit = proc, limits.output_bytes, after_exit
-    data = stdin.encode() if isinstance(stdin, str) else stdin
-    self.stdin = memoryview(data or b"")
-    self.out = {"stdout": bytearray(), "stderr": bytearray()}
-    self.killed_for = ""  # why we killed it, if we did
-    self.truncated = False
-    self.rusage = None
-    self.survivors: list[int] = []  # processes of the uid that would not die (rlimits backend)
-    self.sel = selectors.DefaultSelector()
-    self.pidfd = os.pidfd_open(proc.pid)
-    self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
-    self.sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-    self.sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    if proc.stdin is not None:
-      os.set_blocking(proc.stdin.fileno(), False)
-      self.sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
-    # bwrap's PID 1 is in a session of its own, out of bwrap's group: it is
-    # followed by a pidfd, killed with bwrap, and waited for, so no process
-    # of the run outlives `run`.
-    self.info, self.info_fd, self.inner, self.inner_survived = bytearray(), info_r, None, False
-    if info_r is not None:
-      self.sel.register(info_r, selectors.EVENT_READ, "info")
-
-  def kill(self, why: str) -> None:
-    """Kills the launched process, its group and the sandbox's PID 1 once, remembering why."""
-    if not self.killed_for:
-      self.killed_for = why
-      _kill_group(self.proc.pid)
-      if self.inner is not None:
-        signal.pidfd_send_signal(self.inner, signal.SIGKILL)
-
-  def collect(self, deadline: float) -> None:
-    """Runs the event loop until the launcher has exited and the pipes are drained."""
-    exited_at = None
-    while self.sel.get_map():
-      now = time.monotonic()
-      if exited_at is None and now >= deadline:
-        self.kill("timeout")
-      if exited_at is not None and now >= exited_at + _DRAIN_S:
-        break  # a stray that escaped us still holds a pipe: stop waiting for it
-      wait = exited_at + _DRAIN_S - now if exited_at is not None else max(0.0, deadline - now)
-      for key, _ in self.sel.select(timeout=max(wait, 0.01) if self.killed_for else wait):
-        if key.fd not in self.sel.get_map():
-          continue  # closed by an earlier event of this batch (the exit drains bwrap's info)
-        if key.data == "exit":
-          self._on_exit()
-          exited_at = time.monotonic()
-        elif key.data == "stdin":
-          self._feed(key.fileobj)
-        elif key.data == "info":
-          self._read_info()
-        else:
-          self._read(key)
-    for key in list(self.sel.get_map().values()):
-      self._close(key.fileobj)
-    self.sel.close()
-
-  def _read_info(self) -> None:
-    """Reads bwrap's JSON info; once whole, opens a pidfd of the sandbox's PID 1 (checked to be bwrap's child)."""
-    chunk = os.read(self.info_fd, 4096)
-    self.info += chunk
-    try:
-      pid = json.loads(self.info)["child-pid"]
-    except (ValueError, KeyError):
-      if chunk:
-        return  # not whole yet
-      pid = None  # bwrap ended before it started PID 1
-    self._close(self.info_fd)
-    self.info_fd = None
-    if pid is None:
-      return
-    try:
-      inner = os.pidfd_open(pid)
-    except ProcessLookupError:
-      return  # PID 1 is gone already
-    try:
-      with open(f"/proc/{pid}/stat", "rb") as f:
-        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-      parent = None
-    if parent == self.proc.pid:  # not a process that took a freed pid
-      self.inner = inner
-      if self.killed_for:
-        signal.pidfd_send_signal(inner, signal.SIGKILL)
-    else:
-      os.close(inner)
-
-  def _on_exit(self) -> None:
-    # The exited leader is a zombie until wait4, so its pgid cannot be reused
-    # yet: kill the rest of the group first, then the uid's escapees.
-    _kill_group(self.proc.pid)
-    while self.info_fd is not None:  # bwrap is gone, so this ends at EOF
-      self._read_info()
-    if self.inner is not None:
-      if self.killed_for:
-        signal.pidfd_send_signal(self.inner, signal.SIGKILL)
-      # PID 1's pidfd turns readable once it is gone, and with it every process of its namespace.
-      self.inner_survived = not select.select([self.inner], [], [], _BACKSTOP_S)[0]
-      os.close(self.inner)
-      self.inner = None
-    if self.after_exit is not None:
-      self.survivors = self.after_exit()
-    _, status, self.rusage = os.wait4(self.proc.pid, 0)
-    self.proc.returncode = os.waitstatus_to_exitcode(status)
-    self._close(self.pidfd)
-
-  def _feed(self, pipe) -> None:
-    try:
-      sent = os.write(pipe.fileno(), self.stdin[:1 << 16])
-      self.stdin = self.stdin[sent:]
-    except BrokenPipeError:
-      self.stdin = memoryview(b"")
-    if not self.stdin:
-      self._close(pipe)
-
-  def _read(self, key: selectors.SelectorKey) -> None:
-    chunk = os.read(key.fd, 1 << 16)
-    if not chunk:
-      self._close(key.fileobj)
-      return
-    buf = self.out[key.data]
-    room = self.cap - len(buf)
-    buf += chunk[:room]
-    if len(chunk) > room:
-      self.truncated = True
-      self.kill(f"{key.data} passed the {self.cap}-byte output cap")
-
-  def _close(self, fileobj) -> None:
-    self.sel.unregister(fileobj)
-    if isinstance(fileobj, int):
-      os.close(fileobj)
-    else:
-      fileobj.close()
-
-  def result(self, limits: Limits, wall_s: float, report: dict, *, network_isolated: bool, uid: int | None,
-             notes: tuple[str, ...], chosen: Backend) -> SandboxResult:
-    """Classifies the finished run from the launcher's report and what the host saw."""
-    usage = Usage(wall_s, report.get("cpu_user_s", 0.0), report.get("cpu_system_s", 0.0),
-                  report.get("max_rss_bytes", 0))
-    outcome, reason = self._classify(report, limits, chosen)
-    started = outcome != Outcome.INFRA_ERROR
-    exit_code = report.get("exit", -signal.SIGKILL if self.killed_for else None) if started else None
-    return SandboxResult(outcome, exit_code, bytes(self.out["stdout"]),
-                         bytes(self.out["stderr"]), self.truncated, usage, network_isolated, uid, reason, notes,
-                         str(chosen))
-
-  def _classify(self, report: dict, limits: Limits, chosen: Backend) -> tuple[Outcome, str]:
-    if "exec_error" in report:
-      return Outcome.INFRA_ERROR, f"could not exec: {report['exec_error']}"
-    if report.get("setup_errno") == errno.ENOSPC:  # what earlier runs left, or the task's files, does not fit
-      return Outcome.LIMIT, f"the workspace does not fit in {limits.disk_bytes} bytes: {report['setup_error']}"
-    if "setup_error" in report:
-      return Outcome.INFRA_ERROR, f"the sandbox could not be set up: {report['setup_error']}"
-    if self.killed_for == "timeout":
-      return Outcome.TIMEOUT, f"killed at the {limits.timeout_s} s wall-clock limit"
-    if self.killed_for:
-      return Outcome.LIMIT, f"killed: {self.killed_for}"
-    if not report.get("started"):
-      # Nothing ran (bwrap, or the launcher, failed before the exec): not the program's fault. Once the
-      # program has started nothing it does can make an infrastructure error, so none is retried for it.
-      return Outcome.INFRA_ERROR, (f"the {chosen} sandbox failed before the program started "
-                                   f"(exit {self.proc.returncode}): {_last_line(self.out['stderr'])}")
-    code = report.get("exit")
-    if code is None:  # PID 1 died after the fork: only the program can have brought that about
-      return Outcome.CRASHED, "the sandbox's first process ended without a report"
-    if report.get("killed") == "timeout":
-      return Outcome.TIMEOUT, f"killed at the {limits.timeout_s} s wall-clock limit"
-    if report.get("killed") == "memory":
-      return Outcome.LIMIT, f"killed at the {limits.memory_bytes}-byte memory limit of the run"
-    if "pack_error" in report:
-      return Outcome.LIMIT, f"the workspace was not kept: {report['pack_error']}"
-    cpu_s = report.get("cpu_user_s", 0.0) + report.get("cpu_system_s", 0.0)
-    # A shell reports a child killed by signal N as exit status 128 + N.
-    if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (code == -signal.SIGKILL and cpu_s >= limits.cpu_s):
-      return Outcome.LIMIT, f"killed at the {limits.cpu_s} s CPU limit"
-    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
-      return Outcome.LIMIT, f"killed at the {limits.file_bytes}-byte file size limit"
-    if code < 0:
-      name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-      return Outcome.CRASHED, f"killed by {name}"
-    tail = bytes(self.out["stderr"][-4096:])
-    hit = next((m for m in _LIMIT_MESSAGES if m in tail), None)
-    if code != 0 and hit is not None:
-      return Outcome.LIMIT, f"exit {code} after {hit.decode()}"
-    return (Outcome.OK, "exit 0") if code == 0 else (Outcome.FAILED, f"exit {code}")
-
-
-def _last_line(data: bytearray) -> str:
-  lines = bytes(data).decode("utf-8", "replace").strip().splitlines()
-  return lines[-1] if lines else ""
-
-
-def _kill_group(pgid: int) -> None:
-  try:
-    os.killpg(pgid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from ptx.rl import sandbox, strays
+from ptx.rl import sandbox, sandbox_capture, strays
 
 # The wall clock is generous so a loaded machine cannot turn a limit into a
 # timeout; the attacks that only a timeout stops set a short one themselves.
@@ -927,7 +927,7 @@ def test_attack_forging_the_result():
 
 def test_a_run_whose_exit_and_bwrap_info_come_in_one_poll_returns_its_result(monkeypatch):
   """On a loaded host one poll may bring bwrap's exit before its info: the exit drains the info first."""
-  collect = sandbox._Capture.collect
+  collect = sandbox_capture.Capture.collect
 
   class ExitFirst:
     """The capture's selector, returning the exit ahead of everything else in a batch."""
@@ -946,5 +946,5 @@ def test_a_run_whose_exit_and_bwrap_info_come_in_one_poll_returns_its_result(mon
     self.sel = ExitFirst(self.sel, self.proc.pid)
     return collect(self, deadline)
 
-  monkeypatch.setattr(sandbox._Capture, "collect", exit_first)
+  monkeypatch.setattr(sandbox_capture.Capture, "collect", exit_first)
   assert sandbox.run(["true"], limits=LIMITS).outcome == sandbox.Outcome.OK
