@@ -43,6 +43,8 @@ PID 1 (`sandbox_init._POLL_S`), since runs get no cgroup of their own
 much less (see above). Grading the program cannot reach (tests kept out of
 its workspace, exact-type comparisons, a check with a clean environment)
 is the environments' part: `ptx.rl.environments.python_tests`, `.shell`.
+A trusted program run once per sample (a grader) can run as forks of one
+long-lived sandbox instead: `ptx.rl.fork_server`.
 
 The run's vocabulary (Limits, Outcome, SandboxResult) is in `sandbox_result`,
 the host's watch over a running sandbox in `sandbox_capture`.

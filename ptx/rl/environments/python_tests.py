@@ -7,9 +7,11 @@ test. The model's code is the last fenced code block of its output (the whole
 output when it has none).
 
 Grading. The code runs as `solution.py` under `solution_server.py`, in a
-sandbox of its own. The tests run under `grader.py` in another sandbox,
-whose workspace holds only the grader and `plain_data.py`; the tests come on
-its stdin and never reach the solution's sandbox. The two talk over a pair
+sandbox of its own. The tests run under `grader.py`, in a fork of the
+process's grading server (`ptx.rl.fork_server`): one long-lived sandbox whose
+workspace holds only the grader and `plain_data.py`, and which no solution's
+sandbox can reach; the tests come on the fork's stdin and never reach the
+solution's sandbox. The two talk over a pair
 of pipes: the grader calls the solution's functions, classes and methods,
 and only plain data (`ptx.rl.plain_data`: exact builtin types) crosses;
 anything else stays in the solution's process and the grader holds a handle
@@ -24,7 +26,7 @@ exit status the solution controls. A grader that gives no verdict is an
 INFRA_ERROR.
 
 Threat model. The solution is adversarial; the tests, the grader and the
-sandbox are trusted. Defended: exiting early (`os._exit(0)`, SystemExit at
+sandbox are trusted (so gradings may share the grading server's sandbox). Defended: exiting early (`os._exit(0)`, SystemExit at
 import or in a call) or crashing: the requests fail, so the tests fail;
 objects with a planted `__eq__`, `__bool__` or `__getattr__`, subclasses of
 builtins, mocks: they are not plain data, so they stay behind as handles
@@ -35,7 +37,7 @@ sandbox (nor on the grader's disk); printing a fake verdict or writing
 forged bytes to the pipes: the verdict comes from the grader's stdout and
 carries a nonce the solution never sees, and every reply is decoded as
 bounded plain data and checked against its request; signalling or reading
-the grader: the sandbox keeps runs apart; shadowing builtins or patching a
+the grader: the solution's sandbox keeps it apart; shadowing builtins or patching a
 module the tests use through `import *`: names of builtins are not bound, and
 modules are the grader's own; True for 1 or 3.0 for 3: strict equality;
 hanging: the deadline. Not defended: weak tests (a solution may special-case
@@ -67,7 +69,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ptx.rl import plain_data, sandbox
+from ptx.rl import fork_server, plain_data, sandbox
 from ptx.rl.environments.base import Outcome, SingleTurn, Step, field, from_sandbox
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -159,6 +161,13 @@ def _script(name: str) -> str:
   return (_SCRIPTS / name).read_text()
 
 
+@functools.cache
+def _grader(python: str) -> fork_server.ForkServer:
+  """The process's grader: one long-lived sandbox per interpreter, a fork of it per solution graded."""
+  return fork_server.ForkServer("grader.py", {"grader.py": _script("grader.py"), "plain_data.py": _script("plain_data.py")},
+                                python=python)
+
+
 @dataclasses.dataclass(frozen=True)
 class PythonTestsEnv:
   """Single-turn: the model writes code; the task's tests judge it from another sandbox.
@@ -219,11 +228,9 @@ class PythonTestsEnv:
       raise
     try:
       # CPU seconds past the wall clock: the grader's own alarm always comes first.
-      grader = sandbox.run(
-          [self.python, "-I", "-S", "grader.py", str(request_w), str(reply_r)],
-          limits=dataclasses.replace(self.limits, timeout_s=total_s, cpu_s=math.ceil(total_s) + 1),
-          files={"grader.py": _script("grader.py"), "plain_data.py": _script("plain_data.py")},
-          stdin=grader_input, pass_fds=(request_w, reply_r))
+      grader = _grader(self.python).run(
+          stdin=grader_input, pass_fds=(request_w, reply_r),
+          limits=dataclasses.replace(self.limits, timeout_s=total_s, cpu_s=math.ceil(total_s) + 1))
     finally:
       thread.join()
     if "error" in done:
