@@ -6,7 +6,11 @@ wall time, the CPU seconds the host spent per run (the sandbox's own
 processes and the program's, from RUSAGE_CHILDREN), and the outcomes. The
 programs: `true` (the cost of the sandbox itself), `python3 -c pass` (what
 a code task pays before its first line), and a program that burns one CPU
-second (concurrency past the core count queues them). The two backends
+second (concurrency past the core count queues them). Then one line per
+concurrency for scoring a correct solution with `PythonTestsEnv` (a code
+task's whole reward: the solution's sandbox plus a fork of the grading
+server; the forks' CPU, about 2 ms each, is spent in the server and not
+counted). The two backends
 alternate, program by program, so load drift hits both alike. State the
 machine's load beside the figures (`uptime`): on 2 shared cores runs/s
 moves with it.
@@ -26,6 +30,7 @@ import resource
 import time
 
 from ptx.rl import sandbox
+from ptx.rl.environments.python_tests import PythonTestsEnv
 
 PROGRAMS = {
     "true": ["true"],
@@ -33,6 +38,8 @@ PROGRAMS = {
     "cpu_1s": ["python3", "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"],
 }
 LIMITS = sandbox.Limits(timeout_s=120.0, cpu_s=30, memory_bytes=512 << 20)
+TASK = {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+ANSWER = "```python\ndef add(a, b):\n    return a + b\n```"
 
 
 def measure(backend: str, program: str, concurrency: int, runs: int) -> dict:
@@ -52,6 +59,24 @@ def measure(backend: str, program: str, concurrency: int, runs: int) -> dict:
           "load_1min": round(os.getloadavg()[0], 2)}
 
 
+def measure_scoring(backend: str, concurrency: int, runs: int) -> dict:
+  """Scores a correct solution `runs` times from `concurrency` threads under `backend`; the figures as a dict."""
+  sandbox.use(backend)
+  env = PythonTestsEnv()
+  env.reset(TASK).step(ANSWER)  # starts the grading server: a cost paid once per process
+  before = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    steps = list(pool.map(lambda _: env.reset(TASK).step(ANSWER), range(runs)))
+  wall = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
+  cpu = (after[0].ru_utime - before[0].ru_utime) + (after[0].ru_stime - before[0].ru_stime) + after[1] - before[1]
+  return {"backend": backend, "program": "python_tests_score", "concurrency": concurrency, "runs": runs,
+          "runs_per_s": round(runs / wall, 2), "wall_s": round(wall, 3), "host_cpu_s_per_run": round(cpu / runs, 4),
+          "outcomes": dict(collections.Counter(str(s.outcome) for s in steps)),
+          "load_1min": round(os.getloadavg()[0], 2)}
+
+
 def main() -> None:
   """Prints one JSON line per backend x program x concurrency."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,6 +89,9 @@ def main() -> None:
     for concurrency in args.concurrency:
       for backend in args.backends:
         print(json.dumps(measure(backend, program, concurrency, max(runs, concurrency))), flush=True)
+  for concurrency in args.concurrency:
+    for backend in args.backends:
+      print(json.dumps(measure_scoring(backend, concurrency, max(args.runs, concurrency))), flush=True)
 
 
 if __name__ == "__main__":
