@@ -155,8 +155,9 @@ class ForkServer:
     host, inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server = _Server(host, time.monotonic(), sandbox.backend(), workspace.uid)
     inner_fd = inner.detach()
-    # The run's own limits stay the forks' (each sets its rlimits); these bound the loop and what its forks share.
-    limits = Limits(timeout_s=_LIFETIME_S, cpu_s=math.ceil(_LIFETIME_S), memory_bytes=_physical_bytes(),
+    # The run's own limits stay the forks' (each sets its rlimits); these bound the loop and what its forks
+    # share. Memory: the host's, so the sandbox's PID 1 does not sample it for hours.
+    limits = Limits(timeout_s=_LIFETIME_S, cpu_s=math.ceil(_LIFETIME_S), memory_bytes=sandbox.host_memory_bytes(),
                     processes=_PROCESSES, open_files=_OPEN_FILES)
     argv = [self.python, "-I", "-S", _LOOP.name, str(inner_fd), self.program]
 
@@ -226,7 +227,3 @@ def _last_line(text: str) -> str:
   lines = text.strip().splitlines()
   return lines[-1][:200] if lines else ""
 
-
-def _physical_bytes() -> int:
-  """The host's memory: the server's sandbox as a whole may use it; each fork gets the run's own limit."""
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -283,6 +283,11 @@ class _Passed:
       _close_all(self.fds)
 
 
+def host_memory_bytes() -> int:
+  """The host's physical memory: a run's memory cap at or past it cannot be reached, so PID 1 does not sample."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _close_all(fds: Sequence[int | None]) -> None:
   for fd in fds:
     if fd is not None:
@@ -353,7 +358,8 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
   seccomp = memory_file("seccomp", program) if program is not None else None
   config = {"argv": argv, "env": {**_BASE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp", **(env or {})},
             "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-                       "run_memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
+                       "run_memory_bytes": limits.memory_bytes if limits.memory_bytes < host_memory_bytes() else None,
+                       "file_bytes": limits.file_bytes,
                        "processes": limits.processes, "open_files": limits.open_files},
             "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
             "workspace_bytes": limits.disk_bytes, "pass_fds": list(passed.fds)}

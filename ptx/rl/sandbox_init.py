@@ -9,7 +9,8 @@ json's import alone would cost more than the rest of its start-up.
 It unpacks the workspace into /work, forks the program with its rlimits and
 environment, and waits for it while it enforces the wall-clock limit and the
 memory limit of the whole run (the resident memory of every process in the
-namespace, sampled every `_POLL_S`). When the program ends it kills whatever
+namespace, sampled every `_POLL_S`, unless the cap is past the host's memory:
+a long-lived run then costs nothing while it waits). When the program ends it kills whatever
 the program left (kill(-1) from PID 1 reaches every other process of the
 namespace), reaps them, packs /work when the caller keeps the workspace, and
 writes one JSON report to the status descriptor.
@@ -122,13 +123,17 @@ def main(cfg):
     os.close(fd)  # the program's alone: its peer sees EOF when the program ends
   pidfd = os.pidfd_open(program)
   killed, peak = "", 0
+  sampled = lim["run_memory_bytes"] is not None  # None: a cap past the host's memory, which no run can reach
   while True:
     left = started + lim["timeout_s"] - time.monotonic()
     if left <= 0 and not killed:
       killed = "timeout"
       _kill_all()
-    if select.select([pidfd], [], [], max(0.0, min(left, _POLL_S)) if not killed else None)[0]:
+    wait = None if killed else max(0.0, min(left, _POLL_S) if sampled else left)
+    if select.select([pidfd], [], [], wait)[0]:
       break
+    if not sampled:
+      continue
     resident = _resident_bytes(page)
     peak = max(peak, resident)
     if resident > lim["run_memory_bytes"] and not killed:

@@ -226,6 +226,15 @@ def test_attack_infinite_sleeping_loop_hits_the_wall_clock():
   assert result.outcome == sandbox.Outcome.TIMEOUT
 
 
+def test_a_memory_cap_past_the_host_is_not_sampled_and_the_wall_clock_still_holds():
+  # PID 1 then waits on the program alone (no 20 ms sampling for a long-lived run): exits and the
+  # deadline must still end it.
+  whole_host = dataclasses.replace(SHORT, memory_bytes=sandbox.host_memory_bytes())
+  assert _py("print('done')", limits=whole_host).stdout_text == "done\n"
+  result = _py("import time\nwhile True: time.sleep(1)", limits=whole_host)
+  assert result.outcome == sandbox.Outcome.TIMEOUT, result
+
+
 # Each program returns with a known result unless the sandbox loses it: the sandbox must return
 # each time with that result, never raise and never blame itself. target -> (code, outcomes, exit code).
 _KILL_LOOPS = {
