@@ -16,7 +16,9 @@ separate programs, each blocked: `sample` (rl_step.sample), `reward`,
 log-probs are the sampler's, so there is no other log-prob pass) and
 `update` (rl_step.learn minus `logps`, which it also computes). One JSON line
 per round; with --tunix-python, rounds alternate with the anchor run by that
-interpreter, and a closing line gives both medians and their ratio.
+interpreter (an odd --steps), and a closing line gives every round's median
+step, the median of the per-round medians on each side and their ratio
+(benchmarks/run_medians.py).
 
     .venv/bin/python benchmarks/grpo.py --rounds 3 --tunix-python /tmp/tunix-venv/bin/python
 """
@@ -40,7 +42,8 @@ from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import model_params, reference_params
 
-import tunix_harness  # benchmarks/ is the script's folder, first on sys.path
+import run_medians  # benchmarks/ is the script's folder, first on sys.path
+import tunix_harness
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
                   rope_theta=500_000.0, norm_eps=1e-5, scan_layers=False)
@@ -127,7 +130,9 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=1, help="rounds (alternating with Tunix when --tunix-python)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix installed")
   args = p.parse_args()
-  ours, theirs = [], []
+  if args.tunix_python:
+    run_medians.check_odd(args.steps, "--steps")
+  lines = []
   for _ in range(args.rounds):
     if args.tunix_python:
       bench = tunix_harness.path()
@@ -135,16 +140,12 @@ def main() -> None:
                              "--warmup", str(args.warmup), "--beta", str(BETA)], capture_output=True, text=True,
                             check=True).stdout.strip().splitlines()[-1]
       record = json.loads(line)
-      theirs.append(record["grpo"]["step_s_median"])
-      print(json.dumps({"framework": "tunix", "loadavg_1m": record["loadavg_1m_end"], **record["grpo"]}), flush=True)
-    record = _ptx_round(args.steps, args.warmup)
-    ours.append(record["step_s_median"])
-    print(json.dumps(record), flush=True)
-  if theirs:
-    print(json.dumps({"part": "summary", "rounds": args.rounds, "ptx_step_s_median": statistics.median(ours),
-                      "tunix_step_s_median": statistics.median(theirs),
-                      "ptx_over_tunix": round(statistics.median(ours) / statistics.median(theirs), 3),
-                      "loadavg_1m": os.getloadavg()[0]}), flush=True)
+      lines.append({"framework": "tunix", "loadavg_1m": record["loadavg_1m_end"], **record["grpo"]})
+      print(json.dumps(lines[-1]), flush=True)
+    lines.append(_ptx_round(args.steps, args.warmup))
+    print(json.dumps(lines[-1]), flush=True)
+  if args.tunix_python:
+    print(json.dumps({**run_medians.summary(run_medians.GRPO, lines), "loadavg_1m": os.getloadavg()[0]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ machine. One JSON line per measurement:
 
   anchor  16 rows = 4 prompts x group 4, prompt 32, 64 new tokens (the Tunix
           sampler bench); with --tunix-python, alternated with
-          `tunix_bench.py --parts sample` run by that interpreter, and a
-          closing line with both medians and their ratio
+          `tunix_bench.py --parts sample` run by that interpreter (an odd
+          --runs), and a closing line with every round's figure, the
+          median of the per-round medians on each side and their ratio
+          (benchmarks/run_medians.py)
   batch   rows 1..256, prompt 32, 64 new tokens
   length  16 rows, 64..4096 new tokens. A decode step reads its cache,
           which grows in phases with the fill (`ptx.sampling.generation`),
@@ -50,7 +52,8 @@ from ptx.models.decoder import forward, token_log_probs
 from ptx.sampling import SamplingConfig, buckets, generate
 from ptx.sampling import generation
 
-import tunix_harness  # benchmarks/ is the script's folder, first on sys.path
+import run_medians  # benchmarks/ is the script's folder, first on sys.path
+import tunix_harness
 
 CFG = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
                   rope_theta=500_000.0, norm_eps=1e-5)
@@ -136,22 +139,18 @@ def _groups(params, runs: int) -> list[dict]:
 
 def _anchor(params, args) -> None:
   """The Tunix-comparable config, alternated with Tunix's own bench when its interpreter is given."""
-  ours, theirs = [], []
+  lines = []
   for _ in range(args.rounds):
     if args.tunix_python:
       bench = tunix_harness.path()
       line = subprocess.run([args.tunix_python, str(bench), "--parts", "sample", "--steps", str(args.runs)],
                             capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-      sample = json.loads(line)["sample"]
-      theirs.append(sample["gen_tokens_per_s"])
-      print(json.dumps({"framework": "tunix", "part": "anchor", **sample}), flush=True)
-    record = _time(params, prompts=4, group=4, new=64, runs=args.runs)
-    ours.append(record["gen_tokens_per_s"])
-    print(json.dumps({"framework": "ptx", "part": "anchor", **record}), flush=True)
-  if theirs:
-    print(json.dumps({"part": "anchor_summary", "rounds": args.rounds, "ptx_gen_tokens_per_s_median":
-                      statistics.median(ours), "tunix_gen_tokens_per_s_median": statistics.median(theirs),
-                      "ratio": round(statistics.median(ours) / statistics.median(theirs), 2)}), flush=True)
+      lines.append({"framework": "tunix", "part": "anchor", **json.loads(line)["sample"]})
+      print(json.dumps(lines[-1]), flush=True)
+    lines.append({"framework": "ptx", "part": "anchor", **_time(params, prompts=4, group=4, new=64, runs=args.runs)})
+    print(json.dumps(lines[-1]), flush=True)
+  if args.tunix_python:
+    print(json.dumps(run_medians.summary(run_medians.SAMPLING, lines)), flush=True)
 
 
 def _loadavg() -> float:
@@ -170,6 +169,8 @@ def main() -> None:
   p.add_argument("--lengths", default="64,256,1024,2048,4096")
   args = p.parse_args()
   parts = args.parts.split(",")
+  if args.tunix_python and "anchor" in parts:
+    run_medians.check_odd(args.runs, "--runs")
   params = init_params(CFG, jax.random.key(0))
   emit = lambda record: print(json.dumps({"framework": "ptx", **record}), flush=True)  # noqa: E731
   if "anchor" in parts:

@@ -7,7 +7,9 @@
 # scanned-layers SFT, the sampler (benchmarks/sampling.py, 5 alternated rounds) and the GRPO step
 # (benchmarks/grpo.py, 3 alternated rounds); ~7 minutes on 2 cores. Run it on a quiet machine:
 # the load average goes into OUT_DIR/load.txt. Every run's JSON line stays in OUT_DIR; the last
-# lines printed are the medians and ratios the README's benchmark table quotes.
+# lines printed (benchmarks/run_medians.py) are every run's figure, the median of the per-run
+# medians on each side and their ratio, which the README's benchmark table quotes. Every run
+# times an odd number of steps, for which the harness's per-run median is the median.
 set -eu
 TUNIX=${1:?usage: side_by_side.sh TUNIX_PYTHON [OUT_DIR]}
 OUT=${2:-/tmp/ptx-side-by-side}
@@ -19,32 +21,13 @@ rm -f "$OUT"/*.log "$OUT"/load.txt
 cd "$ROOT"
 uptime > "$OUT/load.txt"
 for i in 1 2 3; do
-  "$PY" benchmarks/train.py --steps 10 > "$OUT/train_ptx_$i.log"
-  "$TUNIX" "$ANCHOR" --parts sft --steps 8 > "$OUT/train_tunix_$i.log"
+  "$PY" benchmarks/train.py --steps 9 > "$OUT/train_ptx_$i.log"
+  "$TUNIX" "$ANCHOR" --parts sft --steps 9 > "$OUT/train_tunix_$i.log"
   uptime >> "$OUT/load.txt"
 done
-"$PY" benchmarks/train.py --steps 10 --scan-layers > "$OUT/train_ptx_scan.log"
+"$PY" benchmarks/train.py --steps 9 --scan-layers > "$OUT/train_ptx_scan.log"
 "$PY" benchmarks/sampling.py --parts anchor --rounds 5 --runs 5 --tunix-python "$TUNIX" > "$OUT/sampling.log"
 uptime >> "$OUT/load.txt"
 "$PY" benchmarks/grpo.py --rounds 3 --steps 5 --tunix-python "$TUNIX" > "$OUT/grpo.log"
 uptime >> "$OUT/load.txt"
-"$PY" - "$OUT" <<'EOF'
-import glob, json, statistics, sys
-
-out = sys.argv[1]
-
-
-def sft_tokens_per_s(path):
-  sft = json.loads(open(path).read().strip().splitlines()[-1])["sft"]
-  return sft.get("tokens_per_s_median") or sft["tokens_per_s"]  # the anchor prints the mean only
-
-
-ptx = [sft_tokens_per_s(p) for p in sorted(glob.glob(f"{out}/train_ptx_[0-9].log"))]
-tunix = [sft_tokens_per_s(p) for p in sorted(glob.glob(f"{out}/train_tunix_*.log"))]
-print(json.dumps({"part": "sft_summary", "ptx_tokens_per_s": [round(x) for x in ptx],
-                  "tunix_tokens_per_s": [round(x) for x in tunix],
-                  "ratio": round(statistics.median(ptx) / statistics.median(tunix), 3),
-                  "ptx_scan_layers_tokens_per_s": round(sft_tokens_per_s(f"{out}/train_ptx_scan.log"))}))
-for name in ("sampling.log", "grpo.log"):
-  print(next(line.strip() for line in open(f"{out}/{name}") if '"summary"' in line or "_summary" in line))
-EOF
+"$PY" benchmarks/run_medians.py "$OUT"

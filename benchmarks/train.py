@@ -2,7 +2,9 @@
 
 Same work as the Tunix anchor: a 2-layer decoder (d_model 256, 4 heads of 64,
 MLP 1024, vocab 512, float32, untied), AdamW, batch 8 x 256 random tokens with
-every target counted, one device. Each step is timed blocked, after warm-up.
+every target counted, one device. Each step is timed blocked, after warm-up;
+`step_s_median` is the run's figure in a side-by-side comparison
+(benchmarks/run_medians.py), with `cpu_s_per_step`, the process CPU seconds.
 The two layers run unrolled, as Tunix runs its layers (a Python loop);
 `--scan-layers` times ptx's scanned layers instead (`ModelConfig.scan_layers`).
 
@@ -38,6 +40,7 @@ from ptx.train.step import make_train_step
 
 
 def main() -> None:
+  """Times the SFT steps and prints one JSON line."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=256)
@@ -63,12 +66,13 @@ def main() -> None:
            "positions": np.broadcast_to(np.arange(args.seq_len, dtype=np.int32), shape).copy()}
   batch = jax.device_put(batch)
 
-  times, losses = [], []
+  times, cpu, losses = [], [], []
   for i in range(args.warmup + args.steps):
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))  # blocks, as the anchor's timing does
     times.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - cpu_start)
   timed = times[args.warmup:]
   tokens = args.batch * args.seq_len
   n_params = count_params(cfg)
@@ -81,6 +85,7 @@ def main() -> None:
           "batch": args.batch, "seq_len": args.seq_len, "scan_layers": args.scan_layers, "tokens_per_s": tokens / mean,
           "tokens_per_s_median": tokens / statistics.median(timed), "tokens_per_s_best": tokens / min(timed),
           "step_s": mean, "step_s_min": min(timed), "step_s_median": statistics.median(timed),
+          "cpu_s_per_step": statistics.mean(cpu[args.warmup:]),
           "first_step_s": times[0], "mfu": flops_per_token * tokens / statistics.median(timed) / (args.peak_gflops * 1e9),
           "loss_first": losses[0], "loss_last": losses[-1],
       },
