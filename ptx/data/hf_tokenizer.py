@@ -3,8 +3,8 @@
 `load_tokenizer(dir)` reads what transformers reads: `tokenizer.json` (or a
 SentencePiece `tokenizer.model` where there is none), the special tokens of
 `tokenizer_config.json`, and the chat template from `chat_template.jinja` or
-`tokenizer_config.json`. The `tokenizers` and `jinja2` packages (the `hf`
-extra) are imported only when used.
+`tokenizer_config.json`. The `tokenizers` package (a dependency) and
+`jinja2` (the `hf` extra, for chat templates) are imported only when used.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class HFTokenizer:
   @classmethod
   def from_file(cls, path: str | pathlib.Path, **kwargs: Any) -> "HFTokenizer":
     """Loads a `tokenizer.json`; keyword arguments as for the constructor."""
-    import tokenizers  # the hf extra
+    import tokenizers  # a dependency, imported only where a tokenizer is read or written
 
     return cls(tokenizers.Tokenizer.from_file(str(path)), **kwargs)
 

@@ -106,7 +106,7 @@ class ByteTokenizer:
     encode every text exactly as this class does (`add_special_tokens=False`;
     with special tokens transformers prepends bos, as ptx's callers do).
     """
-    import tokenizers  # the hf extra
+    import tokenizers  # a dependency, imported only where a tokenizer is read or written
     from tokenizers import decoders, models, pre_tokenizers, processors
 
     specials = ["<pad>", "<s>", "</s>"]

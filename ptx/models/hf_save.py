@@ -1,16 +1,18 @@
 """Writing a ptx model as an HF directory that `transformers` loads.
 
-`save_hf` writes `config.json` and the weights in HF names and layouts, as
-`model.safetensors` or, above `max_shard_bytes`, as numbered shards plus
-`model.safetensors.index.json`. Parameters are fetched one at a time and
-files are written as they fill, so host memory holds one parameter and one
-shard at most. On multi-host runs every process takes part in gathering and
+`save_hf` writes `config.json`, `generation_config.json` (special-token ids
+and context length, `ptx.models.hf_generation`) and the weights in HF names
+and layouts, as `model.safetensors` or, above `max_shard_bytes`, as numbered
+shards plus `model.safetensors.index.json`, every file readable by all.
+Parameters are fetched one at a time and files are written as they fill, so
+host memory holds one parameter and one shard at most. On multi-host runs every process takes part in gathering and
 process 0 writes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Iterable, Iterator
 
@@ -22,13 +24,15 @@ from ptx.config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
 from ptx.models.hf_config import FAMILIES, HFConfigError, HFFamily, hf_config
+from ptx.models.hf_generation import GenerationInfo
 from ptx.models.params import param_specs
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None = None,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> pathlib.Path:
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            generation: GenerationInfo = GenerationInfo()) -> pathlib.Path:
   """Writes `model` as an HF checkpoint directory.
 
   Args:
@@ -37,6 +41,9 @@ def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None 
     model_type: the HF family to write as (e.g. "qwen2"); None infers it
       from the config's features.
     max_shard_bytes: split the weights into shards of at most this size.
+    generation: the special-token ids and context length to declare (see
+      `hf_generation.read_generation` and `with_tokenizer`); what it leaves
+      None, transformers takes from the family's defaults.
 
   Returns:
     The directory.
@@ -60,7 +67,7 @@ def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None 
   tensors = _hf_tensors(params, cfg, family, writer)
   if writer:
     write_tensors(tensors, path, max_shard_bytes)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_configs(config, generation, path)
   else:
     for _ in tensors:  # every process joins each gather
       pass
@@ -76,10 +83,21 @@ def infer_model_type(cfg: ModelConfig) -> str:
   return "qwen2" if cfg.qkv_bias else "llama"
 
 
+def write_configs(config: dict, generation: GenerationInfo, path: pathlib.Path) -> None:
+  """Writes config.json and generation_config.json into directory `path`.
+
+  Args:
+    config: the config.json dict of the architecture (`hf_config`).
+    generation: the special-token ids and context length, added to
+      config.json and written as generation_config.json.
+    path: an existing directory.
+  """
+  (path / "config.json").write_text(json.dumps({**config, **generation.config_keys()}, indent=2) + "\n")
+  (path / "generation_config.json").write_text(json.dumps(generation.generation_config(), indent=2) + "\n")
+
+
 def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path, max_shard_bytes: int) -> None:
   """Writes named HF tensors as safetensors, sharded with an index above `max_shard_bytes`."""
-  from safetensors.numpy import save_file
-
   # A previous save's weights would shadow or mix with these ones.
   for stale in [*path.glob("model*.safetensors"), *path.glob("model.safetensors.index.json")]:
     stale.unlink()
@@ -88,16 +106,16 @@ def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path,
   size = total = 0
   for name, array in tensors:
     if shard and size + array.nbytes > max_shard_bytes:
-      save_file(shard, str(path / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+      save_safetensors(shard, path / f"part-{len(files)}.safetensors")
       files.append(list(shard))
       shard, size = {}, 0
     shard[name] = array
     size += array.nbytes
     total += array.nbytes
   if not files:
-    save_file(shard, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(shard, path / "model.safetensors")
     return
-  save_file(shard, str(path / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+  save_safetensors(shard, path / f"part-{len(files)}.safetensors")
   files.append(list(shard))
   # Final names carry the shard count, known only once all are written.
   weight_map = {}
@@ -107,6 +125,20 @@ def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path,
     weight_map.update(dict.fromkeys(names, final))
   index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
   (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], file: pathlib.Path) -> None:
+  """Writes one safetensors file, readable like the JSON files next to it.
+
+  Args:
+    tensors: name -> array.
+    file: the file to write (replaced if it exists).
+  """
+  from safetensors.numpy import save_file
+
+  save_file(tensors, str(file), metadata={"format": "pt"})
+  # safetensors writes through a private temporary file (mode 0600); a shared model directory must be readable.
+  os.chmod(file, 0o644)
 
 
 def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) -> Iterator[tuple[str, np.ndarray]]:

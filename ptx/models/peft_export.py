@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from ptx.config import LoRAConfig, ModelConfig
 from ptx.models.hf_config import FAMILIES
 from ptx.models.hf_layout import HF_LAYOUTS
-from ptx.models.hf_save import infer_model_type
+from ptx.models.hf_save import infer_model_type, save_safetensors
 from ptx.models.lora import adapter_specs
 from ptx.models.params import Params
 
@@ -44,8 +44,6 @@ def save_peft(adapters: Params, path: str | pathlib.Path, *, model: ModelConfig,
   Returns:
     The directory.
   """
-  from safetensors.numpy import save_file
-
   family = FAMILIES[model_type or infer_model_type(model)]
   specs = adapter_specs(model, lora)
   writer = jax.process_index() == 0
@@ -66,7 +64,7 @@ def save_peft(adapters: Params, path: str | pathlib.Path, *, model: ModelConfig,
     return pathlib.Path(path)
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+  save_safetensors(tensors, path / "adapter_model.safetensors")
   config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
       "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,

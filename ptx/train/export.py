@@ -1,9 +1,14 @@
 """Exporting a trained state: merged weights as an HF directory, adapters in the PEFT layout.
 
 `export_hf(state, cfg, out, tokenizer)` writes `out/hf` (config.json,
-safetensors and the tokenizer files, loadable by `transformers`, `ptx eval`
-and `ptx.models.load_hf`); under LoRA the adapters are merged into the base
-for it, and also written alone to `out/adapter` for `peft`. Parameters
+generation_config.json, safetensors and the tokenizer files with its chat
+template, loadable by `transformers`, `ptx eval` and `ptx.models.load_hf`);
+under LoRA the adapters are merged into the base for it, and also written
+alone to `out/adapter` for `peft`. The special-token ids are the
+tokenizer's (the ones ptx's sampler stops on) after what the starting
+checkpoint declared, and the context length is the checkpoint's
+(`ptx.models.hf_generation`), so transformers' `generate` stops where ptx
+does. Parameters
 with a non-finite value are never written: `NonFiniteParams` names them.
 """
 
@@ -18,6 +23,7 @@ from ptx.config import Config
 from ptx.data.tokenizer import Tokenizer
 from ptx.models import lora as lora_lib
 from ptx.models.decoder import Decoder
+from ptx.models.hf_generation import GenerationInfo, read_generation, with_tokenizer
 from ptx.models.hf_save import save_hf
 from ptx.models.peft_export import save_peft
 from ptx.train.state import TrainState
@@ -38,9 +44,12 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
     out: the run directory.
     tokenizer: written next to the weights when it has `save_hf(dir)` (the
       byte tokenizer and HF tokenizers do).
-    base_model: under LoRA, the HF directory (or hub name) the base came
-      from, recorded in adapter_config.json; None writes the base to
-      `out/base` so that the adapter has one to load onto.
+    base_model: the HF directory (or hub name) the weights started from:
+      a local directory's special-token ids, context length and sampling
+      defaults are carried into the export; a `.gguf` file stands for the
+      directory `ptx.train.pretrained` converted it into, `out/pretrained`.
+      Under LoRA it is recorded in adapter_config.json; None writes the base
+      to `out/base` so that the adapter has one to load onto.
 
   Returns:
     {"hf": dir}, plus {"adapter": dir} (and {"base": dir}) under LoRA.
@@ -51,20 +60,27 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
   _check_finite(state.params if cfg.lora.rank == 0 else {"adapters": state.params, "base": state.base})
   written = {}
   params = state.params
+  if base_model is not None and base_model.endswith(".gguf"):
+    base_model = str(out / "pretrained")  # where ptx.train.pretrained converts a .gguf start
+  local = base_model is not None and (pathlib.Path(base_model) / "config.json").is_file()
+  generation = read_generation(base_model) if local else GenerationInfo()  # a hub name or a fresh model declares none
+  if tokenizer is not None:
+    generation = with_tokenizer(generation, tokenizer)
   if cfg.lora.rank > 0:
     if base_model is None:
-      written["base"] = _save(state.base, cfg, out / "base", tokenizer)
+      written["base"] = _save(state.base, cfg, out / "base", tokenizer, generation)
       base_model = str(written["base"])
     written["adapter"] = save_peft(state.params, out / "adapter", model=cfg.model, lora=cfg.lora,
                                    base_model_name_or_path=base_model)
     params = lora_lib.merge(state.base, state.params, cfg.lora)
-  written["hf"] = _save(params, cfg, out / "hf", tokenizer)
+  written["hf"] = _save(params, cfg, out / "hf", tokenizer, generation)
   return written
 
 
-def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None) -> pathlib.Path:
-  """One HF directory: weights and config, and the tokenizer when it can write itself."""
-  save_hf(Decoder(cfg.model, params=params), path)
+def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None,
+          generation: GenerationInfo) -> pathlib.Path:
+  """One HF directory: weights, config and generation config, and the tokenizer when it can write itself."""
+  save_hf(Decoder(cfg.model, params=params), path, generation=generation)
   if tokenizer is not None and hasattr(tokenizer, "save_hf") and jax.process_index() == 0:
     tokenizer.save_hf(path)
   return path

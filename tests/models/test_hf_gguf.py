@@ -12,6 +12,7 @@ import pytest
 from ptx.data import load_tokenizer
 from ptx.models import load_hf
 from ptx.models.gguf import GGUFError, convert_gguf
+from ptx.models.hf_generation import GenerationInfo, read_generation
 
 gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package (`make test`)")
 torch = pytest.importorskip("torch", reason="GGUF parity needs torch (installed by `make test`)")
@@ -115,6 +116,11 @@ def test_converted_tiny_gguf_matches_transformers(llama, tmp_path):
   assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids
   assert tokenizer.chat_template is not None and tokenizer.eos_id == 2
 
+  # The GGUF's special-token ids and context length, where transformers reads them.
+  assert read_generation(out) == GenerationInfo(bos_token_id=1, eos_token_ids=(2,), max_position_embeddings=64)
+  assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 2
+  assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
+
 
 def test_other_architectures_are_refused(llama, tmp_path):
   _write_gguf(tmp_path / "tiny.gguf", llama, arch="qwen2")
@@ -128,6 +134,10 @@ def test_ptx_convert_gguf_command(llama, tmp_path, capsys):
   _write_gguf(tmp_path / "tiny.gguf", llama)
   assert cli.main(["convert", "gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), "--dtype=float32"]) == 0
   assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
+  assert capsys.readouterr().out.endswith(": float32 weights\n")
+  assert cli.main(["convert", "gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "bf16")]) == 0
+  assert "bfloat16 weights (rounded" in capsys.readouterr().out  # the default says what it costs
+  assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
   with pytest.raises(SystemExit):
     cli.main(["convert", "gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "hf2")])
   assert "missing.gguf" in capsys.readouterr().err
