@@ -10,6 +10,11 @@ exact match is
 measured with teacher forcing: a problem counts as solved when every answer
 token and the end-of-sequence token are the model's argmax given the correct
 prefix, which is exactly when greedy decoding reproduces the answer.
+
+Both training streams draw from the train side of the task's split and the
+held-out problems from the other side (`ptx.data.splits`); the summary
+(printed, and OUT/summary.json) counts the held-out problems the SFT records
+and the GRPO prompts read share with them, which is 0.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from ptx.train.loop import fit
 from ptx.train.state import initial_params
 
 EVAL_SIZE = 512
+SFT_TASKS = ArithmeticTask(presets.SFT_SEED, presets.DIGITS)
+GRPO_TASKS = ArithmeticTask(presets.GRPO_SEED, presets.DIGITS)
+HELD_OUT_TASKS = ArithmeticTask(presets.HELD_OUT_SEED, presets.DIGITS, split="held_out")
 # Sampled pass@k (temperature 1) is measured on the first held-out problems.
 SAMPLED_TASKS, K = 256, 8
 
@@ -59,10 +67,29 @@ def grpo_config(cfg: Config, rl_steps: int) -> Config:
   return dataclasses.replace(rl, model=cfg.model, mesh=cfg.mesh, lora=cfg.lora, grpo=cfg.grpo, train=train)
 
 
-def records(seed: int, n: int) -> list[dict[str, str]]:
-  """The first `n` addition problems of a seed as SFT records."""
-  task = ArithmeticTask(seed, presets.DIGITS)
-  return [{"prompt": r["prompt"], "completion": r["answer"]} for r in (task[i] for i in range(n))]
+def records(tasks: ArithmeticTask, n: int) -> list[dict[str, str]]:
+  """The first `n` problems of `tasks` as SFT records."""
+  return [{"prompt": r["prompt"], "completion": r["answer"]} for r in (tasks[i] for i in range(n))]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPrompts:
+  """A task source that keeps the prompts read from it: the problems a GRPO stream trained on."""
+
+  tasks: ArithmeticTask
+  read: set[str] = dataclasses.field(default_factory=set)
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    task = self.tasks[index]
+    self.read.add(task["prompt"])
+    return task
+
+
+def overlap(held_out: list[dict[str, str]], trained: dict[str, set[str]]) -> dict:
+  """The held-out problems' distinct count, the split's sizes, and how many each training stream shares."""
+  prompts = {r["prompt"] for r in held_out}
+  return {"problems": len(prompts), "split_sizes": HELD_OUT_TASKS.split_sizes(),
+          "shared_with": {stage: len(prompts & seen) for stage, seen in trained.items()}}
 
 
 def exact_match(params, batch, *, model) -> jax.Array:
@@ -87,15 +114,15 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
   tokenizer = ByteTokenizer()
   rl_cfg = grpo_config(cfg, rl_steps)
   sft_stage, grpo_stage = sft_job(cfg, tokenizer), grpo_job(rl_cfg, tokenizer)  # both checked before compiling
-  train = make_pipeline(MemorySource(records(presets.SFT_SEED, cfg.train.steps * cfg.data.batch_size), "arithmetic"),
-                        tokenizer, cfg.data)
-  held_out = [sft_example(tokenizer, r["prompt"], r["completion"])
-              for r in records(presets.HELD_OUT_SEED, EVAL_SIZE)]
+  sft_records = records(SFT_TASKS, cfg.train.steps * cfg.data.batch_size)
+  held_out_records = records(HELD_OUT_TASKS, EVAL_SIZE)
+  train = make_pipeline(MemorySource(sft_records, "arithmetic"), tokenizer, cfg.data)
+  held_out = [sft_example(tokenizer, r["prompt"], r["completion"]) for r in held_out_records]
   mesh = make_mesh(cfg.mesh)
   held_out_batch = pad_batch(held_out, cfg.data.seq_len, tokenizer.pad_id)
   eval_batch = to_global(held_out_batch, mesh)
   greedy = jax.jit(functools.partial(exact_match, model=cfg.model))
-  sampled_tasks = [ArithmeticTask(presets.HELD_OUT_SEED, presets.DIGITS)[i] for i in range(SAMPLED_TASKS)]
+  sampled_tasks = [HELD_OUT_TASKS[i] for i in range(SAMPLED_TASKS)]
 
   def evaluate(params) -> dict[str, float]:
     sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=presets.ANSWER_WIDTH,
@@ -108,7 +135,8 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
   state, sft_summary = fit(cfg, sft_stage, train_data=train, out=out / "sft", resume=resume,
                            overwrite=overwrite, eval_data=[held_out_batch], progress=progress)
   after_sft = evaluate(state.params)
-  prompts = streams.grpo_prompts(rl_cfg, tokenizer, ArithmeticTask(presets.GRPO_SEED, presets.DIGITS), in_graph=True)
+  grpo_tasks = ReadPrompts(GRPO_TASKS)
+  prompts = streams.grpo_prompts(rl_cfg, tokenizer, grpo_tasks, in_graph=True)
   state, rl_summary = fit(rl_cfg, grpo_stage, train_data=prompts, out=out / "grpo", init_params=state.params,
                           resume=resume, overwrite=overwrite, progress=progress)
   after_rl = evaluate(state.params)
@@ -117,14 +145,26 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
             f"+ GRPO ({rl_summary['step']} steps)": after_rl}
   summary = {"init": before, "sft": after_sft, "grpo": after_rl, "sft_steps": sft_summary["step"],
              "grpo_steps": rl_summary["step"], "train_s": sft_summary["wall_s"] + rl_summary["wall_s"],
-             "hf": str(exported["hf"]), "plots": [str(p) for p in write_plots(out, stages)]}
-  print(f"\nheld-out {presets.DIGITS}-digit addition: greedy exact match on {EVAL_SIZE} problems; "
-        f"pass@1 and pass@{K} sampled at temperature 1 on {SAMPLED_TASKS}")
+             "hf": str(exported["hf"]), "plots": [str(p) for p in write_plots(out, stages)],
+             "held_out": overlap(held_out_records, {"sft": {r["prompt"] for r in sft_records},
+                                                    "grpo": grpo_tasks.read})}
+  print_table(summary, stages)
+  print(json.dumps({"demo": summary}))
+  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+  return summary
+
+
+def print_table(summary: dict, stages: dict[str, dict[str, float]]) -> None:
+  """Prints what was held out and the stages' held-out scores."""
+  held = summary["held_out"]
+  print(f"\nheld-out {presets.DIGITS}-digit addition: greedy exact match on {EVAL_SIZE} draws "
+        f"({held['problems']} distinct problems) from the held-out side of the split "
+        f"({held['split_sizes']['held_out']} problems; the train side has {held['split_sizes']['train']}), "
+        f"pass@1 and pass@{K} sampled at temperature 1 on the first {SAMPLED_TASKS}; "
+        f"of them the SFT records hold {held['shared_with']['sft']}, the GRPO prompts {held['shared_with']['grpo']}")
   print(f"  {'stage':<22}{'greedy':>8}{'pass@1':>9}{f'pass@{K}':>9}")
   for name, row in stages.items():
     print(f"  {name:<22}{row['greedy']:>8.1%}{row['pass@1']:>9.1%}{row[f'pass@{K}']:>9.1%}")
-  print(json.dumps({"demo": summary}))
-  return summary
 
 
 def write_plots(out: pathlib.Path, stages: dict[str, dict[str, float]]) -> list[pathlib.Path]:

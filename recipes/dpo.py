@@ -52,9 +52,9 @@ PRESETS: launch.Presets = {
 }
 
 
-def synthetic_pairs(seed: int, n: int) -> list[dict]:
-  """`n` pairs "a+b=": the sum chosen over a refusal (the tiny preset's data)."""
-  tasks = ptx.ArithmeticTask(seed, max_digits=2)
+def synthetic_pairs(split: str, n: int) -> list[dict]:
+  """`n` pairs "a+b=" of one side of the split: the sum chosen over a refusal (the tiny preset's data)."""
+  tasks = ptx.ArithmeticTask(max_digits=2, split=split)
   return [{"prompt": t["prompt"], "chosen": t["answer"], "rejected": "I cannot say."}
           for t in (tasks[i] for i in range(n))]
 

@@ -41,7 +41,7 @@ import jax
 import launch
 import ptx
 import rlvr
-from ptx.data import records
+from ptx.data import records, splits
 
 INSTRUCTION = "\nSolve it step by step, then give the final answer on its own line as: #### <number>"
 
@@ -78,12 +78,16 @@ class GSM8K:
             "answer": solution.rsplit("####", 1)[1].strip().replace(",", ""), "where": raw.where}
 
 
-def synthetic_problems(seed: int, n: int) -> list[dict]:
-  """`n` one-step word problems in GSM8K's format (the tiny preset's data)."""
-  rng = random.Random(seed)
-  out = []
-  for _ in range(n):
+def synthetic_problems(split: str, n: int) -> list[dict]:
+  """`n` one-step word problems of one side of the split, in GSM8K's format (the tiny preset's data)."""
+  rng = random.Random(split)
+
+  def candidate() -> tuple[str, tuple[str, int, int]]:
     name, a, b = rng.choice(["Ann", "Bo", "Cy"]), rng.randint(2, 50), rng.randint(2, 50)
+    return f"{name}:{min(a, b)}+{max(a, b)}", (name, a, b)  # buying b after a is the same sum as a after b
+
+  out = []
+  for name, a, b in (splits.draw("synthetic_problems", split, candidate) for _ in range(n)):
     out.append({"question": f"{name} has {a} apples and buys {b} more. How many apples does {name} have?",
                 "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"})
   return out

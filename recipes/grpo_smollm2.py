@@ -22,12 +22,18 @@ update plus sampling, at 10% of 8 x 197 TFLOP/s: small models are
 latency-bound). Expected scores: as measured below; the run prints greedy
 exact match before and after and writes OUT/scores.json.
 
+Held out: the one-digit sums on the held-out side of the split
+(`ptx.data.splits`: 26 of the 100 prompts; the training prompts come from
+the other 74), so no scored problem is a training prompt.
+
 Measured here (`--preset full`: 8 prompts x 8 samples, 7 steps, float32,
-on the shared 2-core CPU at load average 11-13): greedy exact match on 64
-held-out one-digit additions 73.4% before, 98.4% after; sampled reward 0.36
-at step 2, 0.80-0.89 at steps 4-7; 1450 s for the 7 steps with compilation
-(about 200 s a step under that load); peak RSS 13.7 GB, most of it float32
-logits over the 49,152-token vocabulary.
+on the shared 2-core CPU at load average 11-13), before the split, when 29
+of the 64 scored problems were among the 56 training prompts (so partly
+memorisation; not rerun since): greedy exact match on 64 one-digit
+additions 73.4% before, 98.4% after; sampled reward 0.36 at step 2,
+0.80-0.89 at steps 4-7; 1450 s for the 7 steps with compilation (about 200 s
+a step under that load); peak RSS 13.7 GB, most of it float32 logits over
+the 49,152-token vocabulary.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a calculator. Reply with the number only."
 # Operands of one digit: SmolLM2-135M gets about 1 in 9 exactly right before training.
 MAX_DIGITS, TRAIN_SEED, EVAL_SEED = 1, 0, 1
-# Held-out problems scored before and after, per preset.
+# Held-out problems scored before and after, per preset: draws from the 26 held-out prompts.
 EVAL_SIZE = {"tiny": 8, "full": 64}
 PROMPT_LEN = 48  # "<|im_start|>system ... assistant\n7 + 5 = " is about 40 tokens
 
@@ -67,13 +73,14 @@ PRESETS: launch.Presets = {
 
 @dataclasses.dataclass(frozen=True)
 class ChatAddition:
-  """Addition problems as rendered chat prompts whose reply starts "a + b = "."""
+  """Addition problems of one side of the split as rendered chat prompts whose reply starts "a + b = "."""
 
   template: object
   seed: int
+  split: str
 
   def __getitem__(self, index: int) -> dict[str, str]:
-    task = ptx.ArithmeticTask(self.seed, MAX_DIGITS)[index]
+    task = ptx.ArithmeticTask(self.seed, MAX_DIGITS, split=self.split)[index]
     a, b = task["prompt"][:-1].split("+")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}]
     return {"prompt": self.template.render(messages, add_generation_prompt=True) + f"{a} + {b} = ",
@@ -112,10 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = ["--model.n_layers=2", *overrides]
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)
   tokenizer = launch.prompt_tokenizer(hf_tokenizer)
-  held_out = ChatAddition(hf_tokenizer.chat_template, EVAL_SEED)
+  held_out = ChatAddition(hf_tokenizer.chat_template, EVAL_SEED, "held_out")
   before = exact_match(params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])
   job = ptx.grpo_job(cfg, tokenizer)
-  prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED), in_graph=True)
+  prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED, "train"),
+                             in_graph=True)
   state, summary = ptx.fit(cfg, job, train_data=prompts, out=args.out, init_params=params, resume=args.resume,
                            overwrite=args.overwrite, progress=launch.progress(args))
   after = exact_match(state.params, cfg, tokenizer, held_out, EVAL_SIZE[args.preset])

@@ -117,17 +117,18 @@ def chat_prompt(tokenizer, text: str, reply_start: str = "") -> str:
 
 
 def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
-                synthetic: Callable[[int, int], list[dict]], n: int) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+                synthetic: Callable[[str, int], list[dict]], n: int) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
   """`parse`, `start` and `configure` for a recipe reading --data.train_files / eval_files.
 
-  The tiny preset first writes `synthetic(seed, count)` records (n to train
-  on, 64 held out) and names them, so `--data.*` overrides still win; it
-  says so in its first lines, as does a run without held-out files.
+  The tiny preset first writes `synthetic(split, count)` records (n of the
+  train side, 64 of the held-out side of `ptx.data.splits`) and names them,
+  so `--data.*` overrides still win; it says so in its first lines, as does a
+  run without held-out files.
   """
   args, overrides = parse(doc, presets, argv)
   start(args)
   if args.preset == "tiny":
-    overrides = [*synthetic_data(args.out, synthetic(0, n), synthetic(1, 64)), *overrides]
+    overrides = [*synthetic_data(args.out, synthetic("train", n), synthetic("held_out", 64)), *overrides]
   cfg, params, tokenizer = configure(args, presets[args.preset](), overrides)
   if not cfg.data.train_files:
     args.error("set --data.train_files='[\"train.jsonl\"]'")
@@ -161,7 +162,7 @@ def export(args: argparse.Namespace, state: ptx.TrainState, cfg: ptx.Config, tok
   ptx.export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
 
 
-def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[int, int], list[dict]],
+def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[str, int], list[dict]],
                    n: int, build: Callable[[ptx.Config, Any], ptx.Job]) -> dict:
   """An SFT or DPO recipe's whole run: `data_recipe`, the Job (`build`), its data, `fit`, the export.
 

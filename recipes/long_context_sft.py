@@ -62,9 +62,9 @@ PRESETS: launch.Presets = {
 }
 
 
-def synthetic_needles(seed: int, n: int) -> list[dict]:
-  """`n` needle-retrieval chats of 30-70 filler words (the tiny preset's data)."""
-  tasks = NeedleTask(seed, lengths=(30, 50, 70), depths=(0.0, 0.5, 1.0))
+def synthetic_needles(split: str, n: int) -> list[dict]:
+  """`n` needle-retrieval chats of 30-70 filler words, of one side of the split (the tiny preset's data)."""
+  tasks = NeedleTask(lengths=(30, 50, 70), depths=(0.0, 0.5, 1.0), split=split)
   return [{"messages": [{"role": "user", "content": t["prompt"]}, {"role": "assistant", "content": t["answer"]}]}
           for t in (tasks[i] for i in range(n))]
 

@@ -47,9 +47,9 @@ PRESETS: launch.Presets = {
 }
 
 
-def synthetic_chats(seed: int, n: int) -> list[dict]:
-  """`n` short arithmetic conversations in the `messages` format (the tiny preset's data)."""
-  tasks = ptx.ArithmeticTask(seed, max_digits=2, ops="+-")
+def synthetic_chats(split: str, n: int) -> list[dict]:
+  """`n` short arithmetic conversations of one side of the split, in the `messages` format (the tiny preset's data)."""
+  tasks = ptx.ArithmeticTask(max_digits=2, ops="+-", split=split)
   return [{"messages": [{"role": "user", "content": f"What is {t['prompt'][:-1]}?"},
                         {"role": "assistant", "content": f"{t['prompt'][:-1]} = {t['answer']}."}]}
           for t in (tasks[i] for i in range(n))]

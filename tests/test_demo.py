@@ -1,11 +1,15 @@
-"""`ptx demo`: both stages train, and OUT holds metrics, readable plots and an HF export that transformers loads."""
+"""`ptx demo`: both stages train, and OUT holds metrics, readable plots, an HF export that transformers loads,
+and a summary of held-out scores on problems no training stream holds."""
 
 import json
 
 import numpy as np
+import problems
 import pytest
 
-from ptx import cli
+from ptx import cli, demo
+from ptx.data.tokenizer import ByteTokenizer
+from ptx.train import streams
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -29,6 +33,31 @@ def test_demo_trains_both_stages_and_logs(demo_run, capsys):
   assert [r["step"] for r in records if "eval/loss" in r] == [40]  # held-out loss at the end of SFT
   rl = [json.loads(line) for line in (demo_run / "grpo" / "metrics.jsonl").read_text().splitlines()]
   assert rl[-1]["step"] == 4 and {"reward/mean", "actor/pg_loss", "response_length/mean"} <= set(rl[-1])
+
+
+def test_demo_summary_has_scores_before_and_after_and_no_shared_problem(demo_run):
+  summary = json.loads((demo_run / "summary.json").read_text())
+  for stage in ("init", "sft", "grpo"):
+    assert set(summary[stage]) == {"greedy", "pass@1", "pass@8"}
+    assert all(0.0 <= v <= 1.0 for v in summary[stage].values())
+  held_out = summary["held_out"]
+  assert held_out["shared_with"] == {"sft": 0, "grpo": 0} and held_out["problems"] > 100
+  assert held_out["split_sizes"] == {"train": 7433, "held_out": 2567}  # 10,000 prompts "a+b=", a, b < 100
+
+
+def test_the_full_demo_trains_on_no_held_out_problem():
+  # At the demo's own sizes (38,400 SFT records, 51,200 GRPO prompts), over the prompts its GRPO stream reads.
+  cfg = demo.default_config()
+  rl_cfg = demo.grpo_config(cfg, 400)
+  grpo_tasks = demo.ReadPrompts(demo.GRPO_TASKS)
+  prompts = streams.grpo_prompts(rl_cfg, ByteTokenizer(), grpo_tasks, in_graph=True)
+  for _ in range(rl_cfg.train.steps):
+    next(prompts)
+  sft = {r["prompt"] for r in demo.records(demo.SFT_TASKS, cfg.train.steps * cfg.data.batch_size)}
+  assert len(sft) > 5000 and len(grpo_tasks.read) > 5000
+  trained = {problems.arithmetic(p) for p in sft | grpo_tasks.read}  # 3+5 and 5+3 count as one problem
+  held_out = {problems.arithmetic(r["prompt"]) for r in demo.records(demo.HELD_OUT_TASKS, demo.EVAL_SIZE)}
+  assert len(held_out) > 100 and trained & held_out == set()
 
 
 def test_demo_writes_readable_png_plots(demo_run):

@@ -2,8 +2,9 @@
 
 A suite is an environment plus its task records. The generated suites
 (`arithmetic`, `countdown`, `needle`) need no files: records 0..n-1 of a
-seeded stream (`needle` cycles over its (length, depth) grid; read its
-report per cell with `ptx.rl.environments.needle.cells`).
+seeded stream of the task's held-out problems (`ptx.data.splits`: no
+training stream of the task draws them; `needle` cycles over its (length,
+depth) grid; read its report per cell with `ptx.rl.environments.needle.cells`).
 The file suites (`math`, `code`, `shell`) read a JSONL file of records in the
 format their environment documents.
 """
@@ -26,9 +27,9 @@ from ptx.rl.environments.shell import ShellEnv
 
 _BOXED = " Put the final answer in \\boxed{}."
 _GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
-    "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*")),
-    "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed)),
-    "needle": (NeedleEnv, lambda seed: NeedleTask(seed=seed)),
+    "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*", split="held_out")),
+    "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed, split="held_out")),
+    "needle": (NeedleEnv, lambda seed: NeedleTask(seed=seed, split="held_out")),
 }
 _FILES: dict[str, Callable[[], Environment]] = {
     "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,

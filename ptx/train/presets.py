@@ -13,9 +13,10 @@ Two families, never mixed:
 Every entry point (the CLI, the demo, recipes, notebooks) starts from one of
 these, so `ptx grpo` and `ptx demo` train the same GRPO stage.
 
-The built-in task: problem i of `ArithmeticTask(seed, DIGITS)`; seed
-`SFT_SEED` gives the toy SFT records, `GRPO_SEED` the GRPO prompts and
-`HELD_OUT_SEED` the held-out problems.
+The built-in task: problem i of `ArithmeticTask(seed, DIGITS, split=...)`;
+seed `SFT_SEED` gives the toy SFT records and `GRPO_SEED` the GRPO prompts,
+both from the train side of the split (`ptx.data.splits`), and
+`HELD_OUT_SEED` the held-out problems, from the other side.
 """
 
 from __future__ import annotations

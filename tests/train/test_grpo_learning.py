@@ -19,7 +19,9 @@ from ptx.train.state import init_state, state_shardings
 from ptx.train.step import make_train_step
 
 TOK = ByteTokenizer()
-SFT_STEPS, RL_STEPS, PROMPTS, WIDTH = 60, 30, 32, 3  # "9+9=" then "18" and eos
+# "9+9=" then "18" and eos. 60 GRPO steps: on the 74 train-side prompts (ptx.data.splits), 30 moved the reward
+# 0.244 -> 0.279, within sampling noise of the 0.04 asked for.
+SFT_STEPS, RL_STEPS, PROMPTS, WIDTH = 60, 60, 32, 3
 GRPO = GRPOConfig(group_size=8, beta=0.0, kl_placement="none", max_response_tokens=WIDTH)
 
 
@@ -30,8 +32,11 @@ def _sft_batches(seed):
     yield pad_batch([sft_example(TOK, r["prompt"], r["answer"]) for r in rows], 8, TOK.pad_id)
 
 
-def _held_out_reward(params, cfg, mesh, spec):
-  """Mean exact match of 8 samples of each of 128 held-out prompts (a fixed key)."""
+def _reward(params, cfg, mesh, spec):
+  """Mean exact match of 8 samples of each of 128 prompts of another seed (a fixed key).
+
+  The prompts are training problems: one-digit addition's train side has 74, and GRPO trains on them all.
+  """
   batch = next(PromptBatches(ArithmeticTask(1, 1), TOK, batch_size=128, prompt_len=6, answer_width=WIDTH))
 
   @jax.jit
@@ -58,14 +63,14 @@ def test_grpo_raises_the_exact_match_reward_of_an_sft_model():
   params = state.params
   state = init_state(cfg, rl_optim, 0, mesh, params=params)
   spec = rl_step.RLSpec(model=cfg, grpo=GRPO, max_new_tokens=WIDTH, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-  before = _held_out_reward(params, cfg, mesh, spec)
+  before = _reward(params, cfg, mesh, spec)
   step = rl_step.make_grpo_step(spec, token_rewards.target_reward, optimizer=rl_optim, mesh=mesh,
                                 state_shardings=state_shardings(cfg, rl_optim, mesh))
   prompts = PromptBatches(ArithmeticTask(2, 1), TOK, batch_size=PROMPTS, prompt_len=6, answer_width=WIDTH)
   for _ in range(RL_STEPS):
     state, metrics = step(state, next(prompts))
-  after = _held_out_reward(state.params, cfg, mesh, spec)
-  print(f"held-out sampled exact match: {before:.3f} after SFT, {after:.3f} after GRPO")
+  after = _reward(state.params, cfg, mesh, spec)
+  print(f"sampled exact match: {before:.3f} after SFT, {after:.3f} after GRPO")
   assert 0.05 < before < 0.8, f"SFT left the model at {before:.3f}: nothing for GRPO to show"
-  # Observed with this seed: 0.257 -> 0.330.
+  # Observed with this seed: 0.244 -> 0.410.
   assert after > before + 0.04, f"GRPO moved exact match from {before:.3f} to {after:.3f}"

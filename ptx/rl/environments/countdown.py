@@ -1,11 +1,13 @@
 """Countdown: reach a target with each given number exactly once, and its generator.
 
-`CountdownTask(seed)[i]` is a pure function of (seed, i), like
+`CountdownTask(seed)[i]` is a pure function of (seed, i, split), like
 `ptx.data.arithmetic.ArithmeticTask`: an unlimited, random-access stream of
 solvable problems (the target is built from a random expression over the
-numbers). The model answers with an expression inside `<answer></answer>`;
-it is parsed with `ast` (integers, + - * / and parentheses only) and evaluated
-with exact fractions, never with `eval`.
+numbers), drawn from one side of the train / held-out split
+(`ptx.data.splits`, by the sorted numbers and the target). The model answers
+with an expression inside `<answer></answer>`; it is parsed with `ast`
+(integers, + - * / and parentheses only) and evaluated with exact fractions,
+never with `eval`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ptx.data import splits
 from ptx.rl.environments.base import Outcome, SingleTurn, Step, field
 
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -37,29 +40,35 @@ class CountdownTask:
     count: numbers per problem.
     max_number: numbers are drawn from 1..max_number.
     max_target: targets are integers in 1..max_target.
+    split: "train" (training streams) or "held_out" (evaluation sets).
   """
 
   seed: int = 0
   count: int = 4
   max_number: int = 50
   max_target: int = 1000
+  split: str = "train"
 
   def __post_init__(self):
     for name, low in (("count", 2), ("max_number", 1), ("max_target", 1)):
       if getattr(self, name) < low:
         raise ValueError(f"CountdownTask.{name} must be >= {low}, got {getattr(self, name)}")
+    splits.check("CountdownTask", self.split)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     """Returns {"prompt", "numbers", "target", "solution"} for problem `index`."""
     if index < 0:
       raise IndexError(f"CountdownTask index must be >= 0, got {index}")
     rng = np.random.default_rng([self.seed, index])
-    while True:
-      numbers = [int(n) for n in rng.integers(1, self.max_number + 1, self.count)]
-      value, text = _random_expression(numbers, rng)
-      if value.denominator == 1 and 1 <= value <= self.max_target:
-        break
-    target = int(value)
+
+    def candidate() -> tuple[str, tuple[list[int], int, str]]:
+      while True:
+        numbers = [int(n) for n in rng.integers(1, self.max_number + 1, self.count)]
+        value, text = _random_expression(numbers, rng)
+        if value.denominator == 1 and 1 <= value <= self.max_target:
+          return f"{sorted(numbers)}->{int(value)}", (numbers, int(value), text)
+
+    numbers, target, text = splits.draw("CountdownTask", self.split, candidate)
     prompt = (f"Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
               "Use each number exactly once, with + - * / and parentheses. "
               "Give the expression inside <answer></answer>.")

@@ -5,7 +5,9 @@ grid crosses haystack lengths with needle depths, and results are read per
 (length, depth) cell (`cells`). Task `i` of a `NeedleTask` is cell
 `i % (len(lengths) * len(depths))`: lengths vary slowest, so the first
 `len(lengths) * len(depths)` tasks cover the grid once, and further tasks
-repeat it with fresh keys and numbers.
+repeat it with fresh keys and numbers. Keys come from one side of the train /
+held-out split (`ptx.data.splits`, by the key), so a held-out record never
+asks for a key a training record named.
 
 Task records are `{"prompt", "answer", "length", "depth"}`: `length` is the
 haystack size in words (about 1.3 tokens each for English BPE vocabularies),
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ptx.data import splits
 from ptx.rl.environments.base import Outcome, SingleTurn, Step, field
 
 _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -38,17 +41,20 @@ class NeedleTask:
     seed: selects the stream of keys and numbers.
     lengths: haystack sizes in words.
     depths: needle positions as fractions of the haystack, in [0, 1].
+    split: "train" (training streams) or "held_out" (evaluation sets).
   """
 
   seed: int = 0
   lengths: tuple[int, ...] = (1_000, 4_000, 16_000)
   depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+  split: str = "train"
 
   def __post_init__(self):
     if not self.lengths or min(self.lengths) < 1:
       raise ValueError(f"NeedleTask.lengths must be positive word counts, got {self.lengths}")
     if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
       raise ValueError(f"NeedleTask.depths must lie in [0, 1], got {self.depths}")
+    splits.check("NeedleTask", self.split)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     """Returns the record of task `index` (its cell is index % grid size)."""
@@ -57,7 +63,12 @@ class NeedleTask:
     cell = index % (len(self.lengths) * len(self.depths))
     length, depth = self.lengths[cell // len(self.depths)], self.depths[cell % len(self.depths)]
     rng = np.random.default_rng([self.seed, index])
-    key = f"{_KEYS[int(rng.integers(len(_KEYS)))]}-{int(rng.integers(100, 1000))}"
+
+    def candidate() -> tuple[str, str]:
+      key = f"{_KEYS[int(rng.integers(len(_KEYS)))]}-{int(rng.integers(100, 1000))}"
+      return key, key
+
+    key = splits.draw("NeedleTask", self.split, candidate)
     number = str(int(rng.integers(1_000_000, 10_000_000)))
     words = [_FILLER[i % len(_FILLER)] for i in range(length)]
     at = round(depth * length)
