@@ -26,6 +26,7 @@ from ptx.models.decoder import Decoder
 from ptx.models.hf_generation import GenerationInfo, read_generation, with_tokenizer
 from ptx.models.hf_save import save_hf
 from ptx.models.peft_export import save_peft
+from ptx.train import pretrained
 from ptx.train.state import TrainState
 
 
@@ -60,8 +61,8 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
   _check_finite(state.params if cfg.lora.rank == 0 else {"adapters": state.params, "base": state.base})
   written = {}
   params = state.params
-  if base_model is not None and base_model.endswith(".gguf"):
-    base_model = str(out / "pretrained")  # where ptx.train.pretrained converts a .gguf start
+  if base_model is not None:
+    base_model = str(pretrained.hf_directory(pathlib.Path(base_model), out))  # a .gguf start: its conversion
   local = base_model is not None and (pathlib.Path(base_model) / "config.json").is_file()
   generation = read_generation(base_model) if local else GenerationInfo()  # a hub name or a fresh model declares none
   if tokenizer is not None:

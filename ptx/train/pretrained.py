@@ -72,13 +72,18 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
   return cfg, params, tokenizer
 
 
+def hf_directory(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+  """The HF directory a start names: `path` itself, or for a `.gguf` file OUT/pretrained, its conversion."""
+  return out / "pretrained" if path.suffix == ".gguf" else path
+
+
 def _hf_directory(path: pathlib.Path, out: pathlib.Path | None) -> pathlib.Path:
   """`path`, or for a `.gguf` file the HF directory it converts to under OUT/pretrained (once)."""
   if path.suffix != ".gguf":
     return path
   if out is None:
     raise ConfigError(f"{path}: a GGUF file is converted into the run directory; give the run's out directory")
-  target = out / "pretrained"
+  target = hf_directory(path, out)
   if not (target / "config.json").exists():
     from ptx.models.gguf import convert_gguf  # the gguf extra; only a .gguf start needs it
 
