@@ -279,6 +279,21 @@ class HostRewardStep:
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
 
+  def compile(self, state: TrainState, batch: dict[str, Any],
+              compiler_options: dict[str, Any] | None = None) -> dict[str, jax.stages.Compiled]:
+    """The sampling and update programs compiled for `state` and a global prompt batch, not run.
+
+    The update is compiled for the sampler's outputs as it lays them out and
+    one float32 reward per row (a reward of named components adds a few
+    [R] arrays). `state` and the batch may be ShapeDtypeStructs.
+    """
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    sample = self._sample.lower(state, batch["prompts"], batch["prompt_lengths"], index).compile(compiler_options)
+    rollouts, gen = jax.tree.map(lambda out, s: jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=s),
+                                 sample.out_info, sample.output_shardings)
+    rewards = jax.ShapeDtypeStruct(gen.lengths.shape, jnp.float32)
+    return {"sample": sample, "learn": self._learn.lower(state, rollouts, gen, rewards).compile(compiler_options)}
+
   def pipeline_state(self) -> dict[str, Any] | None:
     """The batches sampled ahead, as host arrays for a checkpoint (None when there are none).
 

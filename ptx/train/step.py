@@ -67,6 +67,11 @@ class JittedStep:
   def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     return self._fn(state, batch)
 
+  def compile(self, state: TrainState, batch: Batch,
+              compiler_options: dict[str, Any] | None = None) -> dict[str, jax.stages.Compiled]:
+    """The step's one program compiled for `state` and `batch` (arrays or ShapeDtypeStructs), not run."""
+    return {"step": self._fn.lower(state, batch).compile(compiler_options)}
+
   def pipeline_state(self) -> None:
     """Nothing is sampled ahead."""
     return None

@@ -1,0 +1,89 @@
+"""The pod-fit check: the 8B SFT and 7B GRPO pod presets compiled for their pods fit HBM; 8B on 2 v5e chips does not.
+
+The pods' 16 and 32 chips are more devices than this process fakes (8), so
+those presets run `benchmarks/pod_fit.py` in a process of their own, which
+fakes the pod's chip count; the too-small pod (2 chips) runs here on 2 of the
+8 devices. `pytest -s` shows each preset's per-device GiB.
+"""
+
+import importlib.util
+import json
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+import ptx
+from ptx.models.params import count_params
+from ptx.train import pod_fit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "pod_fit.py"
+# Loaded from its file: putting benchmarks/ on sys.path would let its scripts (data.py, train.py) shadow modules.
+_spec = importlib.util.spec_from_file_location("pod_fit_benchmark", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def recipes_importable(monkeypatch):
+  # `python recipes/x.py` puts recipes/ first on sys.path; so does this.
+  monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+
+
+def _preset(recipe, preset):
+  return runpy.run_path(str(ROOT / "recipes" / f"{recipe}.py"), run_name="pod_fit")["PRESETS"][preset]()
+
+
+def test_tpu_slice_names_count_tensorcores_on_v5p_and_chips_on_v5e():
+  assert pod_fit.tpu_slice("v5p-64") == pod_fit.Pod("v5p", 32)
+  assert pod_fit.tpu_slice("v5e-8") == pod_fit.Pod("v5e", 8)
+  with pytest.raises(ValueError, match="'v5p-3'"):  # 3 TensorCores are no whole number of v5p chips
+    pod_fit.tpu_slice("v5p-3")
+  with pytest.raises(ValueError, match="Pod.chip"):
+    pod_fit.Pod("v9", 4)
+
+
+def test_each_pod_preset_is_the_slice_its_recipe_header_launches_it_on():
+  for (recipe, preset), (slice_name, *_) in bench.PODS.items():
+    doc = runpy.run_path(str(ROOT / "recipes" / f"{recipe}.py"), run_name="header")["__doc__"]
+    assert f"TPU {slice_name}" in doc, f"{recipe}.py's header does not launch --preset {preset} on a TPU {slice_name}"
+
+
+@pytest.mark.slow  # each compiles a full-size model for 16 or 32 fake devices: about 20 s and 55 s on 2 cores
+@pytest.mark.parametrize("recipe, preset", [("sft_chat", "llama3_8b"), ("grpo_code", "qwen7b")])
+def test_the_8b_sft_and_7b_grpo_pod_presets_fit_their_chips(recipe, preset):
+  out = subprocess.run([sys.executable, str(SCRIPT), "--recipe", recipe, "--preset", preset], check=True,
+                       stdout=subprocess.PIPE, text=True, timeout=540).stdout
+  record = json.loads(out.splitlines()[-1])
+  print(f"\n{recipe} --preset {preset} on {record['pod']} ({record['chips']} x {record['chip']}, mesh "
+        f"{record['mesh']}): per device {record['total_gib']} GiB of {record['hbm_gib']} (state "
+        f"{record['state_gib']}: params {record['params_gib']}, optimizer {record['opt_state_gib']}, reference "
+        f"{record['reference_gib']}; programs {record['programs_gib']}; in flight {record['in_flight_gib']}), "
+        f"fits: {record['fits']}, compiled in {record['compile_s']} s")
+  assert record["chips"] == pod_fit.tpu_slice(record["pod"]).chips
+  assert record["fits"] and record["total_gib"] <= record["hbm_gib"], record
+  # bfloat16 parameters over the fsdp chips, but Qwen's q/k/v biases, which have no embed axis to shard and are
+  # replicated; the record rounds to 1e-3 GiB, hence half of that.
+  m = _preset(recipe, preset).model
+  biases = m.n_layers * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim if m.qkv_bias else 0
+  exact = ((count_params(m) - biases) * 2 / record["chips"] + biases * 2) / GiB
+  assert abs(record["params_gib"] - exact) <= 5e-4, (exact, record)
+  # Adam's two moments, laid out like the bfloat16 parameters, plus a few scalars (bytes); rounding as above.
+  assert abs(record["opt_state_gib"] - 2 * exact) <= 5e-4, (exact, record)
+
+
+def test_the_8b_sft_preset_on_two_v5e_chips_does_not_fit():
+  cfg = _preset("sft_chat", "llama3_8b")
+  fit = pod_fit.check(cfg, ptx.sft_job(cfg, ptx.ByteTokenizer()), pod_fit.Pod("v5e", 2))
+  print(f"\nsft_chat --preset llama3_8b on 2 v5e chips: {fit.record()}")
+  assert fit.mesh["fsdp"] == 2 and not fit.fits and fit.headroom_gib < 0
+  # Exact, from the shardings: bfloat16 parameters and two Adam moments over 2 chips (scalars: step, rng, count).
+  n = count_params(cfg.model)
+  assert 0 <= fit.state - 3 * 2 * n // 2 < 1024, fit.state
+  assert fit.state > 16 * GiB  # the state alone overflows a v5e's 16 GiB, whatever the compiler's scratch
+  # The step's only other input is the batch: 4 int32 arrays of 32 rows of 4096 tokens per chip.
+  assert fit.programs["step"].inputs == 4 * (cfg.data.batch_size // 2) * cfg.data.seq_len * 4
