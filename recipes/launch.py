@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import pathlib
 import sys
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ import jax
 
 import ptx
 from ptx import config as config_lib
+from ptx import paths
 from ptx.train import pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
@@ -37,8 +37,10 @@ def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.
                                    epilog="Config overrides: --train.steps=2, "
                                    "--mesh.fsdp=8, --data.train_files='[\"a.jsonl\"]', ...")
   parser.add_argument("--preset", choices=sorted(presets), default="tiny", help="the recipe's configuration")
-  parser.add_argument("--out", type=pathlib.Path, required=True, help="run directory (checkpoints, metrics, export)")
-  parser.add_argument("--model-dir", type=pathlib.Path, help="HF model directory to start from (weights, tokenizer)")
+  parser.add_argument("--out", type=paths.argument, required=True,
+                      help="run directory, local or gs:// (checkpoints, metrics, export)")
+  parser.add_argument("--model-dir", type=paths.argument,
+                      help="HF model directory to start from (weights, tokenizer), local or gs://")
   parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact "
                       "checkpoint (refused when the config changes the model or the data)")
   parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (deletes its "
@@ -141,7 +143,7 @@ def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
   return args, cfg, params, tokenizer
 
 
-def synthetic_data(out: pathlib.Path, train: list[dict], evaluation: list[dict]) -> list[str]:
+def synthetic_data(out: paths.Path, train: list[dict], evaluation: list[dict]) -> list[str]:
   """Writes a tiny preset's records to OUT/data/{train,eval}.jsonl; returns the --data overrides naming them."""
   (out / "data").mkdir(parents=True, exist_ok=True)
   overrides = []

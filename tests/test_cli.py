@@ -50,7 +50,12 @@ def test_sft_and_dpo_commands_train_from_jsonl(tmp_path, capsys):
   records = [json.loads(l) for l in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
   assert any("eval/loss" in r for r in records) and records[-1]["step"] == 4
   assert list((tmp_path / "sft" / "tensorboard").iterdir()), "no TensorBoard event file"
-  cli.main(["dpo", "--out", str(tmp_path / "dpo"), f"--data.train_files=[\"{pref_file}\"]", *common])
+  # With a held-out suite evaluated before the first step and after the last (`ptx.train.checkpoint_evals`).
+  cli.main(["dpo", "--out", str(tmp_path / "dpo"), f"--data.train_files=[\"{pref_file}\"]", *common,
+            '--eval.suites=["arithmetic"]', "--eval.n=2", "--eval.k=1", "--eval.max_new_tokens=2"])
+  evaluated = [r["step"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
+               if "eval/arithmetic/pass@1" in r]
+  assert evaluated == [0, 4] and (tmp_path / "dpo" / "evals" / "step_4" / "arithmetic" / "eval.json").is_file()
   last = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
   assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
           "logps/rejected"} <= set(last)

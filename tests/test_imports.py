@@ -1,6 +1,7 @@
 """Imports flow one way: entry points -> train -> rl -> algorithms -> sampling -> models -> data -> sharding -> config.
 
-`ptx.compile_cache` imports only jax and sits at the bottom with config.
+`ptx.compile_cache` imports only jax and sits at the bottom with config, as does
+`ptx.paths` (etils.epath only).
 
 `ptx_kernels` imports nothing from ptx, and no internal module imports the
 `ptx` facade (ptx/__init__.py), which would tie every layer to every other.
@@ -23,7 +24,7 @@ LAYERS = {
     "ptx.models": 4,
     "ptx.data": 3,
     "ptx.sharding": 2,
-    "ptx.config_io": 1, "ptx.config_rules": 1, "ptx.config": 1, "ptx.compile_cache": 1,
+    "ptx.config_io": 1, "ptx.config_rules": 1, "ptx.config": 1, "ptx.compile_cache": 1, "ptx.paths": 1,
     "ptx_kernels": 0,
 }
 

@@ -97,6 +97,10 @@ try:
   cli.main(["convert", "gguf", "missing.gguf", str(out / "gguf")])
 except SystemExit:
   pass
+try:
+  cli.main(["sft", "--out", "gs://bucket/run"])
+except SystemExit:
+  pass
 """
 
 
@@ -112,6 +116,7 @@ def test_the_library_alone_saves_and_loads_a_model_with_its_tokenizer(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert run.returncode == 0, run.stderr[-3000:]
   assert "ptx convert gguf needs the gguf extra (pip install 'ptx[gguf]')" in run.stderr
+  assert "gs://bucket/run: gs:// paths need the gcs extra: pip install 'ptx[gcs]'" in run.stderr
 
 
 def _closure(names: set[str]) -> set[str]:

@@ -5,14 +5,17 @@ SentencePiece `tokenizer.model` where there is none), the special tokens of
 `tokenizer_config.json`, and the chat template from `chat_template.jinja` or
 `tokenizer_config.json`. The `tokenizers` package (a dependency) and
 `jinja2` (the `hf` extra, for chat templates) are imported only when used.
+Directories are local or gs:// (`ptx.paths`): files are read and written
+whole, through the path type.
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from typing import Any, Sequence
 
+from ptx import paths
 from ptx.data.chat import JinjaChatTemplate
 
 
@@ -36,11 +39,11 @@ class HFTokenizer:
     self.chat_template = chat_template
 
   @classmethod
-  def from_file(cls, path: str | pathlib.Path, **kwargs: Any) -> "HFTokenizer":
-    """Loads a `tokenizer.json`; keyword arguments as for the constructor."""
+  def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> "HFTokenizer":
+    """Loads a `tokenizer.json` (local or gs://); keyword arguments as for the constructor."""
     import tokenizers  # a dependency, imported only where a tokenizer is read or written
 
-    return cls(tokenizers.Tokenizer.from_file(str(path)), **kwargs)
+    return cls(tokenizers.Tokenizer.from_str(paths.path(path).read_text()), **kwargs)
 
   @property
   def vocab_size(self) -> int:
@@ -66,11 +69,11 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-  def save_hf(self, path: str | pathlib.Path) -> None:
+  def save_hf(self, path: str | os.PathLike) -> None:
     """Writes `tokenizer.json` and `tokenizer_config.json` (special tokens, chat template) into directory `path`."""
-    path = pathlib.Path(path)
+    path = paths.path(path)
     path.mkdir(parents=True, exist_ok=True)
-    self._tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer.json").write_text(self._tok.to_str(pretty=True))  # as `Tokenizer.save` writes it
     text = self._tok.id_to_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": text(self._eos), "pad_token": text(self._pad),
               "bos_token": None if self._bos is None else text(self._bos)}
@@ -85,12 +88,12 @@ class HFTokenizer:
     return i
 
 
-def load_tokenizer(path: str | pathlib.Path):
+def load_tokenizer(path: str | os.PathLike):
   """Loads the tokenizer of an HF model directory.
 
   Args:
-    path: a directory with `tokenizer.json` or `tokenizer.model`, and
-      usually `tokenizer_config.json`.
+    path: a directory, local or gs://, with `tokenizer.json` or
+      `tokenizer.model`, and usually `tokenizer_config.json`.
 
   Returns:
     An `HFTokenizer` (or a `SentencePieceTokenizer`) with the model's special
@@ -100,7 +103,7 @@ def load_tokenizer(path: str | pathlib.Path):
     FileNotFoundError: when the directory holds no tokenizer file.
     ValueError: when a special token is not in the vocabulary.
   """
-  path = pathlib.Path(path)
+  path = paths.path(path)
   config_file = path / "tokenizer_config.json"
   config = json.loads(config_file.read_text()) if config_file.exists() else {}
   bos, eos, pad = (_token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
@@ -117,7 +120,7 @@ def load_tokenizer(path: str | pathlib.Path):
   if (path / "tokenizer.model").exists():
     from ptx.data.sentencepiece_tokenizer import SentencePieceTokenizer
 
-    return SentencePieceTokenizer(path / "tokenizer.model", chat_template=chat)
+    return SentencePieceTokenizer(model_proto=(path / "tokenizer.model").read_bytes(), chat_template=chat)
   raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model")
 
 
@@ -126,7 +129,7 @@ def _token_text(value: Any) -> str | None:
   return value.get("content") if isinstance(value, dict) else value
 
 
-def _chat_template(path: pathlib.Path, config: dict) -> str | None:
+def _chat_template(path: paths.Path, config: dict) -> str | None:
   jinja_file = path / "chat_template.jinja"
   if jinja_file.exists():
     return jinja_file.read_text()

@@ -5,7 +5,8 @@ can shuffle and shard it, and returns `RawRecord`s: the undecoded payload plus
 where it came from (`file:line`), so a bad record is reported by location.
 Decoding and validation happen later, in one place (`ptx.data.records`),
 under the pipeline's error policy. A JSONL source without a single record
-is a `NoDataError` at construction, naming its files.
+is a `NoDataError` at construction, naming its files. JSONL files are
+local or on object storage (`gs://`, `ptx.paths`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pathlib
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from ptx import paths as paths_lib
 
 _CHUNK = 1 << 24
 # Whitespace bytes of JSON (RFC 8259) and the vertical tab and form feed: a line of only these is blank.
@@ -43,16 +46,23 @@ class JsonlSource:
   not records; line numbers in errors count them anyway, so they match an
   editor's.
 
+  Local files are read with `pread` on one shared descriptor; a file on
+  object storage with one ranged read per record through its fsspec
+  filesystem (gcsfs, as `ptx.paths` requires): positionless like `pread`,
+  so reader threads overlap their requests, and a shuffled order reads no
+  more than the records it asks for.
+
   Args:
-    paths: one path or several (read in order, as one sequence).
+    paths: one path or several (read in order, as one sequence), local or gs://.
 
   Raises:
     NoDataError: when the files hold no record at all.
+    ptx.paths.PathError: a path ptx cannot read (an unsupported scheme).
   """
 
   def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
     single = isinstance(paths, (str, os.PathLike))
-    self.paths = [str(p) for p in ([paths] if single else paths)]
+    self.paths = [str(paths_lib.path(p)) for p in ([paths] if single else paths)]
     starts, ends, lines, files = [], [], [], []
     for f, path in enumerate(self.paths):
       s, e, n = _index_lines(path)
@@ -62,6 +72,8 @@ class JsonlSource:
     self._lines = np.concatenate(lines)
     self._files = np.concatenate(files)
     self._fds: dict[int, int] = {}
+    self._remote: dict[int, tuple[Any, str]] = {}  # file -> (fsspec filesystem, its name there)
+    self._local = [paths_lib.is_local(p) for p in self.paths]
     if not len(self._starts):
       raise NoDataError(f"{', '.join(self.paths)}: no records (only empty or blank lines)")
 
@@ -70,6 +82,12 @@ class JsonlSource:
 
   def __getitem__(self, index: int) -> RawRecord:
     f = int(self._files[index])
+    start = int(self._starts[index])
+    length = int(self._ends[index]) - start
+    data = self._pread(f, length, start) if self._local[f] else self._read_remote(f, length, start)
+    return RawRecord(data, f"{self.paths[f]}:{int(self._lines[index])}")
+
+  def _pread(self, f: int, length: int, start: int) -> bytes:
     fd = self._fds.get(f)
     if fd is None:
       fd = os.open(self.paths[f], os.O_RDONLY)
@@ -77,14 +95,20 @@ class JsonlSource:
       if kept != fd:  # another reader thread opened it first
         os.close(fd)
         fd = kept
-    start = int(self._starts[index])
     # pread is positionless, so reader threads share one descriptor safely.
-    data = os.pread(fd, int(self._ends[index]) - start, start)
-    return RawRecord(data, f"{self.paths[f]}:{int(self._lines[index])}")
+    return os.pread(fd, length, start)
+
+  def _read_remote(self, f: int, length: int, start: int) -> bytes:
+    if f not in self._remote:
+      import fsspec
+
+      self._remote.setdefault(f, fsspec.core.url_to_fs(self.paths[f]))
+    filesystem, name = self._remote[f]
+    return filesystem.cat_file(name, start, start + length)
 
   def __getstate__(self) -> dict[str, Any]:
-    # Descriptors do not cross process boundaries; each worker reopens.
-    return {**self.__dict__, "_fds": {}}
+    # Descriptors do not cross process boundaries; each worker reopens (and finds its own filesystems).
+    return {**self.__dict__, "_fds": {}, "_remote": {}}
 
   def __del__(self):
     for fd in getattr(self, "_fds", {}).values():
@@ -95,7 +119,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Start offsets, end offsets and 1-based line numbers of the non-blank lines."""
   newlines, filled = [], []
   offset, carry = 0, False  # carry: the line running into this chunk has a non-blank byte
-  with open(path, "rb") as f:
+  with paths_lib.path(path).open("rb") as f:
     while chunk := f.read(_CHUNK):
       data = np.frombuffer(chunk, np.uint8)
       local = np.flatnonzero(data == ord("\n"))

@@ -16,8 +16,10 @@ embeddings), a smaller one is an error.
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from typing import Protocol, Sequence, runtime_checkable
+
+from ptx import paths
 
 
 @runtime_checkable
@@ -98,7 +100,7 @@ class ByteTokenizer:
     data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
     return data.decode("utf-8", errors="replace")
 
-  def save_hf(self, path: str | pathlib.Path) -> None:
+  def save_hf(self, path: str | os.PathLike) -> None:
     """Writes this vocabulary as HF `tokenizer.json` + `tokenizer_config.json` in directory `path`.
 
     The file is a byte-level BPE without merges: every byte is its own token
@@ -120,9 +122,9 @@ class ByteTokenizer:
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
     # ptx models see bos first: transformers' add_special_tokens=True prepends it too.
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
-    path = pathlib.Path(path)
+    path = paths.path(path)  # local or gs://
     path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer.json").write_text(tok.to_str(pretty=True))  # as `Tokenizer.save` writes it
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
               "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False,
               "model_max_length": 1_000_000_000}

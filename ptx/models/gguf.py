@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import jax.numpy as jnp
 import numpy as np
 
+from ptx import paths
 from ptx.config import ModelConfig
 from ptx.models.hf_config import hf_config
 from ptx.models.hf_generation import GenerationInfo
@@ -66,7 +67,9 @@ def convert_gguf(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str
   """
   import gguf  # the gguf extra; only this converter needs it
 
-  src, dst = pathlib.Path(src), pathlib.Path(dst)
+  src, dst = paths.path(src), paths.path(dst)  # dst local or gs://
+  if not paths.is_local(src):
+    raise GGUFError(f"{src}: a GGUF file is memory-mapped, so it must be local; copy it to this machine first")
   reader = gguf.GGUFReader(src)
   meta = {name: field.contents() for name, field in reader.fields.items()}
   arch = meta.get("general.architecture")
@@ -80,7 +83,7 @@ def convert_gguf(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str
   dst.mkdir(parents=True, exist_ok=True)
   write_tensors(_hf_tensors(reader, names, cfg, np.dtype(jnp.dtype(dtype))), dst, max_shard_bytes)
   write_configs(hf_config(cfg, HF_LLAMA), generation, dst)
-  tokenizer.save(str(dst / "tokenizer.json"))
+  (dst / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))  # as `Tokenizer.save` writes it
   (dst / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
   return dst
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
+import os
 from typing import Any
 
+from ptx import paths
 from ptx.models.hf_config import FAMILIES, HFConfigError
 
 _IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -59,12 +60,12 @@ class GenerationInfo:
     return {"bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id}
 
 
-def read_generation(path: str | pathlib.Path) -> GenerationInfo:
+def read_generation(path: str | os.PathLike) -> GenerationInfo:
   """Reads the generation info an HF model directory declares.
 
   Args:
-    path: a directory with config.json and, optionally, generation_config.json
-      (whose ids win, as in transformers' `generate`).
+    path: a directory, local or gs://, with config.json and, optionally,
+      generation_config.json (whose ids win, as in transformers' `generate`).
 
   Returns:
     The GenerationInfo; what neither file declares is None (or empty).
@@ -74,7 +75,7 @@ def read_generation(path: str | pathlib.Path) -> GenerationInfo:
       integer (or, for eos_token_id, a list of them).
     FileNotFoundError: when the directory has no config.json.
   """
-  path = pathlib.Path(path)
+  path = paths.path(path)
   config_file, generation_file = path / "config.json", path / "generation_config.json"
   config = json.loads(config_file.read_text())
   family = FAMILIES.get(config.get("model_type"))
@@ -82,7 +83,7 @@ def read_generation(path: str | pathlib.Path) -> GenerationInfo:
     config = {**(config.get(family.nested) or {}), **{k: v for k, v in config.items() if v is not None}}
   generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
 
-  def declared(key: str, *files: tuple[pathlib.Path, dict]) -> tuple[int, ...]:
+  def declared(key: str, *files: tuple[paths.Path, dict]) -> tuple[int, ...]:
     for where, keys in files:
       if keys.get(key) is not None:
         return _ints(keys[key], where, key, many=key == "eos_token_id")
@@ -114,7 +115,7 @@ def with_tokenizer(generation: GenerationInfo, tokenizer: Any) -> GenerationInfo
   return dataclasses.replace(generation, bos_token_id=bos, eos_token_ids=eos, pad_token_id=tokenizer.pad_id)
 
 
-def _ints(value: Any, where: pathlib.Path, key: str, *, many: bool) -> tuple[int, ...]:
+def _ints(value: Any, where: paths.Path, key: str, *, many: bool) -> tuple[int, ...]:
   """A non-negative int (or, with `many`, a list of them) as a tuple; anything else raises naming `key`."""
   values = value if many and isinstance(value, list) else [value]
   if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):

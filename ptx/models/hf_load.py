@@ -14,11 +14,15 @@ Invariants:
     multi-host each process reads only what its own devices hold.
   * A file is opened per parameter and closed after it, so its pages do not
     stay mapped (and counted in the resident set) for the rest of the load.
+  * A directory on object storage (gs://, `ptx.paths`) is downloaded into a
+    temporary local directory first (safetensors maps local files), deleted
+    once the parameters are built; its config is read in place.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ptx import sharding
+from ptx import paths, sharding
 from ptx.config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
@@ -42,13 +46,13 @@ class CheckpointError(ValueError):
   """A checkpoint whose files are unreadable or whose tensors do not match its config (names the tensor and file)."""
 
 
-def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = None,
+def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = None,
             rules: sharding.Rules = sharding.DEFAULT_RULES) -> Decoder:
   """Loads an HF model directory (config.json + safetensors) as a ptx Decoder.
 
   Args:
-    path: a directory with `config.json` and `model.safetensors` or a sharded
-      `model.safetensors.index.json`.
+    path: a directory, local or gs://, with `config.json` and
+      `model.safetensors` or a sharded `model.safetensors.index.json`.
     mesh: place every parameter with its sharding on this mesh; None puts the
       model on this process's first device.
     dtype: parameter and compute dtype; None keeps the checkpoint's
@@ -64,35 +68,36 @@ def load_hf(path: str | pathlib.Path, *, mesh: Mesh | None = None, dtype: Any = 
       missing, unexpected or wrongly shaped tensor.
     FileNotFoundError: when the directory holds no config or weights.
   """
-  path = pathlib.Path(path)
+  path = paths.path(path)
   cfg, family = _config(path, dtype)
   specs = param_specs(cfg)
-  sources = _match(specs, cfg, family, _headers(path), path)
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), specs, is_leaf=_is_spec)
   else:
     shardings = param_shardings(cfg, mesh, rules)
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
-  params = {
-      key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype)
-             for leaf in specs[key]} if key == "layers" else
-            _load(specs[key], key, sources[key], shardings[key], np_dtype))
-      for key in specs
-  }
+  with paths.local_copy(path) as local:
+    sources = _match(specs, cfg, family, _headers(local), local)
+    params = {
+        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype)
+               for leaf in specs[key]} if key == "layers" else
+              _load(specs[key], key, sources[key], shardings[key], np_dtype))
+        for key in specs
+    }
   return Decoder(cfg, params=params, rules=rules)
 
 
-def read_model_config(path: str | pathlib.Path, *, dtype: Any = None) -> ModelConfig:
+def read_model_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelConfig:
   """The ModelConfig of an HF model directory's config.json, without reading any weights.
 
   Raises:
     HFConfigError: for an unsupported model_type or config option.
     FileNotFoundError: when the directory holds no config.json.
   """
-  return _config(pathlib.Path(path), dtype)[0]
+  return _config(paths.path(path), dtype)[0]
 
 
-def _config(path: pathlib.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
+def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
   where = path / "config.json"
   if not where.is_file():
     raise FileNotFoundError(f"{where}: no such file (an HF model directory holds config.json and safetensors)")
@@ -128,7 +133,7 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...
 
 def _check_size(file: pathlib.Path) -> None:
   """Raises CheckpointError naming `file` when it is shorter than its safetensors header says."""
-  size = file.stat().st_size
+  size = os.path.getsize(file)
   with open(file, "rb") as f:
     prefix = f.read(8)
     header_len = int.from_bytes(prefix, "little")

@@ -6,20 +6,21 @@ and layouts, as `model.safetensors` or, above `max_shard_bytes`, as numbered
 shards plus `model.safetensors.index.json`, every file readable by all.
 Parameters are fetched one at a time and files are written as they fill, so
 host memory holds one parameter and one shard at most. On multi-host runs every process takes part in gathering and
-process 0 writes.
+process 0 writes. The directory is local or gs:// (`ptx.paths`); each file
+on object storage is one upload, complete once its name appears.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
 from typing import Iterable, Iterator
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ptx import paths
 from ptx.config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
@@ -30,14 +31,14 @@ from ptx.models.params import param_specs
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
-def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None = None,
+def save_hf(model: Decoder, path: str | os.PathLike, *, model_type: str | None = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            generation: GenerationInfo = GenerationInfo()) -> pathlib.Path:
+            generation: GenerationInfo = GenerationInfo()) -> paths.Path:
   """Writes `model` as an HF checkpoint directory.
 
   Args:
     model: the ptx Decoder (its config picks the family unless `model_type`).
-    path: the directory; created if needed.
+    path: the directory, local or gs://; created if needed.
     model_type: the HF family to write as (e.g. "qwen2"); None infers it
       from the config's features.
     max_shard_bytes: split the weights into shards of at most this size.
@@ -59,7 +60,7 @@ def save_hf(model: Decoder, path: str | pathlib.Path, *, model_type: str | None 
     raise HFConfigError(f"save_hf writes model_type {writable}, not {model_type!r}")
   family = FAMILIES[model_type]
   config = hf_config(cfg, family)
-  path = pathlib.Path(path)
+  path = paths.path(path)
   writer = jax.process_index() == 0
   if writer:
     path.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,7 @@ def infer_model_type(cfg: ModelConfig) -> str:
   return "qwen2" if cfg.qkv_bias else "llama"
 
 
-def write_configs(config: dict, generation: GenerationInfo, path: pathlib.Path) -> None:
+def write_configs(config: dict, generation: GenerationInfo, path: paths.Path) -> None:
   """Writes config.json and generation_config.json into directory `path`.
 
   Args:
@@ -96,7 +97,7 @@ def write_configs(config: dict, generation: GenerationInfo, path: pathlib.Path) 
   (path / "generation_config.json").write_text(json.dumps(generation.generation_config(), indent=2) + "\n")
 
 
-def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path, max_shard_bytes: int) -> None:
+def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: paths.Path, max_shard_bytes: int) -> None:
   """Writes named HF tensors as safetensors, sharded with an index above `max_shard_bytes`."""
   # A previous save's weights would shadow or mix with these ones.
   for stale in [*path.glob("model*.safetensors"), *path.glob("model.safetensors.index.json")]:
@@ -117,7 +118,8 @@ def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path,
     return
   save_safetensors(shard, path / f"part-{len(files)}.safetensors")
   files.append(list(shard))
-  # Final names carry the shard count, known only once all are written.
+  # Final names carry the shard count, known only once all are written; on object storage a rename is a
+  # server-side copy and a delete, so a final name still appears only once its object is whole.
   weight_map = {}
   for i, names in enumerate(files):
     final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -127,18 +129,20 @@ def write_tensors(tensors: Iterable[tuple[str, np.ndarray]], path: pathlib.Path,
   (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def save_safetensors(tensors: dict[str, np.ndarray], file: pathlib.Path) -> None:
+def save_safetensors(tensors: dict[str, np.ndarray], file: paths.Path) -> None:
   """Writes one safetensors file, readable like the JSON files next to it.
 
   Args:
     tensors: name -> array.
-    file: the file to write (replaced if it exists).
+    file: the file to write (replaced if it exists), local or on object
+      storage (written locally first, then uploaded whole).
   """
   from safetensors.numpy import save_file
 
-  save_file(tensors, str(file), metadata={"format": "pt"})
-  # safetensors writes through a private temporary file (mode 0600); a shared model directory must be readable.
-  os.chmod(file, 0o644)
+  with paths.local_file(file) as name:
+    save_file(tensors, name, metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600); a shared model directory must be readable.
+    os.chmod(name, 0o644)
 
 
 def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) -> Iterator[tuple[str, np.ndarray]]:

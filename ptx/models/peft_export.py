@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
+import os
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ptx import paths
 from ptx.config import LoRAConfig, ModelConfig
 from ptx.models.hf_config import FAMILIES
 from ptx.models.hf_layout import HF_LAYOUTS
@@ -28,13 +29,13 @@ from ptx.models.lora import adapter_specs
 from ptx.models.params import Params
 
 
-def save_peft(adapters: Params, path: str | pathlib.Path, *, model: ModelConfig, lora: LoRAConfig,
-              model_type: str | None = None, base_model_name_or_path: str | None = None) -> pathlib.Path:
+def save_peft(adapters: Params, path: str | os.PathLike, *, model: ModelConfig, lora: LoRAConfig,
+              model_type: str | None = None, base_model_name_or_path: str | None = None) -> paths.Path:
   """Writes `adapters` as a PEFT LoRA adapter directory.
 
   Args:
     adapters: `{target: {"a", "b"}}` (ptx.models.lora).
-    path: the directory; created if needed.
+    path: the directory, local or gs://; created if needed.
     model: the base model's config.
     lora: the adapters' LoRA config (rank, alpha, dropout, targets).
     model_type: the HF family of the base (None infers it from `model`).
@@ -60,9 +61,9 @@ def save_peft(adapters: Params, path: str | pathlib.Path, *, model: ModelConfig,
       for i in range(model.n_layers):
         key = "base_model.model." + weight_name.format(i=i).removesuffix(".weight") + f".{peft_part}.weight"
         tensors[key] = _to_linear(host[i], axes, layouts[part])
+  path = paths.path(path)
   if not writer:
-    return pathlib.Path(path)
-  path = pathlib.Path(path)
+    return path
   path.mkdir(parents=True, exist_ok=True)
   save_safetensors(tensors, path / "adapter_model.safetensors")
   config = {

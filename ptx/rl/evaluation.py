@@ -17,6 +17,12 @@ after the prompt, every turn of it), the first of each task with its
 prompt. `write_report` puts them in `samples.jsonl`, one JSON line each,
 beside the summary; both files are replaced atomically, so a crash leaves
 the old file or the new one, never part of one.
+
+Several suites' reports form a directory of report directories, one per
+suite (`SUITE/eval.json` and its samples; `write_suites`, `read_suites`).
+A suite regressed when its pass@1 fell by more than a threshold
+(`regressed`): the one rule that checkpoint evaluations flag and
+`compare_suites` reports.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ import collections
 import json
 import math
 import os
-import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ptx import paths
 from ptx.rl import sandbox
 from ptx.rl.environments.base import Environment, Episode, Outcome, Step
 from ptx.rl.rewards import run_steps
@@ -36,6 +42,8 @@ from ptx.rl.rewards import run_steps
 Generate = Callable[[list[str], int], list[list[str]]]
 # The completions of a report, beside its summary.
 SAMPLES_FILE = "samples.jsonl"
+# A report's summary in its directory (`ptx eval --out DIR`, each suite's directory of `write_suites`).
+REPORT_FILE = "eval.json"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -158,33 +166,110 @@ def _samples(prompts: list[str], finals: list[list[Step]], texts: list[list[str]
   return out
 
 
-def write_report(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
+def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> None:
   """Writes a report's summary as indented JSON to `path`, and its samples to samples.jsonl beside it.
 
   Both texts are made before either file is touched, and the samples are
-  replaced first, so a summary is never newer than the samples beside it.
+  replaced first (each at once, `ptx.paths.write_atomic`), so a summary is
+  never newer than the samples beside it.
   """
-  path = pathlib.Path(path)
+  path = paths.path(path)
   summary = json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1) + "\n"
   if "samples" in report:
-    _replace(path.with_name(SAMPLES_FILE), "".join(json.dumps(s) + "\n" for s in report["samples"]))
-  _replace(path, summary)
+    paths.write_atomic(path.with_name(SAMPLES_FILE), "".join(json.dumps(s) + "\n" for s in report["samples"]))
+  paths.write_atomic(path, summary)
 
 
-def _replace(path: pathlib.Path, text: str) -> None:
-  """Writes `text` to a temporary file beside `path`, then renames it over `path` (atomic on POSIX)."""
-  temporary = path.with_name(f".{path.name}.tmp")
-  temporary.write_text(text)
-  os.replace(temporary, path)
-
-
-def read_report(path: str | pathlib.Path) -> dict[str, Any]:
+def read_report(path: str | os.PathLike) -> dict[str, Any]:
   """Reads the summary of a report written by `write_report` (without its samples)."""
-  report = json.loads(pathlib.Path(path).read_text())
+  report = json.loads(paths.path(path).read_text())
   for key in ("pass@k", "mean@k", "outcomes", "tasks", "k"):
     if key not in report:
       raise ValueError(f"{path} is not an evaluation report: it lacks {key!r}")
   return report
+
+
+def write_suites(reports: Mapping[str, Mapping[str, Any]], directory: str | os.PathLike) -> None:
+  """Writes each suite's report as `directory/SUITE/eval.json` (and samples.jsonl beside it)."""
+  for name, report in reports.items():
+    (paths.path(directory) / name).mkdir(parents=True, exist_ok=True)
+    write_report(report, paths.path(directory) / name / REPORT_FILE)
+
+
+def read_suites(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+  """The reports at `path` by suite: a report file, a report directory, or a directory of suites' directories.
+
+  A single report is named by its "suite" (or, for a report without one,
+  its environment).
+
+  Raises:
+    ValueError: `path` holds no report.
+  """
+  path = paths.path(path)
+  if not path.exists():
+    raise ValueError(f"{path}: no such report file or directory")
+  if path.is_dir() and (path / REPORT_FILE).is_file():
+    path = path / REPORT_FILE
+  if path.is_file():
+    report = read_report(path)
+    return {report.get("suite", report.get("env", path.stem)): report}
+  children = sorted(c for c in path.iterdir() if (c / REPORT_FILE).is_file())
+  if not children:
+    raise ValueError(f"{path} holds no evaluation report (neither a report file, {REPORT_FILE}, nor "
+                     f"SUITE/{REPORT_FILE})")
+  return {c.name: read_report(c / REPORT_FILE) for c in children}
+
+
+def regressed(before: Mapping[str, Any], after: Mapping[str, Any], threshold: float) -> bool:
+  """Whether `after`'s pass@1 is more than `threshold` below `before`'s."""
+  # pass@1 is a mean of ratios: rounding the drop to 1e-12 keeps a drop that equals the threshold in exact
+  # arithmetic (0.5 - 0.45 is 0.05000000000000002 in float64) from being flagged by float error alone.
+  return round(before["pass@k"]["1"] - after["pass@k"]["1"], 12) > threshold
+
+
+def compare_suites(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]], *,
+                   threshold: float) -> tuple[str, list[str]]:
+  """Returns the per-suite table of A (before) vs B (after) and the suites that regressed.
+
+  Args:
+    before: reports by suite (`read_suites`), e.g. a run's baseline.
+    after: reports by suite, e.g. its last checkpoint's.
+    threshold: the largest drop of pass@1 that is not a regression.
+
+  Raises:
+    ValueError: A and B share no suite.
+
+  Returns:
+    (table, regressed): one row per suite and metric (pass@1, pass@k at the
+    largest k both reports have, mean@k: A, B, B - A), a suite's pass@1 row
+    marked REGRESSED when `regressed`; the names of those suites, sorted.
+  """
+  if not set(before) & set(after):
+    raise ValueError(f"A and B share no suite (A: {sorted(before)}, B: {sorted(after)})")
+  lines = [f"{'suite':<14}{'metric':<10}{'A':>10}{'B':>10}{'delta':>10}"]
+  worse, notes = [], []
+  for name in sorted(set(before) & set(after)):
+    a, b = before[name], after[name]
+    k = str(max(int(j) for j in set(a["pass@k"]) & set(b["pass@k"])))
+    flag = regressed(a, b, threshold)
+    worse += [name] if flag else []
+    for metric, x, y in (("pass@1", a["pass@k"]["1"], b["pass@k"]["1"]),
+                         (f"pass@{k}", a["pass@k"][k], b["pass@k"][k]), ("mean@k", a["mean@k"], b["mean@k"])):
+      mark = "  REGRESSED" if flag and metric == "pass@1" else ""
+      lines.append(f"{name:<14}{metric:<10}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{mark}")
+    if (a["tasks"], a["k"]) != (b["tasks"], b["k"]):
+      notes.append(f"NOTE: {name}: A has {a['tasks']} tasks x {a['k']}, B {b['tasks']} x {b['k']}")
+  for side, names in (("A", set(before) - set(after)), ("B", set(after) - set(before))):
+    if names:
+      notes.append(f"only in {side}: {', '.join(sorted(names))}")
+  return "\n".join(lines + notes + [verdict(worse, threshold)]), worse
+
+
+def verdict(worse: Sequence[str], threshold: float) -> str:
+  """The closing line of a comparison: the suites that regressed (`regressed`), or that none did."""
+  if worse:
+    return f"REGRESSED (pass@1 fell by more than {threshold:g}): {', '.join(worse)}"
+  return f"no regression (no pass@1 fell by more than {threshold:g})"
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.0) -> str:

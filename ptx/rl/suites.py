@@ -4,9 +4,13 @@ A suite is an environment plus its task records. The generated suites
 (`arithmetic`, `countdown`, `needle`) need no files: records 0..n-1 of a
 seeded stream of the task's held-out problems (`ptx.data.splits`: no
 training stream of the task draws them; `needle` cycles over its (length,
-depth) grid; read its report per cell with `ptx.rl.environments.needle.cells`).
-The file suites (`math`, `code`, `shell`) read a JSONL file of records in the
-format their environment documents.
+depth) grid, and its report is read per cell).
+The file suites (`math`, `code`, `shell`, `exact`) read a JSONL file of records in the
+format their environment documents (`exact`: `{"prompt", "answer"}` records whose prompts are
+sampled as written, `math` without its `\\boxed{}` instruction).
+
+`evaluate` runs one suite: `ptx.rl.evaluation.evaluate`'s report, which it
+labels with the suite's name (and for `needle` its accuracy per cell).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from typing import Any
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.records import decode
 from ptx.data.sources import JsonlSource
+from ptx.rl import evaluation
+from ptx.rl.environments import needle
 from ptx.rl.environments.base import Environment
 from ptx.rl.environments.countdown import CountdownEnv, CountdownTask
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
-from ptx.rl.environments.needle import NeedleEnv, NeedleTask
 from ptx.rl.environments.python_tests import PythonTestsEnv
 from ptx.rl.environments.shell import ShellEnv
 
@@ -29,12 +34,16 @@ _BOXED = " Put the final answer in \\boxed{}."
 _GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
     "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*", split="held_out")),
     "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed, split="held_out")),
-    "needle": (NeedleEnv, lambda seed: NeedleTask(seed=seed, split="held_out")),
+    "needle": (needle.NeedleEnv, lambda seed: needle.NeedleTask(seed=seed, split="held_out")),
 }
 _FILES: dict[str, Callable[[], Environment]] = {
     "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
+    # Prompts used exactly as written (e.g. already rendered through a chat template), final answer checked.
+    "exact": ExactAnswerEnv,
 }
-NAMES = tuple(_GENERATED) + tuple(_FILES)
+# The suites that read task records from a file.
+FILE_SUITES = tuple(_FILES)
+NAMES = tuple(_GENERATED) + FILE_SUITES
 
 
 def load(name: str, *, n: int = 100, seed: int = 0,
@@ -62,3 +71,24 @@ def load(name: str, *, n: int = 100, seed: int = 0,
     raise ValueError(f"suite {name!r} reads task records from a JSONL file: pass path")
   source = JsonlSource(path)
   return _FILES[name](), [decode(source[i]) for i in range(min(n, len(source)))]
+
+
+def evaluate(name: str, env: Environment, tasks: list[dict[str, Any]], generate: evaluation.Generate, *,
+             k: int) -> dict[str, Any]:
+  """Evaluates suite `name` (its environment and records from `load`) and returns the labelled report.
+
+  Args:
+    name: the suite's name, kept in the report as "suite".
+    env: its environment.
+    tasks: its task records.
+    generate: `generate(prompts, k) -> completions` (a `ptx.sampling.text.TextSampler`).
+    k: samples per task.
+
+  Returns:
+    `ptx.rl.evaluation.evaluate`'s report with "suite" and, for needle, "cells"
+    (accuracy per haystack length and needle depth: long context is read per cell).
+  """
+  report = {"suite": name, **evaluation.evaluate(generate, env, tasks, k=k)}
+  if name == "needle":
+    report["cells"] = needle.cells(report, tasks)
+  return report

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import Tokenizer, check_fits
@@ -35,6 +36,7 @@ class TextSampler:
     chat: render each prompt as a user turn of the tokenizer's chat template.
     mesh: sample sharded on this mesh.
     stop_ids: ids that end a completion; defaults to the tokenizer's eos.
+    rules: the sharding rules `params` were placed by (a Job's `rules`).
 
   Raises:
     ValueError: when the tokenizer has more tokens than the model's vocab_size.
@@ -42,10 +44,11 @@ class TextSampler:
 
   def __init__(self, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, *, max_new_tokens: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0, chat: bool = False,
-               mesh: Mesh | None = None, stop_ids: Sequence[int] | None = None):
+               mesh: Mesh | None = None, stop_ids: Sequence[int] | None = None,
+               rules: sharding.Rules = sharding.DEFAULT_RULES):
     check_fits(tokenizer, cfg.vocab_size, "TextSampler")
     self.params, self.cfg, self.tokenizer = params, cfg, tokenizer
-    self.max_new_tokens, self.sampling, self.chat, self.mesh = max_new_tokens, sampling, chat, mesh
+    self.max_new_tokens, self.sampling, self.chat, self.mesh, self.rules = max_new_tokens, sampling, chat, mesh, rules
     self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_id]
     self._key = jax.random.key(seed)
     self._calls = 0
@@ -63,7 +66,7 @@ class TextSampler:
     self._calls += 1
     out = generate(self.params, [self.encode(p) for p in prompts], cfg=self.cfg,
                    max_new_tokens=self.max_new_tokens, sampling=self.sampling, rng=rng, stop_ids=self.stop_ids,
-                   group_size=k, mesh=self.mesh, pad_id=self.tokenizer.pad_id)
+                   group_size=k, mesh=self.mesh, pad_id=self.tokenizer.pad_id, rules=self.rules)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     texts = [self.tokenizer.decode([t for t in row[:n] if t not in self.stop_ids]) for row, n in zip(tokens, lengths)]
     return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]

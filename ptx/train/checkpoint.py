@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
-import pathlib
-import shutil
+import os
 from typing import Any, Iterator
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
+from ptx import paths
 from ptx.train import checksums
 from ptx.train.state import TrainState
 
@@ -56,9 +56,12 @@ class Checkpointer:
     keep: how many of the newest checkpoints to keep.
   """
 
-  def __init__(self, directory: str | pathlib.Path, keep: int):
+  def __init__(self, directory: str | os.PathLike, keep: int):
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
-    self._directory = pathlib.Path(directory).absolute()
+    directory = paths.path(directory)
+    # Orbax writes a gs:// directory through tensorstore's gcs driver, and on object storage marks a step complete
+    # with a commit_success.txt object instead of renaming its temporary directory.
+    self._directory = directory.absolute() if paths.is_local(directory) else directory
     self._manager = ocp.CheckpointManager(self._directory, options=options,
                                           item_names=("state", "data", "pipeline", "checksums"))
 
@@ -149,9 +152,9 @@ class Checkpointer:
     for step in damaged:
       target = self._directory.with_name(self._directory.name + ".damaged") / str(step)
       target.parent.mkdir(exist_ok=True)
-      if target.exists():  # set aside by an earlier resume that was itself interrupted
-        shutil.rmtree(target)
-      shutil.move(str(self._directory / str(step)), str(target))
+      paths.remove(target)  # set aside by an earlier resume that was itself interrupted
+      # Locally a rename; on object storage a server-side copy of each object, then its deletion.
+      (self._directory / str(step)).rename(target)
       log.warning("moved the damaged checkpoint of step %d to %s", step, target)
     if damaged:
       self._manager.reload()

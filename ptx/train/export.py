@@ -14,11 +14,12 @@ with a non-finite value are never written: `NonFiniteParams` names them.
 
 from __future__ import annotations
 
-import pathlib
+import os
 
 import jax
 import jax.numpy as jnp
 
+from ptx import paths
 from ptx.config import Config
 from ptx.data.tokenizer import Tokenizer
 from ptx.models import lora as lora_lib
@@ -34,15 +35,15 @@ class NonFiniteParams(ValueError):
   """The parameters to export hold NaN or infinity."""
 
 
-def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Tokenizer | None = None, *,
-              base_model: str | None = None) -> dict[str, pathlib.Path]:
+def export_hf(state: TrainState, cfg: Config, out: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
+              base_model: str | None = None) -> dict[str, paths.Path]:
   """Writes the state's model to `out/hf` (and its LoRA adapters to `out/adapter`).
 
   Args:
     state: the trained state; under LoRA (`cfg.lora.rank > 0`) `state.params`
       are the adapters and `state.base` the frozen model.
     cfg: the job config.
-    out: the run directory.
+    out: the run directory (local or gs://, `ptx.paths`).
     tokenizer: written next to the weights when it has `save_hf(dir)` (the
       byte tokenizer and HF tokenizers do).
     base_model: the HF directory (or hub name) the weights started from:
@@ -61,10 +62,12 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
   _check_finite(state.params if cfg.lora.rank == 0 else {"adapters": state.params, "base": state.base})
   written = {}
   params = state.params
+  out = paths.path(out)
   if base_model is not None:
-    base_model = str(pretrained.hf_directory(pathlib.Path(base_model), out))  # a .gguf start: its conversion
-  local = base_model is not None and (pathlib.Path(base_model) / "config.json").is_file()
-  generation = read_generation(base_model) if local else GenerationInfo()  # a hub name or a fresh model declares none
+    base_model = str(pretrained.hf_directory(paths.path(base_model), out))  # a .gguf start: its conversion
+  declared = base_model is not None and (paths.path(base_model) / "config.json").is_file()
+  # A hub name or a fresh model declares none.
+  generation = read_generation(base_model) if declared else GenerationInfo()
   if tokenizer is not None:
     generation = with_tokenizer(generation, tokenizer)
   if cfg.lora.rank > 0:
@@ -78,8 +81,8 @@ def export_hf(state: TrainState, cfg: Config, out: pathlib.Path, tokenizer: Toke
   return written
 
 
-def _save(params, cfg: Config, path: pathlib.Path, tokenizer: Tokenizer | None,
-          generation: GenerationInfo) -> pathlib.Path:
+def _save(params, cfg: Config, path: paths.Path, tokenizer: Tokenizer | None,
+          generation: GenerationInfo) -> paths.Path:
   """One HF directory: weights, config and generation config, and the tokenizer when it can write itself."""
   save_hf(Decoder(cfg.model, params=params), path, generation=generation)
   if tokenizer is not None and hasattr(tokenizer, "save_hf") and jax.process_index() == 0:

@@ -26,6 +26,12 @@ steps in a row with non-finite gradients (each skipped) it raises
 newest one kept is the last with finite steps. The streak is read one step
 late (step N's after step N + 1 is queued), as metrics are.
 
+With `evals` (`ptx.train.checkpoint_evals`: the held-out suites of
+`cfg.eval`) the loop evaluates the starting parameters before the first
+step (a resumed run reads that baseline back from `out`), then every
+`eval.every` steps and after the last; the summary lists the suites whose
+pass@1 fell more than `eval.regression` below the baseline.
+
 Logged records carry the data pipeline's accounting (`data/read`,
 `data/skipped`, `data/truncated`, `data/dropped`, when the stream counts
 them), and `tokens_per_s` / `samples_per_s` over exactly the steps between
@@ -49,12 +55,13 @@ import jax
 import numpy as np
 import tqdm
 
-from ptx import config_io
+from ptx import config_io, paths
 from ptx.config import Config
 from ptx.data.global_batch import to_global
 from ptx.sharding import make_mesh, rules_of
 from ptx.train import run_dir
 from ptx.train.checkpoint import Checkpointer
+from ptx.train.checkpoint_evals import SuiteEvals
 from ptx.train.job import Job
 from ptx.train.metrics import MetricsWriter
 from ptx.train.state import TrainState, init_state, state_shardings
@@ -74,11 +81,12 @@ def fit(
     job: Job,
     *,
     train_data: Iterable[dict[str, Any]],
-    out: pathlib.Path,
+    out: str | pathlib.Path,
     resume: bool = False,
     overwrite: bool = False,
     eval_data: Iterable[dict[str, Any]] | None = None,
     init_params: Any = None,
+    evals: SuiteEvals | None = None,
     progress: bool = True,
 ) -> tuple[TrainState, dict[str, Any]]:
   """Runs `job` for `cfg.train.steps` steps on `train_data`, writing to `out`.
@@ -100,14 +108,21 @@ def fit(
       `cfg.train.eval_every` steps and at the end (supervised jobs).
     init_params: start from these parameters instead of a fresh init (under
       LoRA: the frozen base).
+    evals: the held-out suites of `cfg.eval`
+      (`ptx.train.checkpoint_evals.build(cfg.eval, tokenizer)`), evaluated
+      before the first step, every `eval.every` steps and after the last,
+      into `out/evals/step_<n>/`; None when `cfg.eval` names no suite.
     progress: show a progress bar.
 
   Returns:
     (state, summary): the final state, and the final step, last logged
-    metrics, wall time and whether the run stopped for preemption.
+    metrics, wall time and whether the run stopped for preemption; with
+    `evals`, "eval/regressions": each suite and step whose pass@1 fell more
+    than `eval.regression` below the baseline.
 
   Raises:
-    ValueError: when `job` was built for another length or model than `cfg`.
+    ValueError: when `job` was built for another length or model than `cfg`,
+      or `evals` for another `cfg.eval`.
     ptx.train.run_dir.RunDirError: `out` holds an earlier run (neither
       `resume` nor `overwrite`), or `resume` changes the run's config.
     ptx.train.checkpoint.CheckpointError: every checkpoint is damaged.
@@ -119,15 +134,21 @@ def fit(
   if differ:
     raise ValueError(f"fit: the job was built for another config ({', '.join(differ)} differ; the job's train.steps: "
                      f"{built_for['train.steps'][0]}, cfg's: {cfg.train.steps}); build the job from this cfg")
+  if bool(cfg.eval.suites) != (evals is not None) or (evals is not None and evals.source != cfg.eval):
+    raise ValueError(f"fit: cfg.eval names suites {list(cfg.eval.suites)} but evals holds "
+                     f"{None if evals is None else [name for name, _, _ in evals.suites]} of another eval section; "
+                     "pass evals=ptx.train.checkpoint_evals.build(cfg.eval, tokenizer)")
+  sections = job.sections + (("eval",) if evals is not None else ())  # a run's config records its suites
   # Every process runs this loop; only the first writes logs (checkpoints are collective).
   primary = jax.process_index() == 0
-  run_dir.agreed(functools.partial(_may_start, out, cfg, job, resume=resume, overwrite=overwrite))
+  run_dir.agreed(functools.partial(_may_start, out, cfg, sections, resume=resume, overwrite=overwrite))
   if overwrite:
     run_dir.clear(out, run_dir.RESULTS, primary=primary)
+  out = paths.path(out)  # local or gs:// (`ptx.paths`): config, metrics, checkpoints and exports alike
   out.mkdir(parents=True, exist_ok=True)
   if primary:
-    print(config_io.dumps(cfg, job.sections), flush=True)
-    config_io.save(cfg, out / "config.json", job.sections)
+    print(config_io.dumps(cfg, sections), flush=True)
+    config_io.save(cfg, out / "config.json", sections)
   mesh = make_mesh(cfg.mesh)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if cfg.data.batch_size % batch_devices:
@@ -158,13 +179,18 @@ def fit(
   writer = MetricsWriter(out, resume_step=resumed_from, enabled=primary)
   place = functools.partial(to_global, mesh=mesh, rules=job.rules)
   evaluate = None if eval_data is None else job.step.evaluator(shardings, mesh, [place(b) for b in eval_data])
+  checks = None if evals is None else evals.start(out, writer, model=job.model, lora=job.lora, mesh=mesh,
+                                                  rules=job.rules, checkpoint_every=cfg.train.checkpoint_every,
+                                                  primary=primary)
   # A step logs the learning rate of its first update.
   schedule = lambda step: job.learning_rate(step * job.updates_per_step)
   started = time.perf_counter()
   try:
+    if checks is not None:
+      checks.baseline(state, resumed_from)
     with _preemption_notice() as preempted:
-      state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, schedule, preempted,
-                           progress and primary)
+      state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, checks, schedule,
+                           preempted, progress and primary)
     checkpointer.wait()
   finally:
     checkpointer.close()
@@ -174,20 +200,22 @@ def fit(
   reasons = data.skip_reasons() if hasattr(data, "skip_reasons") else []
   if reasons:
     summary["data/first_skips"] = reasons
+  if checks is not None:
+    summary["eval/regressions"] = checks.regressions
   if primary:
     print(json.dumps({"summary": summary}), flush=True)
   return state, summary
 
 
-def _may_start(out: pathlib.Path, cfg: Config, job: Job, *, resume: bool, overwrite: bool) -> None:
+def _may_start(out: pathlib.Path, cfg: Config, sections: tuple[str, ...], *, resume: bool, overwrite: bool) -> None:
   """Refuses an earlier run in `out` (unless resumed or overwritten) and a resume that changes the run."""
   run_dir.check(out, resume=resume, overwrite=overwrite)
   saved = run_dir.saved_config(out) if resume else None
   if saved is not None:
-    run_dir.check_resume(saved, config_io.to_dict(cfg, job.sections), out)
+    run_dir.check_resume(saved, config_io.to_dict(cfg, sections), out)
 
 
-def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, schedule, preempted, progress):
+def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, checks, schedule, preempted, progress):
   """The loop proper; returns the final state and the last logged record."""
   train = cfg.train
   start = int(state.step)
@@ -210,6 +238,9 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, sch
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
       if guard.finite(step, metrics):
         checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
+    # Before the next step donates the state; a preempted run stops without (its time is short).
+    if checks is not None and checks.after(step, train.steps) and not preempted.is_set():
+      checks.evaluate(step, state)
     bar.update(1)
     if preempted.is_set():
       break

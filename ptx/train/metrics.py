@@ -7,16 +7,22 @@ restored checkpoint are dropped first, so the file reads as one
 uninterrupted run; a torn last line is dropped there too, with a message,
 and the kept lines replace the file atomically. A damaged line anywhere
 else stops the run with its file and line number.
+
+On object storage, which cannot append, every record rewrites the whole
+object with one upload (atomic: a reader sees the file before or after the
+record, never a torn line), as TensorBoard's GCS writer does with its
+event file; a run's metrics are small (a line per logged step).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
 
 import tensorboardX
 import tqdm
+
+from ptx import paths
 
 
 class MetricsFileError(ValueError):
@@ -32,23 +38,29 @@ class MetricsWriter:
     enabled: False on the non-primary processes of a multi-host job, which write nothing.
   """
 
-  def __init__(self, out: pathlib.Path, *, resume_step: int | None = None, enabled: bool = True):
+  def __init__(self, out: str | os.PathLike, *, resume_step: int | None = None, enabled: bool = True):
     self.enabled = enabled
+    out = paths.path(out)
     self.path = out / "metrics.jsonl"
     if not enabled:
       return
     kept = kept_records(self.path, resume_step) if resume_step is not None else []
-    temporary = self.path.with_name(self.path.name + ".tmp")
-    temporary.write_text("".join(line + "\n" for line in kept))
-    os.replace(temporary, self.path)
-    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+    paths.write_atomic(self.path, "".join(line + "\n" for line in kept))
+    # Locally an appending descriptor; on object storage the lines so far, rewritten whole per record.
+    local = paths.is_local(out)
+    self._fd, self._lines = (os.open(self.path, os.O_WRONLY | os.O_APPEND), None) if local else (None, kept)
     self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
 
   def write(self, record: dict[str, float]) -> None:
     """Appends one record; `record["step"]` is the x-axis."""
     if not self.enabled:
       return
-    os.write(self._fd, (json.dumps(record) + "\n").encode())  # one write: a line is whole or torn at the end
+    line = json.dumps(record)
+    if self._fd is not None:
+      os.write(self._fd, (line + "\n").encode())  # one write: a line is whole or torn at the end
+    else:
+      self._lines.append(line)
+      paths.write_atomic(self.path, "".join(kept + "\n" for kept in self._lines))
     step = int(record["step"])
     for key, value in record.items():
       if key != "step" and isinstance(value, (int, float)):
@@ -60,19 +72,21 @@ class MetricsWriter:
     """Flushes and closes the files."""
     if not self.enabled:
       return
-    os.close(self._fd)
+    if self._fd is not None:
+      os.close(self._fd)
     self._tensorboard.close()
 
 
-def kept_records(path: pathlib.Path, up_to_step: int) -> list[str]:
+def kept_records(path: str | os.PathLike, up_to_step: int) -> list[str]:
   """The lines of `path` whose step is at most `up_to_step`; a torn last line is dropped with a message.
 
   Raises:
     MetricsFileError: a line before the last is not a JSON record with a step.
   """
+  path = paths.path(path)
   if not path.exists():
     return []
-  lines = path.read_text(errors="replace").splitlines()
+  lines = path.read_bytes().decode(errors="replace").splitlines()
   kept = []
   for number, line in enumerate(lines, 1):
     if not line.strip():

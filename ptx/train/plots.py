@@ -3,20 +3,23 @@
 Every figure has a title, labelled axes with units and a legend. Figures are
 built with matplotlib's object API (`Figure`, no pyplot), so writing a PNG
 needs no display and never switches the backend of a notebook that imports
-this module.
+this module. Paths are local or gs:// (`ptx.paths`): a PNG is one file write.
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
 
+from ptx import paths
 
-def read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
   """The records of a `metrics.jsonl`, in file order."""
+  path = paths.path(path)
   records = []
   for number, line in enumerate(path.read_text().splitlines(), 1):
     if line.strip():
@@ -27,8 +30,8 @@ def read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
   return records
 
 
-def plot_curves(records: Sequence[Mapping[str, float]], series: Mapping[str, str], path: pathlib.Path, *,
-                title: str, ylabel: str, xlabel: str = "training step") -> pathlib.Path:
+def plot_curves(records: Sequence[Mapping[str, float]], series: Mapping[str, str], path: str | os.PathLike, *,
+                title: str, ylabel: str, xlabel: str = "training step") -> paths.Path:
   """Plots metrics against `step` as lines and writes a PNG.
 
   Args:
@@ -55,15 +58,15 @@ def plot_curves(records: Sequence[Mapping[str, float]], series: Mapping[str, str
       ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
       plotted += 1
   if not plotted:
-    raise ValueError(f"{path.name}: no record has any of {sorted(series)}")
+    raise ValueError(f"{paths.path(path).name}: no record has any of {sorted(series)}")
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
   ax.grid(alpha=0.3)
   ax.legend()
   return _save(fig, path)
 
 
-def plot_stages(stages: Mapping[str, Mapping[str, float]], path: pathlib.Path, *, title: str,
-                ylabel: str = "accuracy (%)") -> pathlib.Path:
+def plot_stages(stages: Mapping[str, Mapping[str, float]], path: str | os.PathLike, *, title: str,
+                ylabel: str = "accuracy (%)") -> paths.Path:
   """Grouped bars of fractions per stage (e.g. greedy / pass@1 / pass@8 before and after), shown in percent.
 
   Args:
@@ -92,8 +95,10 @@ def plot_stages(stages: Mapping[str, Mapping[str, float]], path: pathlib.Path, *
   return _save(fig, path)
 
 
-def _save(fig: Figure, path: pathlib.Path) -> pathlib.Path:
+def _save(fig: Figure, path: str | os.PathLike) -> paths.Path:
+  path = paths.path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
-  fig.savefig(path)
+  with path.open("wb") as f:
+    fig.savefig(f, format="png")
   return path

@@ -10,18 +10,20 @@ explicit `--model.n_layers` below the checkpoint's keeps its first layers
 contradicts the checkpoint is an error naming the field. The tokenizer is
 the one that comes with the weights (or `--data.tokenizer`), and it must
 fit the model's vocabulary (`ptx.data.tokenizer.check_fits`). A `.gguf`
-file is converted once into OUT/pretrained first.
+file is converted once into OUT/pretrained first. Model directories and
+OUT are local or gs:// (`ptx.paths`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
+import os
 from typing import Any
 
 import jax
 
 from ptx import config as config_lib
+from ptx import paths
 from ptx import config_io
 from ptx.config import Config, ConfigError
 from ptx.data.hf_tokenizer import load_tokenizer
@@ -30,8 +32,8 @@ from ptx.models.hf_load import load_hf, read_model_config
 from ptx.sharding import make_mesh, rules_of
 
 
-def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | None = None,
-              out: pathlib.Path | None = None) -> tuple[Config, Any, Tokenizer]:
+def configure(base: Config, overrides: list[str], *, model_dir: str | os.PathLike | None = None,
+              out: str | os.PathLike | None = None) -> tuple[Config, Any, Tokenizer]:
   """The run's config, starting parameters (None: a fresh init) and tokenizer.
 
   Args:
@@ -52,7 +54,7 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
     return cfg, None, tokenizer  # the job builders check that it fits model.vocab_size
   if any(arg.split("=", 1)[0] == "--model" for arg in overrides):
     raise ConfigError("--model=PRESET and --model-dir both choose the architecture: give one")
-  model_dir = _hf_directory(pathlib.Path(model_dir), out)
+  model_dir = _hf_directory(paths.path(model_dir), None if out is None else paths.path(out))
   checkpoint = read_model_config(model_dir)
   model = config_lib.with_architecture(cfg.model, checkpoint)
   tokenizer_dir = str(model_dir) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
@@ -72,12 +74,12 @@ def configure(base: Config, overrides: list[str], *, model_dir: pathlib.Path | N
   return cfg, params, tokenizer
 
 
-def hf_directory(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+def hf_directory(path: paths.Path, out: paths.Path) -> paths.Path:
   """The HF directory a start names: `path` itself, or for a `.gguf` file OUT/pretrained, its conversion."""
   return out / "pretrained" if path.suffix == ".gguf" else path
 
 
-def _hf_directory(path: pathlib.Path, out: pathlib.Path | None) -> pathlib.Path:
+def _hf_directory(path: paths.Path, out: paths.Path | None) -> paths.Path:
   """`path`, or for a `.gguf` file the HF directory it converts to under OUT/pretrained (once)."""
   if path.suffix != ".gguf":
     return path

@@ -100,7 +100,8 @@ def with_reference_table(dataset: Iterable[dict[str, Any]], *, source: Sequence[
 def load_or_precompute(path: pathlib.Path, compute: Callable[[], np.ndarray], num_records: int) -> np.ndarray:
   """The table saved at `path` (a resumed run), else `compute()`'s, saved there by process 0."""
   if path.exists():
-    table = np.load(path)
+    with path.open("rb") as f:  # a local or gs:// file (`ptx.paths`)
+      table = np.load(f)
     if table.shape != (num_records, 2):
       raise ValueError(f"{path}: reference table of shape {table.shape}, but the data has {num_records} records; "
                        "delete it to recompute")
@@ -108,7 +109,8 @@ def load_or_precompute(path: pathlib.Path, compute: Callable[[], np.ndarray], nu
   table = compute()
   if jax.process_index() == 0:
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, table)
+    with path.open("wb") as f:
+      np.save(f, table)
   return table
 
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import pathlib
-import shutil
+import os
 from typing import Any, Callable
 
 import jax
 import numpy as np
+
+from ptx import paths
 
 # What marks a directory as holding a run: `fit` writes config.json first.
 _MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
@@ -36,27 +37,29 @@ _MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 CACHES = ("reference_logps", "pretrained")
 # What training and export write.
 RESULTS = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "checkpoints.damaged",
-           "tensorboard", "hf", "adapter", "base", "plots")
+           "tensorboard", "hf", "adapter", "base", "plots", "evals")
 # Config fields a resumed run may change (shell patterns over "section.field").
 RESUMABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.max_nonfinite_steps", "data.eval_files", "data.num_threads",
                     "data.prefetch", "mesh.*", "model.remat", "model.attention_impl", "model.ring_heads_per_pass",
-                    "model.logits_chunk")
+                    "model.logits_chunk", "eval.every", "eval.regression")
 
 
 class RunDirError(ValueError):
   """A run directory that the requested start would overwrite, or a resume that would change the run."""
 
 
-def check(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+def check(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
   """Refuses to start in `out` over an earlier run unless resuming or overwriting it; changes nothing.
 
   Raises:
+    paths.PathError: `out` is not a path ptx can write (`ptx.paths.path`).
     RunDirError: `out` holds an earlier run and neither `resume` nor
       `overwrite` is set, or both are.
   """
   if resume and overwrite:
     raise RunDirError("--resume continues the run in the directory and --overwrite replaces it: pass one")
+  out = paths.path(out)
   earlier = [name for name in _MARKERS if (out / name).exists()]
   if earlier and not (resume or overwrite):
     raise RunDirError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
@@ -86,25 +89,21 @@ def agreed(verdict: Callable[[], None]) -> None:
     raise error
 
 
-def clear(out: pathlib.Path, names: tuple[str, ...], *, primary: bool = True) -> None:
+def clear(out: str | os.PathLike, names: tuple[str, ...], *, primary: bool = True) -> None:
   """Deletes `out/name` for each of `names` that exists (on the primary process of a multi-host job only)."""
   if not primary:
     return
   for name in names:
-    path = out / name
-    if path.is_dir() and not path.is_symlink():
-      shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-      path.unlink()
+    paths.remove(paths.path(out) / name)
 
 
-def saved_config(out: pathlib.Path) -> dict[str, Any] | None:
+def saved_config(out: str | os.PathLike) -> dict[str, Any] | None:
   """The config tree a run in `out` was started with, or None when it has none.
 
   Raises:
     RunDirError: config.json is not valid JSON.
   """
-  path = out / "config.json"
+  path = paths.path(out) / "config.json"
   if not path.exists():
     return None
   try:
@@ -113,7 +112,7 @@ def saved_config(out: pathlib.Path) -> dict[str, Any] | None:
     raise RunDirError(f"{path}: not valid JSON ({e}); cannot check that --resume continues the same run") from e
 
 
-def check_resume(saved: dict[str, Any], now: dict[str, Any], where: pathlib.Path) -> None:
+def check_resume(saved: dict[str, Any], now: dict[str, Any], where: str | os.PathLike) -> None:
   """Refuses to resume when `now` differs from `saved` outside `RESUMABLE_FIELDS`.
 
   Raises:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
+import os
 from typing import Any, Iterable, Sequence
 
 import jax
 
+from ptx import paths
 from ptx.config import Config, ConfigError
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource, NoDataError
@@ -30,15 +31,15 @@ from ptx.rl.prompt_batches import PromptBatches
 from ptx.train.reference_pass import with_reference_table
 
 
-def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
+def supervised(cfg: Config, tokenizer: Tokenizer, *, out: str | os.PathLike,
                init_params: Any = None) -> tuple[Iterable[dict[str, Any]], list[dict[str, Any]] | None]:
   """(training pipeline, held-out batches or None) of `cfg.data`'s JSONL files for SFT or DPO.
 
   Args:
     cfg: the job config; `data.kind` is "sft" or "preference".
     tokenizer: encodes the records.
-    out: the run directory (DPO's precomputed reference table goes to
-      OUT/reference_logps/).
+    out: the run directory, local or gs:// (DPO's precomputed reference
+      table goes to OUT/reference_logps/).
     init_params: the parameters training starts from, for the precomputed
       reference (None: the fresh init of `train.seed`).
 
@@ -60,7 +61,8 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: pathlib.Path,
     streams["eval"] = pipeline(sources["eval"], cfg=dataclasses.replace(data, shuffle=False, num_epochs=1))
   if data.kind == "preference" and cfg.dpo.reference_model == "precomputed":  # one pass now, no reference copy later
     streams = {name: with_reference_table(stream, source=sources[name], pipeline=pipeline, cfg=cfg,
-                                          path=out / "reference_logps" / f"{name}.npy", init_params=init_params)
+                                          path=paths.path(out) / "reference_logps" / f"{name}.npy",
+                                          init_params=init_params)
                for name, stream in streams.items()}
   return streams["train"], (list(streams["eval"]) if "eval" in streams else None)
 

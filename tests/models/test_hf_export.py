@@ -11,6 +11,7 @@ file is readable by all.
 
 import dataclasses
 import json
+import os
 import stat
 import types
 
@@ -116,7 +117,7 @@ def test_export_declares_what_the_source_and_tokenizer_do(exported):
   assert generation.eos_token_id == [tokenizer.eos_id, VOCAB - 1] and generation.temperature == 0.7
   assert load_tokenizer(path).chat_template.source == TEMPLATE
   for file in path.iterdir():
-    assert stat.S_IMODE(file.stat().st_mode) & 0o044 == 0o044, f"{file.name} is not readable by group and others"
+    assert stat.S_IMODE(os.stat(file).st_mode) & 0o044 == 0o044, f"{file.name} is not readable by group and others"
 
 
 def test_a_gguf_start_exports_what_its_conversion_declared(tmp_path):

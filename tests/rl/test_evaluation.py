@@ -172,3 +172,47 @@ def test_a_report_that_fails_to_write_leaves_the_earlier_files_whole(tmp_path):
     evaluation.write_report(broken, tmp_path / "eval.json")
   assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
   assert sorted(before) == ["eval.json", "samples.jsonl"]  # and no temporary file is left
+
+
+def test_a_drop_of_pass_at_1_beyond_the_threshold_is_a_regression():
+  def at(p):
+    return {"pass@k": {"1": p}}
+
+  assert evaluation.regressed(at(0.5), at(0.25), 0.05) and not evaluation.regressed(at(0.25), at(0.5), 0.05)
+  # 0.5 - 0.45 is 0.05000000000000002 in float64: a drop equal to the threshold is not beyond it.
+  assert not evaluation.regressed(at(0.5), at(0.45), 0.05) and evaluation.regressed(at(0.5), at(0.44), 0.05)
+  assert not evaluation.regressed(at(0.5), at(0.5), 0.0)
+
+
+def test_suite_directories_round_trip_and_compare_per_suite(tmp_path):
+  before = {"arithmetic": {"suite": "arithmetic", **_arithmetic_run([2, 4, 4, 1])},
+            "countdown": {"suite": "countdown", **_arithmetic_run([1, 1])}, "needle": _arithmetic_run([1])}
+  after = {"arithmetic": {"suite": "arithmetic", **_arithmetic_run([2, 4, 0, 1])},
+           "countdown": {"suite": "countdown", **_arithmetic_run([1, 2, 3])}, "math": _arithmetic_run([4])}
+  evaluation.write_suites(before, tmp_path / "a")
+  evaluation.write_suites(after, tmp_path / "b")
+  assert sorted(p.name for p in (tmp_path / "a" / "arithmetic").iterdir()) == ["eval.json", "samples.jsonl"]
+  a, b = evaluation.read_suites(tmp_path / "a"), evaluation.read_suites(tmp_path / "b")
+  assert a == {name: {k: v for k, v in r.items() if k != "samples"} for name, r in before.items()}
+  table, worse = evaluation.compare_suites(a, b, threshold=0.05)
+  assert worse == ["arithmetic"]  # pass@1 0.6875 -> 0.4375; countdown's rose (0.25 -> 0.5)
+  rows = {tuple(line.split()[:2]): line for line in table.splitlines()[1:] if line.split()[0] in before}
+  assert rows["arithmetic", "pass@1"].split()[2:] == ["0.6875", "0.4375", "-0.2500", "REGRESSED"]
+  assert rows["arithmetic", "pass@4"].split()[2:] == ["1.0000", "0.7500", "-0.2500"]  # flagged by pass@1 only
+  assert rows["countdown", "mean@k"].split()[2:] == ["0.2500", "0.5000", "+0.2500"]
+  assert "NOTE: countdown: A has 2 tasks x 4, B 3 x 4" in table and "only in A: needle" in table
+  assert "only in B: math" in table and table.splitlines()[-1] == (
+      "REGRESSED (pass@1 fell by more than 0.05): arithmetic")
+  assert evaluation.compare_suites(a, b, threshold=0.25)[1] == []
+  # A single report reads as the suite it names; one directory holding eval.json as that report.
+  (tmp_path / "one").mkdir()
+  evaluation.write_report(before["arithmetic"], tmp_path / "one" / "eval.json")
+  assert evaluation.read_suites(tmp_path / "one") == evaluation.read_suites(tmp_path / "one" / "eval.json") == {
+      "arithmetic": a["arithmetic"]}
+  with pytest.raises(ValueError, match="share no suite"):
+    evaluation.compare_suites({"math": a["needle"]}, a, threshold=0.05)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="holds no evaluation report"):
+    evaluation.read_suites(tmp_path / "empty")
+  with pytest.raises(ValueError, match="no such report"):
+    evaluation.read_suites(tmp_path / "missing")

@@ -29,3 +29,14 @@ def test_bad_names_and_missing_paths_are_explained():
     suites.load("nope")
   with pytest.raises(ValueError, match="pass path"):
     suites.load("code")
+
+
+def test_a_suite_report_names_its_suite_and_needle_reads_per_cell():
+  env, tasks = suites.load("arithmetic", n=2)
+  report = suites.evaluate("arithmetic", env, tasks, lambda prompts, k: [["no idea"] * k for _ in prompts], k=2)
+  assert report["suite"] == "arithmetic" and report["tasks"] == 2 and "cells" not in report
+  env, tasks = suites.load("needle", n=3)
+  report = suites.evaluate("needle", env, tasks, lambda prompts, k: [["no idea"] * k for _ in prompts], k=1)
+  want = {(str(t["length"]), str(t["depth"])) for t in tasks}
+  got = {(length, depth): v for length, row in report["cells"].items() for depth, v in row.items()}
+  assert report["suite"] == "needle" and set(got) == want and set(got.values()) == {0.0}

@@ -1,0 +1,197 @@
+"""Held-out suites evaluated at checkpoints, and regressions against the stage a run started from.
+
+`build(cfg.eval, tokenizer)` turns a job's `eval` section
+(`ptx.config.EvalConfig`) into `SuiteEvals`, once, before anything
+compiles: each named suite's environment and task records
+(`ptx.rl.suites`) and the sampler's settings. An unknown suite, a file
+suite without its file or a file without its suite is a `ConfigError`
+naming the field. `ptx eval` evaluates a model through the same object.
+
+`fit(..., evals=...)` runs it through `CheckpointEvals`:
+
+- before the first step, on the parameters the run starts from: the
+  baseline, OUT/evals/step_0 (a resumed run reads it back instead of
+  evaluating again);
+- every `eval.every` steps (default `train.checkpoint_every`) and after the
+  last, into OUT/evals/step_<n>/<suite>/eval.json; not at a preemption
+  stop, which must end quickly;
+- each evaluation logs `eval/<suite>/pass@1`, `eval/<suite>/pass@k` (k =
+  `eval.k`), `eval/<suite>/mean@k` and `eval/<suite>/regressed` (1.0 when
+  pass@1 fell more than `eval.regression` below the baseline,
+  `ptx.rl.evaluation.regressed`); a regression is also a warning naming
+  the suite, the step and both values, and an entry of `regressions`.
+
+Evaluation reads the state's parameter arrays in place (`model_params`:
+under LoRA the adapters over the base, neither copied) through a fresh
+`TextSampler` per suite with `eval.seed`, so every evaluation draws the
+same random numbers, from its own key, never the state's, and it reads no
+training data: a run trains exactly as it would without it. Every process
+samples (generation is one SPMD program) and scores; only process 0
+writes reports and warns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from jax.sharding import Mesh
+
+from ptx import paths, sharding
+from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig
+from ptx.data.tokenizer import Tokenizer
+from ptx.rl import evaluation, suites
+from ptx.rl.environments.base import Environment
+from ptx.sampling.text import TextSampler
+from ptx.train.metrics import MetricsWriter
+from ptx.train.run_dir import RunDirError
+from ptx.train.state import TrainState
+from ptx.train.step import model_params
+
+log = logging.getLogger(__name__)
+
+# Where a run's evaluations go, one directory per evaluated step: `EVALS/step_<n>/<suite>/eval.json`.
+EVALS = "evals"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SuiteEvals:
+  """The suites of an `eval` section, loaded: what each evaluation samples and scores.
+
+  Attributes:
+    source: the section it was built from (`fit` refuses it for another).
+    suites: (name, environment, task records) of each suite, in the
+      section's order.
+    tokenizer: encodes prompts and decodes completions.
+  """
+
+  source: EvalConfig
+  suites: tuple[tuple[str, Environment, tuple[dict[str, Any], ...]], ...]
+  tokenizer: Tokenizer
+
+  def evaluate(self, params: Any, model: ModelConfig, *, mesh: Mesh | None = None,
+               rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict[str, dict[str, Any]]:
+    """Evaluates `params` on every suite; returns the reports by suite name.
+
+    Args:
+      params: the model parameter tree (placed on `mesh` when given).
+      model: its config.
+      mesh: sample sharded on this mesh.
+      rules: the sharding rules `params` were placed by.
+
+    Returns:
+      {suite: `ptx.rl.suites.evaluate`'s report}.
+    """
+    section, reports = self.source, {}
+    for name, env, tasks in self.suites:
+      sampler = TextSampler(params, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+                            sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
+      reports[name] = suites.evaluate(name, env, list(tasks), sampler, k=section.k)
+    return reports
+
+  def start(self, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig, lora: LoRAConfig | None,
+            mesh: Mesh, rules: sharding.Rules, checkpoint_every: int, primary: bool) -> CheckpointEvals:
+    """The evaluations of one `fit` into run directory `out` (`checkpoint_every`: the default cadence)."""
+    return CheckpointEvals(self, out, writer, model=model, lora=lora, mesh=mesh, rules=rules,
+                           every=self.source.every or checkpoint_every, primary=primary)
+
+
+def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:
+  """Loads the suites an `eval` section names; None when it names none.
+
+  Args:
+    section: the job's `cfg.eval`.
+    tokenizer: the job's tokenizer.
+
+  Returns:
+    The SuiteEvals for `fit(..., evals=...)` or `ptx eval`, or None.
+
+  Raises:
+    ConfigError: naming `eval.suites` or `eval.files` for an unknown suite,
+      a file suite without its file, a file without its suite, or a task
+      file that cannot be read.
+  """
+  files = dict(entry.split("=") for entry in section.files)
+  if len(files) != len(section.files):
+    raise ConfigError(f"eval.files names a suite twice: {section.files}")
+  unknown = [name for name in section.suites if name not in suites.NAMES]
+  if unknown:
+    raise ConfigError(f"eval.suites: unknown suite(s) {unknown}; known: {', '.join(suites.NAMES)}")
+  needs_file = [name for name in section.suites if name in suites.FILE_SUITES and name not in files]
+  if needs_file:
+    entries = ", ".join(f"'{name}=PATH'" for name in needs_file)
+    raise ConfigError(f"eval.suites: {needs_file} read their tasks from a JSONL file: add {entries} to eval.files")
+  stray = [name for name in files if name not in section.suites or name not in suites.FILE_SUITES]
+  if stray:
+    raise ConfigError(f"eval.files: {stray} are not file suites ({', '.join(suites.FILE_SUITES)}) named in "
+                      f"eval.suites {section.suites}")
+  if not section.suites:
+    return None
+  loaded = []
+  for name in section.suites:
+    try:
+      env, tasks = suites.load(name, n=section.n, seed=section.seed, path=files.get(name))
+    except (OSError, ValueError) as e:  # a missing file or a bad record: named with the field that points at it
+      raise ConfigError(f"eval.files {name}={files[name]}: {e}" if name in files else f"eval.suites {name}: {e}") from e
+    loaded.append((name, env, tuple(tasks)))
+  return SuiteEvals(source=section, suites=tuple(loaded), tokenizer=tokenizer)
+
+
+class CheckpointEvals:
+  """One run's evaluations: the baseline, each checkpoint's, and the regressions flagged against it."""
+
+  def __init__(self, evals: SuiteEvals, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig,
+               lora: LoRAConfig | None, mesh: Mesh, rules: sharding.Rules, every: int, primary: bool):
+    self._evals, self._out, self._writer = evals, paths.path(out), writer
+    self._model, self._lora, self._mesh, self._rules = model, lora, mesh, rules
+    self.every, self._primary = every, primary
+    self._baseline: dict[str, dict[str, Any]] = {}
+    # Each flagged (suite, step) of this call of fit: {"suite", "step", "baseline", "pass@1"}.
+    self.regressions: list[dict[str, Any]] = []
+
+  def baseline(self, state: TrainState, resumed_from: int | None) -> None:
+    """Evaluates the starting state as step 0, or on a resumed run reads step 0's reports back.
+
+    Raises:
+      RunDirError: a resumed run's directory lacks a suite's baseline report.
+    """
+    if resumed_from is None:
+      self._baseline = self.evaluate(0, state)
+      return
+    where = self._out / EVALS / "step_0"
+    try:
+      saved = evaluation.read_suites(where)
+    except (OSError, ValueError):
+      saved = {}
+    missing = [name for name, _, _ in self._evals.suites if name not in saved]
+    if missing:
+      raise RunDirError(f"--resume of {self._out}: {where} lacks the baseline report of {missing} (written before "
+                        "the first step); start a new run (another --out) to evaluate them")
+    self._baseline = saved
+
+  def after(self, step: int, last_step: int) -> bool:
+    """Whether step `step` of a run of `last_step` steps is evaluated."""
+    return step % self.every == 0 or step == last_step
+
+  def evaluate(self, step: int, state: TrainState) -> dict[str, dict[str, Any]]:
+    """Evaluates the state after step `step`: writes the reports, logs them, flags regressions; returns them."""
+    reports = self._evals.evaluate(model_params(state, self._lora), self._model, mesh=self._mesh, rules=self._rules)
+    if self._primary:
+      evaluation.write_suites(reports, self._out / EVALS / f"step_{step}")
+    baseline = self._baseline or reports  # step 0 is its own baseline
+    threshold, k = self._evals.source.regression, str(self._evals.source.k)
+    record: dict[str, Any] = {"step": step}
+    for name, report in reports.items():
+      flagged = evaluation.regressed(baseline[name], report, threshold)
+      before, now = baseline[name]["pass@k"]["1"], report["pass@k"]["1"]
+      record.update({f"eval/{name}/pass@1": now, f"eval/{name}/pass@k": report["pass@k"][k],
+                     f"eval/{name}/mean@k": report["mean@k"], f"eval/{name}/regressed": float(flagged)})
+      if flagged:
+        self.regressions.append({"suite": name, "step": step, "baseline": before, "pass@1": now})
+        if self._primary:
+          log.warning("eval: suite %s regressed at step %d: pass@1 %.4f, baseline %.4f (a drop of %.4f > "
+                      "eval.regression=%g)", name, step, now, before, before - now, threshold)
+    self._writer.write(record)
+    return reports

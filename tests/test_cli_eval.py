@@ -1,0 +1,44 @@
+"""`ptx eval`: one report per suite for several suites, file suites' task files, and the errors of bad arguments."""
+
+import json
+
+import pytest
+
+from ptx import cli
+from ptx.rl import evaluation
+
+SMALL = ["--n", "2", "--k", "2", "--max-new-tokens", "4"]
+
+
+def test_several_suites_write_one_report_each_and_compare_as_directories(ptx_checkpoint, tmp_path, capsys):
+  tasks = tmp_path / "math.jsonl"
+  tasks.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+  out = tmp_path / "eval"
+  assert cli.main(["eval", "--model", str(ptx_checkpoint), "--task", "arithmetic,math", "--tasks-file", str(tasks),
+                   *SMALL, "--out", str(out)]) == 0
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert [(line["suite"], line["tasks"], line["k"]) for line in lines] == [("arithmetic", 2, 2), ("math", 1, 2)]
+  reports = evaluation.read_suites(out)
+  assert sorted(reports) == ["arithmetic", "math"] and (out / "math" / "samples.jsonl").is_file()
+  assert not (out / "eval.json").exists()
+  assert cli.main(["eval", "--compare", str(out), str(out)]) == 0  # nothing moved: no regression
+  assert capsys.readouterr().out.splitlines()[-1] == "no regression (no pass@1 fell by more than 0.05)"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "arithmetic,nope"], "eval.suites: unknown suite(s) ['nope']"),
+    (["--task", "math"], "add 'math=PATH' to eval.files"),
+    (["--task", "math,code", "--tasks-file", "t.jsonl"], "--tasks-file t.jsonl: say which suite reads it"),
+    (["--task", "arithmetic", "--k", "0"], "eval.k must be >= 1, got 0"),
+])
+def test_bad_arguments_are_named_and_nothing_is_written(argv, message, ptx_checkpoint, tmp_path, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(["eval", "--model", str(ptx_checkpoint), *argv, "--out", str(tmp_path / "eval")])
+  assert info.value.code == 2 and message in capsys.readouterr().err
+  assert not (tmp_path / "eval").exists()
+
+
+def test_compare_refuses_directories_without_reports(tmp_path, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(["eval", "--compare", str(tmp_path), str(tmp_path / "missing")])
+  assert info.value.code == 2 and "holds no evaluation report" in capsys.readouterr().err
