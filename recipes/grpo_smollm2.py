@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
   prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED, "train"),
                              in_graph=True)
   state, summary = ptx.fit(cfg, job, train_data=prompts, out=args.out, init_params=params, resume=args.resume,
-                           overwrite=args.overwrite, progress=launch.progress(args))
+                           overwrite=args.overwrite, evals=launch.evals(cfg, tokenizer),
+                           progress=launch.progress(args))
   launch.export(args, state, cfg, hf_tokenizer)
   after = evaluate(args.out / "hf", held_out, EVAL_SIZE[args.preset], cfg, args.out / "eval_after")
   scores = {f"{metric}_{when}": report["pass@k"][str(k)] for when, report in (("before", before), ("after", after))

@@ -25,7 +25,7 @@ import jax
 import ptx
 from ptx import config as config_lib
 from ptx import paths
-from ptx.train import pretrained, run_dir
+from ptx.train import checkpoint_evals, pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
 
@@ -164,6 +164,11 @@ def export(args: argparse.Namespace, state: ptx.TrainState, cfg: ptx.Config, tok
   ptx.export_hf(state, cfg, args.out, tokenizer, base_model=None if args.model_dir is None else str(args.model_dir))
 
 
+def evals(cfg: ptx.Config, tokenizer) -> checkpoint_evals.SuiteEvals | None:
+  """The held-out suites `--eval.suites=...` names, for `fit` to evaluate at checkpoints (None: none)."""
+  return checkpoint_evals.build(cfg.eval, tokenizer)
+
+
 def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[str, int], list[dict]],
                    n: int, build: Callable[[ptx.Config, Any], ptx.Job]) -> dict:
   """An SFT or DPO recipe's whole run: `data_recipe`, the Job (`build`), its data, `fit`, the export.
@@ -175,6 +180,7 @@ def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic
   job = build(cfg, tokenizer)
   train, evaluation = ptx.supervised_data(cfg, tokenizer, out=args.out, init_params=params)
   state, summary = ptx.fit(cfg, job, train_data=train, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                           eval_data=evaluation, init_params=params, progress=progress(args))
+                           eval_data=evaluation, init_params=params, evals=evals(cfg, tokenizer),
+                           progress=progress(args))
   export(args, state, cfg, tokenizer)
   return summary

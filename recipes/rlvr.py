@@ -51,7 +51,7 @@ def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tas
   job = ptx.grpo_host_job(cfg, tokenizer, ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
   prompts = ptx.grpo_prompts(cfg, tokenizer, tasks, in_graph=False)
   return ptx.fit(cfg, job, train_data=prompts, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                 init_params=params, progress=launch.progress(args))
+                 init_params=params, evals=launch.evals(cfg, tokenizer), progress=launch.progress(args))
 
 
 def pass_at_1(params: Any, cfg: ptx.Config, tokenizer, env: Environment, tasks: Sequence[dict]) -> float:

@@ -61,3 +61,12 @@ def test_recipe_header_gives_launch_topology_and_expectations(name):
   missing = [word for word in HEADER if word not in doc]
   assert not missing, f"{name}.py: header lacks {missing}"
   assert f"python recipes/{name}.py" in doc, f"{name}.py: no launch command"
+
+
+def test_a_recipe_evaluates_the_suites_it_is_given(tmp_path):
+  recipe = runpy.run_path(str(RECIPES / "sft_chat.py"), run_name="sft_chat")
+  recipe["main"](["--preset", "tiny", "--out", str(tmp_path), "--no-progress", "--train.steps=2",
+                  "--eval.suites=[\"arithmetic\"]", "--eval.n=2", "--eval.k=1", "--eval.max_new_tokens=4"])
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "eval/arithmetic/pass@1" in r] == [0, 2]
+  assert all((tmp_path / "evals" / f"step_{n}" / "arithmetic" / "eval.json").exists() for n in (0, 2))
