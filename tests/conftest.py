@@ -8,6 +8,12 @@ import tempfile
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gs:// in tests goes to a local GCS server (tests/train/test_object_storage.py) through gcsfs. Both settings
+# are read once per process (epath caches its choice of TensorFlow's gfile, whose client has no emulator
+# endpoint; gcsfs reads its flag at import, and its default asks a gRPC API with 60 s timeouts), so they are
+# set here, before any test imports either.
+os.environ.setdefault("EPATH_USE_TF", "false")
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # XLA:CPU runs all 8 fake devices on one thread pool, sized max(cores, devices) = 8 here, and a
 # collective blocks its thread until every peer arrives. A device may run collectives over two
 # groups at once (tensor and data axes), so on a loaded machine all 8 threads can end up waiting for

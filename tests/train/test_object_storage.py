@@ -25,7 +25,6 @@ import runpy
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -95,12 +94,8 @@ def bucket():
     env.setenv("STORAGE_EMULATOR_HOST", url)  # gcsfs and google-cloud-storage
     env.setenv("TENSORSTORE_GCS_HTTP_URL", url)  # Orbax's arrays
     env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "fake")  # tensorstore's credentials: a fixed bearer token
-    # TensorFlow (the seqio extra) would be epath's gs:// backend; its GCS client has no emulator endpoint.
-    env.setenv("EPATH_USE_TF", "false")
-    # gcsfs asks the storage-control gRPC API for each bucket's layout (60 s timeouts against a local server);
-    # read when gcsfs is first imported, which `ptx.paths` does on the first gs:// path.
-    assert "gcsfs" not in sys.modules, "gcsfs was imported before this module could configure it"
-    env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    # tests/conftest.py keeps epath off TensorFlow's gfile and gcsfs off its gRPC layout probe (read once a process).
+    assert os.environ.get("EPATH_USE_TF") == "false" and os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT") == "false"
     env.setitem(fsspec.config.conf, "gcs", {"token": "anon"})  # no credentials to look for
     yield f"gs://{BUCKET}"
 
