@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 from ptx import data, models
 from ptx.algorithms import advantages, dpo, grpo, sft
-from ptx.config import (GRPO_PRESETS, Config, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
-                        OptimizerConfig, RopeScaling, TrainConfig)
+from ptx.config import (GRPO_PRESETS, Config, DataConfig, DPOConfig, EvalConfig, GRPOConfig, LoRAConfig, MeshConfig,
+                        ModelConfig, OptimizerConfig, RopeScaling, TrainConfig)
 from ptx.config_io import apply_overrides
 from ptx.config import MODEL_PRESETS as presets
 from ptx.data import JsonlSource, MemorySource, load_tokenizer
@@ -56,7 +56,7 @@ _LAZY = {
 
 __all__ = [
     "ArithmeticTask", "ByteTokenizer", "Config", "DEFAULT_RULES", "DPOConfig", "DataConfig", "Decoder", "EnvReward",
-    "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig", "MemorySource",
+    "EvalConfig", "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig", "MemorySource",
     "MeshConfig", "ModelConfig", "OptimizerConfig", "PythonTestsEnv", "RopeScaling", "Rules", "SamplingConfig", "TOY",
     "TextSampler", "Tokenizer", "TrainConfig", "TrainState", "advantages", "apply_overrides", "attention",
     "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate", "export_hf", "fit", "forward", "generate",

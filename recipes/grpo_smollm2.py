@@ -25,15 +25,16 @@ the whole fit there (estimate). Expected scores: as measured below.
 
 Held out: sums of operands up to two digits on the held-out side of the
 split (`ptx.data.splits`, about 2,500 problems; training draws the other
-side), the first 128 of seed 1 written to OUT/held_out.jsonl. Before and
-after training the recipe runs `ptx eval` on them (the `exact` suite:
-prompts as written, final answer checked), 8 samples per problem at
-temperature 1, seed 0, into OUT/eval_before and OUT/eval_after, and writes
-pass@1 and pass@8 to OUT/scores.json; the same by hand:
+side), the first 128 of seed 1 written to OUT/held_out.jsonl. The preset's
+`eval` section scores them (the `exact` suite: prompts as written, final
+answer checked; 8 samples per problem at temperature 1, seed 0) before the
+first step and after the last, into OUT/evals/step_0/exact and
+OUT/evals/step_16/exact, and the recipe writes their pass@1 and pass@8 to
+OUT/scores.json. The same evaluation of the export by hand, and the deltas:
 
   ptx eval --model OUT/hf --task exact --tasks-file OUT/held_out.jsonl \
       --n 128 --k 8 --max-new-tokens 6 --out OUT/eval_after
-  ptx eval --compare OUT/eval_before/eval.json OUT/eval_after/eval.json
+  ptx eval --compare OUT/evals/step_0 OUT/evals/step_16
 
 Measured here (`python recipes/grpo_smollm2.py --preset full --out OUT`:
 8 prompts x 8 samples, 16 steps, float32, 2-core CPU at load average
@@ -41,6 +42,8 @@ Measured here (`python recipes/grpo_smollm2.py --preset full --out OUT`:
 70.3% (128 problems x 8 samples); sampled reward 0.17 at step 1, 0.5-0.9
 from step 8; fit 236 s (about 11 s a step after compilation), 316 s for
 the whole recipe with conversion and both evaluations; peak RSS 8.8 GB.
+The same scores again with the evaluations inside fit (483 s beside test
+runs).
 """
 
 from __future__ import annotations
@@ -54,14 +57,15 @@ import jax
 import launch
 
 import ptx
-from ptx import cli as ptx_cli
+from ptx.rl import evaluation
+from ptx.train.checkpoint_evals import EVALS
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a calculator. Reply with the number only."
 # Operands of up to two digits: SmolLM2-135M solves about a quarter of them per sample before training.
 MAX_DIGITS, TRAIN_SEED, EVAL_SEED = 2, 0, 1
-# Held-out problems scored before and after, per preset (of the split's ~2,500 held-out sums), K samples each.
-EVAL_SIZE, K = {"tiny": 4, "full": 128}, 8
+# Held-out problems scored before and after, per preset (of the split's ~2,500 held-out sums), 8 samples each.
+EVAL_SIZE = {"tiny": 4, "full": 128}
 PROMPT_LEN = 48  # "<|im_start|>system ... assistant\n7 + 5 = " is about 40 tokens
 
 PRESETS: launch.Presets = {
@@ -70,12 +74,15 @@ PRESETS: launch.Presets = {
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
         data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=PROMPT_LEN, pack=False),
-        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4)),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4),
+        eval=ptx.EvalConfig(suites=("exact",), n=EVAL_SIZE["tiny"], k=8, max_new_tokens=4)),
     "full": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=16, log_every=1, checkpoint_every=16),
         data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=PROMPT_LEN, pack=False),
-        grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6)),
+        grpo=ptx.GRPOConfig(group_size=8, kl_placement="none", beta=0.0, max_response_tokens=6),
+        # 8 samples per held-out problem at temperature 1, seed 0, before the first step and after the last.
+        eval=ptx.EvalConfig(suites=("exact",), n=EVAL_SIZE["full"], k=8, max_new_tokens=6)),
 }
 
 
@@ -114,14 +121,6 @@ def write_held_out(prompts: ChatAddition, n: int, path: pathlib.Path) -> None:
   path.write_text("".join(json.dumps(prompts[i]) + "\n" for i in range(n)))
 
 
-def evaluate(model: pathlib.Path, held_out: pathlib.Path, n: int, cfg: ptx.Config, out: pathlib.Path) -> dict:
-  """`ptx eval` of `model` on the held-out records: K samples at temperature 1, seed 0; returns the report."""
-  ptx_cli.main(["eval", "--model", str(model), "--task", "exact", "--tasks-file", str(held_out), "--n", str(n),
-                "--k", str(K), "--max-new-tokens", str(cfg.grpo.max_response_tokens), "--seed", "0",
-                "--out", str(out)])
-  return json.loads((out / "eval.json").read_text())
-
-
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary and the held-out pass@1 and pass@K before and after."""
   args, overrides = launch.parse(__doc__, PRESETS, argv)
@@ -133,12 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
   tokenizer = launch.prompt_tokenizer(hf_tokenizer)
   args.out.mkdir(parents=True, exist_ok=True)
   held_out = args.out / "held_out.jsonl"
-  write_held_out(ChatAddition(hf_tokenizer.chat_template, EVAL_SEED, "held_out"), EVAL_SIZE[args.preset], held_out)
-  start = args.model_dir
-  if args.preset == "tiny":  # it trains the first 2 layers: "before" scores those layers, written untrained
-    start = ptx.save_hf(ptx.Decoder(cfg.model, params=params), args.out / "start")
-    hf_tokenizer.save_hf(start)
-  before = evaluate(start, held_out, EVAL_SIZE[args.preset], cfg, args.out / "eval_before")
+  write_held_out(ChatAddition(hf_tokenizer.chat_template, EVAL_SEED, "held_out"), cfg.eval.n, held_out)
+  # fit scores the held-out records before the first step and after the last (the `eval` section; the
+  # same evaluation as `ptx eval --task exact`), into OUT/evals/step_N/exact.
+  cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, files=(*cfg.eval.files, f"exact={held_out}")))
   job = ptx.grpo_job(cfg, tokenizer)
   prompts = ptx.grpo_prompts(cfg, tokenizer, ChatAddition(hf_tokenizer.chat_template, TRAIN_SEED, "train"),
                              in_graph=True)
@@ -146,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
                            overwrite=args.overwrite, evals=launch.evals(cfg, tokenizer),
                            progress=launch.progress(args))
   launch.export(args, state, cfg, hf_tokenizer)
-  after = evaluate(args.out / "hf", held_out, EVAL_SIZE[args.preset], cfg, args.out / "eval_after")
-  scores = {f"{metric}_{when}": report["pass@k"][str(k)] for when, report in (("before", before), ("after", after))
-            for metric, k in (("pass@1", 1), (f"pass@{K}", K))}
+  reports = {when: evaluation.read_report(args.out / EVALS / f"step_{step}" / "exact" / evaluation.REPORT_FILE)
+             for when, step in (("before", 0), ("after", summary["step"]))}
+  scores = {f"pass@{k}_{when}": report["pass@k"][str(k)] for when, report in reports.items() for k in (1, cfg.eval.k)}
   if jax.process_index() == 0:
     print(json.dumps({"scores": scores}))
     (args.out / "scores.json").write_text(json.dumps(scores) + "\n")

@@ -222,9 +222,14 @@ def read_suites(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 def regressed(before: Mapping[str, Any], after: Mapping[str, Any], threshold: float) -> bool:
   """Whether `after`'s pass@1 is more than `threshold` below `before`'s."""
-  # pass@1 is a mean of ratios: rounding the drop to 1e-12 keeps a drop that equals the threshold in exact
+  return _fell(before["pass@k"]["1"], after["pass@k"]["1"], threshold)
+
+
+def _fell(before: float, after: float, threshold: float) -> bool:
+  """Whether a score fell from `before` to `after` by more than `threshold`."""
+  # Scores are means of ratios: rounding the drop to 1e-12 keeps a drop that equals the threshold in exact
   # arithmetic (0.5 - 0.45 is 0.05000000000000002 in float64) from being flagged by float error alone.
-  return round(before["pass@k"]["1"] - after["pass@k"]["1"], 12) > threshold
+  return round(before - after, 12) > threshold
 
 
 def compare_suites(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]], *,
@@ -299,7 +304,7 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.
       continue
     # Outcome rates other than "ok" are context: more timeouts need not be worse.
     watched = not name.startswith("rate ") or name == "rate ok"
-    flag = "  REGRESSION" if watched and x - y > tolerance else ""
+    flag = "  REGRESSION" if watched and _fell(x, y, tolerance) else ""
     lines.append(f"{name:<20}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{flag}")
   if a.get("sandbox") != b.get("sandbox"):
     lines.append(f"NOTE: scored by different sandbox backends (A: {a.get('sandbox')}, B: {b.get('sandbox')})")

@@ -64,7 +64,7 @@ from ptx.train.checkpoint import Checkpointer
 from ptx.train.checkpoint_evals import SuiteEvals
 from ptx.train.job import Job
 from ptx.train.metrics import MetricsWriter
-from ptx.train.state import TrainState, init_state, state_shardings
+from ptx.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,7 @@ def fit(
   checkpointer = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
   state, resumed_from = None, None
   if resume:
-    abstract = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
-                            jax.eval_shape(start))
-    restored = checkpointer.restore(abstract.replace(base=None), data)
+    restored = checkpointer.restore(abstract_state(shardings, start).replace(base=None), data)
     if restored is not None:
       resumed_from, state, pipeline = restored
       if pipeline is not None:
@@ -238,6 +236,7 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, che
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
       if guard.finite(step, metrics):
         checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
+        writer.flush()  # on object storage, the metrics so far beside the checkpoint
     # Before the next step donates the state; a preempted run stops without (its time is short).
     if checks is not None and checks.after(step, train.steps) and not preempted.is_set():
       checks.evaluate(step, state)

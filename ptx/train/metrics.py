@@ -8,21 +8,28 @@ uninterrupted run; a torn last line is dropped there too, with a message,
 and the kept lines replace the file atomically. A damaged line anywhere
 else stops the run with its file and line number.
 
-On object storage, which cannot append, every record rewrites the whole
-object with one upload (atomic: a reader sees the file before or after the
-record, never a torn line), as TensorBoard's GCS writer does with its
-event file; a run's metrics are small (a line per logged step).
+On object storage, which cannot append, the lines so far replace the whole
+object in one upload (atomic: a reader never sees a torn line), at most
+every `UPLOAD_EVERY_S` seconds, at every checkpoint (`flush`) and at
+`close`, so the training loop does not wait on a growing upload at every
+logged step, and a resumed run finds every line its checkpoint's steps
+wrote, as it does locally.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import tensorboardX
 import tqdm
 
 from ptx import paths
+
+
+# On object storage: the longest a written record waits before metrics.jsonl is uploaded again.
+UPLOAD_EVERY_S = 30.0
 
 
 class MetricsFileError(ValueError):
@@ -46,9 +53,10 @@ class MetricsWriter:
       return
     kept = kept_records(self.path, resume_step) if resume_step is not None else []
     paths.write_atomic(self.path, "".join(line + "\n" for line in kept))
-    # Locally an appending descriptor; on object storage the lines so far, rewritten whole per record.
+    # Locally an appending descriptor; on object storage the lines so far, uploaded whole (`flush`).
     local = paths.is_local(out)
     self._fd, self._lines = (os.open(self.path, os.O_WRONLY | os.O_APPEND), None) if local else (None, kept)
+    self._uploaded_at, self._pending = time.monotonic(), False
     self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
 
   def write(self, record: dict[str, float]) -> None:
@@ -60,7 +68,9 @@ class MetricsWriter:
       os.write(self._fd, (line + "\n").encode())  # one write: a line is whole or torn at the end
     else:
       self._lines.append(line)
-      paths.write_atomic(self.path, "".join(kept + "\n" for kept in self._lines))
+      self._pending = True
+      if time.monotonic() - self._uploaded_at >= UPLOAD_EVERY_S:
+        self.flush()
     step = int(record["step"])
     for key, value in record.items():
       if key != "step" and isinstance(value, (int, float)):
@@ -74,7 +84,15 @@ class MetricsWriter:
       return
     if self._fd is not None:
       os.close(self._fd)
+    self.flush()
     self._tensorboard.close()
+
+  def flush(self) -> None:
+    """On object storage, uploads the lines written since the last upload (locally each is written at once)."""
+    if not self.enabled or not self._pending:
+      return
+    paths.write_atomic(self.path, "".join(line + "\n" for line in self._lines))
+    self._uploaded_at, self._pending = time.monotonic(), False
 
 
 def kept_records(path: str | os.PathLike, up_to_step: int) -> list[str]:

@@ -52,7 +52,7 @@ from ptx.data.batcher import Batcher
 from ptx.data.global_batch import to_global
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.train.job import Job
-from ptx.train.state import TrainState, init_state, state_shardings
+from ptx.train.state import TrainState, abstract_state, init_state, state_shardings
 from ptx.train.streams import grpo_prompts
 
 GiB = 2**30
@@ -193,8 +193,7 @@ def check(cfg: Config, job: Job, pod: Pod) -> Fit:
                                 lora=job.lora)
     start = lambda: init_state(job.model, optimizer, cfg.train.seed, mesh, job.rules,
                                with_reference=job.with_reference, lora=job.lora)
-    state = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
-                         jax.eval_shape(start))
+    state = abstract_state(shardings, start)
     data = job.step.stream(iter(_host_batches(cfg, job)))
     step = job.step.build(optimizer, mesh, shardings, data)
     compiled = step.compile(state, to_global(next(data), mesh, job.rules), _COMPILER_OPTIONS)

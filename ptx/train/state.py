@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -62,6 +62,12 @@ def state_shardings(model: ModelConfig, optimizer: optax.GradientTransformation,
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                     ref_params=model_sh if with_reference and lora is None else None,
                     base=None if lora is None else model_sh)
+
+
+def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
+  """The state `init()` would build, as ShapeDtypeStructs carrying `shardings`: nothing is allocated."""
+  return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
+                      jax.eval_shape(init))
 
 
 def initial_params(model: ModelConfig, seed: int) -> Any:

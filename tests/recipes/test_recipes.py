@@ -48,8 +48,8 @@ def test_tiny_preset_runs_two_steps(name, tmp_path):
   assert (tmp_path / "hf" / "config.json").exists(), "no HF export"
   if name in SCORED:
     scores = json.loads((tmp_path / "scores.json").read_text())
-    for when in ("before", "after"):
-      report = json.loads((tmp_path / f"eval_{when}" / "eval.json").read_text())
+    for when, step in (("before", 0), ("after", 2)):
+      report = json.loads((tmp_path / "evals" / f"step_{step}" / "exact" / "eval.json").read_text())
       assert report["suite"] == "exact" and report["tasks"] > 0
       for metric in SCORED[name]:
         assert scores[f"{metric}_{when}"] == report["pass@k"][metric.split("@")[1]] == summary[f"{metric}_{when}"]
