@@ -46,20 +46,40 @@ def _logits(q_i, k_j, st: Static):
   return st.softcap * t, 1.0 - t * t
 
 
+def _varying_axes(refs) -> frozenset:
+  """The manual mesh axes that any leaf of refs varies over (inside shard_map)."""
+  return frozenset().union(*(jax.typeof(r).manual_axis_type.varying
+                             for r in jax.tree.leaves(refs)))
+
+
 def vary_like(tree, *refs):
   """Marks fresh arrays as varying over every manual axis that refs vary over.
 
   Inside `shard_map` loop carries and `cond` branches must agree on which mesh
   axes a value varies over; zeros built here vary over none until told.
   """
-  axes = set().union(*(jax.typeof(r).manual_axis_type.varying
-                       for r in jax.tree.leaves(refs)))
+  axes = _varying_axes(refs)
 
   def cast(x):
     missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
+
+
+def varying_struct(shape, dtype, *refs) -> jax.ShapeDtypeStruct:
+  """The type of a kernel output that varies over every manual axis refs vary over.
+
+  Inside `shard_map` a `pallas_call` cannot infer that from its inputs.
+  """
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=(
+      jax.sharding.ManualAxisType(varying=_varying_axes(refs))))
+
+
+def grad_structs(grad_dtype, *refs):
+  """`(shape, like) -> varying_struct`: a Pallas backward's gradient type, `like`'s dtype unless `grad_dtype`."""
+  return lambda shape, like: varying_struct(
+      shape, like.dtype if grad_dtype is None else grad_dtype, *refs)
 
 
 def loop(n, body, carry, operands):
@@ -158,6 +178,8 @@ def _attend_tile(q_i, k, v, mi, i, st: Static):
   return o.reshape(b, bq, kvh * g, dv), lse.reshape(b, kvh * g, bq)
 
 
+# Named scopes mark the kernel's ops in profiles and compiled programs.
+@jax.named_scope("ptx_blockwise_fwd")
 def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
   """Blockwise forward: (out [B,T,H,Dv], lse [B,H,T]).
 
@@ -188,6 +210,7 @@ def forward(q, k, v, mi: mask_lib.MaskInputs, st: Static, acc=None):
   return loop(t // st.block_q, step, acc, (q5, k, v))
 
 
+@jax.named_scope("ptx_blockwise_bwd")
 def backward(q, k, v, mi: mask_lib.MaskInputs, st: Static, lse, delta, dout,
              grads):
   """Blockwise backward; adds into `grads = (dq, dk, dv)` (float32) and returns them.

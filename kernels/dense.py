@@ -23,6 +23,7 @@ from ptx_kernels import mask as mask_lib
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+@jax.named_scope("ptx_dense_attention")  # Marks its ops in profiles and compiled programs.
 def dense_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids=None,
     kv_segment_ids=None, q_positions=None, kv_positions=None,

@@ -3,16 +3,9 @@
 import jax
 
 from ptx_kernels import blockwise
+from ptx_kernels import implementation
 from ptx_kernels import mask as mask_lib
-from ptx_kernels import pallas_gpu
-from ptx_kernels import pallas_tpu
 from ptx_kernels.block_sizes import BlockSizes
-
-IMPLS = ("auto", "blockwise", "pallas_gpu", "pallas_tpu")
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
-# Triton's tensor-core dots need tiles of at least 16 rows; TPU tiles are
-# (8, 128) vregs.
-_MIN_TILE = {"blockwise": 1, "pallas_gpu": 16, "pallas_tpu": 128}
 
 
 def flash_attention(
@@ -41,7 +34,8 @@ def flash_attention(
     impl: "blockwise" (pure JAX, any backend), "pallas_gpu" (Triton
       kernels; head_dim a power of two >= 16) or "pallas_tpu" (Mosaic
       kernels; tiles >= 128); "auto" picks the Pallas kernel of the default
-      backend (TPU or GPU) and "blockwise" elsewhere.
+      backend (TPU or GPU) and "blockwise" elsewhere
+      (`implementation.choose`).
     block_sizes: tile sizes; default BlockSizes().
     interpret: run the Pallas kernels on CPU: the generic interpreter for
       "pallas_gpu", the TPU interpreter (`pltpu.InterpretParams`) for
@@ -52,32 +46,21 @@ def flash_attention(
     log-sum-exp of the scaled logits). Rows with no visible key give out 0 and
     lse -inf, and finite (zero) gradients.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if impl == "auto":
-    impl = _AUTO.get(jax.default_backend(), "blockwise")
+  kernel = implementation.choose(impl, interpret)
   mask_lib.check_qkv(q, k, v)
+  kernel.check(q, v)
   b, t, _, d = q.shape
   s = k.shape[1]
   mi = mask_lib.make_mask_inputs(
       b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, window=window)
-  if impl == "pallas_gpu":
-    pallas_gpu.check_head_dims(d, v.shape[-1])
-  tiles = (block_sizes or BlockSizes()).clamp(t, s, minimum=_MIN_TILE[impl])
-  st = blockwise.Static(
-      causal=causal, softcap=None if softcap is None else float(softcap),
-      scale=d ** -0.5 if scale is None else float(scale),
-      block_q=tiles.block_q, block_kv=tiles.block_kv)
-  bq, bk = tiles.block_q, tiles.block_kv
+  st = kernel.static(block_sizes, t, s, d, causal=causal, softcap=softcap,
+                     scale=scale)
+  bq, bk = st.block_q, st.block_kv
   pq = lambda x: blockwise.pad_to_tiles(x, bq)
   pk = lambda x: blockwise.pad_to_tiles(x, bk)
   # Padding carries segment id 0, so padded rows and keys are never visible.
   mi = mask_lib.MaskInputs(pq(mi.q_segment_ids), pk(mi.kv_segment_ids),
                            pq(mi.q_positions), pk(mi.kv_positions), mi.window)
-  if impl == "blockwise":
-    out, lse = blockwise.attention(pq(q), pk(k), pk(v), mi, st)
-  else:
-    kernel = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
-    out, lse = kernel.attention(pq(q), pk(k), pk(v), mi, st, interpret)
+  out, lse = kernel.attention(pq(q), pk(k), pk(v), mi, st)
   return out[:, :t], lse[:, :, :t]

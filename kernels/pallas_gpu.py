@@ -24,11 +24,14 @@ from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
 
 
-def check_head_dims(d: int, dv: int) -> None:
+def check_head_dims(q_shape, v_shape) -> None:
   """Raises ValueError unless both head dims are powers of two >= 16."""
-  for name, n in (("head_dim", d), ("value head_dim", dv)):
+  # Triton's dots take power-of-two tiles of at least 16 along each axis.
+  for name, shape in (("head_dim", q_shape), ("value head_dim", v_shape)):
+    n = shape[-1]
     if n < 16 or n & (n - 1):
-      raise ValueError(f"pallas_gpu needs {name} a power of two >= 16, got {n}")
+      raise ValueError(f"pallas_gpu needs {name} a power of two >= 16, got {n} "
+                       f"(q {tuple(q_shape)}, v {tuple(v_shape)})")
 
 
 def _mm(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -154,8 +157,10 @@ def _params(d: int):
   return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
-def _forward(q, k, v, mi, st, interpret):
-  """Launches the forward kernel on tile-multiple inputs."""
+def forward(q, k, v, mi, st, interpret, out_dtype=None):
+  """Launches the forward kernel on tile-multiple inputs; out in `out_dtype` (default q's)."""
+  out_type = lambda shape, dtype: blockwise.varying_struct(shape, dtype, q, k,
+                                                           v, mi)
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // kvh
@@ -173,14 +178,20 @@ def _forward(q, k, v, mi, st, interpret):
       out_specs=[
           pl.BlockSpec((None, st.block_q, None, dv), lambda b, h, i: (b, i, h, 0)),
           pl.BlockSpec((None, None, st.block_q), lambda b, h, i: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+      out_shape=[out_type((b, t, h, dv), out_dtype or q.dtype),
+                 out_type((b, h, t), jnp.float32)],
       compiler_params=_params(d), interpret=interpret, name="ptx_flash_fwd",
   )(q, k, v, mi.q_segment_ids, lo, hi, mi.kv_segment_ids, mi.kv_positions)
 
 
-def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
-  """Launches the dQ and dK/dV kernels on tile-multiple inputs."""
+def backward(q, k, v, mi, st, lse, delta, dout, interpret, grad_dtype=None):
+  """Launches the dQ and dK/dV kernels on tile-multiple inputs.
+
+  `lse` and `delta` describe the attention over all keys, so k/v may be a
+  part of them (a ring hop); the gradients come in `grad_dtype`, default the
+  inputs' dtypes.
+  """
+  grad_type = blockwise.grad_structs(grad_dtype, q, k, v, mi, lse, delta, dout)
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // kvh
@@ -200,7 +211,7 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
       in_specs=[q_tile(d), kv_full(d), kv_full(dv), q_tile(dv), row_tile,
                 row_tile, q_ids, q_ids, q_ids, kv_ids, kv_ids],
       out_specs=q_tile(d),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=grad_type(q.shape, q),
       compiler_params=_params(d), interpret=interpret, name="ptx_flash_dq",
   )(q, k, v, dout, lse, delta, *ids)
   # dK/dV: key tiles over all queries of the G heads that read them.
@@ -216,8 +227,8 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
       in_specs=[group(d), kv_tile(d), kv_tile(dv), group(dv), group_rows,
                 group_rows, q_full, q_full, q_full, kv_ids, kv_ids],
       out_specs=[kv_tile(d), kv_tile(dv)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[grad_type(k.shape, k),
+                 grad_type(v.shape, v)],
       compiler_params=_params(d), interpret=interpret, name="ptx_flash_dkv",
   )(q, k, v, dout, lse, delta, *ids)
   return dq, dk, dv_
@@ -227,12 +238,12 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
 def attention(q, k, v, mi: mask_lib.MaskInputs, st: blockwise.Static,
               interpret: bool):
   """GPU flash attention (lengths must be tile multiples): (out, lse)."""
-  return _forward(q, k, v, mi, st, interpret)
+  return forward(q, k, v, mi, st, interpret)
 
 
 def _attention_fwd(q, k, v, mi, st, interpret):
   """Forward rule: keeps only q, k, v, the mask inputs, out and lse."""
-  out, lse = _forward(q, k, v, mi, st, interpret)
+  out, lse = forward(q, k, v, mi, st, interpret)
   return (out, lse), (q, k, v, mi, out, lse)
 
 
@@ -241,7 +252,7 @@ def _attention_bwd(st, interpret, res, cts):
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   delta = blockwise.delta_of(out, dout, dlse)
-  dq, dk, dv = _backward(q, k, v, mi, st, lse, delta, dout.astype(q.dtype),
+  dq, dk, dv = backward(q, k, v, mi, st, lse, delta, dout.astype(q.dtype),
                          interpret)
   return dq, dk, dv, blockwise.no_cotangent(mi)
 

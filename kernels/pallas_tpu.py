@@ -162,8 +162,10 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret,
       interpret=pltpu.InterpretParams() if interpret else False, name=name)
 
 
-def _forward(q, k, v, mi, st, interpret):
-  """Launches the forward kernel on tile-multiple inputs."""
+def forward(q, k, v, mi, st, interpret, out_dtype=None):
+  """Launches the forward kernel on tile-multiple inputs; out in `out_dtype` (default q's)."""
+  out_type = lambda shape, dtype: blockwise.varying_struct(shape, dtype, q, k,
+                                                           v, mi)
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g, nq, nk = h // kvh, t // st.block_q, s // st.block_kv
@@ -177,8 +179,7 @@ def _forward(q, k, v, mi, st, interpret):
        pl.BlockSpec((None, 2, bk), lambda b, h, i, j, *_: (b, 0, j)),
        q_at(d), kv_at(d), kv_at(dv)],
       [q_at(dv), q_at(1)],
-      [jax.ShapeDtypeStruct((b, h, t, dv), q.dtype),
-       jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)],
+      [out_type((b, h, t, dv), out_dtype or q.dtype), out_type((b, h, t, 1), jnp.float32)],
       [pltpu.VMEM((bq, dv), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
        pltpu.VMEM((bq, 1), jnp.float32)],
       interpret, "ptx_flash_fwd_tpu",
@@ -186,8 +187,9 @@ def _forward(q, k, v, mi, st, interpret):
   return jnp.swapaxes(out, 1, 2), lse[..., 0]
 
 
-def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
-  """Launches the dQ and dK/dV kernels on tile-multiple inputs."""
+def backward(q, k, v, mi, st, lse, delta, dout, interpret, grad_dtype=None):
+  """Launches the dQ and dK/dV kernels on tile-multiple inputs (arguments as `pallas_gpu.backward`'s)."""
+  grad_type = blockwise.grad_structs(grad_dtype, q, k, v, mi, lse, delta, dout)
   b, t, h, d = q.shape
   s, kvh, dv = k.shape[1], k.shape[2], v.shape[-1]
   g, nq, nk = h // kvh, t // st.block_q, s // st.block_kv
@@ -203,7 +205,7 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
       [pl.BlockSpec((None, bq, 3), lambda b, h, i, j, *_: (b, i, 0)),
        pl.BlockSpec((None, 2, bk), lambda b, h, i, j, *_: (b, 0, j)),
        q_at(d), kv_at(d), kv_at(dv), q_at(dv), q_at(1), q_at(1)],
-      q_at(d), jax.ShapeDtypeStruct((b, h, t, d), q.dtype),
+      q_at(d), grad_type((b, h, t, d), q),
       [pltpu.VMEM((bq, d), jnp.float32)], interpret, "ptx_flash_dq_tpu",
   )(*args)
   # dK/dV: grid (b, kv head, j, r) with r walking query tiles of each of the G
@@ -219,8 +221,7 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
        pl.BlockSpec((None, 2, bk), lambda b, kh, j, r, *_: (b, 0, j)),
        q_of(d), kv_of(d), kv_of(dv), q_of(dv), q_of(1), q_of(1)],
       [kv_of(d), kv_of(dv)],
-      [jax.ShapeDtypeStruct((b, kvh, s, d), k.dtype),
-       jax.ShapeDtypeStruct((b, kvh, s, dv), v.dtype)],
+      [grad_type((b, kvh, s, d), k), grad_type((b, kvh, s, dv), v)],
       [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
       interpret, "ptx_flash_dkv_tpu",
   )(*args)
@@ -232,12 +233,12 @@ def _backward(q, k, v, mi, st, lse, delta, dout, interpret):
 def attention(q, k, v, mi: mask_lib.MaskInputs, st: blockwise.Static,
               interpret: bool):
   """TPU flash attention (lengths must be tile multiples): (out, lse)."""
-  return _forward(q, k, v, mi, st, interpret)
+  return forward(q, k, v, mi, st, interpret)
 
 
 def _attention_fwd(q, k, v, mi, st, interpret):
   """Forward rule: keeps only q, k, v, the mask inputs, out and lse."""
-  out, lse = _forward(q, k, v, mi, st, interpret)
+  out, lse = forward(q, k, v, mi, st, interpret)
   return (out, lse), (q, k, v, mi, out, lse)
 
 
@@ -246,7 +247,7 @@ def _attention_bwd(st, interpret, res, cts):
   q, k, v, mi, out, lse = res
   dout, dlse = cts
   delta = blockwise.delta_of(out, dout, dlse)
-  dq, dk, dv = _backward(q, k, v, mi, st, lse, delta, dout.astype(q.dtype),
+  dq, dk, dv = backward(q, k, v, mi, st, lse, delta, dout.astype(q.dtype),
                          interpret)
   return dq, dk, dv, blockwise.no_cotangent(mi)
 

@@ -2,14 +2,17 @@
 
 Each device of the `seq` axis keeps its query shard and passes its key/value
 shard around the ring with `ppermute`; after n steps every query has met every
-key. The transfer of the next shard is issued before the current one is
-computed, so on TPU/GPU the collective overlaps the blockwise kernel. Partial
-results fold into one float32 accumulator through `merge_lse`.
+key. Each step runs one flash kernel (`implementation.Kernel`: blockwise, or
+the GPU or TPU Pallas kernel) on the local queries and the visiting shard. The
+transfer of the next shard is issued before the current one is computed, so on
+TPU/GPU the collective overlaps the kernel. Partial results fold into one
+float32 accumulator through the LSE (`merge_lse`).
 
-The backward is a custom VJP with the same O(T/n) residuals as the blockwise
-kernel (local q, k, v, out, lse): key/value shards travel the ring again
-together with their float32 dK/dV accumulators, and after n hops each
-accumulator is back on the device that owns the shard.
+The backward is a custom VJP with the same O(T/n) residuals as the flash
+kernels (local q, k, v, out, lse): key/value shards travel the ring again
+together with their float32 dK/dV accumulators, each step adds the kernel's
+backward given the global lse and delta, and after n hops each accumulator is
+back on the device that owns the shard.
 
 Heads run in passes (`heads_per_pass`): each pass is a whole ring over a
 slice of the heads, so float32 accumulators (out in the forward; dQ and the
@@ -31,6 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ptx_kernels import blockwise
+from ptx_kernels import implementation
 from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
 from ptx_kernels import xla_cpu_workarounds
@@ -115,14 +119,14 @@ def _heads(x, start, size):
   return lax.dynamic_slice_in_dim(x, start, size, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _ring(q, k, v, mi, st: blockwise.Static, axis_name: str, n: int,
-          ps: Passes):
+          ps: Passes, kernel: implementation.Kernel):
   """Ring attention on the local shards (inside shard_map): (out, lse)."""
-  return _ring_fwd(q, k, v, mi, st, axis_name, n, ps)[0]
+  return _ring_fwd(q, k, v, mi, st, axis_name, n, ps, kernel)[0]
 
 
-def _pass_fwd(q, k, v, mi, st, axis_name, n):
+def _pass_fwd(q, k, v, mi, st, axis_name, n, kernel):
   """n ring steps, each folding one key/value shard into the accumulator."""
   b, t, h, _ = q.shape
   acc = blockwise.vary_like((jnp.zeros((b, t, h, v.shape[-1]), jnp.float32),
@@ -132,17 +136,17 @@ def _pass_fwd(q, k, v, mi, st, axis_name, n):
   def step(_, carry, q):
     acc, shard = carry
     nxt = _rotate(shard, axis_name, n)  # Issued first: overlaps the compute.
-    acc = blockwise.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]),
-                            st, acc=acc)
+    acc = kernel.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]), st,
+                         acc)
     return acc, nxt
 
   shard = (k, v, mi.kv_segment_ids, mi.kv_positions)
   acc, shard = blockwise.loop(n - 1, step, (acc, shard), q)
-  return blockwise.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]),
-                           st, acc=acc)
+  return kernel.forward(q, shard[0], shard[1], _visiting(mi, *shard[2:]), st,
+                        acc)
 
 
-def _ring_fwd(q, k, v, mi, st, axis_name, n, ps):
+def _ring_fwd(q, k, v, mi, st, axis_name, n, ps, kernel):
   """One ring per head pass, written into the (out, lse) buffers."""
   b, t, h, _ = q.shape
   g = h // k.shape[2]
@@ -156,7 +160,7 @@ def _ring_fwd(q, k, v, mi, st, axis_name, n, ps):
     qh = c * ps.kv_per_pass * g + s * ps.heads
     kv = lambda x: _heads(x, c * ps.kv_per_pass, ps.kv_per_pass)
     o, l = _pass_fwd(_heads(q, qh, ps.heads), kv(k), kv(v), mi, st,
-                     axis_name, n)
+                     axis_name, n, kernel)
     out, lse = out_lse
     return (blockwise.update_along(out, o, qh, 2),
             blockwise.update_along(lse, l, qh, 1))
@@ -165,14 +169,14 @@ def _ring_fwd(q, k, v, mi, st, axis_name, n, ps):
   return (out, lse), (q, k, v, mi, out, lse)
 
 
-def _pass_bwd(q, k, v, mi, st, axis_name, n, lse, delta, dout, dkv):
+def _pass_bwd(q, k, v, mi, st, axis_name, n, kernel, lse, delta, dout, dkv):
   """n ring steps of one pass; dK/dV travel with their shard back home.
 
   Returns (dq float32, dkv): `dkv` (float32, this pass's kv heads) comes back
   to its owner with this pass's contribution added.
   """
   def grads(dq, shard, dkv, q, dout):
-    return blockwise.backward(
+    return kernel.backward(
         q, shard[0], shard[1], _visiting(mi, *shard[2:]), st, lse, delta, dout,
         (dq, *dkv))
 
@@ -190,7 +194,7 @@ def _pass_bwd(q, k, v, mi, st, axis_name, n, lse, delta, dout, dkv):
   return dq, _rotate((dk, dv), axis_name, n)
 
 
-def _ring_bwd(st, axis_name, n, ps, res, cts):
+def _ring_bwd(st, axis_name, n, ps, kernel, res, cts):
   """One backward ring per head pass; dK/dV of a kv chunk sum over its passes."""
   q, k, v, mi, out, lse = res
   dout, dlse = cts
@@ -210,8 +214,8 @@ def _ring_bwd(st, axis_name, n, ps, res, cts):
       qh = c * ps.kv_per_pass * g + s * ps.heads
       qs = lambda x: _heads(x, qh, ps.heads)
       rows = lambda x: lax.dynamic_slice_in_dim(x, qh, ps.heads, 1)
-      dq, dkv = _pass_bwd(qs(q), k_c, v_c, mi, st, axis_name, n, rows(lse),
-                          rows(delta), qs(dout), dkv)
+      dq, dkv = _pass_bwd(qs(q), k_c, v_c, mi, st, axis_name, n, kernel,
+                          rows(lse), rows(delta), qs(dout), dkv)
       return blockwise.update_along(dq_all, dq, qh, 2), dkv
 
     dq, dk, dv = grads
@@ -236,7 +240,8 @@ def ring_attention(
     scale: float | None = None, block_sizes: BlockSizes | None = None,
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axes: tuple[str, ...] = ("tensor",),
-    heads_per_pass: int | None = None,
+    heads_per_pass: int | None = None, impl: str = "blockwise",
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Context-parallel attention: the sequence axis is sharded over `axis_name`.
 
@@ -252,13 +257,17 @@ def ring_attention(
     q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal, window,
       softcap, scale: as in `flash_attention`; positions are global token
       positions in the same order as the arrays.
-    block_sizes: tiles of the per-device blockwise kernel.
+    block_sizes: tiles of the kernel that each ring step runs.
     batch_axes: mesh axes (those present with size > 1) that shard B.
     head_axes: mesh axes (those present with size > 1) that shard H and KV.
     heads_per_pass: local q heads per ring pass (a multiple or divisor of the
       group size H / KV); default one kv head and its q heads per pass. Each
       pass runs the whole ring, so float32 accumulators exist for one pass's
       heads only; fewer heads per pass trade K/V traffic for memory.
+    impl: the kernel of each ring step, as in `flash_attention`: "blockwise",
+      "pallas_gpu", "pallas_tpu" or "auto" (the default backend's Pallas
+      kernel, blockwise on CPU).
+    interpret: run a Pallas kernel through the Pallas interpreter (on CPU).
 
   Returns:
     (out [B, T, H, Dv], lse [B, H, T]), sharded along T over `axis_name`, in
@@ -266,10 +275,12 @@ def ring_attention(
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  kernel = implementation.choose(impl, interpret)
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if axis_name not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack {axis_name!r}")
   mask_lib.check_qkv(q, k, v)
+  kernel.check(q, v)
   b, t, h, d = q.shape
   if k.shape[1] != t:
     raise ValueError(f"ring attention needs S == T, got {k.shape[1]} != {t}")
@@ -282,11 +293,8 @@ def ring_attention(
   mi = mask_lib.make_mask_inputs(
       b, t, t, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, window=window)
-  tiles = (block_sizes or BlockSizes()).clamp(t // n, t // n)
-  st = blockwise.Static(
-      causal=causal, softcap=None if softcap is None else float(softcap),
-      scale=d ** -0.5 if scale is None else float(scale),
-      block_q=tiles.block_q, block_kv=tiles.block_kv)
+  st = kernel.static(block_sizes, t // n, t // n, d, causal=causal,
+                     softcap=softcap, scale=scale)
   bax = partition.present_axes(mesh, batch_axes)
   hax = partition.present_axes(mesh, head_axes)
   x_spec, ids_spec = P(bax, axis_name, hax, None), P(bax, axis_name)
@@ -302,10 +310,10 @@ def ring_attention(
         mi.window)
     ps = _passes(q.shape[2], k.shape[2], heads_per_pass)
     out, lse = _ring(pad(q, st.block_q), pad(k, st.block_kv),
-                     pad(v, st.block_kv), mi, st, axis_name, n, ps)
+                     pad(v, st.block_kv), mi, st, axis_name, n, ps, kernel)
     return out[:, :tl], lse[:, :, :tl]
 
   return jax.shard_map(
       local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mi_spec),
       out_specs=(x_spec, P(bax, hax, axis_name)),
-  )(q, k, v, mi)
+      check_vma=kernel.checks_vma)(q, k, v, mi)

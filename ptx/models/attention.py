@@ -11,8 +11,12 @@ Implementations (`impl`):
   xla        materialised [T, S] logits (`dense_attention`): fastest for short sequences
   blockwise  pure-JAX flash attention with an O(T) custom VJP (the CPU choice)
   pallas     the Pallas kernel of the backend (GPU: Triton-style, TPU: Mosaic)
-  ring       context parallelism: K/V blocks rotate over the `seq` mesh axis
+  ring       context parallelism: K/V blocks rotate over the `seq` mesh axis, and each
+             hop runs the backend's Pallas kernel (blockwise on CPU)
   auto       pallas on GPU and TPU, blockwise on CPU
+
+`interpret_pallas` lets CPU tests run the model's Pallas paths: inside it the
+platform's Pallas kernel is one of the two, run through the Pallas interpreter.
 
 Shapes: q [B, T, H, K]; k, v [B, S, N, K] with H a multiple of N (grouped
 queries share a KV head without K/V being repeated).
@@ -33,12 +37,40 @@ import jax
 import jax.numpy as jnp
 import ptx_kernels
 from jax.sharding import PartitionSpec
+from ptx_kernels import implementation
 
 from ptx import sharding
 
 IMPLEMENTATIONS = ("xla", "blockwise", "pallas", "ring", "auto")
-_PALLAS = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 _TOKEN_MASKS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+# The Pallas kernel that `interpret_pallas` puts in the platform's place. A jit cache key: a program traced inside
+# the block is never reused outside it, nor one traced outside reused inside.
+_INTERPRETED = jax.make_user_context(None)
+
+
+def interpret_pallas(kernel: str = "pallas_gpu"):
+  """A context in which the platform's Pallas kernel is `kernel`, run through the Pallas interpreter.
+
+  For tests on CPU: inside it impl "pallas" and "auto" run `kernel`, and "ring" runs it on each hop. The default
+  is the GPU kernel, whose generic interpreter is ~100x faster than the TPU one.
+
+  Args:
+    kernel: "pallas_gpu" or "pallas_tpu".
+
+  Returns:
+    The context manager.
+  """
+  if kernel not in implementation.PALLAS:
+    raise ValueError(f"interpret_pallas kernel must be one of {implementation.PALLAS}, got {kernel!r}")
+  return _INTERPRETED(kernel)
+
+
+def _platform_kernel() -> implementation.Kernel | None:
+  """The platform's Pallas kernel (the interpreted stand-in inside `interpret_pallas`); None on CPU."""
+  if _INTERPRETED.value is not None:
+    return implementation.Kernel(_INTERPRETED.value, interpret=True)
+  kernel = implementation.choose("auto")
+  return None if kernel.name == "blockwise" else kernel
 
 
 def attention(
@@ -86,23 +118,25 @@ def attention(
                causal=True, window=window, softcap=softcap, scale=scale)
   if impl == "xla":
     return ptx_kernels.dense_attention(q, k, v, **masks)[0]
+  platform = _platform_kernel()
+  if impl == "pallas" and platform is None:
+    raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {jax.default_backend()!r}; use 'blockwise' "
+                     "or 'auto'")
+  kernel = implementation.Kernel("blockwise") if impl == "blockwise" or platform is None else platform
   if impl == "ring":
     if jax.sharding.get_abstract_mesh().empty:
       raise ValueError("attention impl 'ring' runs over the `seq` axis of the current mesh; none is set")
-    return ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, **masks)[0]
-  if impl == "pallas":
-    backend = jax.default_backend()
-    if backend not in _PALLAS:
-      raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {backend!r}; use 'blockwise' or 'auto'")
-    impl = _PALLAS[backend]
-  return _per_device(functools.partial(ptx_kernels.flash_attention, impl=impl), q, k, v, masks, rules)
+    return ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, impl=kernel.name,
+                                      interpret=kernel.interpret, **masks)[0]
+  return _per_device(kernel, q, k, v, masks, rules)
 
 
-def _per_device(kernel, q, k, v, masks, rules: sharding.Rules) -> jax.Array:
-  """Runs `kernel` on each device's rows and heads under shard_map (whole sequences)."""
+def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.Rules) -> jax.Array:
+  """Runs the flash `kernel` on each device's rows and heads under shard_map (whole sequences)."""
+  flash = functools.partial(ptx_kernels.flash_attention, impl=kernel.name, interpret=kernel.interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return kernel(q, k, v, **masks)[0]
+    return flash(q, k, v, **masks)[0]
   spec = lambda names, x: sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
   q_spec = spec(("batch", None, "heads", None), q)
   kv_spec = spec(("batch", None, "kv_heads", None), k)
@@ -115,6 +149,7 @@ def _per_device(kernel, q, k, v, masks, rules: sharding.Rules) -> jax.Array:
   specs = {name: PartitionSpec() if name == "window" else PartitionSpec(q_spec[0], None) for name in arrays}
 
   def local(q, k, v, arrays):
-    return kernel(q, k, v, **arrays, **static)[0]
+    return flash(q, k, v, **arrays, **static)[0]
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs), out_specs=q_spec)(q, k, v, arrays)
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs), out_specs=q_spec,
+                       check_vma=kernel.checks_vma)(q, k, v, arrays)

@@ -1,4 +1,8 @@
-"""Ring attention over 8 fake devices == reference; the program is a real ring."""
+"""Ring attention over 8 fake devices == reference with each per-hop kernel; the program is a real ring.
+
+The Pallas kernels run interpreted: the GPU one through the generic interpreter on 8 devices, the TPU one
+through the TPU interpreter (~100x slower) on a ring of 2 devices, whose 128-token shards fill one tile.
+"""
 
 import functools
 
@@ -28,18 +32,24 @@ def test_zigzag_round_trip_and_chunk_placement():
   np.testing.assert_array_equal(pk.from_zigzag(z, 4), x)
 
 
-@pytest.mark.parametrize("shape, kvh, layout, kw", [
-    ((1, 1, 2, 4), 2, "contiguous", dict(window=40, softcap=20.0)),
-    ((1, 1, 1, 8), 1, "zigzag", dict()),
-    ((2, 1, 1, 4), 1, "zigzag", dict(packed=True)),
+@pytest.mark.parametrize("impl, shape, dims, layout, kw", [
+    # dims (B, T, KV): 96 tokens are 12 or 24 per device, not a multiple of the 8-token tiles.
+    ("blockwise", (1, 1, 2, 4), (2, 96, 2), "contiguous", dict(window=40, softcap=20.0)),
+    ("blockwise", (1, 1, 1, 8), (2, 96, 1), "zigzag", dict()),
+    ("blockwise", (2, 1, 1, 4), (2, 96, 1), "zigzag", dict(packed=True)),
+    # 12 tokens per device: padded up to the GPU kernel's 16-row tiles.
+    ("pallas_gpu", (1, 1, 1, 8), (2, 96, 2), "contiguous", dict(window=40, softcap=20.0)),
+    ("pallas_gpu", (1, 1, 1, 8), (2, 96, 1), "zigzag", dict(packed=True, heads_per_pass=1)),
+    ("pallas_tpu", (1, 1, 1, 2), (1, 256, 2), "zigzag", dict(packed=True, window=100)),
 ])
-def test_matches_reference_fwd_and_grads(helpers, shape, kvh, layout, kw):
-  # 96 tokens: 12 or 24 per device, not a multiple of the 8-token tiles.
-  b, t, h, d, n = 2, 96, 4, 16, shape[-1]
+def test_matches_reference_fwd_and_grads(helpers, impl, shape, dims, layout, kw):
+  (b, t, kvh), h, d, n = dims, 4, 16, shape[-1]
   q, k, v = helpers.make_qkv(11, b, t, t, h, kvh, d)
   mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor", "seq"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                       devices=jax.devices()[:int(np.prod(shape))])
   kw = dict(kw)
+  per_pass = kw.pop("heads_per_pass", None)
   packed = kw.pop("packed", False)
   if packed:
     seg = helpers.ragged_segments(5, b, t)
@@ -47,7 +57,7 @@ def test_matches_reference_fwd_and_grads(helpers, shape, kvh, layout, kw):
   slow = functools.partial(pk.reference_attention, **kw)
   if layout == "zigzag":
     zz = lambda x: pk.to_zigzag(x, n)
-    ring_kw = {n: zz(x) for n, x in kw.items()}  # Only segment ids here.
+    ring_kw = {name: zz(x) if name.endswith("segment_ids") else x for name, x in kw.items()}
     if packed:  # Explicit positions; the unpacked case uses the defaults.
       pos = zz(jnp.broadcast_to(jnp.arange(t), (b, t)))
       ring_kw.update(q_positions=pos, kv_positions=pos)
@@ -55,7 +65,8 @@ def test_matches_reference_fwd_and_grads(helpers, shape, kvh, layout, kw):
   else:
     ring_kw, unzz = kw, lambda x, axis=1: x
   ring = functools.partial(pk.ring_attention, mesh=mesh, layout=layout,
-                           block_sizes=TILES, **ring_kw)
+                           block_sizes=TILES, impl=impl, interpret=impl != "blockwise",
+                           heads_per_pass=per_pass, **ring_kw)
 
   def fast(q, k, v):
     # Compare in natural order: the layout is undone inside the program.
@@ -111,3 +122,7 @@ def test_invalid_ring_inputs_raise(seq_mesh):
     pk.ring_attention(x, x, x, mesh=seq_mesh, layout="striped")
   with pytest.raises(ValueError, match="lack"):
     pk.ring_attention(x, x, x, mesh=seq_mesh, axis_name="sp")
+  with pytest.raises(ValueError, match=r"head_dim a power of two >= 16, got 4 \(q \(1, 24, 2, 4\)"):
+    pk.ring_attention(x, x, x, mesh=seq_mesh, impl="pallas_gpu", interpret=True)
+  with pytest.raises(ValueError, match="runs on a GPU"):
+    pk.ring_attention(x, x, x, mesh=seq_mesh, impl="pallas_gpu")

@@ -1,5 +1,10 @@
-"""The model runs the same under every attention implementation (CPU ones here)."""
+"""The model runs the same under every attention implementation, and its program runs the one the config names.
 
+The Pallas kernels run through the Pallas interpreter (`interpret_pallas`); the GPU kernel needs head_dim a power
+of two >= 16, so its tests widen the tiny config's heads to 16.
+"""
+
+import contextlib
 import dataclasses
 
 import jax
@@ -9,8 +14,9 @@ import pytest
 
 from model_variants import gemma_like
 from tolerances import assert_close_to_scale
-from ptx.config import MeshConfig
+from ptx.config import MeshConfig, ModelConfig
 from ptx.models import attention, forward, init_params
+from ptx.models.attention import interpret_pallas
 from ptx.sharding import make_mesh
 
 fwd = jax.jit(forward, static_argnames=("cfg",))
@@ -28,10 +34,18 @@ def _inputs(cfg):
   return tokens, positions, segments
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "auto"])
-@pytest.mark.parametrize("variant", ["llama", "gemma"])
+def _runs(impl):
+  """The context an implementation runs in on CPU: the Pallas interpreter for "pallas"."""
+  return interpret_pallas() if impl == "pallas" else contextlib.nullcontext()
+
+
+# The interpreted Pallas kernel compiles slowly: once, on the variant with windows and soft-caps.
+@pytest.mark.parametrize("impl, variant", [("blockwise", "llama"), ("blockwise", "gemma"), ("auto", "llama"),
+                                           ("auto", "gemma"), ("pallas", "gemma")])
 def test_kernels_match_the_reference_in_the_model(tiny_config, impl, variant):
   cfg = gemma_like(tiny_config) if variant == "gemma" else tiny_config
+  if impl == "pallas":
+    cfg = dataclasses.replace(cfg, head_dim=16)
   params = init_params(cfg, jax.random.key(0))
   tokens, positions, segments = _inputs(cfg)
   real = np.asarray(segments) > 0
@@ -42,9 +56,46 @@ def test_kernels_match_the_reference_in_the_model(tiny_config, impl, variant):
     return (logits * real[..., None]).sum(), logits
 
   (_, want), g_want = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, "xla")
-  (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
+  with _runs(impl):
+    (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, impl)
   np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=LOGITS_TOL, rtol=LOGITS_TOL)
   jax.tree.map(lambda a, b: assert_close_to_scale(a, b, GRADS_REL), g_got, g_want)
+
+
+# Programs of a 1-layer model forward: the config's attention_impl, over the `seq` mesh, inside interpret_pallas.
+PROGRAMS = {"xla": ("xla", False, False), "blockwise": ("blockwise", False, False), "pallas": ("pallas", False, True),
+            "ring": ("ring", True, False), "ring+pallas": ("ring", True, True)}
+# What each implementation leaves in a compiled program, and the programs that hold it (no other may).
+MARKERS = {
+    "ptx_dense_attention": ["xla"],  # dense_attention's named scope
+    "ptx_blockwise_fwd": ["blockwise", "ring"],  # the blockwise kernel's named scope; on CPU ring hops run it
+    "ptx_flash_fwd": ["pallas", "ring+pallas"],  # the GPU Pallas kernel's pallas_call; ring hops run the platform's
+    "collective-permute": ["ring", "ring+pallas"],  # the ring's K/V rotation
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_forwards():
+  """The compiled HLO text of each program in PROGRAMS."""
+  cfg = ModelConfig(vocab_size=264, d_model=40, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=96,
+                    rope_theta=10_000.0)
+  params = init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((2, 32), jnp.int32)
+  texts = {}
+  for name, (impl, over_seq, interpreted) in PROGRAMS.items():
+    c = dataclasses.replace(cfg, attention_impl=impl)
+    with contextlib.ExitStack() as stack:
+      if over_seq:
+        stack.enter_context(jax.set_mesh(make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=8))))
+      if interpreted:
+        stack.enter_context(interpret_pallas())
+      texts[name] = jax.jit(lambda p, t, c=c: forward(p, t, c)).lower(params, tokens).compile().as_text()
+  return texts
+
+
+@pytest.mark.parametrize("marker", MARKERS)
+def test_the_compiled_program_runs_the_named_implementation(compiled_forwards, marker):
+  assert [name for name, text in compiled_forwards.items() if marker in text] == MARKERS[marker]
 
 
 def test_ring_attention_in_the_model_over_the_seq_axis(tiny_config):
