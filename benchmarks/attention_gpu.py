@@ -4,8 +4,10 @@
   python benchmarks/attention_gpu.py --seq-lens 8192 32768 --repeats 5
 
 First checks correctness on small shapes (Pallas kernel and cuDNN against the
-float32 reference, forward and gradients), then times causal forward and
-forward+backward at each length (batch 1, head_dim 128, GQA 8:1, bf16) and
+float32 reference, forward and gradients, in float32 and bfloat16; the Pallas
+kernel also with packed segments, a sliding window and a soft-cap), then times
+causal forward and forward+backward at each length (batch 1, head_dim 128,
+GQA 8:1, bf16) and
 prints TFLOP/s (causal FLOPs: fwd 2*B*H*T*T*D, fwd+bwd 3.5x that) and the
 compiled memory of the Pallas forward+backward. Errors (e.g. out of memory)
 are reported as JSON lines instead of stopping the run. Goal: Pallas forward
@@ -36,17 +38,27 @@ def _cudnn(q, k, v):
   return out, None
 
 
-def _pallas(tiles, q, k, v):
-  """The ptx GPU kernel with the given tiles."""
-  return pk.flash_attention(q, k, v, impl="pallas_gpu", block_sizes=tiles)
+def _pallas(tiles, q, k, v, interpret=False, **masks):
+  """The ptx GPU kernel with the given tiles (interpreted on CPU when `interpret`)."""
+  return pk.flash_attention(q, k, v, impl="pallas_gpu", block_sizes=tiles, interpret=interpret, **masks)
+
+
+def _cases(b, t):
+  """(name, q heads, kv heads, mask arguments) of the correctness check: GQA, packing, window + soft-cap."""
+  # Three documents of t/2, t/4 and t/8 tokens, then padding (segment 0), in every row.
+  lengths = [t // 2, t // 4, t // 8, t - t // 2 - t // 4 - t // 8]
+  seg = jnp.asarray(np.broadcast_to(np.repeat([1, 2, 3, 0], lengths), (b, t)), jnp.int32)
+  return (("gqa_causal", 8, 2, {}),
+          ("gqa_packed", 8, 2, dict(q_segment_ids=seg, kv_segment_ids=seg)),
+          ("mqa_window_softcap", 8, 1, dict(window=t // 8, softcap=5.0)))
 
 
 def _fwd_bwd(attention):
-  """Jitted gradients of <out, dout> in q, k, v."""
+  """Jitted ((dq, dk, dv), out): the gradients of <out, dout> in q, k, v, and out, from one program."""
   def loss(q, k, v, dout):
-    return jnp.sum(attention(q, k, v)[0].astype(jnp.float32)
-                   * dout.astype(jnp.float32))
-  return jax.jit(jax.grad(loss, (0, 1, 2)))
+    out = attention(q, k, v)[0]
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+  return jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))
 
 
 def _rel_err(got, want) -> float:
@@ -55,32 +67,40 @@ def _rel_err(got, want) -> float:
   return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def check(tiles):
-  """Small-shape correctness of both kernels against the f32 reference."""
-  b, t, h, kv, d = 2, 1024, 8, 1, 128
+# Bound on each relative error per input dtype, as tests/kernels/conftest.py's assert_matches sets them: 1e-5 for
+# float32 inputs, where only the order of the float32 sums differs; 1e-2 for bfloat16 inputs, whose outputs and
+# gradients keep 8 mantissa bits (a rounding of up to 2^-9 at each of several steps) while every kernel accumulates
+# in float32.
+TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
+  """Yields one row per case, dtype and kernel: max relative errors against the f32 reference, fwd and bwd."""
   keys = jax.random.split(jax.random.key(0), 4)
-  for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
-    q = jax.random.normal(keys[0], (b, t, h, d), dtype)
-    k = jax.random.normal(keys[1], (b, t, kv, d), dtype)
-    v = jax.random.normal(keys[2], (b, t, kv, d), dtype)
-    dout = jax.random.normal(keys[3], q.shape, dtype)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-    want = pk.reference_attention(*f32[:3])[0]
-    want_grads = _fwd_bwd(pk.reference_attention)(*f32)
-    impls = {"pallas_gpu": functools.partial(_pallas, tiles)}
-    if dtype == jnp.bfloat16:  # cuDNN flash attention takes fp16/bf16 only.
-      impls["cudnn"] = _cudnn
-    for name, attention in impls.items():
-      try:
-        out = jax.jit(lambda q, k, v: attention(q, k, v)[0])(q, k, v)
-        grads = _fwd_bwd(attention)(q, k, v, dout)
-        errs = [_rel_err(out, want)] + [
-            _rel_err(g, w) for g, w in zip(grads, want_grads)]
-        _emit(bench="attention_gpu_check", impl=name, dtype=jnp.dtype(dtype).name,
-              rel_err_out=errs[0], rel_err_dq=errs[1], rel_err_dk=errs[2],
-              rel_err_dv=errs[3], tolerance=tol, ok=max(errs) < tol)
-      except Exception as e:  # Report and carry on with the other checks.
-        _emit(bench="attention_gpu_check", impl=name, error=repr(e)[:500])
+  for case, h, kv, masks in _cases(b, t):
+    for dtype in dtypes:
+      tol = TOLERANCES[dtype]
+      q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+      k = jax.random.normal(keys[1], (b, t, kv, d), dtype)
+      v = jax.random.normal(keys[2], (b, t, kv, d), dtype)
+      dout = jax.random.normal(keys[3], q.shape, dtype)
+      f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+      reference = functools.partial(pk.reference_attention, **masks)
+      want_grads, want = _fwd_bwd(reference)(*f32)
+      impls = {"pallas_gpu": functools.partial(_pallas, tiles, interpret=interpret, **masks)}
+      # cuDNN flash attention takes fp16/bf16 only, and jax.nn's call has no segment ids or soft-cap.
+      if dtype == "bfloat16" and not masks and jax.default_backend() == "gpu":
+        impls["cudnn"] = _cudnn
+      for name, attention in impls.items():
+        row = dict(bench="attention_gpu_check", case=case, impl=name, dtype=dtype, batch=b,
+                   seq_len=t, heads=h, kv_heads=kv, head_dim=d)
+        try:
+          grads, out = _fwd_bwd(attention)(q, k, v, dout)
+          errs = [_rel_err(out, want)] + [_rel_err(g, w) for g, w in zip(grads, want_grads)]
+          yield dict(row, rel_err_out=errs[0], rel_err_dq=errs[1], rel_err_dk=errs[2], rel_err_dv=errs[3],
+                     tolerance=tol, ok=max(errs) < tol)
+        except Exception as e:  # Report and carry on with the other checks.
+          yield dict(row, error=repr(e)[:500])
 
 
 def _best_seconds(program, args, repeats):
@@ -94,10 +114,13 @@ def _best_seconds(program, args, repeats):
   return best
 
 
-def bench(args, tiles):
-  """Causal fwd and fwd+bwd TFLOP/s of Pallas and cuDNN per sequence length."""
-  h, kv, d = args.heads, args.heads // 8, 128
-  for t in args.seq_lens:
+def bench(seq_lens, heads, repeats, tiles, interpret=False):
+  """Yields causal fwd and fwd+bwd TFLOP/s of Pallas and cuDNN (on a GPU only), one row per sequence length."""
+  h, kv, d = heads, max(heads // 8, 1), 128
+  impls = [("pallas_gpu", functools.partial(_pallas, tiles, interpret=interpret))]
+  if jax.default_backend() == "gpu":
+    impls.append(("cudnn", _cudnn))
+  for t in seq_lens:
     keys = jax.random.split(jax.random.key(t), 4)
     q = jax.random.normal(keys[0], (1, t, h, d), jnp.bfloat16)
     k = jax.random.normal(keys[1], (1, t, kv, d), jnp.bfloat16)
@@ -107,11 +130,12 @@ def bench(args, tiles):
     row = dict(bench="attention_gpu", seq_len=t, heads=h, kv_heads=kv,
                head_dim=d, dtype="bfloat16", block_q=tiles.block_q,
                block_kv=tiles.block_kv)
-    for name, attention in (("pallas_gpu", functools.partial(_pallas, tiles)),
-                            ("cudnn", _cudnn)):
+    if len(impls) == 1:
+      row["cudnn"] = "skipped: no GPU"
+    for name, attention in impls:
       try:
         fwd = jax.jit(lambda q, k, v, a=attention: a(q, k, v)[0])
-        seconds = _best_seconds(fwd, (q, k, v), args.repeats)
+        seconds = _best_seconds(fwd, (q, k, v), repeats)
         row[f"{name}_fwd_s"] = round(seconds, 5)
         row[f"{name}_fwd_tflops"] = round(fwd_flops / seconds / 1e12, 1)
         grad = _fwd_bwd(attention)
@@ -120,7 +144,7 @@ def bench(args, tiles):
           row["pallas_gpu_fwd_bwd_gib"] = round(
               (mem.argument_size_in_bytes + mem.output_size_in_bytes
                + mem.temp_size_in_bytes) / 2**30, 2)
-        seconds = _best_seconds(grad, (q, k, v, dout), args.repeats)
+        seconds = _best_seconds(grad, (q, k, v, dout), repeats)
         row[f"{name}_fwd_bwd_s"] = round(seconds, 5)
         row[f"{name}_fwd_bwd_tflops"] = round(3.5 * fwd_flops / seconds / 1e12, 1)
       except Exception as e:  # OOM or an unsupported shape: report, go on.
@@ -128,7 +152,7 @@ def bench(args, tiles):
     if "pallas_gpu_fwd_tflops" in row and "cudnn_fwd_tflops" in row:
       row["fwd_vs_cudnn"] = round(
           row["pallas_gpu_fwd_tflops"] / row["cudnn_fwd_tflops"], 3)
-    _emit(**row)
+    yield row
 
 
 def main():
@@ -144,8 +168,10 @@ def main():
   _emit(bench="attention_gpu_device", device=str(jax.devices()[0]),
         jax=jax.__version__)
   tiles = pk.BlockSizes(args.block_q, args.block_kv)
-  check(tiles)
-  bench(args, tiles)
+  for row in check(tiles):
+    _emit(**row)
+  for row in bench(args.seq_lens, args.heads, args.repeats, tiles):
+    _emit(**row)
 
 
 if __name__ == "__main__":

@@ -62,22 +62,37 @@ def _blocked(fn, *args):
   return out, time.perf_counter() - start
 
 
-def _ptx_round(steps: int, warmup: int) -> dict:
-  """Times `steps` fused GRPO steps after `warmup`, and the phases as separate programs."""
+def ptx_round(steps: int, warmup: int, cfg: ModelConfig = CFG, prompts: int = PROMPTS, group: int = GROUP,
+              prompt_len: int = PROMPT_LEN, new: int = NEW, phases: bool = True) -> dict:
+  """Times `steps` fused GRPO steps after `warmup`, and (with `phases`) the phases as separate programs.
+
+  Args:
+    steps: timed steps.
+    warmup: untimed steps first (the first compiles).
+    cfg: the model (the anchor's by default).
+    prompts: prompts per step, each BOS + `prompt_len - 1` random ids.
+    group: completions per prompt.
+    prompt_len: tokens per prompt.
+    new: tokens generated per completion (all of them: the stop id is never emitted).
+    phases: also time sample / reward / logps / update as separate programs (four more compiles).
+
+  Returns:
+    The round's JSON record.
+  """
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
   optimizer = make_optimizer(OptimizerConfig(lr=1e-5, warmup_steps=0, min_lr_ratio=1.0, b2=0.999,
                                              weight_decay=1e-4, clip_norm=0.0), warmup + steps)
-  grpo_cfg = GRPOConfig(group_size=GROUP, beta=BETA, max_response_tokens=NEW)
-  shardings = state_shardings(CFG, optimizer, mesh, with_reference=True)
-  state = init_state(CFG, optimizer, 0, mesh, with_reference=True)
-  spec = rl_step.RLSpec(model=CFG, grpo=grpo_cfg, max_new_tokens=NEW, stop_ids=(CFG.vocab_size,))
+  grpo_cfg = GRPOConfig(group_size=group, beta=BETA, max_response_tokens=new)
+  shardings = state_shardings(cfg, optimizer, mesh, with_reference=True)
+  state = init_state(cfg, optimizer, 0, mesh, with_reference=True)
+  spec = rl_step.RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=new, stop_ids=(cfg.vocab_size,))
   step = rl_step.make_grpo_step(spec, _even_ids, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
   rng = np.random.default_rng(0)
 
   def batch():
-    prompts = np.concatenate([np.ones((PROMPTS, 1), np.int32),
-                              rng.integers(3, CFG.vocab_size, (PROMPTS, PROMPT_LEN - 1)).astype(np.int32)], axis=1)
-    return {"prompts": prompts, "prompt_lengths": np.full(PROMPTS, PROMPT_LEN, np.int32), "task": {}}
+    ids = np.concatenate([np.ones((prompts, 1), np.int32),
+                          rng.integers(3, cfg.vocab_size, (prompts, prompt_len - 1)).astype(np.int32)], axis=1)
+    return {"prompts": ids, "prompt_lengths": np.full(prompts, prompt_len, np.int32), "task": {}}
 
   times, cpu = [], []
   for i in range(warmup + steps):
@@ -86,10 +101,24 @@ def _ptx_round(steps: int, warmup: int) -> dict:
     times.append(t)
     cpu.append(time.process_time() - c0)
   timed = times[warmup:]
+  record = {"framework": "ptx", "num_prompts": prompts, "group_size": group, "prompt_len": prompt_len,
+            "gen_len": new, "beta": BETA, "step_s_median": round(statistics.median(timed), 4),
+            "step_s_min": round(min(timed), 4), "step_s": round(statistics.mean(timed), 4),
+            "cpu_s_per_step": round(statistics.mean(cpu[warmup:]), 4), "first_step_s": round(times[0], 3),
+            "step_times_s": [round(t, 4) for t in times],
+            "response_length_mean": float(metrics["response_length/mean"]),
+            # jit's count of compiled programs (a private method, absent in some JAX versions).
+            "executables_per_step": getattr(step, "_cache_size", lambda: None)(), "loadavg_1m": os.getloadavg()[0]}
+  if phases:
+    record["phase_s"] = _phases(state, batch, spec, optimizer, mesh, group, steps, warmup)
+  return record
 
+
+def _phases(state, batch, spec, optimizer, mesh, group: int, steps: int, warmup: int) -> dict[str, float]:
+  """Median seconds of sample, reward, logps and update, each a separate blocked program."""
   under_mesh = lambda f: lambda *a: _with_mesh(mesh, f, *a)
   sample = jax.jit(under_mesh(lambda s, p, l, k: rl_step.sample(model_params(s, None), p, l, k, spec)))
-  rollout = jax.jit(under_mesh(lambda p, l, g: rl_step.rollout_batch(p, l, g, GROUP)))
+  rollout = jax.jit(under_mesh(lambda p, l, g: rl_step.rollout_batch(p, l, g, group)))
   reward = jax.jit(lambda g: _even_ids(g, None))
   logps = jax.jit(under_mesh(lambda s, b: rl_step.batch_logps(reference_params(s), b, spec)))
   learn = jax.jit(under_mesh(lambda s, b, g, r: rl_step.learn(s, b, g, r, jax.random.key(1), spec, optimizer)),
@@ -107,14 +136,8 @@ def _ptx_round(steps: int, warmup: int) -> dict:
     (state, _), t = _blocked(learn, state, rollouts, gen, rewards)
     phases["learn"].append(t)
   med = {k: statistics.median(v[warmup:]) for k, v in phases.items()}
-  return {"framework": "ptx", "num_prompts": PROMPTS, "group_size": GROUP, "prompt_len": PROMPT_LEN, "gen_len": NEW,
-          "beta": BETA, "step_s_median": round(statistics.median(timed), 4), "step_s_min": round(min(timed), 4),
-          "step_s": round(statistics.mean(timed), 4), "cpu_s_per_step": round(statistics.mean(cpu[warmup:]), 4),
-          "first_step_s": round(times[0], 3), "step_times_s": [round(t, 4) for t in times],
-          "phase_s": {"sample": round(med["sample"], 5), "reward": round(med["reward"], 5),
-                      "logps": round(med["logps"], 5), "update": round(med["learn"] - med["logps"], 5)},
-          "response_length_mean": float(metrics["response_length/mean"]),
-          "executables_per_step": step._cache_size(), "loadavg_1m": os.getloadavg()[0]}
+  return {"sample": round(med["sample"], 5), "reward": round(med["reward"], 5), "logps": round(med["logps"], 5),
+          "update": round(med["learn"] - med["logps"], 5)}
 
 
 def _with_mesh(mesh, fn, *args):
@@ -142,7 +165,7 @@ def main() -> None:
       record = json.loads(line)
       lines.append({"framework": "tunix", "loadavg_1m": record["loadavg_1m_end"], **record["grpo"]})
       print(json.dumps(lines[-1]), flush=True)
-    lines.append(_ptx_round(args.steps, args.warmup))
+    lines.append(ptx_round(args.steps, args.warmup))
     print(json.dumps(lines[-1]), flush=True)
   if args.tunix_python:
     print(json.dumps({**run_medians.summary(run_medians.GRPO, lines), "loadavg_1m": os.getloadavg()[0]}), flush=True)

@@ -45,6 +45,8 @@ MiB = 2**20
 # The model of the issue's 1M-token memory check.
 MODEL_1M = ModelConfig(vocab_size=32768, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
                        mlp_dim=768, attention_impl="ring", remat="full", logits_chunk=1024)
+# The same model on one GPU: Pallas attention, bfloat16 compute.
+MODEL_1M_GPU = dataclasses.replace(MODEL_1M, attention_impl="pallas", compute_dtype="bfloat16")
 # A smaller one that runs 128K tokens on two CPU cores in minutes.
 MODEL_CPU = ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32, mlp_dim=128,
                         attention_impl="ring", remat="full", logits_chunk=1024)
@@ -91,10 +93,19 @@ def run_cpu(args):
       peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), load=_load())), flush=True)
 
 
-def compile_1m(args):
-  """Compile-only memory of a 1M-token training step over 8 devices against the stated floor."""
-  cfg, t, n = MODEL_1M, 2**20, 8
-  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=n))
+def compile_memory(cfg: ModelConfig, t: int, n: int, devices=None) -> dict:
+  """Compile-only memory of a `t`-token training step over `n` devices (`seq` = n) against the stated floor.
+
+  Args:
+    cfg: the model.
+    t: tokens of the one sequence.
+    n: devices of the `seq` axis.
+    devices: the devices (default: the first n).
+
+  Returns:
+    The JSON record: per-device MiB, the floor's parts and their ratio, compile seconds.
+  """
+  mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=n), devices)
   step, optimizer = _train_step(cfg, mesh)
   shardings = state_shardings(cfg, optimizer, mesh)
   with jax.set_mesh(mesh):
@@ -106,17 +117,16 @@ def compile_1m(args):
     ).memory_analysis()
   used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
   floor = training_floor_bytes(cfg, batch=1, seq_len=t, seq_shards=n)
-  print(json.dumps(dict(
-      bench="long_context_1m_compile", tokens=t, devices=n, model=_describe(cfg),
+  return dict(
+      tokens=t, devices=n, model=_describe(cfg),
       per_device_mib=round(used / MiB), temp_mib=round(mem.temp_size_in_bytes / MiB),
       floor_mib={k: round(v / MiB) for k, v in floor.items()}, ratio_to_floor=round(used / floor["total"], 2),
-      compile_s=round(time.perf_counter() - start, 1), load=_load())), flush=True)
+      compile_s=round(time.perf_counter() - start, 1), load=_load())
 
 
 def train_gpu(args):
   """Trains the 1M-token model on the one GPU for `--gpu-steps` steps; prints tokens/s."""
-  cfg = dataclasses.replace(MODEL_1M, attention_impl="pallas", compute_dtype="bfloat16")
-  t = 2**20
+  cfg, t = MODEL_1M_GPU, 2**20
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
   step, optimizer = _train_step(cfg, mesh)
   with jax.set_mesh(mesh):
@@ -154,7 +164,7 @@ def main():
     train_gpu(args)
     return
   if not args.skip_compile:
-    compile_1m(args)
+    print(json.dumps(dict(bench="long_context_1m_compile", **compile_memory(MODEL_1M, 2**20, 8))), flush=True)
   if not args.skip_run:
     run_cpu(args)
 

@@ -1,0 +1,229 @@
+"""One-shot accelerator check (issue #27): kernels, attention TFLOP/s, SmolLM2 SFT and GRPO steps, 1M-token memory.
+
+  bash benchmarks/device_check.sh                        # on the GPU machine: every section, under 8 minutes
+  bash benchmarks/device_check.sh --smoke                # tiny shapes on CPU (tests/benchmarks/test_device_check.py)
+  python benchmarks/device_check.py --section sft [--smoke]   # one section, as the wrapper runs each
+
+The wrapper runs each section in a process of its own under a time limit and
+prints what this script prints: one JSON line per figure, each with its
+`section`, the device kind, the backend, the JAX version and the load
+average; a failure is a line with an `error` field, and the next section
+runs. Sections, each reusing the benchmark that measures it:
+
+  env        Python, JAX and the device, and whether each section's modules
+             import (the GPU image has no grain or tensorboardX, which these
+             sections never import); exit 3 when nothing else can run
+  kernels    the Pallas GPU kernel against the float32 reference, forward and
+             backward, float32 and bfloat16: GQA, packed segments, a sliding
+             window with a soft-cap (attention_gpu.check; tolerances there)
+  attention  causal TFLOP/s of the Pallas kernel and of cuDNN through
+             jax.nn.dot_product_attention at 4K, 16K and 64K tokens, forward
+             and forward+backward (attention_gpu.bench)
+  sft        the SFT step of the SmolLM2-135M shape, random weights, bfloat16
+             compute, Pallas attention: median tokens/s and MFU after warm-up
+             (train.measure)
+  memory     the compile-only per-device memory of a 1M-token training step
+             on the one GPU against ptx.models.memory_floor
+             (long_context.compile_memory)
+  grpo       the fused GRPO step (sample, reward, update) of the same model
+             through rl_step.make_grpo_step (grpo.ptx_round)
+
+Where the Pallas model fails (sft, memory, grpo), its error line is followed
+by the same measurement with "xla" attention ("blockwise" at 1M tokens), so
+the step's other figures still come.
+
+MFU is model FLOP/s over PEAK_TFLOPS, the H200's dense bfloat16 datasheet
+figure (989 TFLOP/s; this workplace measured 769-798 on 8192^3 bf16 matmuls).
+A GRPO step's model FLOPs are 5/3 of a training step's over its rollout
+tokens: the update's forward+backward, the reference log-probs' forward and
+the sampler's (prefill and cached decoding do a forward's matmuls). Smoke mode
+(`--smoke`) runs every section with tiny shapes on the CPU: the kernel
+interpreted, no cuDNN ("skipped: no GPU"), 1-layer models with XLA attention;
+its figures only show that the code runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import sys
+import traceback
+
+PEAK_TFLOPS = 989.0  # H200 SXM dense bfloat16, the vendor's datasheet (KINDS.md measured ~790 on matmuls)
+# Exit codes the wrapper reads: a section that printed its own error line, and "nothing else can run".
+REPORTED, STOP = 2, 3
+# The modules each section imports (benchmarks/ is this script's folder, first on sys.path). Sections import them
+# themselves, so that a module that fails to import fails its sections alone, and env runs without JAX.
+MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
+           "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo")}
+
+
+def _context() -> dict:
+  """The fields every line carries: device kind, backend, JAX version, load average."""
+  import jax
+  return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+          "load": round(os.getloadavg()[0], 2)}
+
+
+def _emit(section: str, row: dict) -> None:
+  """Prints one JSON line of `section`."""
+  print(json.dumps({"section": section, **_context(), **row}, default=str), flush=True)
+
+
+def _stop(row: dict, error: str) -> None:
+  """Prints the env line that ends the run (without the context fields, which may not exist) and exits STOP."""
+  print(json.dumps({"section": "env", **row, "error": error, "load": round(os.getloadavg()[0], 2)}), flush=True)
+  sys.exit(STOP)
+
+
+def env(smoke: bool):
+  """Yields the environment line; exits STOP when JAX, its devices or (outside smoke mode) a GPU are missing."""
+  row = {"python": platform.python_version(), "executable": sys.executable, "smoke": smoke}
+  try:
+    import jax
+    devices = jax.devices()
+  except Exception as e:  # The one line a machine without a working JAX gets.
+    _stop({**row, "missing": ["jax"]}, f"jax does not start: {e!r}")
+  versions = {}
+  for name in ("jaxlib", "flax", "optax", "orbax.checkpoint", "numpy", "grain", "tensorboardX"):
+    try:  # grain and tensorboardX are ptx dependencies the GPU image lacks; no section imports them.
+      versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+    except Exception:
+      versions[name] = None
+  imports = {}
+  for section, modules in MODULES.items():
+    try:
+      for name in modules:
+        importlib.import_module(name)
+      imports[section] = "ok"
+    except Exception as e:  # Which section will fail, and on what, before it runs.
+      imports[section] = repr(e)[:200]
+  stats = devices[0].memory_stats() or {}
+  row.update(devices=len(devices), memory_gib=round(stats.get("bytes_limit", 0) / 2**30, 1), versions=versions,
+             imports=imports)
+  if not smoke and jax.default_backend() != "gpu":
+    _stop({**row, **_context()}, f"no GPU: JAX's backend is {jax.default_backend()!r}")
+  yield row
+
+
+def kernels(smoke: bool):
+  """Yields the Pallas kernel's errors against the reference, per case, dtype and kernel."""
+  import attention_gpu
+  import ptx_kernels as pk
+  if smoke:
+    yield from attention_gpu.check(pk.BlockSizes(32, 16), b=1, t=64, d=16, interpret=True, dtypes=("bfloat16",))
+  else:
+    yield from attention_gpu.check(pk.BlockSizes(128, 64))
+
+
+def attention(smoke: bool):
+  """Yields TFLOP/s of Pallas and cuDNN, one row per sequence length."""
+  import attention_gpu
+  import ptx_kernels as pk
+  if smoke:
+    yield from attention_gpu.bench([128], heads=8, repeats=1, tiles=pk.BlockSizes(32, 16), interpret=True)
+  else:
+    yield from attention_gpu.bench([4096, 16384, 65536], heads=16, repeats=5, tiles=pk.BlockSizes(128, 64))
+
+
+def _first_working(impls, measure):
+  """Yields `measure(impl)`'s row for the first attention impl that works, after an error row for each that fails.
+
+  The models' Pallas attention is the figure wanted; a fallback impl still gives the step's other figures.
+  """
+  for impl in impls:
+    try:
+      yield {"attention_impl": impl, **measure(impl)}
+      return
+    except Exception as e:  # Report, then try the next impl.
+      yield {"attention_impl": impl, "error": repr(e)[:800]}
+
+
+def _smollm2(smoke: bool, attention_impl: str):
+  """SmolLM2-135M's shape in bfloat16 compute, or (smoke) a 1-layer tiny model in float32, with `attention_impl`."""
+  from ptx.config import MODEL_PRESETS
+  import ptx.models  # noqa: F401  (registers the presets)
+  if smoke:
+    return dataclasses.replace(MODEL_PRESETS["tiny"](), n_layers=1, attention_impl=attention_impl)
+  return dataclasses.replace(MODEL_PRESETS["smollm2_135m"](), compute_dtype="bfloat16", attention_impl=attention_impl)
+
+
+def _impls(smoke: bool, fallback: str) -> tuple[str, ...]:
+  """Pallas, then `fallback`, on the GPU; XLA attention alone in smoke mode (the CPU has no Pallas model)."""
+  return ("xla",) if smoke else ("pallas", fallback)
+
+
+def sft(smoke: bool):
+  """Yields the SFT step's median tokens/s and MFU."""
+  import train
+  batch, seq_len, warmup, steps = (2, 64, 1, 1) if smoke else (16, 2048, 2, 5)
+
+  def measure(impl):
+    cfg = _smollm2(smoke, impl)
+    record = train.measure(cfg, batch, seq_len, warmup, steps, PEAK_TFLOPS * 1e3)
+    figures = record["sft"]
+    return dict(model="tiny" if smoke else "smollm2_135m", compute_dtype=cfg.compute_dtype, batch=batch,
+                seq_len=seq_len, n_params=record["n_params"], tokens_per_s=round(figures["tokens_per_s_median"]),
+                step_s_median=round(figures["step_s_median"], 4), step_s_min=round(figures["step_s_min"], 4),
+                first_step_s=round(figures["first_step_s"], 2), mfu=round(figures["mfu"], 4),
+                peak_tflops=PEAK_TFLOPS, loss_first=figures["loss_first"], loss_last=figures["loss_last"],
+                timed_steps=steps)
+
+  yield from _first_working(_impls(smoke, "xla"), measure)
+
+
+def memory(smoke: bool):
+  """Yields the compile-only memory of a 1M-token training step on one device, against the floor."""
+  import jax
+  import long_context
+  cfg, tokens = (long_context.MODEL_CPU, 1024) if smoke else (long_context.MODEL_1M_GPU, 2**20)
+  # Blockwise is the fallback: XLA's [T, T] logits cannot exist at 1M tokens.
+  yield from _first_working(_impls(smoke, "blockwise"), lambda impl: long_context.compile_memory(
+      dataclasses.replace(cfg, attention_impl=impl), tokens, 1, jax.devices()[:1]))
+
+
+def grpo(smoke: bool):
+  """Yields the fused GRPO step's median time, tokens/s and MFU."""
+  import grpo as grpo_bench
+  import train
+  prompts, group, prompt_len, new, warmup, steps = (2, 2, 8, 8, 1, 1) if smoke else (8, 8, 128, 128, 1, 3)
+  rows, length = prompts * group, prompt_len + new
+
+  def measure(impl):
+    cfg = _smollm2(smoke, impl)
+    record = grpo_bench.ptx_round(steps, warmup, cfg, prompts, group, prompt_len, new, phases=False)
+    seconds = record["step_s_median"]
+    flops = train.flops_per_token(cfg, length) * rows * length * 5 / 3  # see the module docstring
+    return dict(model="tiny" if smoke else "smollm2_135m", compute_dtype=cfg.compute_dtype, prompts=prompts,
+                group=group, prompt_len=prompt_len, new_tokens=new, step_s_median=seconds,
+                step_s_min=record["step_s_min"], first_step_s=record["first_step_s"],
+                tokens_per_s=round(rows * length / seconds), generated_tokens_per_s=round(rows * new / seconds),
+                mfu=round(flops / seconds / (PEAK_TFLOPS * 1e12), 4), peak_tflops=PEAK_TFLOPS, timed_steps=steps,
+                response_length_mean=record["response_length_mean"])
+
+  yield from _first_working(_impls(smoke, "xla"), measure)
+
+
+SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo}
+
+
+def main() -> None:
+  """Runs one section; an exception becomes its error line and exit code REPORTED."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--section", required=True, choices=list(SECTIONS))
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Pallas interpreted")
+  args = parser.parse_args()
+  try:
+    for row in SECTIONS[args.section](args.smoke):
+      _emit(args.section, row)
+  except Exception as e:  # One line saying what broke; the wrapper goes on with the next section.
+    _emit(args.section, {"error": repr(e)[:800], "traceback": traceback.format_exc()[-1500:]})
+    sys.exit(REPORTED)
+
+
+if __name__ == "__main__":
+  main()

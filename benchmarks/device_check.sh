@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One-shot accelerator check (issue #27): every section of benchmarks/device_check.py in a process of its own,
+# each under a hard time limit, all of them within DEVICE_CHECK_TOTAL_S (450 s: the whole run stays under 8
+# minutes). Prints JSON lines to stdout and, when $OUT is set, also to $OUT/device_check.jsonl. Exits 0 whatever
+# the sections do: a failure is a JSON line with an "error" field, and the next section runs.
+#
+#   bash benchmarks/device_check.sh            # on the GPU machine
+#   bash benchmarks/device_check.sh --smoke    # tiny shapes on the CPU (or DEVICE_CHECK_SMOKE=1)
+#   OUT=/tmp/out PYTHON=.venv/bin/python bash benchmarks/device_check.sh --smoke   # and /tmp/out/device_check.jsonl
+#
+# PYTHON picks the interpreter (default python3: on the GPU machine the image's, with its own JAX; the project's
+# pins do not apply there). The checkout is put on PYTHONPATH, with kernels/ importable as ptx_kernels as
+# pyproject.toml's package-dir maps it, so nothing needs installing.
+set -u
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+SMOKE=${DEVICE_CHECK_SMOKE:-0}
+[ "${1:-}" = "--smoke" ] && SMOKE=1
+TOTAL_S=${DEVICE_CHECK_TOTAL_S:-450}
+# name:seconds in running order. A section may use its own seconds plus whatever earlier ones left unused,
+# never the seconds reserved for the sections after it. GRPO runs last: it compiles the most. Another list
+# runs some sections alone (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or
+# the GPU is missing.
+SECTIONS=${DEVICE_CHECK_SECTIONS:-env:25 kernels:70 attention:90 sft:90 memory:55 grpo:120}
+
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+ln -s "$REPO/kernels" "$SCRATCH/ptx_kernels"
+export PYTHONPATH="$REPO:$SCRATCH${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# With $OUT, the lines also go to $OUT/device_check.jsonl and each section's stderr tail (XLA's and Python's
+# warnings, the traceback of a crash) to $OUT/device_check.stderr.
+LOG=/dev/null ERRLOG=/dev/null
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT" && LOG="$OUT/device_check.jsonl" ERRLOG="$OUT/device_check.stderr" && : >"$LOG" && : >"$ERRLOG"
+fi
+SMOKE_FLAG=
+[ "$SMOKE" = 1 ] && SMOKE_FLAG=--smoke
+
+# A JSON line the wrapper writes itself (the section's process gave none): the message keeps printable ASCII
+# but quotes and backslashes, so it needs no JSON library.
+fail_line() {
+  local msg
+  msg=$(printf '%s' "$2" | tr '\000-\037' ' ' | tr -cd '\040\041\043-\133\135-\176' | cut -c1-800)
+  printf '{"section": "%s", "error": "%s", "load": %s}\n' "$1" "$msg" "$(cut -d' ' -f1 /proc/loadavg)" | tee -a "$LOG"
+}
+
+start=$(date +%s)
+rest=0
+for entry in $SECTIONS; do rest=$((rest + ${entry#*:})); done
+for entry in $SECTIONS; do
+  name=${entry%%:*}
+  rest=$((rest - ${entry#*:}))
+  limit=$((TOTAL_S - ($(date +%s) - start) - rest))
+  if [ "$limit" -lt 5 ]; then
+    fail_line "$name" "skipped: ${limit} s left of the ${TOTAL_S} s budget"
+    continue
+  fi
+  timeout --kill-after=10 "$limit" "$PYTHON" "$REPO/benchmarks/device_check.py" --section "$name" \
+    $SMOKE_FLAG 2>"$SCRATCH/stderr" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  { echo "== $name (exit $rc)"; tail -c 200000 "$SCRATCH/stderr"; } >>"$ERRLOG"
+  case $rc in
+    0 | 2) ;;  # 2: the section printed its own error line
+    3) exit 0 ;;  # env: no JAX or no GPU, said in its line; nothing else can run
+    124 | 137) fail_line "$name" "timed out after ${limit} s: $(tail -c 400 "$SCRATCH/stderr")" ;;
+    *) fail_line "$name" "exit code ${rc}: $(tail -c 600 "$SCRATCH/stderr")" ;;
+  esac
+done
+exit 0

@@ -1,0 +1,89 @@
+"""benchmarks/device_check.sh, the one-shot GPU check, keeps running where no GPU is: its smoke mode on the CPU.
+
+The smoke run goes through every section as the GPU run does (the wrapper, one process per section, the same
+benchmark functions) with tiny shapes, so an API change that would break the device run fails here first. The
+wrapper's own failure paths (a section past its time limit, a crash, no JAX) run on stand-in interpreters.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "device_check.sh"
+SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo")
+CONTEXT = ("section", "device", "backend", "jax", "load")
+
+
+def _run(tmp_path, python, *args, **env):
+  """Runs the wrapper with OUT=tmp_path/out; returns (completed process, the JSON lines of its stdout)."""
+  out = tmp_path / "out"
+  done = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=540,
+                        env={**os.environ, "PYTHON": python, "OUT": str(out), **env})
+  assert done.returncode == 0, done.stderr
+  lines = [json.loads(line) for line in done.stdout.splitlines()]
+  assert (out / "device_check.jsonl").read_text().splitlines() == done.stdout.splitlines()
+  return done, lines
+
+
+def _stand_in(tmp_path, body: str) -> str:
+  """An executable shell script that the wrapper runs as its PYTHON ($3 is the section's name)."""
+  path = tmp_path / "python"
+  path.write_text("#!/bin/sh\n" + body)
+  path.chmod(0o755)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def smoke_lines(tmp_path_factory):
+  """The JSON lines of one smoke run of every section (about a minute of CPU)."""
+  return _run(tmp_path_factory.mktemp("smoke"), sys.executable, "--smoke")[1]
+
+
+@pytest.mark.slow
+def test_every_section_prints_its_figures_without_an_error(smoke_lines):
+  assert {line["section"] for line in smoke_lines} == set(SECTIONS)
+  for line in smoke_lines:
+    assert not [key for key in line if "error" in key], line
+    assert all(key in line for key in CONTEXT), line
+    assert line["backend"] == "cpu"
+
+
+@pytest.mark.slow
+def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_lines):
+  by = {name: [line for line in smoke_lines if line["section"] == name] for name in SECTIONS}
+  assert by["env"][0]["imports"] == dict.fromkeys(("kernels", "attention", "sft", "memory", "grpo"), "ok")
+  assert {line["case"] for line in by["kernels"]} == {"gqa_causal", "gqa_packed", "mqa_window_softcap"}
+  assert all(line["ok"] for line in by["kernels"])
+  [attention] = by["attention"]
+  assert attention["cudnn"] == "skipped: no GPU" and attention["pallas_gpu_fwd_bwd_s"] > 0
+  for name in ("sft", "grpo"):
+    [line] = by[name]
+    assert line["tokens_per_s"] > 0 and line["mfu"] >= 0, line
+  [memory] = by["memory"]
+  # The floor counts only what a training step cannot avoid holding, so the compiled step is at least that.
+  assert memory["per_device_mib"] >= memory["floor_mib"]["total"] > 0
+
+
+def test_a_section_past_its_limit_or_crashing_gets_an_error_line_and_the_next_still_runs(tmp_path):
+  # kernels outlives its 5 s limit; attention dies with a traceback full of characters JSON must escape.
+  python = _stand_in(tmp_path, 'case "$3" in kernels) exec sleep 60 ;; esac\n'
+                               "printf 'Traceback \"q\" \\\\ back\\n\\tboom\\n' >&2; exit 1\n")
+  _, lines = _run(tmp_path, python, DEVICE_CHECK_SECTIONS="kernels:5 attention:5", DEVICE_CHECK_TOTAL_S="10")
+  assert [line["section"] for line in lines] == ["kernels", "attention"]
+  assert lines[0]["error"].startswith("timed out after 5 s")
+  assert lines[1]["error"].startswith("exit code 1") and "boom" in lines[1]["error"]
+  assert "== attention (exit 1)" in (tmp_path / "out" / "device_check.stderr").read_text()
+
+
+def test_without_jax_one_line_says_so_and_nothing_else_runs(tmp_path):
+  fake = tmp_path / "nojax" / "jax"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError('no jax on this machine')\n")
+  _, lines = _run(tmp_path, sys.executable, PYTHONPATH=str(fake.parent))
+  [line] = lines
+  assert line["section"] == "env" and line["missing"] == ["jax"] and "no jax on this machine" in line["error"]
