@@ -104,7 +104,8 @@ class ModelConfig:
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
   # Run the stacked layers under one lax.scan (compile time flat in depth) or unrolled, one copy of
   # the layer per layer. Unrolled is faster for shallow models: a scan stacks every layer's residuals
-  # into [L, ...] buffers and slices them back in the backward.
+  # into [L, ...] buffers and slices them back in the backward. With remat, keep the scan: unrolled
+  # layers' compiled backward held every layer's activations anyway (XLA:CPU, benchmarks/RESULTS.md).
   scan_layers: bool = True
   # Attention: "xla", "blockwise", "pallas", "ring" or "auto" (Pallas on GPU/TPU, else blockwise).
   # "xla" (materialised logits) is the default: the fastest at short sequence lengths.
@@ -115,9 +116,14 @@ class ModelConfig:
   # Ring attention: token order over the `seq` axis; "zigzag" balances causal work (losses reorder
   # their batch once, positions stay global), "contiguous" keeps the natural order.
   seq_layout: Literal["zigzag", "contiguous"] = "zigzag"
-  # Losses project to the vocabulary this many tokens (per sequence shard) at a time, never
-  # building [B, T, V] logits (0: the whole sequence at once).
-  logits_chunk: int = 0
+  # Losses and log-prob passes (SFT, DPO, GRPO and their references) project to the vocabulary this many
+  # tokens per device at a time, so float32 logits take chunk x V per device, never [B, T, V]
+  # (0: every token at once). 1024 keeps a 152K vocabulary's logits chunk at 0.6 GB.
+  logits_chunk: int = 1024
+
+  def __post_init__(self):
+    if self.logits_chunk < 0:
+      raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
 
 
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other

@@ -28,19 +28,19 @@ import jax
 import jax.numpy as jnp
 
 from ptx import sharding
-from ptx.algorithms.sft import next_token_targets, token_nll
+from ptx.algorithms.sft import next_token_targets
 from ptx.config import DPOConfig, ModelConfig
-from ptx.models.decoder import forward
+from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, Any]
 
 
 def sequence_logps(params: Any, batch: Batch, model: ModelConfig, rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
-  """Summed target log-probs [B] and target counts [B] of a padded batch."""
-  logits = forward(params, batch["tokens"], model, positions=batch["positions"],
-                   segment_ids=batch["segment_ids"], rules=rules)[:, :-1]
-  targets, weights = next_token_targets(batch)
-  return -(token_nll(logits, targets) * weights).sum(axis=-1), weights.sum(axis=-1)
+  """Summed target log-probs [B] and target counts [B] of a padded batch (the vocabulary projected in chunks)."""
+  stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+                      segment_ids=batch["segment_ids"], rules=rules)
+  _, weights = next_token_targets(batch)
+  return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1)
 
 
 def _pair_logps(params, batch, model, rules):

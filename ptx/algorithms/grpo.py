@@ -30,9 +30,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.config import GRPOConfig, ModelConfig
-from ptx.models.decoder import token_log_probs
-from ptx.models.shared_prefix import rollout_logits
-from ptx.sampling.rules import tempered
+from ptx.models.shared_prefix import rollout_stats
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                 "prompt_mean", "token_sum")
@@ -72,17 +70,6 @@ def aggregation_inputs(loss_mask: jax.Array, cfg: GRPOConfig) -> dict[str, jax.A
   w = aggregation_weights(loss_mask, cfg.loss_agg_mode, group_size=cfg.group_size,
                           max_tokens=cfg.max_response_tokens)
   return {"agg_weights": w, "agg_total": jnp.full(loss_mask.shape[:1], w.sum())}
-
-
-def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """log p(token t | tokens < t) [N, S] in float32 from logits [N, S, V] at `temperature`; index 0 is 0."""
-  return jnp.pad(token_log_probs(tempered(logits[:, :-1], temperature), tokens[:, 1:]), ((0, 0), (1, 0)))
-
-
-def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """Entropy of the next-token distribution at `temperature`, aligned like `token_logps` [N, S]."""
-  logp = jax.nn.log_softmax(tempered(logits[:, :-1].astype(jnp.float32), temperature), axis=-1)
-  return jnp.pad(-(jnp.exp(logp) * logp).sum(axis=-1), ((0, 0), (1, 0)))
 
 
 def kl_estimate(logps: jax.Array, ref_logps: jax.Array, estimator: str) -> jax.Array:
@@ -160,20 +147,22 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     |logp - sampler logp| of the micro-batch.
   """
   del rng
-  # With prompt_len, the rows are whole groups of G over one prompt, which then runs once per group.
-  logits = rollout_logits(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len, rules=rules)
+  # With prompt_len, the rows are whole groups of G over one prompt, which then runs once per group. The
+  # log-probs and entropy come from the vocabulary projection in chunks (`model.logits_chunk`), never [N, S, V].
+  scored = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
+                         temperature=grpo.sampling.temperature, rules=rules)
   mask = batch["loss_mask"].astype(jnp.float32)
   w = batch["agg_weights"] * mask
   total = w.sum()
   denominator = jnp.where(total > 0, total, 1.0)
-  logps = token_logps(logits, batch["tokens"], grpo.sampling.temperature)
+  logps = scored.log_probs
   adv = batch["advantages"][:, None] * mask
   rho, stats = surrogate(logps, batch["old_logps"], adv, mask, grpo)
   if grpo.tis_cap is not None:  # truncated importance sampling for stale or mismatched rollouts
     is_weight = jax.lax.stop_gradient(importance_weights(batch["old_logps"], batch["sampler_logps"], mask, grpo))
     rho = rho * is_weight
     stats["actor/is_weight"] = is_weight
-  entropy = token_entropy(logits, grpo.sampling.temperature)
+  entropy = scored.entropy
   adaptive = "entropy_coef" in batch  # static: the adaptive rule passes this update's c_H
   if grpo.entropy_coef == 0 and not adaptive:  # logged only, so no backward pass through the full-vocab entropy
     entropy = jax.lax.stop_gradient(entropy)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models.chunked_logits import token_stats
-from ptx.models.decoder import token_log_probs
 
 Batch = dict[str, jax.Array]
 
@@ -29,11 +28,6 @@ def next_token_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
   same_segment = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
   weights = (batch["loss_mask"][:, 1:] != 0) & same_segment
   return batch["tokens"][:, 1:], weights.astype(jnp.float32)
-
-
-def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Negative log-likelihood [B, T] of integer targets under logits [B, T, V], in float32."""
-  return -token_log_probs(logits, targets)
 
 
 def loss(

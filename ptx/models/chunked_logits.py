@@ -2,18 +2,21 @@
 
 A loss over T tokens needs, per token, the log-probability of that token (and
 for some losses the argmax hit and the entropy), never the [B, T, V] logits.
-`token_stats` runs the decoder to its last hidden state and projects it to the
-vocabulary `cfg.logits_chunk` tokens at a time inside a rematerialised scan:
-the backward recomputes each chunk's logits, so memory holds one chunk's
-[B, chunk, V] (per sequence shard) instead of all T tokens'.
+`token_stats` runs the decoder to its last hidden state and `project` maps it
+to the vocabulary `cfg.logits_chunk` tokens per device at a time inside a
+rematerialised scan: the backward recomputes each chunk's logits, so memory
+holds one chunk's [chunk, V] per device instead of every token's.
 
-Under a mesh whose `seq` axis shards the sequence, every chunk takes `chunk`
-tokens from each shard, so all devices project at once. With ring attention
-in the zig-zag layout (`cfg.seq_layout`) the tokens are reordered once before
-the layers (positions stay global) and the per-token results reordered back,
-so callers always see the natural order.
+A chunk takes the same positions from every row and every sequence shard, so
+all devices project at once and no activation moves between them: each row
+contributes chunk / (rows per device) positions of each shard, and a shard's
+positions are padded to a whole number of chunks (the padding is scored and
+dropped). With ring attention in the zig-zag layout (`cfg.seq_layout`) the
+tokens are reordered once before the layers (positions stay global) and the
+per-token results reordered back, so callers always see the natural order.
 
-SFT's loss and GRPO's token log-probs both call `token_stats`.
+SFT's and DPO's losses, GRPO's loss, its behaviour and reference log-probs
+(`ptx.models.shared_prefix.rollout_stats`) all score through `project`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import ptx_kernels
 
 from ptx import sharding
 from ptx.config import ModelConfig
-from ptx.models.decoder import Params, hidden_states, token_log_probs, unembed
+from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
 
 class TokenStats(NamedTuple):
@@ -46,6 +49,7 @@ def token_stats(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    temperature: float = 1.0,
 ) -> TokenStats:
   """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
 
@@ -56,6 +60,8 @@ def token_stats(
     positions: int32 [B, T]; defaults to 0..T-1 on every row.
     segment_ids: int32 [B, T]; defaults to one segment per row.
     rules: the sharding rules for activation constraints.
+    temperature: score under softmax(logits / temperature) (log-probs and
+      entropy; the argmax does not move).
 
   Returns:
     TokenStats of [B, T] arrays in the natural token order.
@@ -70,54 +76,67 @@ def token_stats(
   reorder, restore = _ring_order(cfg, rules, T)
   x = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
                     segment_ids=reorder(segment_ids), rules=rules)
-  stats = project(params, x, reorder(targets), cfg, rules)
+  stats = project(params, x, reorder(targets), cfg, rules, temperature)
   # Shift by one so index t scores token t.
   return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats))
 
 
 def project(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
-            rules: sharding.Rules = sharding.DEFAULT_RULES) -> TokenStats:
-  """Scores targets [B, T] under the hidden states x [B, T, D], `cfg.logits_chunk` tokens per shard at a time.
+            rules: sharding.Rules = sharding.DEFAULT_RULES, temperature: float = 1.0) -> TokenStats:
+  """Scores targets [B, T] under the hidden states x [B, T, D], `cfg.logits_chunk` tokens per device at a time.
 
   Unlike `token_stats`, index t scores targets[:, t] as the prediction of position t.
   """
   B, T, D = x_BTD.shape
-  shards = _seq_shards(x_BTD.shape, rules)
-  chunk = cfg.logits_chunk
-  if chunk == 0 or chunk >= T // shards:
-    return _stats(params, x_BTD, targets_BT, cfg, rules)
-  if (T // shards) % chunk:
-    raise ValueError(f"model.logits_chunk={chunk} must divide the {T // shards} tokens of each of {shards} "
-                     f"sequence shards")
-  m = T // shards // chunk
-  # [B, shards, m, chunk] -> [m, B, shards * chunk]: chunk j holds tokens from every shard.
-  split = lambda a: jnp.moveaxis(a.reshape((B, shards, m, chunk) + a.shape[2:]), 2, 0).reshape(
-      (m, B, shards * chunk) + a.shape[2:])
+  shards = _shards(x_BTD.shape, 1, rules)
+  local_rows = -(-B // _shards(x_BTD.shape, 0, rules))
+  local_len = T // shards
+  if cfg.logits_chunk == 0 or local_rows * local_len <= cfg.logits_chunk:
+    return _stats(params, x_BTD, targets_BT, cfg, rules, temperature)
+  m = -(-local_len // max(cfg.logits_chunk // local_rows, 1))  # chunks
+  length = -(-local_len // m)  # positions per row and shard in one chunk, balanced so padding stays < m
+  pad = m * length - local_len
+
+  def split(a):
+    # [B, T] -> [B, shards, local_len] (the shard layout kept) -> padded -> [m, B, shards * length]:
+    # chunk j holds positions j * length .. of every shard.
+    a = a.reshape((B, shards, local_len) + a.shape[2:])
+    a = jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+    return jnp.moveaxis(a.reshape((B, shards, m, length) + a.shape[3:]), 2, 0).reshape(
+        (m, B, shards * length) + a.shape[3:])
 
   @jax.checkpoint
   def one_chunk(_, xs):
     x, targets = xs
-    return None, _stats(params, sharding.constrain(x, ("batch", "seq", "embed"), rules), targets, cfg, rules)
+    x = sharding.constrain(x, ("batch", "seq", "embed"), rules)
+    return None, _stats(params, x, targets, cfg, rules, temperature)
 
   _, stats = jax.lax.scan(one_chunk, None, (split(x_BTD), split(targets_BT)))
-  merge = lambda a: jnp.moveaxis(a.reshape(m, B, shards, chunk), 0, 2).reshape(B, T)
+  merge = lambda a: jnp.moveaxis(a.reshape(m, B, shards, length), 0, 2).reshape(B, shards, m * length)[
+      :, :, :local_len].reshape(B, T)
   return TokenStats(*(merge(s) for s in stats))
 
 
-def _stats(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> TokenStats:
-  """TokenStats of targets under the full logits of x (float32)."""
-  logits = unembed(params, x, cfg, rules)
+def logit_stats(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> TokenStats:
+  """TokenStats of integer targets [..., T] under float32 logits [..., T, V] at `temperature`."""
+  logits = tempered(logits.astype(jnp.float32), temperature)
   logp = jax.nn.log_softmax(logits, axis=-1)
   entropy = -(jnp.exp(logp) * logp).sum(axis=-1)
   return TokenStats(token_log_probs(logits, targets), jnp.argmax(logits, axis=-1) == targets, entropy)
 
 
-def _seq_shards(shape: tuple[int, ...], rules: sharding.Rules) -> int:
-  """How many devices the activation rules shard the sequence axis of [B, T, D] over."""
+def _stats(params: Params, x: jax.Array, targets: jax.Array, cfg: ModelConfig, rules: sharding.Rules,
+           temperature: float) -> TokenStats:
+  """TokenStats of targets under the full logits of x."""
+  return logit_stats(unembed(params, x, cfg, rules), targets, temperature)
+
+
+def _shards(shape: tuple[int, ...], dim: int, rules: sharding.Rules) -> int:
+  """How many devices the activation rules shard dimension `dim` (0 batch, 1 sequence) of [B, T, D] over."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return 1
-  axes = sharding.logical_to_spec(("batch", "seq", "embed"), rules, shape=shape, mesh=mesh)[1]
+  axes = sharding.logical_to_spec(("batch", "seq", "embed"), rules, shape=shape, mesh=mesh)[dim]
   axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
   return math.prod(mesh.shape[a] for a in axes)
 

@@ -185,6 +185,11 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig, rules: sharding.Rule
   return sharding.constrain(logits, ("batch", "seq", "vocab"), rules)
 
 
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+  """logits / temperature: the logits of the policy at that temperature (at 1, the logits themselves)."""
+  return logits if temperature == 1.0 else logits / temperature
+
+
 def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Log-probabilities [B, T] of int32 tokens [B, T] under logits [B, T, V]."""
   # log-softmax in float32 whatever the dtype of the logits.
@@ -232,12 +237,27 @@ def forward_with_cache(
   Returns:
     (float32 logits [B, T, V] or [B, 1, V], the cache with the tokens written).
   """
+  x, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules, angles=angles)
+  if last_only:
+    x = x[:, -1:]
+  return unembed(params, x, cfg, rules), cache
+
+
+def hidden_with_cache(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    cache: kv_cache_lib.KVCache,
+    *,
+    positions: jax.Array,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+    angles: RopeAngles | None = None,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+  """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks."""
   x = embed(params, tokens, cfg, rules)
   x, cache = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
                          segment_ids=None, rules=rules, cache=cache, angles=angles)
-  if last_only:
-    x = x[:, -1:]
-  return unembed(params, x, cfg, rules), kv_cache_lib.advance(cache, tokens.shape[1])
+  return x, kv_cache_lib.advance(cache, tokens.shape[1])
 
 
 def decode_layers(
@@ -288,10 +308,13 @@ def _run_layers(
     return block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
                  segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index)
 
+  unrolled = isinstance(layers, tuple)
   if cfg.remat != "none":
-    # The layer index stays a Python int: it picks the cache's per-layer arrays.
-    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False, static_argnums=(4,))
-  if isinstance(layers, tuple):
+    # The layer index stays a Python int: it picks the cache's per-layer arrays. Unrolled, the guard keeps XLA
+    # from merging the backward's recomputation into the forward (CSE), which would undo the remat (JAX's
+    # `jax.checkpoint` docs); a scan cannot merge them, and there the guard only costs.
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(4,))
+  if unrolled:
     for index, layer in enumerate(layers):
       x, cache = body(x, cache, layer, None if windows is None else windows[index], index)
     return x, cache

@@ -35,14 +35,14 @@ def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shar
   act = 2 if cfg.compute_dtype == "bfloat16" else 4
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_lib.abstract_params(cfg)))
   kv_per_pass = max((cfg.ring_heads_per_pass or cfg.n_heads // cfg.n_kv_heads) * cfg.n_kv_heads // cfg.n_heads, 1)
-  chunk = cfg.logits_chunk or seq_len // seq_shards
+  chunk = min(cfg.logits_chunk or tokens, tokens)  # tokens per device in one chunk of the vocabulary projection
   parts = {
       "state": 4 * n_params * 4,
       "checkpoints": cfg.n_layers * tokens * cfg.d_model * act,
       "layer": tokens * act * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.mlp_dim
                                + 2 * cfg.d_model) + tokens * cfg.n_heads * 4,
       "kv_blocks": tokens * kv_per_pass * cfg.head_dim * 2 * (2 * act + 2 * 4),
-      "logits": 2 * batch * chunk * cfg.vocab_size * 4,
+      "logits": 2 * chunk * cfg.vocab_size * 4,
   }
   return {**parts, "total": sum(parts.values())}
 

@@ -1,24 +1,32 @@
-"""Logits of grouped rollouts with each group's shared prompt computed once.
+"""Token log-probs of grouped rollouts with each group's shared prompt computed once.
 
 GRPO scores G completions of every prompt, so a rollout batch holds each
 prompt G times. Under causal attention a prompt's hidden states do not depend
 on what follows it, so running it once per group and letting the G
-completions attend to its keys and values gives the same logits (and, through
-the shared K/V, the same gradients) as the plain forward over [prompt,
-completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of 384 for
-4 x 4 rollouts of 32 + 64 tokens.
+completions attend to its keys and values gives the same log-probs (and,
+through the shared K/V, the same gradients) as the plain forward over
+[prompt, completion] rows, at (P + G N) / (G (P + N)) of the tokens: 288 of
+384 for 4 x 4 rollouts of 32 + 64 tokens.
 
 The mechanism is the sampler's, `prefill_groups`: the prompts fill a KV
 cache (`ptx.models.kv_cache`) that each prompt's G rows read, and the
-completions run against it (`decoder.forward_with_cache`). Prompts of
-SHARED_PREFIX_MIN_SLOTS columns or more stay one copy per prompt, which the
+completions run against it (`decoder.hidden_with_cache`), their hidden
+states projected to the vocabulary in chunks (`chunked_logits.project`).
+Prompts of SHARED_PREFIX_MIN_SLOTS columns or more stay one copy per prompt, which the
 rows share as their prefix (`kv_cache.share_prefix`); shorter ones are
 copied to each row (`kv_cache.repeat`), where one attention pass over
 prompt and completion costs less than two passes and their merge.
 The cache attention is differentiable when the prompts and the completions
-each fit one attention block (`fits`); `rollout_logits` takes the plain
-forward for longer rollouts, for ring attention (long contexts shard the
-sequence, not a cache) and when the caller cannot promise whole groups.
+each fit one attention block (`fits`); `rollout_stats` takes the plain
+forward (`chunked_logits.token_stats`) for longer rollouts, when the caller
+cannot promise whole groups, for any attention but "xla" (the cache attends
+through the decode kernel, dense over blocks of slots like "xla": a model
+configured for blockwise, Pallas or ring attention runs that one), and under
+remat. The cache path runs its layers
+unrolled (one cache array per layer), where remat saved nothing measurable:
+its compiled update grew by ~145 MiB a layer with remat as without, where
+the scanned forward grows by 1.5 (XLA:CPU, 8 devices; benchmarks/RESULTS.md),
+so a rematerialised model, which needs its memory, takes the scan.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
-from ptx.models.decoder import Params, forward, forward_with_cache
+from ptx.models.chunked_logits import TokenStats, logit_stats, project, token_stats
+from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache
 
 
 # Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one:
@@ -113,31 +122,35 @@ def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax
   return logits_RV, kv_cache.repeat(cache, group_size, rules)
 
 
-def rollout_logits(
+def rollout_stats(
     params: Params,
     batch: dict[str, jax.Array],
     cfg: ModelConfig,
     *,
     group_size: int,
     prompt_len: int | None,
+    temperature: float = 1.0,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> jax.Array:
-  """Logits [R, S, V] of a rollout batch (`tokens`, `positions`, `segment_ids`) for an RL loss.
+) -> TokenStats:
+  """Per-token log-probs and entropies [R, S] of a rollout batch (`tokens`, `positions`, `segment_ids`) for an RL loss.
 
-  With `prompt_len` set, the batch's rows are whole groups of `group_size`
-  sharing their first `prompt_len` columns, and where that pays and is
-  supported the prompts run once per group (`grouped_logits`); otherwise, and
-  with `prompt_len` None, this is `forward`.
+  Index t scores token t at `temperature` (index 0 is 0). With `prompt_len`
+  set, the batch's rows are whole groups of `group_size` sharing their first
+  `prompt_len` columns, and where that pays and is supported (module
+  docstring) the prompts run once per group (`grouped_stats`); otherwise, and
+  with `prompt_len` None, this is `chunked_logits.token_stats`. Both project to the vocabulary in
+  chunks of `cfg.logits_chunk` tokens.
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
-  if (prompt_len is None or group_size == 1 or cfg.attention_impl == "ring"
+  if (prompt_len is None or group_size == 1 or cfg.attention_impl != "xla" or cfg.remat != "none"
       or not fits(prompt_len, tokens.shape[1], group_size)):
-    return forward(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
-  return grouped_logits(params, tokens, positions, segment_ids, cfg, group_size=group_size, prompt_len=prompt_len,
-                        rules=rules)
+    return token_stats(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules,
+                       temperature=temperature)
+  return grouped_stats(params, tokens, positions, segment_ids, cfg, group_size=group_size, prompt_len=prompt_len,
+                       temperature=temperature, rules=rules)
 
 
-def grouped_logits(
+def grouped_stats(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
@@ -146,10 +159,11 @@ def grouped_logits(
     *,
     group_size: int,
     prompt_len: int,
+    temperature: float = 1.0,
     shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> jax.Array:
-  """float32 logits [R, S, V] as `forward` gives them at every column that predicts a completion token.
+) -> TokenStats:
+  """TokenStats [R, S] as `token_stats` gives them at every completion column, each prompt run once per group.
 
   Args:
     params: the parameter tree.
@@ -164,25 +178,30 @@ def grouped_logits(
     cfg: the model config.
     group_size: G.
     prompt_len: P, the prompt columns.
+    temperature: score under softmax(logits / temperature).
     shared_prompts: as in `prefill_groups`.
     rules: the sharding rules.
 
   Returns:
-    Logits [R, S, V]: columns P - 1 .. S - 1 equal the plain forward's; the
-    prompt columns before P - 1 predict prompt tokens, which no RL loss
-    scores, and are zero.
+    TokenStats [R, S]: columns P .. S - 1 (the completion tokens) equal
+    `token_stats`'; the prompt columns, which no RL loss scores, are zero.
   """
   R, S = tokens.shape
   G, P = group_size, prompt_len
   if R % G:
-    raise ValueError(f"grouped_logits: {R} rows do not split into groups of {G}")
+    raise ValueError(f"grouped_stats: {R} rows do not split into groups of {G}")
   if not fits(P, S, G, shared_prompts):
-    raise ValueError(f"grouped_logits: a rollout of {S} columns with a {P}-column prompt does not fit one attention "
+    raise ValueError(f"grouped_stats: a rollout of {S} columns with a {P}-column prompt does not fit one attention "
                      f"block of {kv_cache.BLOCK_SLOTS} slots (the prompt and the completion one each when prompts "
                      f"are shared; check `fits` first)")
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
   last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
                                   shared_prompts=shared_prompts, rules=rules)
-  completion_RNV, _ = forward_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
-  unscored = jnp.zeros((R, P - 1, completion_RNV.shape[-1]), completion_RNV.dtype)
-  return jnp.concatenate([unscored, last_RV[:, None], completion_RNV], axis=1)
+  x_RND, _ = hidden_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
+  # The prompt's last column predicts the first completion token; completion column t the token after it
+  # (the last column's target is a dummy, dropped).
+  first = logit_stats(last_RV[:, None], tokens[:, P:P + 1], temperature)
+  targets = jnp.concatenate([tokens[:, P + 1:], jnp.zeros((R, 1), tokens.dtype)], axis=1)
+  rest = project(params, x_RND, targets, cfg, rules, temperature)
+  unscored = lambda a: jnp.zeros((R, P), a.dtype)
+  return TokenStats(*(jnp.concatenate([unscored(f), f, r[:, :-1]], axis=1) for f, r in zip(first, rest)))

@@ -36,10 +36,10 @@ from ptx_kernels import xla_cpu_workarounds
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
-from ptx.models.decoder import Params, forward_with_cache, layer_rope, token_log_probs, unstack_layers
+from ptx.models.decoder import Params, forward_with_cache, layer_rope, tempered, token_log_probs, unstack_layers
 from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache
 from ptx.sampling import buckets
-from ptx.sampling.rules import SamplingConfig, sample_tokens, tempered
+from ptx.sampling.rules import SamplingConfig, sample_tokens
 
 # New tokens the first decode phase has cache room for (see `_phase_slots`). Small, so short generations
 # read a cache near their fill.

@@ -17,11 +17,7 @@ import jax.numpy as jnp
 from ptx_kernels import xla_cpu_workarounds
 
 from ptx.config import SamplingConfig
-
-
-def tempered(logits: jax.Array, temperature: float) -> jax.Array:
-  """logits / temperature: the logits of the policy at that temperature (at 1, the logits themselves)."""
-  return logits if temperature == 1.0 else logits / temperature
+from ptx.models.decoder import tempered
 
 
 def truncated_logits(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:

@@ -46,7 +46,7 @@ from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import dynamic_sampling, grpo
 from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
-from ptx.models.shared_prefix import rollout_logits
+from ptx.models.shared_prefix import rollout_stats
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train import rl_metrics
 from ptx.train.optimizer import nonfinite_streak, skipped_steps
@@ -150,9 +150,10 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
   """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient)."""
-  logits = rollout_logits(params, batch, spec.model, group_size=spec.grpo.group_size,
-                          prompt_len=_shared_prompt_len(batch, spec), rules=spec.rules)
-  return jax.lax.stop_gradient(grpo.token_logps(logits, batch["tokens"], spec.grpo.sampling.temperature))
+  stats = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
+                        prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
+                        rules=spec.rules)
+  return jax.lax.stop_gradient(stats.log_probs)
 
 
 def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:

@@ -13,6 +13,7 @@ from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
 from ptx.config import GRPO_PRESETS, GRPOConfig
 from ptx.models import init_params
+from ptx.models.chunked_logits import logit_stats
 from ptx.train.step import accumulate_gradients
 
 # By-hand values are float32 results of a few operations against exact numbers: rtol 1e-6 is ~8 float32 ulps.
@@ -100,12 +101,11 @@ def test_log_probs_and_entropy_are_the_policys_at_the_rollout_temperature():
   for temperature in (1.0, 0.6):
     logp_all = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1))
     want = np.take_along_axis(logp_all[:, :-1], np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
-    got = np.asarray(grpo.token_logps(logits, tokens, temperature))
+    got = logit_stats(logits[:, :-1], tokens[:, 1:], temperature)
     # float32 log-softmax against float64: log-probs down to -20 (logits to 12 / 0.6), ulp 2e-6, so ~5 ulps.
-    np.testing.assert_allclose(got[:, 1:], want, atol=1e-5)
-    assert (got[:, 0] == 0).all()
+    np.testing.assert_allclose(np.asarray(got.log_probs), want, atol=1e-5)
     entropy = -(np.exp(logp_all) * logp_all).sum(-1)[:, :-1]  # as above
-    np.testing.assert_allclose(np.asarray(grpo.token_entropy(logits, temperature))[:, 1:], entropy, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.entropy), entropy, atol=1e-5)
 
 
 def test_ppo_clip_dapo_and_dual_clip_by_hand():

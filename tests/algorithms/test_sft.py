@@ -8,6 +8,7 @@ from ptx.algorithms import sft
 from ptx.data.batch import pad_batch, sft_example
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import forward, init_params
+from ptx.models.decoder import token_log_probs
 
 
 def test_targets_never_cross_segments_or_padding():
@@ -23,13 +24,13 @@ def test_targets_never_cross_segments_or_padding():
   np.testing.assert_array_equal(weights, [[1, 1, 0, 1, 1, 0, 0]])
 
 
-def test_token_nll_matches_numpy():
+def test_token_log_probs_match_numpy():
   logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
   targets = jnp.asarray([[0, 4, 2], [1, 1, 3]])
   logp = np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True))
-  want = -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+  want = np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
   # float32 log-softmax of 5 logits against float64: a few ulps of values ~1 (rtol 1e-6 is ~8 ulps).
-  np.testing.assert_allclose(sft.token_nll(logits, targets), want, rtol=1e-6)
+  np.testing.assert_allclose(token_log_probs(logits, targets), want, rtol=1e-6)
 
 
 def test_packed_batch_gives_the_unpacked_per_token_loss(tiny_config):
@@ -52,7 +53,7 @@ def test_packed_batch_gives_the_unpacked_per_token_loss(tiny_config):
     logits = jax.jit(forward, static_argnums=2)(params, batch["tokens"], cfg, positions=batch["positions"],
                                                     segment_ids=batch["segment_ids"])[:, :-1]
     targets, weights = sft.next_token_targets(batch)
-    nll = np.asarray(sft.token_nll(logits, targets))
+    nll = np.asarray(-token_log_probs(logits, targets))
     return nll[np.asarray(weights) > 0]
 
   # Packed and padded rows run attention over other key sets (masked keys add exact zeros) and the mean over another
@@ -81,7 +82,7 @@ def test_pipeline_packing_reproduces_the_padded_per_token_losses(tiny_config):
       logits = logits_of(params, batch["tokens"], tiny_config, positions=batch["positions"],
                          segment_ids=batch["segment_ids"])[:, :-1]
       targets, weights = sft.next_token_targets(batch)
-      losses.append(np.asarray(sft.token_nll(logits, targets))[np.asarray(weights) > 0])
+      losses.append(np.asarray(-token_log_probs(logits, targets))[np.asarray(weights) > 0])
     return np.sort(np.concatenate(losses))
 
   packed, padded = token_losses(True), token_losses(False)

@@ -32,8 +32,10 @@ def _batch(cfg, b, t, seed=0):
 def test_chunked_equals_full_logits(tiny_config, mesh_cfg):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   params = init_params(cfg, jax.random.key(0))
-  batch = _batch(cfg, 2, 48)
-  chunked = dataclasses.replace(cfg, logits_chunk=4)  # 48 / 4 shards = 12 tokens, 3 chunks each
+  batch = _batch(cfg, 2, 44)
+  # 10 tokens per device and chunk: without a mesh 9 chunks of 5 positions of both rows (44 padded to 45), on
+  # (data 2, seq 4) 2 chunks of 6 positions of each shard's 11: both pad the last chunk.
+  chunked = dataclasses.replace(cfg, logits_chunk=10)
 
   def run(c):
     stats = jax.jit(functools.partial(token_stats, cfg=c))(

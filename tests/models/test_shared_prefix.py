@@ -1,4 +1,6 @@
-"""Grouped rollouts with shared prompts give the plain forward's scored logits and gradients."""
+"""Grouped rollouts with shared prompts give the plain forward's log-probs, entropies and gradients."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,8 @@ import pytest
 
 from model_variants import gemma_like
 from ptx.models import forward, init_params, kv_cache, shared_prefix
-from ptx.models.decoder import token_log_probs
-from ptx.models.shared_prefix import fits, grouped_logits, prefill_groups, shares_prompt_cache
+from ptx.models.chunked_logits import logit_stats
+from ptx.models.shared_prefix import fits, grouped_stats, prefill_groups, rollout_stats, shares_prompt_cache
 
 B, G, P, N = 2, 3, 6, 5
 
@@ -36,14 +38,21 @@ def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, varian
   params = init_params(cfg, jax.random.key(1))
   tokens, positions, segment_ids, loss_mask = _rollouts(cfg.vocab_size)
 
-  def scored(logits):
-    return token_log_probs(logits[:, :-1], tokens[:, 1:]) * loss_mask[:, 1:]
+  temperature = 0.7
 
-  plain = lambda p: scored(forward(p, tokens, cfg, positions=positions, segment_ids=segment_ids))
-  shared = lambda p: scored(grouped_logits(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P,
-                                           shared_prompts=shared_prompts))
+  def plain(p):
+    logits = forward(p, tokens, cfg, positions=positions, segment_ids=segment_ids)[:, :-1]
+    stats = logit_stats(logits, tokens[:, 1:], temperature)
+    return jnp.stack([stats.log_probs, stats.entropy]) * loss_mask[None, :, 1:]
+
+  def shared(p):
+    stats = grouped_stats(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P,
+                          temperature=temperature, shared_prompts=shared_prompts)
+    return jnp.stack([stats.log_probs, stats.entropy])[:, :, 1:] * loss_mask[None, :, 1:]
+
   # A shared prompt merges two softmaxes (prompt keys, own keys) through their log-sum-exps: another order of the
-  # float32 sums, a few ulps of log-probs near -6 (ulp 4.8e-7) through 3 layers (seen 5% of atol, 21% for grads).
+  # float32 sums, a few ulps of log-probs near -6 and entropies near 5.5 (ulp 4.8e-7) through 3 layers (seen 5% of
+  # atol, 21% for grads).
   np.testing.assert_allclose(jax.jit(shared)(params), jax.jit(plain)(params), atol=2e-5)
   want = jax.jit(jax.grad(lambda p: plain(p).sum()))(params)
   got = jax.jit(jax.grad(lambda p: shared(p).sum()))(params)
@@ -54,7 +63,7 @@ def test_rejects_rows_that_are_not_whole_groups_and_rollouts_too_long(tiny_confi
   params = init_params(tiny_config, jax.random.key(1))
   tokens, positions, segment_ids, _ = _rollouts(tiny_config.vocab_size)
   with pytest.raises(ValueError, match="groups of 4"):
-    grouped_logits(params, tokens, positions, segment_ids, tiny_config, group_size=4, prompt_len=P)
+    grouped_stats(params, tokens, positions, segment_ids, tiny_config, group_size=4, prompt_len=P)
   block = kv_cache.BLOCK_SLOTS
   # Copied prompts: the whole rollout fits one attention block of the cache.
   assert fits(P, P + N, G) and fits(P, block, G) and not fits(P, block + 1, G)
@@ -64,7 +73,7 @@ def test_rejects_rows_that_are_not_whole_groups_and_rollouts_too_long(tiny_confi
   assert not fits(P, P + block + 1, G, shared_prompts=True) and not fits(block + 1, block + 2, G, shared_prompts=True)
   long = jnp.zeros((G, block + 1), jnp.int32)
   with pytest.raises(ValueError, match="does not fit"):
-    grouped_logits(params, long, long, long, tiny_config, group_size=G, prompt_len=P)
+    grouped_stats(params, long, long, long, tiny_config, group_size=G, prompt_len=P)
 
 
 def test_long_prompts_are_held_once_per_group_short_ones_per_row(tiny_config):
@@ -88,3 +97,18 @@ def test_long_prompts_are_held_once_per_group_short_ones_per_row(tiny_config):
   # The same prefill over caches of P and P + N slots: equal up to the order of the softmax sums.
   np.testing.assert_allclose(np.asarray(cache.prefix.k[0]), np.asarray(copied.k[0][::G, :, :P]), atol=1e-6)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(copied_logits), atol=1e-5)
+
+
+@pytest.mark.parametrize("execution, shared", [
+    ({}, True),
+    ({"remat": "full"}, False),  # the cache path's unrolled layers gain nothing from remat: the scan runs
+    ({"attention_impl": "blockwise"}, False),  # the configured kernel runs, not the cache's decode attention
+])
+def test_rollout_stats_share_prompts_only_where_that_runs_the_configured_model(tiny_config, execution, shared):
+  cfg = dataclasses.replace(tiny_config, n_layers=1, **execution)
+  params = init_params(cfg, jax.random.key(1))
+  tokens, positions, segment_ids, _ = _rollouts(cfg.vocab_size)
+  batch = {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
+  jaxpr = str(jax.make_jaxpr(lambda p: rollout_stats(p, batch, cfg, group_size=G, prompt_len=P))(params))
+  # The plain forward carries every row's whole rollout as one [R, S, D] residual stream; the shared path never does.
+  assert (f"f32[{B * G},{P + N},{cfg.d_model}]" not in jaxpr) == shared

@@ -13,6 +13,7 @@ from tolerances import ADAM_EPS
 from ptx.algorithms import dpo, grpo, sft
 from ptx.config import DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, OptimizerConfig
 from ptx.models import lora as lora_lib
+from ptx.models.chunked_logits import logit_stats
 from ptx.models.decoder import forward
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
@@ -119,7 +120,8 @@ def _grpo_reference(ref_params, batch, *, model):
   """GRPO's batch preparation: reference log-probs of the batch's tokens."""
   logits = forward(ref_params, batch["tokens"], model, positions=batch["positions"],
                    segment_ids=batch["segment_ids"])
-  return {**batch, "ref_logps": grpo.token_logps(logits, batch["tokens"])}
+  scored = logit_stats(logits[:, :-1], batch["tokens"][:, 1:]).log_probs
+  return {**batch, "ref_logps": jnp.pad(scored, ((0, 0), (1, 0)))}
 
 
 def _grpo_loss(params, batch, rng, **kwargs):

@@ -17,6 +17,7 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import forward
 from ptx.models import lora as lora_lib
+from ptx.models.chunked_logits import logit_stats
 from ptx.models.shared_prefix import SHARED_PREFIX_MIN_SLOTS
 from ptx.rl.token_rewards import encode_targets, exact_match
 from ptx.sampling.buckets import left_pad
@@ -78,7 +79,8 @@ def _unfused_update(state, batch_in, cfg, grpo_cfg, optimizer, lora=None):
   batch["old_logps"] = batch["sampler_logps"]
   logits = jax.jit(lambda p: forward(
       p, batch["tokens"], cfg, positions=batch["positions"], segment_ids=batch["segment_ids"]))(reference)
-  batch["ref_logps"] = np.asarray(grpo.token_logps(logits / temperature, jnp.asarray(batch["tokens"])))
+  scored = logit_stats(logits[:, :-1], jnp.asarray(batch["tokens"][:, 1:]), temperature).log_probs
+  batch["ref_logps"] = np.pad(np.asarray(scored), ((0, 0), (1, 0)))
   batch["advantages"] = np.asarray(adv_lib.advantages(jnp.asarray(rewards, jnp.float32), G, "grpo"))
   batch.update(jax.tree.map(np.asarray, grpo.aggregation_inputs(jnp.asarray(batch["loss_mask"]), grpo_cfg)))
   loss_fn = trainable_loss(functools.partial(grpo.loss, model=cfg, grpo=grpo_cfg), state.base, lora)
