@@ -23,7 +23,7 @@ from ptx.rl.token_rewards import encode_targets, exact_match
 from ptx.sampling.buckets import left_pad
 from ptx.sampling.generation import generate_padded
 from ptx.sampling.rules import SamplingConfig
-from ptx.sharding import make_mesh
+from ptx.sharding import make_mesh, rules_of
 from ptx.train.optimizer import make_optimizer
 from ptx.train.rl_step import RLSpec, make_grpo_step, rollout_batch, sample_kept_groups
 from ptx.train.state import init_state, state_shardings
@@ -207,3 +207,30 @@ def test_zero_variance_groups_are_masked_and_the_reference_is_refreshed(tiny_con
   # One float32 multiply-add per weight in-graph and in NumPy: a rounding or two (an FMA or not), ~1e-7 relative.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7), state.ref_params,
                want)
+
+
+def test_fused_step_on_a_sequence_sharded_mesh_with_ring_attention_equals_one_device(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  ring = dataclasses.replace(cfg, attention_impl="ring", seq_layout="zigzag")
+  grpo_cfg = GRPOConfig(group_size=4, beta=0.04)
+  optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=ADAM_EPS), 10)
+  batch_in = _prompts(4, columns=10)  # 10 + 6 columns: the zig-zag layout's 2 x 4 chunks
+
+  def one_step(model, mesh_cfg):
+    mesh = make_mesh(mesh_cfg, jax.devices()[:mesh_cfg.data * mesh_cfg.seq])
+    rules = rules_of(mesh_cfg)
+    shardings = state_shardings(model, optimizer, mesh, rules, with_reference=True)
+    state = init_state(model, optimizer, 0, mesh, rules, with_reference=True)
+    spec = RLSpec(model=model, grpo=grpo_cfg, max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id,
+                  rules=rules)
+    step = make_grpo_step(spec, _even_tokens, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
+    new_state, metrics = step(state, batch_in)
+    return step.lower(state, batch_in).as_text(), jax.tree.map(np.asarray, new_state.params), metrics
+
+  _, want, want_metrics = one_step(cfg, MeshConfig(data=1, fsdp=1, tensor=1, seq=1))
+  lowered, got, metrics = one_step(ring, MeshConfig(data=2, fsdp=1, tensor=1, seq=4))
+  assert "collective_permute" in lowered or "collective-permute" in lowered  # the ring ran, in sampler and update
+  # Same sampled tokens (same rewards), then sums over other shards and ring hops: float32 rounding, the parameters
+  # 1.2e-7 apart after the update (ADAM_EPS bounds how far the optimizer magnifies it; see UPDATE_ATOL).
+  np.testing.assert_allclose(float(metrics["reward/mean"]), float(want_metrics["reward/mean"]), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=UPDATE_RTOL, atol=UPDATE_ATOL), got, want)
