@@ -32,12 +32,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ptx.algorithms import sft  # noqa: E402
-from ptx.config import MeshConfig, ModelConfig, OptimizerConfig  # noqa: E402
+from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig  # noqa: E402
 from ptx.models import init_params  # noqa: E402
-from ptx.models.memory_floor import training_floor_bytes  # noqa: E402
+from ptx.models.llama import smollm2_135m  # noqa: E402
+from ptx.models.memory_floor import grpo_floor_bytes, training_floor_bytes  # noqa: E402
 from ptx.models.params import weight_decay_mask  # noqa: E402
-from ptx.sharding import batch_sharding, make_mesh  # noqa: E402
+from ptx.sampling.generation import LENGTH, Generation  # noqa: E402
+from ptx.sharding import batch_sharding, make_mesh, rules_of  # noqa: E402
 from ptx.train.optimizer import make_optimizer  # noqa: E402
+from ptx.train.rl_host import HostRewardStep  # noqa: E402
+from ptx.train.rl_step import RLSpec  # noqa: E402
 from ptx.train.state import init_state, state_shardings  # noqa: E402
 from ptx.train.step import make_train_step  # noqa: E402
 
@@ -47,6 +51,11 @@ MODEL_1M = ModelConfig(vocab_size=32768, d_model=256, n_layers=2, n_heads=4, n_k
                        mlp_dim=768, attention_impl="ring", remat="full", logits_chunk=1024)
 # The same model on one GPU: Pallas attention, bfloat16 compute.
 MODEL_1M_GPU = dataclasses.replace(MODEL_1M, attention_impl="pallas", compute_dtype="bfloat16")
+# The SmolLM2-135M shape (30 layers, 9 heads, 3 KV heads, vocabulary 49,152) as a long-context GRPO policy: ring
+# attention over `seq` with full remat, the two choices a long-context run makes; every other setting (logits chunk,
+# heads per ring pass, zig-zag layout, GRPO's loss, reference and staleness) at its default.
+MODEL_SMOLLM2 = dataclasses.replace(smollm2_135m(), attention_impl="ring", remat="full")
+GRPO_ROWS = 2  # one group of two rollouts, each half prompt and half response
 # A smaller one that runs 128K tokens on two CPU cores in minutes.
 MODEL_CPU = ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32, mlp_dim=128,
                         attention_impl="ring", remat="full", logits_chunk=1024)
@@ -124,6 +133,85 @@ def compile_memory(cfg: ModelConfig, t: int, n: int, devices=None) -> dict:
       compile_s=round(time.perf_counter() - start, 1), load=_load())
 
 
+def _grpo_learner(cfg: ModelConfig, mesh_cfg: MeshConfig, t: int):
+  """(mesh, host-reward GRPO's update program, its state shardings, optimizer, GRPO config) for rows of `t` tokens.
+
+  The program is the one `ptx grpo` runs between sampling and the next step
+  (`HostRewardStep.learner`): the reference pass, the importance-corrected
+  update of stale rollouts (the default `max_staleness`) and the optimizer.
+  """
+  mesh, rules = make_mesh(mesh_cfg), rules_of(mesh_cfg)
+  grpo_cfg = GRPOConfig(group_size=GRPO_ROWS, max_response_tokens=t // 2)
+  optimizer = make_optimizer(OptimizerConfig(), 10, weight_decay_mask(cfg))
+  shardings = state_shardings(cfg, optimizer, mesh, rules, with_reference=grpo_cfg.uses_reference)
+  spec = RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=t // 2, stop_ids=(2,), rules=rules)
+  step = HostRewardStep(spec=spec, optimizer=optimizer, mesh=mesh, state_shardings=shardings, reward=None,
+                        prompts=None)
+  return mesh, step.learner, shardings, optimizer, grpo_cfg
+
+
+def _grpo_inputs(cfg: ModelConfig, mesh, t: int, *, abstract: bool):
+  """(rollouts, gen, rewards) of one group of GRPO_ROWS rollouts of `t` tokens, as arrays or ShapeDtypeStructs."""
+  rows, prompt = GRPO_ROWS, t // 2
+  columns = np.arange(t, dtype=np.int32)[None].repeat(rows, 0)
+  response = (columns >= prompt).astype(np.int32)
+  rng = np.random.default_rng(0)
+  logps = np.where(response, -rng.random((rows, t), np.float32), 0).astype(np.float32)
+  rollouts = {"tokens": rng.integers(0, cfg.vocab_size, (rows, t)).astype(np.int32), "positions": columns,
+              "segment_ids": np.ones((rows, t), np.int32), "loss_mask": response, "sampler_logps": logps}
+  gen = Generation(tokens=rollouts["tokens"][:, prompt:], lengths=np.full(rows, t - prompt, np.int32),
+                   finish_reasons=np.full(rows, LENGTH, np.int32), log_probs=logps[:, prompt:])
+  rewards = np.arange(rows, dtype=np.float32)  # unequal, so the group has an advantage
+  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh, x.ndim))  # noqa: E731
+  if not abstract:
+    place = lambda x: jax.device_put(x, batch_sharding(mesh, x.ndim))  # noqa: E731
+  return jax.tree.map(place, rollouts), jax.tree.map(place, gen), place(rewards)
+
+
+def grpo_compile_memory(cfg: ModelConfig, t: int, n: int) -> dict:
+  """Compile-only memory of host-reward GRPO's update over GRPO_ROWS rollouts of `t` tokens on `seq` = n devices.
+
+  Returns:
+    The JSON record: per-device MiB against `grpo_floor_bytes`, its parts and the ratio, compile seconds.
+  """
+  mesh, learner, shardings, optimizer, grpo_cfg = _grpo_learner(cfg, MeshConfig(data=1, fsdp=1, tensor=1, seq=n), t)
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer, 0, mesh, with_reference=grpo_cfg.uses_reference))
+    state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state, shardings)
+    start = time.perf_counter()
+    mem = learner.lower(state, *_grpo_inputs(cfg, mesh, t, abstract=True)).compile().memory_analysis()
+  used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  floor = grpo_floor_bytes(cfg, rows=GRPO_ROWS, seq_len=t, seq_shards=n, with_reference=grpo_cfg.uses_reference)
+  return dict(
+      rows=GRPO_ROWS, tokens_per_row=t, devices=n, model=_describe(cfg), per_device_mib=round(used / MiB),
+      temp_mib=round(mem.temp_size_in_bytes / MiB), floor_mib={k: round(v / MiB) for k, v in floor.items()},
+      ratio_to_floor=round(used / floor["total"], 2), compile_s=round(time.perf_counter() - start, 1), load=_load())
+
+
+def run_grpo(cfg: ModelConfig, t: int, mesh_cfg: MeshConfig) -> dict:
+  """Runs host-reward GRPO's update once (after a compiling call) on GRPO_ROWS rollouts of `t` tokens.
+
+  Returns:
+    The JSON record: the step's seconds and CPU seconds, its compiled per-device memory, the process's peak RSS.
+  """
+  mesh, learner, _, optimizer, grpo_cfg = _grpo_learner(cfg, mesh_cfg, t)
+  with jax.set_mesh(mesh):
+    state = init_state(cfg, optimizer, 0, mesh, rules_of(mesh_cfg), with_reference=grpo_cfg.uses_reference)
+    inputs = _grpo_inputs(cfg, mesh, t, abstract=False)
+    compiled = learner.lower(state, *inputs).compile()
+    mem = compiled.memory_analysis()
+    state, metrics = jax.block_until_ready(compiled(state, *inputs))
+    wall, cpu = time.perf_counter(), time.process_time()
+    state, metrics = jax.block_until_ready(compiled(state, *inputs))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+  used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  return dict(
+      rows=GRPO_ROWS, tokens_per_row=t, mesh=dataclasses.asdict(mesh_cfg), model=_describe(cfg),
+      step_s=round(wall, 2), cpu_s=round(cpu, 2), loss=round(float(metrics["loss"]), 4),
+      per_device_mib=round(used / MiB), peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+      load=_load())
+
+
 def train_gpu(args):
   """Trains the 1M-token model on the one GPU for `--gpu-steps` steps; prints tokens/s."""
   cfg, t = MODEL_1M_GPU, 2**20
@@ -159,9 +247,22 @@ def main():
   parser.add_argument("--skip-run", action="store_true")
   parser.add_argument("--skip-compile", action="store_true")
   parser.add_argument("--gpu-steps", type=int, default=3)
+  parser.add_argument("--grpo", action="store_true",
+                      help="the SmolLM2-shape GRPO update instead: compile memory at 32K and 1M tokens per row")
+  parser.add_argument("--grpo-run-tokens", type=int, default=0,
+                      help="with --grpo, also run the update at this many tokens per row on (fsdp 2, seq 4)")
   args = parser.parse_args()
   if jax.default_backend() == "gpu":
     train_gpu(args)
+    return
+  if args.grpo:
+    for t in (2**15, 2**20):
+      print(json.dumps(dict(bench="long_context_grpo_compile", **grpo_compile_memory(MODEL_SMOLLM2, t, 8))),
+            flush=True)
+    if args.grpo_run_tokens:
+      mesh_cfg = MeshConfig(data=1, fsdp=2, tensor=1, seq=4)  # the state sharded: 8 replicas would not fit the host
+      print(json.dumps(dict(bench="long_context_grpo_run", **run_grpo(MODEL_SMOLLM2, args.grpo_run_tokens, mesh_cfg))),
+            flush=True)
     return
   if not args.skip_compile:
     print(json.dumps(dict(bench="long_context_1m_compile", **compile_memory(MODEL_1M, 2**20, 8))), flush=True)

@@ -37,11 +37,12 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = 
   if w_sub[:n_contract] != contracted or out != batch + outputs:
     raise ValueError(f"dense: {eq!r} is not of the form 'batch contracted, contracted out -> batch out'")
   n_batch = len(batch)
-  if _rows_and_sequence_sharded():
-    # Folding a batch axis and a sequence axis that are both sharded into one row axis makes GSPMD gather the
-    # sequence first (18 of a (data 2, seq 4) GRPO step's 22 all-gathers): contract in place instead. With
-    # only one of them sharded the fold is free, and XLA:CPU's unfolded dot held more (a 1M-token seq-8 SFT
-    # step: 5.3 GiB per device against 4.4).
+  if _folding_gathers(x.shape[:n_batch]):
+    # Folding [B, T] into one row axis when the sequence axis T is split over devices and B > 1 is no free
+    # reshape: each device's rows are not one block of the folded axis, so GSPMD gathers the sequence first
+    # (18 of a (data 2, seq 4) GRPO step's 22 all-gathers; on (seq 8) with two rows, whole [tokens, vocab]
+    # logit chunks per device). Contract in place instead. With one row the fold is free, and XLA:CPU's
+    # unfolded dot held more (a 1M-token seq-8 SFT step: 5.3 GiB per device against 4.4).
     return jax.lax.dot_general(x, w, ((tuple(range(n_batch, x.ndim)), tuple(range(n_contract))), ((), ())),
                                preferred_element_type=preferred_element_type)
   x2 = x.reshape(math.prod(x.shape[:n_batch]), -1)
@@ -50,8 +51,12 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = 
   return y.reshape(*x.shape[:n_batch], *w.shape[n_contract:])
 
 
-def _rows_and_sequence_sharded() -> bool:
-  """Whether the current mesh splits the sequence (`seq`) and the batch (`data` or `fsdp`) both over > 1 device."""
+def _folding_gathers(batch_shape: tuple[int, ...]) -> bool:
+  """Whether folding leading axes `batch_shape` (B, T, ...) into one would move the mesh's split `seq` axis.
+
+  The activation rules put the sequence (axis 1) on the mesh's `seq` axis; folding keeps every device's slice
+  one block of the folded axis only while the axes before it have one element.
+  """
   mesh = jax.sharding.get_abstract_mesh()
-  size = lambda name: mesh.shape[name] if name in mesh.axis_names else 1  # noqa: E731
-  return not mesh.empty and size("seq") > 1 and size("data") * size("fsdp") > 1
+  split = not mesh.empty and "seq" in mesh.axis_names and mesh.shape["seq"] > 1
+  return split and len(batch_shape) > 1 and batch_shape[1] > 1 and batch_shape[0] > 1

@@ -16,7 +16,13 @@ layer rematerialised (`remat="full"`) and the loss projected in chunks:
   logits       one chunk's float32 logits and their gradient
 
 Everything but the state is per token and divided by the shards, so the floor
-is flat in tokens per device.
+is flat in tokens per device. A GRPO update (`grpo_floor_bytes`) holds the
+same plus its own:
+
+  reference    the frozen reference parameters, when the KL needs them
+  rollout      the rollouts' per-token arrays: tokens, positions, segments and
+               loss mask (int32), and the sampler's, old and reference
+               log-probs and the aggregation weights (float32)
 """
 
 from __future__ import annotations
@@ -46,3 +52,13 @@ def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shar
   }
   return {**parts, "total": sum(parts.values())}
 
+
+def grpo_floor_bytes(cfg: ModelConfig, *, rows: int, seq_len: int, seq_shards: int,
+                     with_reference: bool) -> dict[str, int]:
+  """The floor of one GRPO update over `rows` rollouts of `seq_len` tokens, in bytes per device, plus `total`."""
+  parts = training_floor_bytes(cfg, batch=rows, seq_len=seq_len, seq_shards=seq_shards)
+  del parts["total"]
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_lib.abstract_params(cfg)))
+  parts["reference"] = n_params * 4 if with_reference else 0
+  parts["rollout"] = rows * seq_len // seq_shards * 8 * 4
+  return {**parts, "total": sum(parts.values())}

@@ -279,6 +279,11 @@ class HostRewardStep:
                "rollout/staleness": float(k - entry.sampled_at)}
     return state, metrics
 
+  @property
+  def learner(self) -> Any:
+    """The jitted update program the step runs: (state, rollouts, gen, rewards) -> (state, metrics), state donated."""
+    return self._learn
+
   def compile(self, state: TrainState, batch: dict[str, Any],
               compiler_options: dict[str, Any] | None = None) -> dict[str, jax.stages.Compiled]:
     """The sampling and update programs compiled for `state` and a global prompt batch, not run.
