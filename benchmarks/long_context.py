@@ -51,10 +51,10 @@ MODEL_1M = ModelConfig(vocab_size=32768, d_model=256, n_layers=2, n_heads=4, n_k
                        mlp_dim=768, attention_impl="ring", remat="full", logits_chunk=1024)
 # The same model on one GPU: Pallas attention, bfloat16 compute.
 MODEL_1M_GPU = dataclasses.replace(MODEL_1M, attention_impl="pallas", compute_dtype="bfloat16")
-# The SmolLM2-135M shape (30 layers, 9 heads, 3 KV heads, vocabulary 49,152) as a long-context GRPO policy: ring
-# attention over `seq` with full remat, the two choices a long-context run makes; every other setting (logits chunk,
-# heads per ring pass, zig-zag layout, GRPO's loss, reference and staleness) at its default.
-MODEL_SMOLLM2 = dataclasses.replace(smollm2_135m(), attention_impl="ring", remat="full")
+# The SmolLM2-135M shape (30 layers, 9 heads, 3 KV heads, vocabulary 49,152) as a long-context GRPO policy: full
+# remat, the one choice a long-context run makes; every other setting at its default (attention "auto", which is
+# ring over the seq mesh, logits chunk, heads per ring pass, zig-zag layout, GRPO's loss, reference, staleness).
+MODEL_SMOLLM2 = dataclasses.replace(smollm2_135m(), remat="full")
 GRPO_ROWS = 2  # one group of two rollouts, each half prompt and half response
 # A smaller one that runs 128K tokens on two CPU cores in minutes.
 MODEL_CPU = ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32, mlp_dim=128,

@@ -72,6 +72,10 @@ class Kernel:
         scale=head_dim ** -0.5 if scale is None else float(scale),
         block_q=tiles.block_q, block_kv=tiles.block_kv)
 
+  def takes_head_dim(self, head_dim: int) -> bool:
+    """Whether the kernel runs heads of this width (only the GPU kernel has a rule)."""
+    return self.name != "pallas_gpu" or pallas_gpu.takes_head_dim(head_dim)
+
   def check(self, q: jax.Array, v: jax.Array) -> None:
     """Raises ValueError if the kernel cannot run on q [B,T,H,D], v [B,S,KV,Dv]."""
     if self.name == "pallas_gpu":

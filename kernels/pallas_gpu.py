@@ -24,12 +24,16 @@ from ptx_kernels import blockwise
 from ptx_kernels import mask as mask_lib
 
 
+def takes_head_dim(n: int) -> bool:
+  """Whether the kernel runs heads of width n: Triton's dots take power-of-two tiles of at least 16 per axis."""
+  return n >= 16 and not n & (n - 1)
+
+
 def check_head_dims(q_shape, v_shape) -> None:
   """Raises ValueError unless both head dims are powers of two >= 16."""
-  # Triton's dots take power-of-two tiles of at least 16 along each axis.
   for name, shape in (("head_dim", q_shape), ("value head_dim", v_shape)):
     n = shape[-1]
-    if n < 16 or n & (n - 1):
+    if not takes_head_dim(n):
       raise ValueError(f"pallas_gpu needs {name} a power of two >= 16, got {n} "
                        f"(q {tuple(q_shape)}, v {tuple(v_shape)})")
 

@@ -107,9 +107,9 @@ class ModelConfig:
   # into [L, ...] buffers and slices them back in the backward. With remat, keep the scan: unrolled
   # layers' compiled backward held every layer's activations anyway (XLA:CPU, benchmarks/RESULTS.md).
   scan_layers: bool = True
-  # Attention: "xla", "blockwise", "pallas", "ring" or "auto" (Pallas on GPU/TPU, else blockwise).
-  # "xla" (materialised logits) is the default: the fastest at short sequence lengths.
-  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "xla"
+  # Attention: "auto", "xla", "blockwise", "pallas" or "ring" (`ptx.models.attention`). "auto" is ring
+  # where the mesh splits the sequence, Pallas on GPU/TPU, and on CPU xla for short sequences, blockwise for long.
+  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "auto"
   # Ring attention: query heads per ring pass (None: one kv head's group); fewer heads per pass
   # keep smaller float32 accumulators and send each kv head around the ring more often.
   ring_heads_per_pass: int | None = None

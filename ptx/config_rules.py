@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig
+import jax
+from ptx_kernels import pallas_gpu
+
+from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig, ModelConfig
 
 # The record kind each algorithm reads.
 RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl"}
@@ -33,6 +36,7 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
       raise ConfigError(f"train.{name} must be >= 1, got {getattr(train, name)}")
   if data.batch_size < 1:
     raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
+  check_attention(cfg.model, jax.default_backend())
   kind = RECORD_KINDS[algorithm]
   if data.kind != kind:
     raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
@@ -48,6 +52,22 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
                         "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
   elif data.batch_size % train.grad_accum:
     raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
+
+
+def check_attention(model: ModelConfig, backend: str) -> None:
+  """An attention implementation named outright must run on `backend` ("auto" always does: it picks one that can).
+
+  Raises:
+    ConfigError: naming model.attention_impl (and model.head_dim) when it cannot.
+  """
+  if model.attention_impl != "pallas":
+    return
+  if backend not in ("gpu", "tpu"):
+    raise ConfigError(f"model.attention_impl='pallas' runs the GPU or TPU Pallas kernel, and this backend is "
+                      f"{backend!r}: use 'auto' (xla or blockwise here) or 'blockwise'")
+  if backend == "gpu" and not pallas_gpu.takes_head_dim(model.head_dim):
+    raise ConfigError(f"model.attention_impl='pallas' on GPU needs model.head_dim a power of two >= 16 (Triton's "
+                      f"tiles), got {model.head_dim}: use 'auto' (xla at this head width) or 'xla'")
 
 
 def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:

@@ -13,7 +13,8 @@ Implementations (`impl`):
   pallas     the Pallas kernel of the backend (GPU: Triton-style, TPU: Mosaic)
   ring       context parallelism: K/V blocks rotate over the `seq` mesh axis, and each
              hop runs the backend's Pallas kernel (blockwise on CPU)
-  auto       pallas on GPU and TPU, blockwise on CPU
+  auto       (the default) ring where the mesh splits the sequence, else pallas on GPU
+             and TPU, else xla for short sequences and blockwise for long ones (`resolve`)
 
 `interpret_pallas` lets CPU tests run the model's Pallas paths: inside it the
 platform's Pallas kernel is one of the two, run through the Pallas interpreter.
@@ -46,6 +47,10 @@ _TOKEN_MASKS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"
 # The Pallas kernel that `interpret_pallas` puts in the platform's place. A jit cache key: a program traced inside
 # the block is never reused outside it, nor one traced outside reused inside.
 _INTERPRETED = jax.make_user_context(None)
+# On CPU "auto" keeps the materialised logits while one row and head's [T, S] block stays small (1K x 1K: 4 MiB of
+# float32), where they are the fastest (blockwise took 14% more CPU time on the short-sequence model, step and
+# sampler tests); longer sequences take the blockwise kernel and its O(T) memory.
+AUTO_DENSE_MAX_PAIRS = 1024 * 1024
 
 
 def interpret_pallas(kernel: str = "pallas_gpu"):
@@ -63,6 +68,47 @@ def interpret_pallas(kernel: str = "pallas_gpu"):
   if kernel not in implementation.PALLAS:
     raise ValueError(f"interpret_pallas kernel must be one of {implementation.PALLAS}, got {kernel!r}")
   return _INTERPRETED(kernel)
+
+
+def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int,
+            rules: sharding.Rules = sharding.DEFAULT_RULES) -> str:
+  """The implementation `impl` runs as here: "auto" made concrete, any other name itself.
+
+  "auto" is "ring" where the activation rules split the sequence over the current mesh into blocks the ring
+  takes (self-attention, a length that is a multiple of twice the shards; a per-device kernel would gather
+  the sequence), else "pallas" where the backend has a Pallas kernel that takes `head_dim` (the GPU kernel
+  needs a power of two >= 16; "xla" otherwise), else, on CPU, "xla" up to AUTO_DENSE_MAX_PAIRS query-key pairs
+  and "blockwise" above. Every reader of `ModelConfig.attention_impl` asks this, so the attention that runs and
+  the layout and routing chosen around it agree.
+
+  Args:
+    impl: one of IMPLEMENTATIONS.
+    q_len: queries per row.
+    kv_len: keys per row.
+    head_dim: the query (and value) head width.
+    rules: the activation rules (where the sequence is sharded).
+
+  Returns:
+    "xla", "blockwise", "pallas" or "ring".
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
+  if impl != "auto":
+    return impl
+  shards = sequence_shards(rules)
+  if shards > 1 and q_len == kv_len and q_len % (2 * shards) == 0:  # the ring's blocks, in either layout
+    return "ring"
+  platform = _platform_kernel()
+  if platform is not None:
+    return "pallas" if platform.takes_head_dim(head_dim) else "xla"
+  return "xla" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
+
+
+def sequence_shards(rules: sharding.Rules) -> int:
+  """How many devices of the current mesh the activation rules split the sequence over (1: none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = rules.activations.get("seq")
+  return mesh.shape[axis] if not mesh.empty and isinstance(axis, str) and axis in mesh.axis_names else 1
 
 
 def _platform_kernel() -> implementation.Kernel | None:
@@ -110,8 +156,7 @@ def attention(
   Returns:
     The attention output [B, T, H, K] in the dtype of `q`.
   """
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
+  impl = resolve(impl, q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1], rules=rules)
   masks = dict(q_segment_ids=segment_ids, q_positions=positions,
                kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids,
                kv_positions=positions if kv_positions is None else kv_positions,

@@ -30,6 +30,7 @@ import ptx_kernels
 
 from ptx import sharding
 from ptx.config import ModelConfig
+from ptx.models.attention import resolve
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
 
@@ -146,7 +147,8 @@ def _ring_order(cfg: ModelConfig, rules: sharding.Rules, length: int):
   identity = lambda a: a
   mesh = jax.sharding.get_abstract_mesh()
   axis = rules.activations.get("seq")
-  if cfg.attention_impl != "ring" or cfg.seq_layout != "zigzag" or mesh.empty or axis not in mesh.axis_names:
+  impl = resolve(cfg.attention_impl, q_len=length, kv_len=length, head_dim=cfg.head_dim, rules=rules)
+  if impl != "ring" or cfg.seq_layout != "zigzag" or mesh.empty or axis not in mesh.axis_names:
     return identity, identity
   n = mesh.shape[axis]
   if n == 1:

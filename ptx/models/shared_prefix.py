@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache
+from ptx.models.attention import resolve
 from ptx.models.chunked_logits import TokenStats, logit_stats, project, token_stats
 from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache
 
@@ -142,7 +143,9 @@ def rollout_stats(
   chunks of `cfg.logits_chunk` tokens.
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
-  if (prompt_len is None or group_size == 1 or cfg.attention_impl != "xla" or cfg.remat != "none"
+  impl = resolve(cfg.attention_impl, q_len=tokens.shape[1], kv_len=tokens.shape[1], head_dim=cfg.head_dim,
+                 rules=rules)
+  if (prompt_len is None or group_size == 1 or impl != "xla" or cfg.remat != "none"
       or not fits(prompt_len, tokens.shape[1], group_size)):
     return token_stats(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules,
                        temperature=temperature)

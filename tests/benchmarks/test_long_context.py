@@ -1,7 +1,7 @@
 """benchmarks/long_context.py's GRPO figures: the SmolLM2-135M-shape update at 32K and 1M tokens per row, 8 devices.
 
 The update is host-reward GRPO's learner program (`HostRewardStep.learner`), compiled for one group of two
-rollouts on `seq` = 8 at default settings but ring attention and full remat. Its compiled per-device memory
+rollouts on `seq` = 8 at default settings but full remat (attention "auto" runs the ring there). Its compiled per-device memory
 must lie between the floor computed from shapes (`ptx.models.memory_floor.grpo_floor_bytes`) and twice it.
 """
 
@@ -32,6 +32,6 @@ def test_the_smollm2_shape_grpo_update_is_within_twice_its_floor(tokens):
 
 def test_the_grpo_update_runs_on_a_data_and_sequence_sharded_mesh():
   cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
-                    attention_impl="ring", remat="full", logits_chunk=64)
+                    remat="full", logits_chunk=64)
   record = bench.run_grpo(cfg, 256, MeshConfig(data=1, fsdp=2, tensor=1, seq=4))
   assert np.isfinite(record["loss"]) and record["per_device_mib"] > 0 and record["step_s"] > 0, record

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from ptx import config_io
+from ptx import config_rules
 from ptx import sharding
 from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
                         OptimizerConfig, TrainConfig)
@@ -135,6 +136,20 @@ def test_cross_field_rules_fail_before_compiling_naming_the_fields(change, messa
   cfg = dataclasses.replace(_grpo_cfg(), **change)
   with pytest.raises(ConfigError, match=message):
     grpo_job(cfg, TOK)
+
+
+def test_an_attention_kernel_named_outright_must_run_on_the_backend():
+  cfg = _grpo_cfg()
+  pallas = dataclasses.replace(cfg.model, attention_impl="pallas")
+  with pytest.raises(ConfigError, match="model.attention_impl='pallas' runs the GPU or TPU Pallas kernel, and this "
+                                        "backend is 'cpu'"):
+    grpo_job(dataclasses.replace(cfg, model=pallas), TOK)
+  config_rules.check_attention(dataclasses.replace(pallas, head_dim=64), "gpu")
+  config_rules.check_attention(dataclasses.replace(pallas, head_dim=80), "tpu")  # Mosaic takes any width
+  with pytest.raises(ConfigError, match="on GPU needs model.head_dim a power of two >= 16 .*, got 80"):
+    config_rules.check_attention(dataclasses.replace(pallas, head_dim=80), "gpu")
+  for impl in ("auto", "xla", "blockwise", "ring"):  # auto picks what runs; the others run everywhere
+    config_rules.check_attention(dataclasses.replace(pallas, attention_impl=impl, head_dim=80), "gpu")
 
 
 def test_fit_refuses_a_job_built_for_another_config(tmp_path):
