@@ -102,6 +102,11 @@ def run_cpu(args):
       peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), load=_load())), flush=True)
 
 
+def _per_device_bytes(mem) -> int:
+  """What a compiled program holds per device: its arguments, outputs not aliased to them, and scratch."""
+  return mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+
+
 def compile_memory(cfg: ModelConfig, t: int, n: int, devices=None) -> dict:
   """Compile-only memory of a `t`-token training step over `n` devices (`seq` = n) against the stated floor.
 
@@ -124,7 +129,7 @@ def compile_memory(cfg: ModelConfig, t: int, n: int, devices=None) -> dict:
     start = time.perf_counter()
     mem = step.lower(state, dict.fromkeys(("tokens", "loss_mask", "segment_ids", "positions"), ids)).compile(
     ).memory_analysis()
-  used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  used = _per_device_bytes(mem)
   floor = training_floor_bytes(cfg, batch=1, seq_len=t, seq_shards=n)
   return dict(
       tokens=t, devices=n, model=_describe(cfg),
@@ -180,7 +185,7 @@ def grpo_compile_memory(cfg: ModelConfig, t: int, n: int) -> dict:
     state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state, shardings)
     start = time.perf_counter()
     mem = learner.lower(state, *_grpo_inputs(cfg, mesh, t, abstract=True)).compile().memory_analysis()
-  used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  used = _per_device_bytes(mem)
   floor = grpo_floor_bytes(cfg, rows=GRPO_ROWS, seq_len=t, seq_shards=n, with_reference=grpo_cfg.uses_reference)
   return dict(
       rows=GRPO_ROWS, tokens_per_row=t, devices=n, model=_describe(cfg), per_device_mib=round(used / MiB),
@@ -204,7 +209,7 @@ def run_grpo(cfg: ModelConfig, t: int, mesh_cfg: MeshConfig) -> dict:
     wall, cpu = time.perf_counter(), time.process_time()
     state, metrics = jax.block_until_ready(compiled(state, *inputs))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-  used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  used = _per_device_bytes(mem)
   return dict(
       rows=GRPO_ROWS, tokens_per_row=t, mesh=dataclasses.asdict(mesh_cfg), model=_describe(cfg),
       step_s=round(wall, 2), cpu_s=round(cpu, 2), loss=round(float(metrics["loss"]), 4),

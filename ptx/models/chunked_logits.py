@@ -30,7 +30,7 @@ import ptx_kernels
 
 from ptx import sharding
 from ptx.config import ModelConfig
-from ptx.models.attention import resolve
+from ptx.models.attention import resolve, sequence_shards
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
 
@@ -145,13 +145,9 @@ def _shards(shape: tuple[int, ...], dim: int, rules: sharding.Rules) -> int:
 def _ring_order(cfg: ModelConfig, rules: sharding.Rules, length: int):
   """(reorder, restore) of the sequence axis of [B, T] arrays for ring attention's layout."""
   identity = lambda a: a
-  mesh = jax.sharding.get_abstract_mesh()
-  axis = rules.activations.get("seq")
   impl = resolve(cfg.attention_impl, q_len=length, kv_len=length, head_dim=cfg.head_dim, rules=rules)
-  if impl != "ring" or cfg.seq_layout != "zigzag" or mesh.empty or axis not in mesh.axis_names:
-    return identity, identity
-  n = mesh.shape[axis]
-  if n == 1:
+  n = sequence_shards(rules)
+  if impl != "ring" or cfg.seq_layout != "zigzag" or n == 1:
     return identity, identity
   if length % (2 * n):
     raise ValueError(f"model.seq_layout='zigzag' needs the sequence length ({length}) to be a multiple of "

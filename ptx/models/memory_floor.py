@@ -27,19 +27,15 @@ same plus its own:
 
 from __future__ import annotations
 
-import math
-
-import jax
-
 from ptx.config import ModelConfig
-from ptx.models import params as params_lib
+from ptx.models.params import count_params
 
 
 def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shards: int) -> dict[str, int]:
   """The floor's parts in bytes per device (module docstring), plus their `total`."""
   tokens = batch * seq_len // seq_shards
   act = 2 if cfg.compute_dtype == "bfloat16" else 4
-  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_lib.abstract_params(cfg)))
+  n_params = count_params(cfg)
   kv_per_pass = max((cfg.ring_heads_per_pass or cfg.n_heads // cfg.n_kv_heads) * cfg.n_kv_heads // cfg.n_heads, 1)
   chunk = min(cfg.logits_chunk or tokens, tokens)  # tokens per device in one chunk of the vocabulary projection
   parts = {
@@ -58,7 +54,7 @@ def grpo_floor_bytes(cfg: ModelConfig, *, rows: int, seq_len: int, seq_shards: i
   """The floor of one GRPO update over `rows` rollouts of `seq_len` tokens, in bytes per device, plus `total`."""
   parts = training_floor_bytes(cfg, batch=rows, seq_len=seq_len, seq_shards=seq_shards)
   del parts["total"]
-  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_lib.abstract_params(cfg)))
+  n_params = count_params(cfg)
   parts["reference"] = n_params * 4 if with_reference else 0
   parts["rollout"] = rows * seq_len // seq_shards * 8 * 4
   return {**parts, "total": sum(parts.values())}

@@ -1,8 +1,9 @@
 """benchmarks/long_context.py's GRPO figures: the SmolLM2-135M-shape update at 32K and 1M tokens per row, 8 devices.
 
 The update is host-reward GRPO's learner program (`HostRewardStep.learner`), compiled for one group of two
-rollouts on `seq` = 8 at default settings but full remat (attention "auto" runs the ring there). Its compiled per-device memory
-must lie between the floor computed from shapes (`ptx.models.memory_floor.grpo_floor_bytes`) and twice it.
+rollouts on `seq` = 8 at default settings but full remat (attention "auto" runs the ring there). Its compiled
+per-device memory must lie between the floor computed from shapes (`ptx.models.memory_floor.grpo_floor_bytes`)
+and twice it.
 """
 
 import importlib.util
