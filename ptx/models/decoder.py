@@ -31,12 +31,16 @@ from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import lora
+from ptx.models import paged_kv_cache
 from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
 from ptx.models.dense import dense
 
 Params = dict[str, Any]
+# The caches the layers read and write: contiguous rows (sampling) or pages (the rollout engine); the layers reach
+# either through its `attend` and `advance` methods.
+Cache = kv_cache_lib.KVCache | paged_kv_cache.PagedKVCache
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -204,13 +208,13 @@ def forward_with_cache(
     params: Params,
     tokens: jax.Array,
     cfg: ModelConfig,
-    cache: kv_cache_lib.KVCache,
+    cache: Cache,
     *,
     positions: jax.Array,
     last_only: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+) -> tuple[jax.Array, Cache]:
   """Runs the decoder on T new tokens against a KV cache, as `forward` does on a whole sequence.
 
   The tokens' K/V are written at slots [cache.index, cache.index + T) and
@@ -226,7 +230,8 @@ def forward_with_cache(
     cache: the cache (`ptx.models.kv_cache.init_cache`), B rows; slot s of
       row b holds position s - cache.starts[b], so the tokens' positions are
       cache.index + t - cache.starts[b] (slots before a row's start are its
-      padding, never attended to).
+      padding, never attended to). Or a `ptx.models.paged_kv_cache.PagedKVCache`,
+      whose row b takes the tokens at positions lengths[b] + t.
     positions: int32 [B, T] positions of the tokens in their sequences.
     last_only: return the logits of the last token only, [B, 1, V] (prefill
       needs no more, and [B, T, V] logits can be large).
@@ -247,17 +252,17 @@ def hidden_with_cache(
     params: Params,
     tokens: jax.Array,
     cfg: ModelConfig,
-    cache: kv_cache_lib.KVCache,
+    cache: Cache,
     *,
     positions: jax.Array,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+) -> tuple[jax.Array, Cache]:
   """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks."""
   x = embed(params, tokens, cfg, rules)
   x, cache = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
                          segment_ids=None, rules=rules, cache=cache, angles=angles)
-  return x, kv_cache_lib.advance(cache, tokens.shape[1])
+  return x, cache.advance(tokens.shape[1])
 
 
 def decode_layers(
@@ -283,9 +288,9 @@ def _run_layers(
     positions: jax.Array | None,
     segment_ids: jax.Array | None,
     rules: sharding.Rules,
-    cache: kv_cache_lib.KVCache | None,
+    cache: Cache | None,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, kv_cache_lib.KVCache | None]:
+) -> tuple[jax.Array, Cache | None]:
   """The layers of `decode_layers`, reading and writing `cache` when one is given.
 
   Stacked `layers` run under a scan (cache None); a tuple of per-layer trees
@@ -351,9 +356,9 @@ def block(
     positions: jax.Array,
     segment_ids: jax.Array,
     rules: sharding.Rules,
-    cache: kv_cache_lib.KVCache | None = None,
+    cache: Cache | None = None,
     layer_index: int | None = None,
-) -> tuple[jax.Array, kv_cache_lib.KVCache | None]:
+) -> tuple[jax.Array, Cache | None]:
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
@@ -380,8 +385,8 @@ def block(
                     window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
                     ring_heads_per_pass=cfg.ring_heads_per_pass)
   else:
-    out, cache = kv_cache_lib.attend(cache, layer_index, q, k, v, positions=positions, window=window,
-                                     softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)
+    out, cache = cache.attend(layer_index, q, k, v, positions=positions, window=window,
+                              softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)
   out = lora.project("bthk,hkd->btd", out, p["o"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)

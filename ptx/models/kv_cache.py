@@ -77,6 +77,15 @@ class KVCache:
     """Whether K/V are stored as int8 with per-slot, per-head scales."""
     return self.k_scale is not None
 
+  def attend(self, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_BTNK: jax.Array,
+             **kwargs) -> tuple[jax.Array, KVCache]:
+    """`attend(self, ...)`: the decoder reaches every cache type (this, `PagedKVCache`) through this method."""
+    return attend(self, layer, q_BTHK, k_BTNK, v_BTNK, **kwargs)
+
+  def advance(self, n_tokens: int) -> KVCache:
+    """`advance(self, n_tokens)`, the method every cache type has."""
+    return advance(self, n_tokens)
+
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | None = None, int8: bool = False,
                rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:

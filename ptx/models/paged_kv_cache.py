@@ -1,0 +1,180 @@
+"""A paged KV cache: every layer's K/V in a pool of fixed-size pages, read through per-row page tables.
+
+Layout (L layers, P pages, S slots per page, N kv heads, K head_dim, R rows,
+M pages per row):
+
+  k, v         L arrays [P, S, N, K] in the compute dtype (after RoPE)
+  page_table   int32 [R, M]: page m of row r holds its positions [m * S, (m + 1) * S)
+  lengths      int32 [R]: positions of each row already cached
+  new_tokens   int32 [R]: how many of this call's T tokens are real for each
+               row; the others are padding, written to the sink page
+
+A row's position p lives at slot p % S of page page_table[r, p // S]: there is
+no left padding, the position is the index. Page 0 (of each shard, below) is
+the sink: padding tokens and idle rows write there and no row's table names it
+for a position below its length, so it is never read as data. The host side
+(`ptx.sampling.page_allocator`) owns which pages a row holds; a page may sit in
+several rows' tables (the G samples of a prompt share its full pages).
+
+Attention gathers a row's pages into a dense [R, M * S, N, K] view and runs
+`ptx_kernels.decode_attention` over it, the sampler's kernel, so float32 results
+match the contiguous cache's up to summation order. This is the reference path
+(and XLA:CPU's, which copies every block of a cache before its products
+anyway); it reads M pages per row whatever the fill, so callers size M to the
+longest live row.
+
+Under a mesh whose batch axes split the pool's pages, rows and pages are split
+over them in the same blocks: a row's table holds page ids local to its block,
+and a `shard_map` runs the writes and the gather on each device's own pages, so
+no page ever crosses devices. KV heads follow the `tensor` rule as in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ptx_kernels
+from jax.sharding import PartitionSpec
+
+from ptx import sharding
+from ptx.config import ModelConfig
+
+POOL_NAMES = ("batch", None, "kv_heads", "head_dim")
+SINK_PAGE = 0
+
+Arrays = tuple[jax.Array, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """K/V pages of every layer and the rows that read them (see the module docstring)."""
+
+  k: Arrays
+  v: Arrays
+  page_table: jax.Array
+  lengths: jax.Array
+  new_tokens: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    """Slots per page S."""
+    return self.k[0].shape[1]
+
+  def attend(self, layer: int, q_RTHK: jax.Array, k_RTNK: jax.Array, v_RTNK: jax.Array, *, positions: jax.Array,
+             window: jax.Array | int | None, softcap: float | None, scale: float,
+             rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, PagedKVCache]:
+    """Writes the real new tokens' K/V into their pages, then attends every query over its row's cached positions.
+
+    Args:
+      layer: the layer index.
+      q_RTHK: queries [R, T, H, K] (after RoPE).
+      k_RTNK: the new keys [R, T, N, K] (after RoPE).
+      v_RTNK: the new values [R, T, N, K].
+      positions: int32 [R, T], lengths[:, None] + arange(T) (token t of row r
+        goes to position lengths[r] + t).
+      window: the layer's sliding window (None: all the past).
+      softcap: tanh soft-cap on the logits.
+      scale: logit scale.
+      rules: the sharding rules (under a mesh: which axes split pages and heads).
+
+    Returns:
+      (the attention output [R, T, H, K] in q's dtype, the cache with the pages written).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(self.k[layer], mesh, rules)
+    attend_local = lambda *args: _attend_local(*args, softcap=softcap, scale=scale)  # noqa: E731
+    args = (self.k[layer], self.v[layer], self.page_table, self.lengths, self.new_tokens, q_RTHK, k_RTNK, v_RTNK,
+            positions, window)
+    if page_axes is None:
+      out, k, v = attend_local(*args)
+    else:
+      pool, rows = PartitionSpec(page_axes, None, head_axes, None), PartitionSpec(page_axes)
+      new = PartitionSpec(page_axes, None, head_axes, None)
+      in_specs = (pool, pool, rows, rows, rows, new, new, new, rows, None if window is None else PartitionSpec())
+      out, k, v = jax.shard_map(attend_local, mesh=mesh, in_specs=in_specs, out_specs=(new, pool, pool),
+                                check_vma=False)(*args)
+    put = lambda stack, x: stack[:layer] + (x,) + stack[layer + 1:]  # noqa: E731
+    return out, dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+
+  def advance(self, n_tokens: int) -> PagedKVCache:
+    """The rows' lengths past the real tokens of the call just run (`n_tokens` is their padded count)."""
+    del n_tokens
+    return dataclasses.replace(self, lengths=self.lengths + self.new_tokens)
+
+
+def init_pool(cfg: ModelConfig, pages: int, page_size: int) -> tuple[Arrays, Arrays]:
+  """Empty K and V pools, L arrays [pages, page_size, N, K] each (call under jit for sharded placement)."""
+  shape = (pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers))  # noqa: E731
+  return zeros(), zeros()
+
+
+def pool_sharding(cfg: ModelConfig, pages: int, page_size: int, mesh: jax.sharding.Mesh,
+                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.sharding.NamedSharding:
+  """Where a pool array lives on `mesh`: pages over the batch axes, KV heads over `tensor`."""
+  shape = (pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(POOL_NAMES, rules, shape=shape, mesh=mesh))
+
+
+def page_blocks(pages: int, mesh: jax.sharding.Mesh | None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> int:
+  """How many blocks the batch axes split pages (and rows) into: 1 without a mesh."""
+  if mesh is None:
+    return 1
+  axes = sharding.logical_to_spec(("batch",), rules, shape=(pages,), mesh=mesh)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  n = 1
+  for axis in axes:
+    n *= mesh.shape[axis]
+  return n
+
+
+def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
+               rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[Arrays, Arrays]:
+  """Copies page sources[i] to targets[i] in every layer (ids local to their block; pairs of the sink are no-ops)."""
+
+  def local(k, v, sources, targets):
+    return tuple(x.at[targets].set(x[sources]) for x in k), tuple(x.at[targets].set(x[sources]) for x in v)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(k[0], mesh, rules)
+  if page_axes is None:
+    return local(k, v, sources, targets)
+  pool, pairs = (PartitionSpec(page_axes, None, head_axes, None),) * len(k), PartitionSpec(page_axes)
+  return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, pairs, pairs), out_specs=(pool, pool),
+                       check_vma=False)(k, v, sources, targets)
+
+
+def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, q_RTHK, k_RTNK, v_RTNK, positions_RT, window, *,
+                  softcap, scale):
+  """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
+  R, T, N, K = k_RTNK.shape
+  S = k_pool.shape[1]
+  real_RT = jnp.arange(T, dtype=jnp.int32)[None] < new_R[:, None]
+  page_RT = jnp.take_along_axis(table_RM, jnp.clip(positions_RT // S, 0, table_RM.shape[1] - 1), axis=1)
+  page_RT = jnp.where(real_RT, page_RT, SINK_PAGE)
+  slot_RT = positions_RT % S
+
+  def write(pool, new_RTNK):
+    return pool.at[page_RT.reshape(-1), slot_RT.reshape(-1)].set(new_RTNK.reshape(R * T, N, K).astype(pool.dtype))
+
+  k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
+  view = lambda pool: pool[table_RM].reshape(R, -1, N, K)  # noqa: E731  [R, M * S, N, K]
+  k_view = view(k_pool)
+  # The view is the whole cache of the rows, so one block reads it (blocks would only re-slice the gather).
+  out, _ = ptx_kernels.decode_attention(
+      q_RTHK, k_view, view(v_pool), lengths=lengths_R + new_R, q_positions=positions_RT, window=window,
+      softcap=softcap, scale=scale, block_kv=k_view.shape[1])
+  return out, k_pool, v_pool
+
+
+def _pool_axes(pool: jax.Array, mesh, rules: sharding.Rules):
+  """(mesh axes splitting the pages, mesh axes splitting the KV heads) of a pool array on `mesh`.
+
+  Query heads split over the KV heads' axes: H is a multiple of N, so each
+  device holds whole GQA groups.
+  """
+  spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=pool.shape, mesh=mesh)
+  return spec[0], spec[2]

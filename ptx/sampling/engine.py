@@ -1,0 +1,531 @@
+"""The rollout engine: continuous batching over a paged KV cache, on the training mesh with its parameter arrays.
+
+`generate` runs a fixed batch until its longest row stops, with a cache sized
+for every row at the full budget. The engine instead keeps `max_seqs` rows
+(slots) busy: a request takes a slot and the pages its own budget needs as
+soon as both are free, and gives them back the moment it stops. Three
+programs, each compiled once per shape bucket, run on the pool of pages
+(`ptx.models.paged_kv_cache`), donated through every call:
+
+  prefill  writes up to `prefill_chunk` tokens of up to `prefill_rows` rows
+           into their pages (a prompt, or the tool output a multi-turn episode
+           appends with `extend`), chunk after chunk
+  copy     copies pages (the last, partly filled prompt page of each sample
+           of a group but the first, which keeps the original)
+  decode   runs up to `decode_steps` tokens for every live row, each stopping
+           at its own stop ids or budget
+
+A sequence's cache holds every token but the last one sampled (or the last of
+its prompt), which the next decode step feeds: so a prompt of p tokens is
+prefilled up to p - 1, its first token is sampled by the first decode step,
+and the G samples of a prompt share its full pages (reference counts,
+`page_allocator`) with their own copy of the partly filled one.
+
+Admission never over-commits: a request is admitted only with the pages of
+its prompt plus its whole `max_new_tokens` in hand, so a running sequence
+never waits for a page and nothing is ever preempted; requests are admitted in
+submission order. Parameters are read where training placed them, never
+copied. Token t of sequence i is drawn with the uniform of
+fold_in(fold_in(key(seed), i), t), so the same seed and submission order give
+the same tokens whatever the slots, pages, page size or timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import enum
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models import paged_kv_cache
+from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
+from ptx.sampling import buckets
+from ptx.sampling.generation import LENGTH, STOP
+from ptx.sampling.page_allocator import PageAllocator
+from ptx.sampling.rules import SamplingConfig, sample_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The engine's static shapes; its programs compile for these."""
+
+  # Sequences decoded together; a multiple of the devices along the batch axes.
+  max_seqs: int = 64
+  # Pages in the pool, every block's sink page included; a multiple of the devices along the batch axes.
+  pages: int = 1024
+  # Token positions per page.
+  page_size: int = 16
+  # Cached positions one sequence may take: its prompt, the tokens it generates and what `extend` appends.
+  max_seq_len: int = 4096
+  # Tokens each decode call generates per row at most: the host admits and releases between calls.
+  decode_steps: int = 16
+  # Tokens each prefill call writes per row: prefill memory grows with it, not with the prompt.
+  prefill_chunk: int = 64
+  # Rows each prefill call writes; a multiple of the devices along the batch axes.
+  prefill_rows: int = 8
+
+  def __post_init__(self):
+    for name in ("max_seqs", "pages", "page_size", "max_seq_len", "decode_steps", "prefill_chunk", "prefill_rows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def pages_per_seq(self) -> int:
+    """Pages one sequence may hold: its page table's width."""
+    return -(-self.max_seq_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One finished turn of one sequence."""
+
+  seq_id: int
+  # int32 [n]: the tokens sampled in this turn, the stop token included.
+  tokens: np.ndarray
+  # float32 [n]: their log-probs (raw policy, or tempered: see `RolloutEngine`).
+  log_probs: np.ndarray
+  # int32 [n]: the `policy_version` of the `step` call that sampled each token.
+  policy_versions: np.ndarray
+  # STOP or LENGTH.
+  finish_reason: int
+
+
+class _State(enum.Enum):
+  QUEUED = "queued"  # waiting for a slot and pages
+  PREFILL = "prefill"  # admitted; tokens still to write before it decodes
+  FOLLOWER = "follower"  # a group's sample waiting for its leader's prompt pages
+  LIVE = "live"  # decoding
+  HELD = "held"  # a turn finished; keeps its slot and pages for `extend`
+  EXTEND = "extend"  # held, with an `extend` waiting for pages
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+  """Host-side bookkeeping of one sequence (one sample of one request)."""
+
+  seq_id: int
+  max_new: int
+  stop_ids: tuple[int, ...]
+  keep: bool
+  feed: list[int]  # tokens to write before decoding: the prompt but its last token
+  pending: int  # the token the next decode step feeds
+  state: _State = _State.QUEUED
+  block: int = -1
+  slot: int = -1
+  pages: list[int] = dataclasses.field(default_factory=list)
+  length: int = 0  # cached positions
+  sampled: int = 0  # tokens sampled over the sequence's life: its RNG counter
+  followers: list["_Sequence"] = dataclasses.field(default_factory=list)
+  leader: "_Sequence | None" = None
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  log_probs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+
+class DecodeRows(NamedTuple):
+  """Every slot's inputs to a decode call (R rows)."""
+
+  page_table: jax.Array  # int32 [R, M]
+  lengths: jax.Array  # int32 [R]: cached positions
+  pending: jax.Array  # int32 [R]: the token the first step feeds
+  live: jax.Array  # bool [R]
+  remaining: jax.Array  # int32 [R]: tokens the row may still sample
+  stop_ids: jax.Array  # int32 [R, K], padded with -1
+  seq_ids: jax.Array  # int32 [R]
+  sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
+
+
+class Decoded(NamedTuple):
+  """What a decode call sampled."""
+
+  tokens: jax.Array  # int32 [R, steps]; pad after a row's emitted count
+  log_probs: jax.Array  # float32 [R, steps]
+  emitted: jax.Array  # int32 [R]
+  finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
+
+
+def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
+                  new_tokens: jax.Array, tokens: jax.Array, *, cfg: ModelConfig,
+                  rules: sharding.Rules) -> tuple[tuple, tuple]:
+  """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
+  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens)
+  positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
+  return cache.k, cache.v
+
+
+def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.Array, *, cfg: ModelConfig,
+                 sampling: SamplingConfig, steps: int, tempered_log_probs: bool, pad_id: int,
+                 rules: sharding.Rules) -> tuple[tuple, tuple, Decoded]:
+  """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
+  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
+  R = rows.lengths.shape[0]
+  logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
+  uniform = jax.vmap(lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n)))
+
+  def step(carry):
+    i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
+    cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
+                                        new_tokens=live.astype(jnp.int32))
+    logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
+    logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
+    token = sample_tokens(logits_RV, uniform(rows.seq_ids, sampled), sampling)
+    log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
+    token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
+    out = Decoded(tokens=out.tokens.at[:, i].set(token), log_probs=out.log_probs.at[:, i].set(log_prob),
+                  emitted=out.emitted + live, finish=out.finish)
+    stopped = live & jnp.any(token[:, None] == rows.stop_ids, axis=-1)
+    exhausted = live & ~stopped & (remaining <= 1)
+    finish = jnp.where(stopped, STOP, jnp.where(exhausted, LENGTH, finish))
+    return (i + 1, cache.k, cache.v, cache.lengths, jnp.where(live, token, pending), live & ~stopped & ~exhausted,
+            remaining - live, sampled + live, out, finish)
+
+  out = Decoded(tokens=jnp.full((R, steps), pad_id, jnp.int32), log_probs=jnp.zeros((R, steps), jnp.float32),
+                emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32))
+  start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.pending, rows.live, rows.remaining, rows.sampled, out,
+           jnp.zeros((R,), jnp.int32))
+  carry = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[5]), step, start)
+  _, k, v, *_, out, finish = carry
+  return k, v, out._replace(finish=finish)
+
+
+_prefill_jit = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
+_decode_jit = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
+                                                     "rules"), donate_argnums=(1, 2))
+_copy_jit = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
+
+
+class RolloutEngine:
+  """Continuous batching of sampling requests over a paged KV cache (see the module docstring).
+
+  Typical use: `submit` requests, then call `step(params)` until `busy` is
+  False (or `run(params)`), collecting the `Completion`s each step returns.
+  Between steps, sequences submitted with `keep=True` can be `extend`ed with
+  new tokens (a tool's output) and decoded on, or `release`d.
+  """
+
+  def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *,
+               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh: Mesh | None = None,
+               tempered_log_probs: bool = False, pad_id: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES):
+    """Allocates the pool of pages (on `mesh`, pages over its batch axes and KV heads over `tensor`).
+
+    Args:
+      cfg: the model config.
+      config: the engine's shapes.
+      sampling: the sampling rules of every request.
+      seed: the RNG seed (see the module docstring).
+      mesh: the training mesh; None runs on the default device.
+      tempered_log_probs: completions carry the log-probs of the policy at
+        `sampling.temperature` (GRPO's), else the raw policy's.
+      pad_id: the token written after a row's last one in the programs' outputs.
+      rules: the sharding rules.
+
+    Raises:
+      ValueError: when the slots, prefill rows or pages do not split over
+        the mesh's batch axes.
+    """
+    self.cfg, self.config, self.sampling, self.mesh, self.rules = cfg, config, sampling, mesh, rules
+    self._statics = dict(cfg=cfg, rules=rules)
+    self._decode_statics = dict(sampling=sampling, steps=config.decode_steps, tempered_log_probs=tempered_log_probs,
+                                pad_id=pad_id)
+    blocks = paged_kv_cache.page_blocks(config.pages, mesh, rules)
+    for name in ("max_seqs", "prefill_rows"):
+      if getattr(config, name) % blocks:
+        raise ValueError(f"EngineConfig.{name} = {getattr(config, name)} must be a multiple of the {blocks} devices "
+                         "that split the batch")
+    self.allocator = PageAllocator(config.pages, blocks)
+    shardings = None if mesh is None else paged_kv_cache.pool_sharding(cfg, config.pages, config.page_size, mesh,
+                                                                       rules)
+    with self._on_mesh():
+      pool = jax.jit(paged_kv_cache.init_pool, static_argnums=(0, 1, 2),
+                     out_shardings=None if shardings is None else ((shardings,) * cfg.n_layers,) * 2)(
+                         cfg, config.pages, config.page_size)
+    self._k, self._v = pool
+    self._key = jax.random.key(seed)
+    self._slots_per_block = config.max_seqs // blocks
+    self._free_slots = [list(range((b + 1) * self._slots_per_block - 1, b * self._slots_per_block - 1, -1))
+                        for b in range(blocks)]
+    self._slots: list[_Sequence | None] = [None] * config.max_seqs
+    self._queue: collections.deque[list[_Sequence]] = collections.deque()  # groups, in submission order
+    self._extends: collections.deque[_Sequence] = collections.deque()
+    self._sequences: dict[int, _Sequence] = {}
+    self._next_id = 0
+
+  @property
+  def pool_bytes(self) -> int:
+    """Bytes of the K/V pool on all devices: the engine's KV memory, whatever its fill."""
+    return sum(x.size * x.dtype.itemsize for x in self._k + self._v)
+
+  @property
+  def busy(self) -> bool:
+    """Whether any request is queued or decoding (held sequences do not count)."""
+    return bool(self._queue or self._extends or any(s is not None and s.state is _State.LIVE for s in self._slots))
+
+  def submit(self, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (), samples: int = 1,
+             keep: bool = False) -> list[int]:
+    """Queues `samples` sequences that continue `prompt`; returns their ids (consecutive, in sample order).
+
+    Args:
+      prompt: the token ids, at least one.
+      max_new_tokens: tokens each sample may generate.
+      stop_ids: ids that end a sample (counted in its tokens).
+      samples: samples G of the prompt; they share its prompt pages.
+      keep: hold each sample's slot and pages after it finishes, for `extend`
+        or `release`; else they are freed at once.
+
+    Raises:
+      ValueError: naming the request, for an empty prompt, a token outside the
+        vocabulary, a budget below 1, or a request the engine could never hold.
+    """
+    request = f"request {self._next_id} (prompt of {len(prompt)} tokens)"
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+      raise ValueError(f"{request}: the prompt is empty")
+    bad = [i for i, t in enumerate(prompt) if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"{request}: token {prompt[bad[0]]} at position {bad[0]} is outside the vocabulary "
+                       f"[0, {self.cfg.vocab_size})")
+    if max_new_tokens < 1 or samples < 1:
+      raise ValueError(f"{request}: max_new_tokens ({max_new_tokens}) and samples ({samples}) must be >= 1")
+    self._check_room(request, len(prompt) - 1 + max_new_tokens)
+    if samples > self._slots_per_block:
+      raise ValueError(f"{request}: {samples} samples share pages on one device, which has "
+                       f"{self._slots_per_block} slots")
+    need = self._group_pages(len(prompt) - 1, max_new_tokens, samples)
+    if need > self.allocator.capacity:
+      raise ValueError(f"{request}: {samples} samples of {max_new_tokens} new tokens need {need} pages, more than "
+                       f"the {self.allocator.capacity} of one device's block (EngineConfig.pages)")
+    group = [_Sequence(seq_id=self._next_id + g, max_new=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
+                       keep=keep, feed=prompt[:-1], pending=prompt[-1]) for g in range(samples)]
+    for follower in group[1:]:
+      follower.leader = group[0]
+    group[0].followers = group[1:]
+    self._next_id += samples
+    self._sequences.update((s.seq_id, s) for s in group)
+    self._queue.append(group)
+    return [s.seq_id for s in group]
+
+  def extend(self, seq_id: int, tokens: Sequence[int], *, max_new_tokens: int,
+             stop_ids: Sequence[int] | None = None) -> None:
+    """Appends `tokens` to a held sequence and queues it to decode `max_new_tokens` more (its stop ids, unless given).
+
+    Raises:
+      ValueError: for a sequence that is not held, empty tokens, or more
+        positions than `max_seq_len`.
+    """
+    seq = self._held(seq_id, "extend")
+    tokens = [int(t) for t in tokens]
+    if not tokens or max_new_tokens < 1:
+      raise ValueError(f"sequence {seq_id}: extend needs tokens and max_new_tokens >= 1")
+    self._check_room(f"sequence {seq_id}", seq.length + len(tokens) + max_new_tokens)
+    # The cache lacks the token sampled last: it is fed with the new ones, and their last one becomes pending.
+    seq.feed, seq.pending, seq.max_new = [seq.pending] + tokens[:-1], tokens[-1], max_new_tokens
+    seq.stop_ids = seq.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
+    seq.state = _State.EXTEND
+    self._extends.append(seq)
+
+  def release(self, seq_id: int) -> None:
+    """Frees a held or live sequence's slot and pages (a live one is dropped mid-turn)."""
+    seq = self._sequences.get(seq_id)
+    if seq is None or seq.state not in (_State.HELD, _State.LIVE):
+      raise ValueError(f"sequence {seq_id} is not held or live: {None if seq is None else seq.state.value}")
+    self._free(seq)
+
+  def step(self, params: Params, *, policy_version: int = 0) -> list[Completion]:
+    """Admits what the free slots and pages hold, prefills it, then runs one decode call.
+
+    Args:
+      params: the parameter tree, placed as training placed it.
+      policy_version: stamped on every token this call samples.
+
+    Returns:
+      The turns that finished in this call.
+
+    Raises:
+      RuntimeError: when queued work can never be admitted because every
+        slot or page is taken by held sequences (release some).
+    """
+    self._admit()
+    with self._on_mesh():
+      self._prefill(params)
+      self._start_followers()
+      if not any(s is not None and s.state is _State.LIVE for s in self._slots):
+        if self._queue or self._extends:
+          waiting = self._extends[0] if self._extends else self._queue[0][0]
+          raise RuntimeError(
+              f"sequence {waiting.seq_id} cannot be admitted: {self.allocator.in_use} pages and "
+              f"{sum(s is not None for s in self._slots)} slots are held by finished sequences (release them)")
+        return []
+      return self._decode(params, policy_version)
+
+  def run(self, params: Params, *, policy_version: int = 0) -> dict[int, Completion]:
+    """Steps until nothing is queued or decoding; returns every finished turn by sequence id."""
+    done = {}
+    while self.busy:
+      done.update((c.seq_id, c) for c in self.step(params, policy_version=policy_version))
+    return done
+
+  # Host side.
+
+  def _on_mesh(self):
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def _check_room(self, what: str, positions: int) -> None:
+    if positions > self.config.max_seq_len:
+      raise ValueError(f"{what}: needs {positions} cached positions; EngineConfig.max_seq_len is "
+                       f"{self.config.max_seq_len}")
+
+  def _pages_for(self, positions: int) -> int:
+    return -(-positions // self.config.page_size)
+
+  def _group_pages(self, cached: int, max_new: int, samples: int) -> int:
+    """Pages a group needs: one sample's, plus each other sample's own beyond the shared full prompt pages."""
+    own = self._pages_for(cached + max_new)
+    return own + (samples - 1) * (own - cached // self.config.page_size)
+
+  def _held(self, seq_id: int, action: str) -> _Sequence:
+    seq = self._sequences.get(seq_id)
+    if seq is None or seq.state is not _State.HELD:
+      raise ValueError(f"cannot {action} sequence {seq_id}: it is not held "
+                       f"({'unknown' if seq is None else seq.state.value}; submit with keep=True)")
+    return seq
+
+  def _admit(self) -> None:
+    """Starts queued extends, then queued groups, in order, while their slots and pages are free."""
+    while self._extends:
+      seq = self._extends[0]
+      more = self._pages_for(seq.length + len(seq.feed) + seq.max_new) - len(seq.pages)
+      if more > self.allocator.free_pages(seq.block):
+        break
+      seq.pages += self.allocator.allocate(seq.block, max(more, 0))
+      seq.state = _State.PREFILL
+      self._extends.popleft()
+    while self._queue:
+      group = self._queue[0]
+      leader = group[0]
+      need = self._group_pages(len(leader.feed), leader.max_new, len(group))
+      fits = [b for b in range(self.allocator.blocks)
+              if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need]
+      if not fits:
+        break
+      block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
+      self._queue.popleft()
+      own = self._pages_for(len(leader.feed) + leader.max_new)
+      shared = len(leader.feed) // self.config.page_size
+      for seq in group:
+        seq.block, seq.slot = block, self._free_slots[block].pop()
+        self._slots[seq.slot] = seq
+      leader.pages = self.allocator.allocate(block, own)
+      leader.state = _State.PREFILL
+      for seq in group[1:]:
+        self.allocator.share(block, leader.pages[:shared])
+        seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
+        seq.state, seq.feed = _State.FOLLOWER, []
+
+  def _prefill(self, params: Params) -> None:
+    """Writes every admitted sequence's feed, `prefill_rows` rows and `prefill_chunk` tokens per call."""
+    C, per_block = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
+    while True:
+      waiting = [s for s in self._slots if s is not None and s.state is _State.PREFILL]
+      rows: list[list[_Sequence]] = [[] for _ in range(self.allocator.blocks)]
+      for seq in waiting:
+        if seq.feed and len(rows[seq.block]) < per_block:
+          rows[seq.block].append(seq)
+        elif not seq.feed:
+          seq.state = _State.LIVE
+      if not any(rows):
+        return
+      A = self.config.prefill_rows
+      tokens = np.zeros((A, C), np.int32)
+      lengths, new = np.zeros((A,), np.int32), np.zeros((A,), np.int32)
+      width = buckets.bucket(max(self._pages_for(s.length + min(len(s.feed), C)) for r in rows for s in r))
+      width = min(width, self.config.pages_per_seq)
+      table = np.full((A, width), paged_kv_cache.SINK_PAGE, np.int32)
+      for block, seqs in enumerate(rows):
+        for i, seq in enumerate(seqs):
+          row, chunk = block * per_block + i, seq.feed[:C]
+          tokens[row, :len(chunk)], lengths[row], new[row] = chunk, seq.length, len(chunk)
+          table[row, :min(width, len(seq.pages))] = seq.pages[:width]
+          seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
+      self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new, tokens),
+                                      **self._statics)
+
+  def _start_followers(self) -> None:
+    """Gives every group whose leader is prefilled its prompt: shared full pages, a copy of the partial one."""
+    pairs: list[list[tuple[int, int]]] = [[] for _ in range(self.allocator.blocks)]
+    for leader in [s for s in self._slots if s is not None and s.state is _State.LIVE and s.followers]:
+      shared = leader.length // self.config.page_size
+      for seq in leader.followers:
+        if leader.length % self.config.page_size:
+          pairs[seq.block].append((leader.pages[shared], seq.pages[shared]))
+        seq.length, seq.state = leader.length, _State.LIVE
+      leader.followers = []
+    if not any(pairs):
+      return
+    width = buckets.bucket(max(map(len, pairs)))
+    table = np.zeros((self.allocator.blocks, width, 2), np.int32)  # sink-to-sink pairs pad each block
+    for block, block_pairs in enumerate(pairs):
+      if block_pairs:
+        table[block, :len(block_pairs)] = block_pairs
+    sources, targets = self._rows(table[..., 0].reshape(-1), table[..., 1].reshape(-1))
+    self._k, self._v = _copy_jit(self._k, self._v, sources, targets, rules=self.rules)
+
+  def _decode(self, params: Params, policy_version: int) -> list[Completion]:
+    """One decode call over every slot; returns the turns that finished and frees what they held."""
+    R, steps = self.config.max_seqs, self.config.decode_steps
+    live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
+    width = buckets.bucket(max(self._pages_for(s.length + min(steps, s.max_new - len(s.tokens))) for s in live))
+    width = min(width, self.config.pages_per_seq)
+    n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
+    table = np.full((R, width), paged_kv_cache.SINK_PAGE, np.int32)
+    lengths, pending, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
+    is_live, stops = np.zeros((R,), bool), np.full((R, n_stops), -1, np.int32)
+    for seq in live:
+      r = seq.slot
+      table[r, :min(width, len(seq.pages))] = seq.pages[:width]
+      lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.max_new - len(seq.tokens)
+      seq_ids[r], sampled[r], is_live[r] = seq.seq_id, seq.sampled, True
+      stops[r, :len(seq.stop_ids)] = seq.stop_ids
+    rows = DecodeRows(*self._rows(table, lengths, pending, is_live, remaining, stops, seq_ids, sampled))
+    self._k, self._v, out = _decode_jit(params, self._k, self._v, rows, self._key, **self._statics,
+                                        **self._decode_statics)
+    tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
+    done = []
+    for seq in live:
+      r, n = seq.slot, int(emitted[seq.slot])
+      seq.tokens += tokens[r, :n].tolist()
+      seq.log_probs += log_probs[r, :n].tolist()
+      seq.versions += [policy_version] * n
+      seq.length, seq.sampled, seq.pending = seq.length + n, seq.sampled + n, int(tokens[r, n - 1])
+      if finish[r]:
+        done.append(Completion(seq_id=seq.seq_id, tokens=np.asarray(seq.tokens, np.int32),
+                               log_probs=np.asarray(seq.log_probs, np.float32),
+                               policy_versions=np.asarray(seq.versions, np.int32), finish_reason=int(finish[r])))
+        seq.tokens, seq.log_probs, seq.versions = [], [], []
+        if seq.keep:
+          seq.state = _State.HELD
+        else:
+          self._free(seq)
+    return done
+
+  def _free(self, seq: _Sequence) -> None:
+    self.allocator.release(seq.block, seq.pages)
+    self._free_slots[seq.block].append(seq.slot)
+    self._slots[seq.slot] = None
+    seq.pages = []
+    del self._sequences[seq.seq_id]
+
+  def _rows(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
+    """Host arrays placed with their first axis over the batch axes (blocks of rows, pairs)."""
+    if self.mesh is None:
+      return tuple(jnp.asarray(x) for x in arrays)
+    return tuple(jax.device_put(x, NamedSharding(self.mesh, sharding.logical_to_spec(
+        ("batch",) + (None,) * (x.ndim - 1), self.rules, shape=x.shape, mesh=self.mesh))) for x in arrays)

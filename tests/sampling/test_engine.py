@@ -1,0 +1,212 @@
+"""The rollout engine: greedy == `generate` under any admission order, page size and mesh; log-probs == training's;
+shared prompt pages == copied ones; the same seed gives the same tokens; multi-turn extends; bad requests are named."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from test_generate import GREEDY, _params, _right_padded
+
+from model_variants import gemma_like
+from ptx.models.decoder import forward, token_log_probs
+from ptx.models.params import param_shardings
+from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
+from ptx.sampling.engine import EngineConfig, RolloutEngine
+
+forward_jit = jax.jit(forward, static_argnames=("cfg",))
+# Prompt lengths from 1 (nothing to prefill: the first decode step feeds the prompt's only token) past two chunks.
+_RNG = np.random.default_rng(7)
+PROMPTS = [_RNG.integers(1, 264, n).tolist() for n in (1, 5, 17, 3, 40, 9, 2, 26, 12, 8)]
+BUDGETS = [6, 14, 3, 14, 9, 1, 12, 14, 5, 10]
+N_NEW = max(BUDGETS)
+# Small shapes so that requests queue behind the slots, prompts take several prefill chunks and pages, and a
+# decode call stops part-way through most budgets.
+SMALL = EngineConfig(max_seqs=4, pages=64, page_size=4, max_seq_len=64, decode_steps=5, prefill_chunk=16,
+                     prefill_rows=2)
+# The sampling rules of the sampled tests (one compiled decode program for all of them): truncated and tempered.
+SAMPLED = SamplingConfig(temperature=0.7, top_p=0.9)
+# Log-probs of the engine and of the training forward: the same float32 math summed in another order (attention
+# over gathered pages in one block vs the training kernel), a few ulps of log-probs near -6; seen below 2e-6.
+ENGINE_VS_TRAINER_ATOL = 1e-5
+
+
+def _expected(reference, stops):
+  """Per request: `generate`'s greedy tokens cut at the request's budget, and the finish reason that gives."""
+  out = []
+  for row, budget in enumerate(BUDGETS):
+    tokens = np.asarray(reference.tokens[row, :int(reference.lengths[row])])[:budget]
+    stopped = tokens.size > 0 and int(tokens[-1]) in stops[row]
+    out.append((tokens, STOP if stopped else LENGTH))
+  return out
+
+
+def _stops(reference):
+  """Stop ids for half the requests: their 3rd greedy token (so they stop early), and one never sampled."""
+  return [[int(reference.tokens[row, 2]), 263] if row % 2 else [] for row in range(len(PROMPTS))]
+
+
+def _variant(tiny_config, variant):
+  return gemma_like(tiny_config) if variant == "gemma" else tiny_config
+
+
+def _greedy_case(cfg):
+  params = _params(cfg)
+  plain = generate(params, PROMPTS, cfg=cfg, max_new_tokens=N_NEW, sampling=GREEDY, rng=jax.random.key(0))
+  stops = _stops(plain)
+  reference = generate(params, PROMPTS, cfg=cfg, max_new_tokens=N_NEW, sampling=GREEDY, rng=jax.random.key(0),
+                       stop_ids=[s or [-1] for s in stops])
+  return cfg, params, stops, _expected(reference, stops)
+
+
+def _run(engine, params, order, stops, samples=1):
+  """Submits the requests in `order`; returns {request: [completion of each sample]}."""
+  ids = {row: engine.submit(PROMPTS[row], max_new_tokens=BUDGETS[row], stop_ids=stops[row], samples=samples)
+         for row in order}
+  done = engine.run(params)
+  assert engine.allocator.in_use == 0  # every page came back
+  return {row: [done[i] for i in seq_ids] for row, seq_ids in ids.items()}
+
+
+@pytest.mark.parametrize("variant, page_size, order", [
+    ("llama", 4, "submitted"), ("llama", 16, "reversed"), ("gemma", 3, "shuffled")])
+def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, variant, page_size, order):
+  cfg, params, stops, expected = _greedy_case(_variant(tiny_config, variant))
+  rows = list(range(len(PROMPTS)))
+  rows = {"submitted": rows, "reversed": rows[::-1], "shuffled": list(np.random.default_rng(3).permutation(rows))}[order]
+  config = dataclasses.replace(SMALL, pages=4 * -(-64 // page_size) + 1, page_size=page_size)
+  got = _run(RolloutEngine(cfg, config, sampling=GREEDY), params, rows, stops)
+  for row, (tokens, finish) in enumerate(expected):
+    (completion,) = got[row]
+    np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
+    assert completion.finish_reason == finish, row
+
+
+def test_sharded_engine_equals_generate_and_one_device(tiny_config, mesh):
+  """data=2 x tensor=4: pages and slots over data, KV heads over tensor; greedy == generate, sampled == 1 device."""
+  cfg, params, stops, expected = _greedy_case(gemma_like(tiny_config))
+  placed = jax.device_put(params, param_shardings(cfg, mesh))
+  got = _run(RolloutEngine(cfg, SMALL, sampling=GREEDY, mesh=mesh), placed, range(len(PROMPTS)), stops, samples=2)
+  for row, (tokens, finish) in enumerate(expected):
+    for completion in got[row]:
+      np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
+      assert completion.finish_reason == finish
+  sharded = _run(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5, mesh=mesh), placed, range(4), stops, 2)
+  single = _run(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5), params, range(4), stops, 2)
+  for row in range(4):
+    for a, b in zip(sharded[row], single[row]):
+      np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+@pytest.mark.parametrize("tempered", [False, True], ids=["raw", "tempered"])
+def test_log_probs_equal_training_forward(tiny_config, tempered):
+  cfg = gemma_like(tiny_config)  # sliding windows of 3 and soft-caps: the pages hold more than a window
+  params = _params(cfg)
+  sampling = SAMPLED
+  engine = RolloutEngine(cfg, SMALL, sampling=sampling, seed=1, tempered_log_probs=tempered)
+  got = _run(engine, params, range(len(PROMPTS)), [[]] * len(PROMPTS), samples=3)
+  prompts, completions = zip(*[(PROMPTS[row], c) for row in range(len(PROMPTS)) for c in got[row]])
+  width = max(len(p) + len(c.tokens) for p, c in zip(prompts, completions))
+  tokens, positions, segments = _right_padded(prompts, [c.tokens for c in completions], width)
+  logits = forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)
+  logits = logits / sampling.temperature if tempered else logits
+  logp = np.asarray(token_log_probs(logits[:, :-1], tokens[:, 1:]))
+  for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+    n = len(completion.tokens)
+    assert n == BUDGETS[row // 3]  # no stop ids: every sample runs to its budget
+    np.testing.assert_allclose(completion.log_probs, logp[row, len(prompt) - 1:len(prompt) - 1 + n],
+                               atol=ENGINE_VS_TRAINER_ATOL, rtol=0)
+
+
+def test_shared_prompt_pages_equal_copied_prompts_and_cost_one_prompt(tiny_config):
+  cfg = gemma_like(tiny_config)
+  params = _params(cfg)
+  prompt, G = PROMPTS[4], 4  # 39 cached prompt positions: 9 full pages of 4 shared, the 10th copied per sample
+  grouped = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=2)
+  grouped.submit(prompt, max_new_tokens=8, samples=G)
+  copied = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=2)
+  for _ in range(G):
+    copied.submit(prompt, max_new_tokens=8)
+  a, b = grouped.run(params), copied.run(params)
+  assert sorted(a) == sorted(b) == list(range(G))
+  for i in range(G):
+    np.testing.assert_array_equal(a[i].tokens, b[i].tokens)
+    np.testing.assert_allclose(a[i].log_probs, b[i].log_probs, atol=1e-6, rtol=0)  # the same programs' floats
+  assert len({tuple(a[i].tokens) for i in range(G)}) > 1  # the samples differ
+  # Each sample needs ceil((39 + 8) / 4) = 12 pages; a group shares the 9 full prompt pages: 12 + 3 * 3.
+  assert grouped.allocator.peak_in_use == 12 + 3 * 3
+  assert copied.allocator.peak_in_use == 4 * 12
+
+
+def test_same_seed_and_order_give_the_same_tokens_whatever_the_shapes(tiny_config):
+  cfg = gemma_like(tiny_config)
+  params = _params(cfg)
+
+  def tokens(config, seed):
+    got = _run(RolloutEngine(cfg, config, sampling=SAMPLED, seed=seed), params, range(len(PROMPTS)),
+               [[]] * len(PROMPTS), samples=2)
+    return [tuple(c.tokens) for row in range(len(PROMPTS)) for c in got[row]]
+
+  other = EngineConfig(max_seqs=8, pages=17, page_size=16, max_seq_len=64, decode_steps=3, prefill_chunk=8,
+                       prefill_rows=4)
+  assert tokens(SMALL, 3) == tokens(other, 3)
+  assert tokens(SMALL, 3) != tokens(SMALL, 4)
+
+
+def test_extend_continues_a_held_sequence_as_one_prompt(tiny_config):
+  """A multi-turn episode: turn 1 stops, a tool's output is appended without re-prefilling, turn 2 decodes on."""
+  cfg = tiny_config
+  params = _params(cfg)
+  engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
+  prompt, tool_output = PROMPTS[2], [7, 8, 9, 10, 11, 12]
+  first = generate(params, [prompt], cfg=cfg, max_new_tokens=6, sampling=GREEDY, rng=jax.random.key(0))
+  stop = int(first.tokens[0, 3])
+  (seq,) = engine.submit(prompt, max_new_tokens=6, stop_ids=[stop], keep=True)
+  turn1 = engine.run(params)[seq]
+  assert turn1.finish_reason == STOP and turn1.tokens[-1] == stop
+  assert engine.allocator.in_use > 0 and not engine.busy  # held: its pages wait for the next turn
+  engine.extend(seq, tool_output, max_new_tokens=7, stop_ids=[])
+  turn2 = engine.run(params)[seq]
+  whole = generate(params, [prompt + turn1.tokens.tolist() + tool_output], cfg=cfg, max_new_tokens=7,
+                   sampling=GREEDY, rng=jax.random.key(0))
+  np.testing.assert_array_equal(turn2.tokens, np.asarray(whole.tokens[0]))
+  assert turn2.finish_reason == LENGTH
+  engine.release(seq)
+  assert engine.allocator.in_use == 0
+  with pytest.raises(ValueError, match=f"sequence {seq}"):
+    engine.extend(seq, [1], max_new_tokens=1)
+
+
+def test_policy_versions_stamp_the_step_that_sampled_each_token(tiny_config):
+  cfg = tiny_config
+  engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
+  params = _params(cfg)
+  (seq,) = engine.submit(PROMPTS[1], max_new_tokens=12)
+  versions = []
+  for version in range(10):
+    for completion in engine.step(params, policy_version=version):
+      versions = completion.policy_versions.tolist()
+  assert versions == [0] * 5 + [1] * 5 + [2] * 2  # decode_steps = 5 tokens per call
+
+
+def test_bad_requests_name_what_is_wrong(tiny_config):
+  cfg = tiny_config
+  engine = RolloutEngine(cfg, SMALL)
+  with pytest.raises(ValueError, match="request 0.*empty"):
+    engine.submit([], max_new_tokens=3)
+  with pytest.raises(ValueError, match="token 999 at position 1 is outside the vocabulary"):
+    engine.submit([1, 999], max_new_tokens=3)
+  with pytest.raises(ValueError, match="needs 69 cached positions; EngineConfig.max_seq_len is 64"):
+    engine.submit([1] * 10, max_new_tokens=60)
+  with pytest.raises(ValueError, match="need 64 pages, more than the 63 of one device's block"):
+    engine.submit([1], max_new_tokens=63, samples=4)
+  with pytest.raises(ValueError, match="5 samples share pages on one device, which has 4 slots"):
+    engine.submit([1], max_new_tokens=3, samples=5)
+  with pytest.raises(ValueError, match="cannot extend sequence 0: it is not held"):
+    engine.extend(0, [1], max_new_tokens=1)
+  assert not engine.busy  # nothing was queued by the failed calls
+
+
+def test_shapes_must_split_over_the_mesh(tiny_config, mesh):
+  with pytest.raises(ValueError, match="max_seqs = 3 must be a multiple of the 2 devices"):
+    RolloutEngine(tiny_config, dataclasses.replace(SMALL, max_seqs=3), mesh=mesh)
