@@ -13,6 +13,7 @@ from ptx_kernels.decode import decode_attention
 from ptx_kernels.dense import dense_attention
 from ptx_kernels.flash import flash_attention
 from ptx_kernels.lse import merge_lse
+from ptx_kernels.paged import paged_attention
 from ptx_kernels.reference import reference_attention
 from ptx_kernels.ring import from_zigzag
 from ptx_kernels.ring import ring_attention
@@ -25,6 +26,7 @@ __all__ = [
     "flash_attention",
     "from_zigzag",
     "merge_lse",
+    "paged_attention",
     "reference_attention",
     "ring_attention",
     "to_zigzag",

@@ -1,13 +1,15 @@
 """A paged KV cache: every layer's K/V in a pool of fixed-size pages, read through per-row page tables.
 
 Layout (L layers, P pages, S slots per page, N kv heads, K head_dim, R rows,
-M pages per row):
+M pages per row, Q (row, page) pairs):
 
   k, v         L arrays [P, S, N, K] in the compute dtype (after RoPE)
   page_table   int32 [R, M]: page m of row r holds its positions [m * S, (m + 1) * S)
   lengths      int32 [R]: positions of each row already cached
   new_tokens   int32 [R]: how many of this call's T tokens are real for each
                row; the others are padding, written to the sink page
+  pairs        `Pairs`: the (row, page, index) triples attention reads, sorted
+               by row, padded with pairs past every row's length
 
 A row's position p lives at slot p % S of page page_table[r, p // S]: there is
 no left padding, the position is the index. Page 0 (of each shard, below) is
@@ -16,22 +18,22 @@ for a position below its length, so it is never read as data. The host side
 (`ptx.sampling.page_allocator`) owns which pages a row holds; a page may sit in
 several rows' tables (the G samples of a prompt share its full pages).
 
-Attention gathers a row's pages into a dense [R, M * S, N, K] view and runs
-`ptx_kernels.decode_attention` over it, the sampler's kernel, so float32 results
-match the contiguous cache's up to summation order. This is the reference path
-(and XLA:CPU's, which copies every block of a cache before its products
-anyway); it reads M pages per row whatever the fill, so callers size M to the
-longest live row.
+Attention (`ptx_kernels.paged_attention`) reads the pages the pairs name: the
+caller lists each row's pages up to what the call fills, so a call costs the
+pages the rows hold, not R times the longest row. This pure-JAX path is
+XLA:CPU's and the reference of the Pallas kernel.
 
 Under a mesh whose batch axes split the pool's pages, rows and pages are split
-over them in the same blocks: a row's table holds page ids local to its block,
-and a `shard_map` runs the writes and the gather on each device's own pages, so
-no page ever crosses devices. KV heads follow the `tensor` rule as in training.
+over them in the same blocks: a row's table and pairs hold page ids (and rows)
+local to its block, and a `shard_map` runs the writes and the attention on each
+device's own pages, so no page ever crosses devices. KV heads follow the
+`tensor` rule as in training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,14 @@ SINK_PAGE = 0
 Arrays = tuple[jax.Array, ...]
 
 
+class Pairs(NamedTuple):
+  """The (row, page) pairs attention reads, Q of them (see `ptx_kernels.paged_attention`)."""
+
+  rows: jax.Array  # int32 [Q], ascending
+  pages: jax.Array  # int32 [Q]
+  index: jax.Array  # int32 [Q]: which page of its row
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -57,6 +67,7 @@ class PagedKVCache:
   page_table: jax.Array
   lengths: jax.Array
   new_tokens: jax.Array
+  pairs: Pairs
 
   @property
   def page_size(self) -> int:
@@ -86,14 +97,15 @@ class PagedKVCache:
     mesh = jax.sharding.get_abstract_mesh()
     page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(self.k[layer], mesh, rules)
     attend_local = lambda *args: _attend_local(*args, softcap=softcap, scale=scale)  # noqa: E731
-    args = (self.k[layer], self.v[layer], self.page_table, self.lengths, self.new_tokens, q_RTHK, k_RTNK, v_RTNK,
-            positions, window)
+    args = (self.k[layer], self.v[layer], self.page_table, self.lengths, self.new_tokens, self.pairs, q_RTHK,
+            k_RTNK, v_RTNK, positions, window)
     if page_axes is None:
       out, k, v = attend_local(*args)
     else:
       pool, rows = PartitionSpec(page_axes, None, head_axes, None), PartitionSpec(page_axes)
       new = PartitionSpec(page_axes, None, head_axes, None)
-      in_specs = (pool, pool, rows, rows, rows, new, new, new, rows, None if window is None else PartitionSpec())
+      pairs = Pairs(rows, rows, rows)
+      in_specs = (pool, pool, rows, rows, rows, pairs, new, new, new, rows, None if window is None else PartitionSpec())
       out, k, v = jax.shard_map(attend_local, mesh=mesh, in_specs=in_specs, out_specs=(new, pool, pool),
                                 check_vma=False)(*args)
     put = lambda stack, x: stack[:layer] + (x,) + stack[layer + 1:]  # noqa: E731
@@ -147,8 +159,8 @@ def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
                        check_vma=False)(k, v, sources, targets)
 
 
-def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, q_RTHK, k_RTNK, v_RTNK, positions_RT, window, *,
-                  softcap, scale):
+def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_RTNK, v_RTNK, positions_RT, window,
+                  *, softcap, scale):
   """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
   R, T, N, K = k_RTNK.shape
   S = k_pool.shape[1]
@@ -161,12 +173,9 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, q_RTHK, k_RTNK, v_
     return pool.at[page_RT.reshape(-1), slot_RT.reshape(-1)].set(new_RTNK.reshape(R * T, N, K).astype(pool.dtype))
 
   k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
-  view = lambda pool: pool[table_RM].reshape(R, -1, N, K)  # noqa: E731  [R, M * S, N, K]
-  k_view = view(k_pool)
-  # The view is the whole cache of the rows, so one block reads it (blocks would only re-slice the gather).
-  out, _ = ptx_kernels.decode_attention(
-      q_RTHK, k_view, view(v_pool), lengths=lengths_R + new_R, q_positions=positions_RT, window=window,
-      softcap=softcap, scale=scale, block_kv=k_view.shape[1])
+  out, _ = ptx_kernels.paged_attention(q_RTHK, k_pool, v_pool, rows=pairs.rows, pages=pairs.pages, index=pairs.index,
+                                       lengths=lengths_R + new_R, q_positions=positions_RT, window=window,
+                                       softcap=softcap, scale=scale)
   return out, k_pool, v_pool
 
 

@@ -76,6 +76,9 @@ class EngineConfig:
     for name in ("max_seqs", "pages", "page_size", "max_seq_len", "decode_steps", "prefill_chunk", "prefill_rows"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.page_size > 4096:
+      raise ValueError(f"EngineConfig.page_size must be <= 4096 (int32 positions of padding pairs), got "
+                       f"{self.page_size}")
 
   @property
   def pages_per_seq(self) -> int:
@@ -141,6 +144,7 @@ class DecodeRows(NamedTuple):
   stop_ids: jax.Array  # int32 [R, K], padded with -1
   seq_ids: jax.Array  # int32 [R]
   sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
+  pairs: paged_kv_cache.Pairs  # the pages each row reads, up to what the call can fill
 
 
 class Decoded(NamedTuple):
@@ -153,10 +157,11 @@ class Decoded(NamedTuple):
 
 
 def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
-                  new_tokens: jax.Array, tokens: jax.Array, *, cfg: ModelConfig,
+                  new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
                   rules: sharding.Rules) -> tuple[tuple, tuple]:
   """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
-  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens)
+  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
+                                      pairs=pairs)
   positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
   return cache.k, cache.v
@@ -174,7 +179,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
   def step(carry):
     i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
     cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
-                                        new_tokens=live.astype(jnp.int32))
+                                        new_tokens=live.astype(jnp.int32), pairs=rows.pairs)
     logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
     logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
     token = sample_tokens(logits_RV, uniform(rows.seq_ids, sampled), sampling)
@@ -201,6 +206,30 @@ _prefill_jit = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_a
 _decode_jit = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
                                                      "rules"), donate_argnums=(1, 2))
 _copy_jit = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
+
+
+def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_cache.Pairs:
+  """The (row, page, index) pairs of rows that read `page_lists[r]` (pages local to their block), as host arrays.
+
+  Rows are split into `blocks` equal blocks (block-major, as the batch axes
+  split them); each block's pairs hold its own row ids, and every block is
+  padded to the same power-of-two count with sink pages past every length
+  (the last row's, so rows stay sorted).
+  """
+  per_block = len(page_lists) // blocks
+  chunks = []
+  for block in range(blocks):
+    lists = page_lists[block * per_block:(block + 1) * per_block]
+    chunks.append((np.repeat(np.arange(per_block, dtype=np.int32), [len(p) for p in lists]),
+                   np.asarray([page for p in lists for page in p], np.int32),
+                   np.concatenate([np.arange(len(p), dtype=np.int32) for p in lists])))
+  width = buckets.bucket(max(len(rows) for rows, _, _ in chunks), 8)
+  past = np.int32((2 ** 31 - 1) // (1 << 12) - 1)  # a page index whose positions no row reaches (pages <= 4096 slots)
+  out = [np.full((blocks, width), fill, np.int32) for fill in (per_block - 1, paged_kv_cache.SINK_PAGE, past)]
+  for block, chunk in enumerate(chunks):
+    for array, values in zip(out, chunk):
+      array[block, :len(values)] = values
+  return paged_kv_cache.Pairs(*(array.reshape(-1) for array in out))
 
 
 class RolloutEngine:
@@ -446,16 +475,18 @@ class RolloutEngine:
       A = self.config.prefill_rows
       tokens = np.zeros((A, C), np.int32)
       lengths, new = np.zeros((A,), np.int32), np.zeros((A,), np.int32)
-      width = buckets.bucket(max(self._pages_for(s.length + min(len(s.feed), C)) for r in rows for s in r))
-      width = min(width, self.config.pages_per_seq)
-      table = np.full((A, width), paged_kv_cache.SINK_PAGE, np.int32)
+      table = np.full((A, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
+      reads: list[list[int]] = [[] for _ in range(A)]
       for block, seqs in enumerate(rows):
         for i, seq in enumerate(seqs):
           row, chunk = block * per_block + i, seq.feed[:C]
           tokens[row, :len(chunk)], lengths[row], new[row] = chunk, seq.length, len(chunk)
-          table[row, :min(width, len(seq.pages))] = seq.pages[:width]
+          table[row, :len(seq.pages)] = seq.pages
           seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
-      self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new, tokens),
+          reads[row] = seq.pages[:self._pages_for(seq.length)]
+      pairs = reading_pairs(reads, self.allocator.blocks)
+      self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new),
+                                      paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
                                       **self._statics)
 
   def _start_followers(self) -> None:
@@ -482,19 +513,20 @@ class RolloutEngine:
     """One decode call over every slot; returns the turns that finished and frees what they held."""
     R, steps = self.config.max_seqs, self.config.decode_steps
     live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
-    width = buckets.bucket(max(self._pages_for(s.length + min(steps, s.max_new - len(s.tokens))) for s in live))
-    width = min(width, self.config.pages_per_seq)
     n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
-    table = np.full((R, width), paged_kv_cache.SINK_PAGE, np.int32)
+    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
+    reads: list[list[int]] = [[] for _ in range(R)]
     lengths, pending, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
     is_live, stops = np.zeros((R,), bool), np.full((R, n_stops), -1, np.int32)
     for seq in live:
       r = seq.slot
-      table[r, :min(width, len(seq.pages))] = seq.pages[:width]
+      table[r, :len(seq.pages)] = seq.pages
+      reads[r] = seq.pages[:self._pages_for(seq.length + min(steps, seq.max_new - len(seq.tokens)))]
       lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.max_new - len(seq.tokens)
       seq_ids[r], sampled[r], is_live[r] = seq.seq_id, seq.sampled, True
       stops[r, :len(seq.stop_ids)] = seq.stop_ids
-    rows = DecodeRows(*self._rows(table, lengths, pending, is_live, remaining, stops, seq_ids, sampled))
+    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
+    rows = DecodeRows(*self._rows(table, lengths, pending, is_live, remaining, stops, seq_ids, sampled), pairs)
     self._k, self._v, out = _decode_jit(params, self._k, self._v, rows, self._key, **self._statics,
                                         **self._decode_statics)
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))

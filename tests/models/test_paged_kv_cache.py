@@ -1,5 +1,7 @@
 """Paged attention == the reference over each row's contiguous keys, whatever pages hold them; the sink is never read."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import ptx_kernels as pk
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
+from ptx.sampling.engine import reading_pairs
 
 R, T, H, N, K, S, PAGES, M = 4, 3, 8, 2, 16, 4, 32, 6
 # Cached positions per row before the call; row 3 is idle (no real tokens), row 2 a partial chunk.
@@ -43,9 +46,14 @@ def _expected(pages, k_pool, v_pool, q, k_new, v_new, **kw):
   return np.asarray(out), k_rows
 
 
-def _attend(pages, k_pool, v_pool, q, k_new, v_new, *, window=None, softcap=None):
+def _pairs(pages, blocks=1):
+  """Each row reads the pages its cached and new positions fill (rows 0 and 3 read 1 and 2 pages)."""
+  return reading_pairs([row[:-(-end // S)] for row, end in zip(pages.tolist(), LENGTHS + NEW)], blocks)
+
+
+def _attend(pages, pairs, k_pool, v_pool, q, k_new, v_new, *, window=None, softcap=None):
   cache = paged_kv_cache.PagedKVCache(k=(k_pool,), v=(v_pool,), page_table=jnp.asarray(pages),
-                                      lengths=jnp.asarray(LENGTHS), new_tokens=jnp.asarray(NEW))
+                                      lengths=jnp.asarray(LENGTHS), new_tokens=jnp.asarray(NEW), pairs=pairs)
   positions = jnp.asarray(LENGTHS[:, None] + np.arange(T)[None])
   return cache.attend(0, q, k_new, v_new, positions=positions, window=window, softcap=softcap, scale=K ** -0.5)
 
@@ -53,7 +61,7 @@ def _attend(pages, k_pool, v_pool, q, k_new, v_new, *, window=None, softcap=None
 @pytest.mark.parametrize("kw", [dict(), dict(window=4, softcap=5.0)], ids=["plain", "window_softcap"])
 def test_paged_attention_equals_reference_over_contiguous_keys(kw):
   case = _case()
-  out, cache = jax.jit(lambda *a: _attend(*a, **kw))(*case)
+  out, cache = jax.jit(functools.partial(_attend, **kw))(case[0], _pairs(case[0]), *case[1:])
   expected, k_rows = _expected(*case, scale=K ** -0.5, **kw)
   for r in range(R):
     n = NEW[r]
@@ -75,8 +83,8 @@ def test_sink_page_contents_never_change_a_result():
   # Idle row 3 and the padding of row 2 write to the sink, and no row's table names it below its length.
   table = pages.copy()
   table[:, -1] = paged_kv_cache.SINK_PAGE
-  clean = jax.jit(_attend)(table, k_pool, v_pool, *case[3:])[0]
-  dirty = jax.jit(_attend)(table, *poisoned, *case[3:])[0]
+  clean = jax.jit(_attend)(table, _pairs(table), k_pool, v_pool, *case[3:])[0]
+  dirty = jax.jit(_attend)(table, _pairs(table), *poisoned, *case[3:])[0]
   for r in range(R):
     np.testing.assert_array_equal(np.asarray(clean[r, :NEW[r]]), np.asarray(dirty[r, :NEW[r]]))
 
@@ -93,9 +101,11 @@ def test_sharded_pool_attends_and_copies_within_each_block(mesh):
   assert sharding.spec[0] is not None and sharding.spec[2] == "tensor"
   on_mesh = lambda x: jax.device_put(x, sharding)  # noqa: E731
   rows = NamedSharding(mesh, P("data"))
-  args = (pages, on_mesh(k_pool), on_mesh(v_pool), q, k_new, v_new)
+  pairs = jax.device_put(_pairs(pages, blocks=2), rows)  # row ids local to each block, like the page ids
+  on_rows = lambda x: jax.device_put(x, rows)  # noqa: E731
   with jax.set_mesh(mesh):
-    out, cache = jax.jit(_attend)(*(jax.device_put(x, rows) if i in (0, 3, 4, 5) else x for i, x in enumerate(args)))
+    out, cache = jax.jit(_attend)(on_rows(pages), pairs, on_mesh(k_pool), on_mesh(v_pool), on_rows(q),
+                                  on_rows(k_new), on_rows(v_new))
   offsets = np.repeat([0, PAGES], R // 2)[:, None]
   expected, _ = _expected(pages + offsets, k_pool, v_pool, q, k_new, v_new, scale=K ** -0.5)
   for r in range(R):
