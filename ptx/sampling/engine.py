@@ -174,7 +174,11 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
   params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
   R = rows.lengths.shape[0]
   logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
-  uniform = jax.vmap(lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n)))
+  # Every uniform the call may use, drawn before the loop (threefry is a loop of small ops on CPU): row r's
+  # step i takes that of its token sampled + i.
+  draw = lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n))  # noqa: E731
+  uniforms_RS = jax.vmap(lambda seq, n: jax.vmap(lambda i: draw(seq, n + i))(jnp.arange(steps)))(rows.seq_ids,
+                                                                                                 rows.sampled)
 
   def step(carry):
     i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
@@ -182,7 +186,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
                                         new_tokens=live.astype(jnp.int32), pairs=rows.pairs)
     logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
     logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
-    token = sample_tokens(logits_RV, uniform(rows.seq_ids, sampled), sampling)
+    token = sample_tokens(logits_RV, uniforms_RS[:, i], sampling)
     log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
     token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
     out = Decoded(tokens=out.tokens.at[:, i].set(token), log_probs=out.log_probs.at[:, i].set(log_prob),
@@ -460,30 +464,30 @@ class RolloutEngine:
         seq.state, seq.feed = _State.FOLLOWER, []
 
   def _prefill(self, params: Params) -> None:
-    """Writes every admitted sequence's feed, `prefill_rows` rows and `prefill_chunk` tokens per call."""
-    C, per_block = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
+    """Writes every admitted sequence's feed: up to `prefill_rows` rows and `prefill_chunk` tokens per call."""
+    C, most = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
     while True:
       waiting = [s for s in self._slots if s is not None and s.state is _State.PREFILL]
-      rows: list[list[_Sequence]] = [[] for _ in range(self.allocator.blocks)]
+      taken, per_block = [], [0] * self.allocator.blocks
       for seq in waiting:
-        if seq.feed and len(rows[seq.block]) < per_block:
-          rows[seq.block].append(seq)
-        elif not seq.feed:
+        if not seq.feed:
           seq.state = _State.LIVE
-      if not any(rows):
+        elif per_block[seq.block] < most:
+          taken.append(seq)
+          per_block[seq.block] += 1
+      if not taken:
         return
-      A = self.config.prefill_rows
+      row_of, A = self._pack_rows(taken, most)
       tokens = np.zeros((A, C), np.int32)
       lengths, new = np.zeros((A,), np.int32), np.zeros((A,), np.int32)
       table = np.full((A, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
       reads: list[list[int]] = [[] for _ in range(A)]
-      for block, seqs in enumerate(rows):
-        for i, seq in enumerate(seqs):
-          row, chunk = block * per_block + i, seq.feed[:C]
-          tokens[row, :len(chunk)], lengths[row], new[row] = chunk, seq.length, len(chunk)
-          table[row, :len(seq.pages)] = seq.pages
-          seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
-          reads[row] = seq.pages[:self._pages_for(seq.length)]
+      for seq in taken:
+        row, chunk = row_of[seq.seq_id], seq.feed[:C]
+        tokens[row, :len(chunk)], lengths[row], new[row] = chunk, seq.length, len(chunk)
+        table[row, :len(seq.pages)] = seq.pages
+        seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
+        reads[row] = seq.pages[:self._pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
       self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new),
                                       paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
@@ -510,16 +514,17 @@ class RolloutEngine:
     self._k, self._v = _copy_jit(self._k, self._v, sources, targets, rules=self.rules)
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
-    """One decode call over every slot; returns the turns that finished and frees what they held."""
-    R, steps = self.config.max_seqs, self.config.decode_steps
+    """One decode call over the live sequences; returns the turns that finished and frees what they held."""
+    steps = self.config.decode_steps
     live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
+    row_of, R = self._pack_rows(live, self._slots_per_block)
     n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
     table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
     reads: list[list[int]] = [[] for _ in range(R)]
     lengths, pending, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
     is_live, stops = np.zeros((R,), bool), np.full((R, n_stops), -1, np.int32)
     for seq in live:
-      r = seq.slot
+      r = row_of[seq.seq_id]
       table[r, :len(seq.pages)] = seq.pages
       reads[r] = seq.pages[:self._pages_for(seq.length + min(steps, seq.max_new - len(seq.tokens)))]
       lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.max_new - len(seq.tokens)
@@ -532,7 +537,8 @@ class RolloutEngine:
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
     done = []
     for seq in live:
-      r, n = seq.slot, int(emitted[seq.slot])
+      r = row_of[seq.seq_id]
+      n = int(emitted[r])
       seq.tokens += tokens[r, :n].tolist()
       seq.log_probs += log_probs[r, :n].tolist()
       seq.versions += [policy_version] * n
@@ -547,6 +553,22 @@ class RolloutEngine:
         else:
           self._free(seq)
     return done
+
+  def _pack_rows(self, seqs: list[_Sequence], most: int) -> tuple[dict[int, int], int]:
+    """Rows for `seqs` in one call: each block's sequences packed into its own power-of-two run of rows.
+
+    A call computes every row it is given, so rows are packed from the
+    sequences that take part (at most `most` per block) rather than taken
+    from all the slots; each block's rows stay in its own run, as its pages
+    do. Returns ({seq_id: row}, the number of rows).
+    """
+    by_block: list[list[_Sequence]] = [[] for _ in range(self.allocator.blocks)]
+    for seq in seqs:
+      by_block[seq.block].append(seq)
+    per_block = min(buckets.bucket(max(len(b) for b in by_block)), most)
+    rows = {seq.seq_id: block * per_block + i for block, block_seqs in enumerate(by_block)
+            for i, seq in enumerate(block_seqs)}
+    return rows, per_block * self.allocator.blocks
 
   def _free(self, seq: _Sequence) -> None:
     self.allocator.release(seq.block, seq.pages)

@@ -1,0 +1,71 @@
+"""Ragged paged attention == the reference over each row's gathered pages: shared pages, empty rows, padding pairs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ptx_kernels as pk
+
+S, KV, H, D = 4, 2, 6, 8
+# Float32 on both sides, the softmax merged across pages (segments) vs in one pass: a few ulps.
+ATOL = 1e-5
+
+
+def _case(seed=0):
+  rng = np.random.default_rng(seed)
+  k_pages, v_pages = (rng.normal(size=(12, S, KV, D)).astype(np.float32) for _ in range(2))
+  # Row 0 holds pages 3, 5, 1; row 1 shares row 0's first two (a group's prompt) then its own 7; row 2 holds
+  # nothing; row 3 one page. Lengths end mid-page.
+  tables = [[3, 5, 1], [3, 5, 7], [], [9]]
+  lengths = np.array([10, 11, 0, 2], np.int32)
+  return rng, k_pages, v_pages, tables, lengths
+
+
+def _pairs(tables, pad):
+  rows = [r for r, t in enumerate(tables) for _ in t] + [len(tables) - 1] * pad
+  pages = [p for t in tables for p in t] + [0] * pad
+  index = [i for t in tables for i in range(len(t))] + [10 ** 6] * pad  # padding: past every length
+  return (np.asarray(x, np.int32) for x in (rows, pages, index))
+
+
+@pytest.mark.parametrize("t, kw", [(1, dict()), (3, dict(window=5, softcap=4.0))])
+def test_matches_the_reference_over_gathered_pages(t, kw):
+  rng, k_pages, v_pages, tables, lengths = _case()
+  q = rng.normal(size=(4, t, H, D)).astype(np.float32)
+  q_positions = np.maximum(lengths[:, None] - t + np.arange(t)[None], 0).astype(np.int32)
+  rows, pages, index = _pairs(tables, pad=5)
+  out, lse = pk.paged_attention(q, k_pages, v_pages, rows=rows, pages=pages, index=index, lengths=lengths,
+                                q_positions=q_positions, **kw)
+  width = 3 * S
+  k_rows = np.zeros((4, width, KV, D), np.float32)
+  v_rows = np.zeros_like(k_rows)
+  for r, table in enumerate(tables):
+    for i, page in enumerate(table):
+      k_rows[r, i * S:(i + 1) * S], v_rows[r, i * S:(i + 1) * S] = k_pages[page], v_pages[page]
+  slots = np.broadcast_to(np.arange(width, dtype=np.int32), (4, width))
+  expected, expected_lse = pk.reference_attention(
+      jnp.asarray(q), jnp.asarray(k_rows), jnp.asarray(v_rows), q_positions=q_positions, kv_positions=slots,
+      q_segment_ids=np.ones((4, t), np.int32), kv_segment_ids=(slots < lengths[:, None]).astype(np.int32), **kw)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=ATOL, rtol=0)
+  live = lengths > 0
+  np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(expected_lse)[live], atol=ATOL, rtol=0)
+  # A row with no pages sees no key: zeros and -inf, never NaN.
+  assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
+
+
+def test_padding_pairs_and_page_order_change_nothing():
+  rng, k_pages, v_pages, tables, lengths = _case(1)
+  q = rng.normal(size=(4, 1, H, D)).astype(np.float32)
+  q_positions = np.maximum(lengths - 1, 0)[:, None].astype(np.int32)
+  args = dict(lengths=lengths, q_positions=q_positions)
+  a = pk.paged_attention(q, k_pages, v_pages, **dict(zip(("rows", "pages", "index"), _pairs(tables, 0))), **args)
+  b = pk.paged_attention(q, k_pages, v_pages, **dict(zip(("rows", "pages", "index"), _pairs(tables, 17))), **args)
+  np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), atol=ATOL, rtol=0)
+
+
+def test_mismatched_shapes_are_named():
+  _, k_pages, v_pages, tables, lengths = _case()
+  rows, pages, index = _pairs(tables, 0)
+  with pytest.raises(ValueError, match="do not fit together"):
+    pk.paged_attention(np.zeros((4, 1, 5, D), np.float32), k_pages, v_pages, rows=rows, pages=pages, index=index,
+                       lengths=lengths, q_positions=np.zeros((4, 1), np.int32))
