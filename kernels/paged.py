@@ -1,11 +1,15 @@
 """Ragged paged attention: each row's queries over the pages it holds, at a cost that follows the pages held.
 
-K/V live in a pool of pages [P, S, KV, D] (S slots per page). The work is a
-flat list of Q (row, page) pairs: pair i says that page pages[i] holds
-positions [index[i] * S, (index[i] + 1) * S) of row rows[i]. Every pair's
-page is gathered once ([Q, S, KV, D]), scored against its row's queries, and
-the pairs of a row are merged by an online softmax over segments (max, sum of
-exponentials, weighted values per row). Rows of very different lengths cost
+K/V live in a pool of pages [P, KV, S, D] (S slots per page, heads before
+slots so a page feeds the products with its batch dims major, no transpose).
+The work is a flat list of Q (row, page) pairs: pair i says that page
+pages[i] holds positions [index[i] * S, (index[i] + 1) * S) of row rows[i].
+The pairs run in blocks of `block_pairs`: each block's pages are gathered
+([block, KV, S, D], small enough to stay in cache: a gather of all Q pages at
+once writes and re-reads a copy of every page, which on XLA:CPU cost 6x the
+products), scored against their rows' queries, and folded into per-row
+accumulators by an online softmax over segments (max, sum of exponentials,
+weighted values per row). Rows of very different lengths cost
 what their own pages do, not the longest row's: the flat list is as long as
 the pages actually held, where a dense [B, S_max] view costs B times the
 longest. Pairs are sorted by row; padding pairs name a position past every
@@ -26,14 +30,14 @@ from ptx_kernels import mask as mask_lib
 def paged_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, rows: jax.Array, pages: jax.Array,
     index: jax.Array, lengths: jax.Array, q_positions: jax.Array, causal: bool = True, window=None,
-    softcap: float | None = None, scale: float | None = None,
+    softcap: float | None = None, scale: float | None = None, block_pairs: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of T queries per row over the pages its (row, page) pairs name.
 
   Args:
     q: queries [R, T, H, D].
-    k_pages: the key pool [P, S, KV, D].
-    v_pages: the value pool [P, S, KV, Dv].
+    k_pages: the key pool [P, KV, S, D].
+    v_pages: the value pool [P, KV, S, Dv].
     rows: int32 [Q] the row of each pair, ascending.
     pages: int32 [Q] the page of each pair.
     index: int32 [Q] which page of its row the pair's page is (its first
@@ -42,39 +46,58 @@ def paged_attention(
       tokens' included).
     q_positions: int32 [R, T] the queries' positions.
     causal, window, softcap, scale: as in `flash_attention`.
+    block_pairs: pairs per block of the loop; default about 1 MiB of keys.
 
   Returns:
     (out [R, T, H, Dv] in q.dtype, lse [R, H, T] float32).
   """
+  q, k_pages, v_pages, lengths, q_positions = map(jnp.asarray, (q, k_pages, v_pages, lengths, q_positions))
   r, t, h, d = q.shape
-  _, s, kvh, _ = k_pages.shape
+  _, kvh, s, _ = k_pages.shape
   if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_pages.shape} do not fit together")
   window = mask_lib.check_window(window)
   scale = d ** -0.5 if scale is None else scale
   g = h // kvh
+  n = rows.shape[0]
+  block = min(n, block_pairs or max(1, (1 << 18) // (kvh * s * d)))
+  n_blocks = -(-n // block)
+  # Padding pairs: the last row (the order stays sorted), the first page, positions no row reaches.
+  pad = n_blocks * block - n
+  rows = jnp.pad(rows, (0, pad), constant_values=r - 1)
+  pages = jnp.pad(pages, (0, pad))
+  index = jnp.pad(index, (0, pad), constant_values=jnp.iinfo(jnp.int32).max // s - 1)
   q_RKGTD = q.reshape(r, t, kvh, g, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
-  k_QSKD, v_QSKD = k_pages[pages].astype(jnp.float32), v_pages[pages].astype(jnp.float32)
-  # Scores of each pair's page against its row's queries: [Q, KV, G, T, S].
-  scores = jnp.einsum("qkgtd,qskd->qkgts", q_RKGTD[rows], k_QSKD) * scale
-  if softcap is not None:
-    scores = softcap * jnp.tanh(scores / softcap)
-  kv_pos_QS = index[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None]
-  dist_QTS = q_positions[rows][:, :, None] - kv_pos_QS[:, None, :]
-  ok = (kv_pos_QS < lengths[rows][:, None])[:, None, :]
-  if causal:
-    ok &= dist_QTS >= 0
-  if window is not None:
-    ok &= dist_QTS < window
-  scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
-  # The online softmax across a row's pairs, as segment reductions over the sorted rows.
-  segments = dict(segment_ids=rows, num_segments=r, indices_are_sorted=True)
-  m_RKGT = jax.ops.segment_max(jnp.max(scores, axis=-1), **segments)
-  m_safe = jnp.where(jnp.isfinite(m_RKGT), m_RKGT, 0.0)
-  p = jnp.exp(scores - m_safe[rows][..., None])
-  l_RKGT = jax.ops.segment_sum(jnp.sum(p, axis=-1), **segments)
-  acc = jax.ops.segment_sum(jnp.einsum("qkgts,qskd->qkgtd", p, v_QSKD), **segments)
-  safe = jnp.where(l_RKGT > 0, l_RKGT, 1.0)
+  segments = dict(num_segments=r, indices_are_sorted=True)
+
+  def fold(i, carry):
+    m, l, acc = carry
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * block, block)  # noqa: E731
+    rows_b, pages_b, index_b = take(rows), take(pages), take(index)
+    k_BKSD, v_BKSD = k_pages[pages_b].astype(jnp.float32), v_pages[pages_b].astype(jnp.float32)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q_RKGTD[rows_b], k_BKSD) * scale
+    if softcap is not None:
+      scores = softcap * jnp.tanh(scores / softcap)
+    kv_pos_BS = index_b[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None]
+    dist_BTS = q_positions[rows_b][:, :, None] - kv_pos_BS[:, None, :]
+    ok = (kv_pos_BS < lengths[rows_b][:, None])[:, None, :]
+    if causal:
+      ok &= dist_BTS >= 0
+    if window is not None:
+      ok &= dist_BTS < window
+    scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
+    m_new = jnp.maximum(m, jax.ops.segment_max(jnp.max(scores, axis=-1), rows_b, **segments))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(scores - m_safe[rows_b][..., None])
+    decay = jnp.exp(m - m_safe)
+    l = l * decay + jax.ops.segment_sum(jnp.sum(p, axis=-1), rows_b, **segments)
+    pv = jax.ops.segment_sum(jnp.einsum("bkgts,bksd->bkgtd", p, v_BKSD), rows_b, **segments)
+    return m_new, l, acc * decay[..., None] + pv
+
+  init = (jnp.full((r, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((r, kvh, g, t), jnp.float32),
+          jnp.zeros((r, kvh, g, t, v_pages.shape[-1]), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, n_blocks, fold, init) if n_blocks > 1 else fold(0, init)
+  safe = jnp.where(l > 0, l, 1.0)
   out = (acc / safe[..., None]).transpose(0, 3, 1, 2, 4).reshape(r, t, h, -1)
-  lse = jnp.where(l_RKGT > 0, m_safe + jnp.log(safe), -jnp.inf).reshape(r, h, t)
+  lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf).reshape(r, h, t)
   return out.astype(q.dtype), lse

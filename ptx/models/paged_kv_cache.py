@@ -3,7 +3,8 @@
 Layout (L layers, P pages, S slots per page, N kv heads, K head_dim, R rows,
 M pages per row, Q (row, page) pairs):
 
-  k, v         L arrays [P, S, N, K] in the compute dtype (after RoPE)
+  k, v         L arrays [P, N, S, K] in the compute dtype (after RoPE); heads
+               before slots, as in `kv_cache`, so pages feed the products untransposed
   page_table   int32 [R, M]: page m of row r holds its positions [m * S, (m + 1) * S)
   lengths      int32 [R]: positions of each row already cached
   new_tokens   int32 [R]: how many of this call's T tokens are real for each
@@ -43,7 +44,7 @@ from jax.sharding import PartitionSpec
 from ptx import sharding
 from ptx.config import ModelConfig
 
-POOL_NAMES = ("batch", None, "kv_heads", "head_dim")
+POOL_NAMES = ("batch", "kv_heads", None, "head_dim")
 SINK_PAGE = 0
 
 Arrays = tuple[jax.Array, ...]
@@ -72,7 +73,7 @@ class PagedKVCache:
   @property
   def page_size(self) -> int:
     """Slots per page S."""
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
   def attend(self, layer: int, q_RTHK: jax.Array, k_RTNK: jax.Array, v_RTNK: jax.Array, *, positions: jax.Array,
              window: jax.Array | int | None, softcap: float | None, scale: float,
@@ -102,7 +103,7 @@ class PagedKVCache:
     if page_axes is None:
       out, k, v = attend_local(*args)
     else:
-      pool, rows = PartitionSpec(page_axes, None, head_axes, None), PartitionSpec(page_axes)
+      pool, rows = PartitionSpec(page_axes, head_axes, None, None), PartitionSpec(page_axes)
       new = PartitionSpec(page_axes, None, head_axes, None)
       pairs = Pairs(rows, rows, rows)
       in_specs = (pool, pool, rows, rows, rows, pairs, new, new, new, rows, None if window is None else PartitionSpec())
@@ -118,8 +119,8 @@ class PagedKVCache:
 
 
 def init_pool(cfg: ModelConfig, pages: int, page_size: int) -> tuple[Arrays, Arrays]:
-  """Empty K and V pools, L arrays [pages, page_size, N, K] each (call under jit for sharded placement)."""
-  shape = (pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  """Empty K and V pools, L arrays [pages, N, page_size, K] each (call under jit for sharded placement)."""
+  shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
   zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers))  # noqa: E731
   return zeros(), zeros()
 
@@ -127,7 +128,7 @@ def init_pool(cfg: ModelConfig, pages: int, page_size: int) -> tuple[Arrays, Arr
 def pool_sharding(cfg: ModelConfig, pages: int, page_size: int, mesh: jax.sharding.Mesh,
                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.sharding.NamedSharding:
   """Where a pool array lives on `mesh`: pages over the batch axes, KV heads over `tensor`."""
-  shape = (pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
   return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(POOL_NAMES, rules, shape=shape, mesh=mesh))
 
 
@@ -154,7 +155,7 @@ def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
   page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(k[0], mesh, rules)
   if page_axes is None:
     return local(k, v, sources, targets)
-  pool, pairs = (PartitionSpec(page_axes, None, head_axes, None),) * len(k), PartitionSpec(page_axes)
+  pool, pairs = (PartitionSpec(page_axes, head_axes, None, None),) * len(k), PartitionSpec(page_axes)
   return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, pairs, pairs), out_specs=(pool, pool),
                        check_vma=False)(k, v, sources, targets)
 
@@ -163,14 +164,16 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_R
                   *, softcap, scale):
   """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
   R, T, N, K = k_RTNK.shape
-  S = k_pool.shape[1]
+  S = k_pool.shape[2]
   real_RT = jnp.arange(T, dtype=jnp.int32)[None] < new_R[:, None]
   page_RT = jnp.take_along_axis(table_RM, jnp.clip(positions_RT // S, 0, table_RM.shape[1] - 1), axis=1)
   page_RT = jnp.where(real_RT, page_RT, SINK_PAGE)
   slot_RT = positions_RT % S
 
   def write(pool, new_RTNK):
-    return pool.at[page_RT.reshape(-1), slot_RT.reshape(-1)].set(new_RTNK.reshape(R * T, N, K).astype(pool.dtype))
+    # Advanced indices on axes 0 and 2: the indexed view is [R * T, N, K].
+    return pool.at[page_RT.reshape(-1), :, slot_RT.reshape(-1)].set(
+        new_RTNK.reshape(R * T, N, K).astype(pool.dtype))
 
   k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
   out, _ = ptx_kernels.paged_attention(q_RTHK, k_pool, v_pool, rows=pairs.rows, pages=pairs.pages, index=pairs.index,
@@ -186,4 +189,4 @@ def _pool_axes(pool: jax.Array, mesh, rules: sharding.Rules):
   device holds whole GQA groups.
   """
   spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=pool.shape, mesh=mesh)
-  return spec[0], spec[2]
+  return spec[0], spec[1]

@@ -13,7 +13,7 @@ ATOL = 1e-5
 
 def _case(seed=0):
   rng = np.random.default_rng(seed)
-  k_pages, v_pages = (rng.normal(size=(12, S, KV, D)).astype(np.float32) for _ in range(2))
+  k_pages, v_pages = (rng.normal(size=(12, KV, S, D)).astype(np.float32) for _ in range(2))
   # Row 0 holds pages 3, 5, 1; row 1 shares row 0's first two (a group's prompt) then its own 7; row 2 holds
   # nothing; row 3 one page. Lengths end mid-page.
   tables = [[3, 5, 1], [3, 5, 7], [], [9]]
@@ -28,7 +28,8 @@ def _pairs(tables, pad):
   return (np.asarray(x, np.int32) for x in (rows, pages, index))
 
 
-@pytest.mark.parametrize("t, kw", [(1, dict()), (3, dict(window=5, softcap=4.0))])
+# block_pairs=2: the 12 pairs run as 6 blocks, a row's pages split across blocks (the online softmax across them).
+@pytest.mark.parametrize("t, kw", [(1, dict()), (3, dict(window=5, softcap=4.0)), (2, dict(block_pairs=2))])
 def test_matches_the_reference_over_gathered_pages(t, kw):
   rng, k_pages, v_pages, tables, lengths = _case()
   q = rng.normal(size=(4, t, H, D)).astype(np.float32)
@@ -41,11 +42,13 @@ def test_matches_the_reference_over_gathered_pages(t, kw):
   v_rows = np.zeros_like(k_rows)
   for r, table in enumerate(tables):
     for i, page in enumerate(table):
-      k_rows[r, i * S:(i + 1) * S], v_rows[r, i * S:(i + 1) * S] = k_pages[page], v_pages[page]
+      k_rows[r, i * S:(i + 1) * S] = k_pages[page].swapaxes(0, 1)
+      v_rows[r, i * S:(i + 1) * S] = v_pages[page].swapaxes(0, 1)
   slots = np.broadcast_to(np.arange(width, dtype=np.int32), (4, width))
   expected, expected_lse = pk.reference_attention(
       jnp.asarray(q), jnp.asarray(k_rows), jnp.asarray(v_rows), q_positions=q_positions, kv_positions=slots,
-      q_segment_ids=np.ones((4, t), np.int32), kv_segment_ids=(slots < lengths[:, None]).astype(np.int32), **kw)
+      q_segment_ids=np.ones((4, t), np.int32), kv_segment_ids=(slots < lengths[:, None]).astype(np.int32),
+      **{key: value for key, value in kw.items() if key != "block_pairs"})
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=ATOL, rtol=0)
   live = lengths > 0
   np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(expected_lse)[live], atol=ATOL, rtol=0)

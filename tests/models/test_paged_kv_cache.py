@@ -26,14 +26,19 @@ def _case(seed=0):
   rng = np.random.default_rng(seed)
   # Rows take scattered, distinct pages of one block; page 0 is the sink and holds garbage that must not leak in.
   pages = rng.permutation(np.arange(1, PAGES))[:R * M].reshape(R, M).astype(np.int32)
-  k_pool, v_pool = (rng.normal(size=(PAGES, S, N, K)).astype(np.float32) for _ in range(2))
+  k_pool, v_pool = (rng.normal(size=(PAGES, N, S, K)).astype(np.float32) for _ in range(2))
   q, k_new, v_new = (rng.normal(size=(R, T, heads, K)).astype(np.float32) for heads in (H, N, N))
   return pages, k_pool, v_pool, q, k_new, v_new
 
 
+def _rows_view(pool, pages):
+  """Each row's pages as its contiguous keys [R, M * S, N, K] (the pool is [P, N, S, K])."""
+  return pool.transpose(0, 2, 1, 3)[pages].reshape(R, M * S, pool.shape[1], pool.shape[3])
+
+
 def _expected(pages, k_pool, v_pool, q, k_new, v_new, **kw):
   """Reference attention of each row's real queries over its contiguous keys [0, length + new)."""
-  k_rows, v_rows = (pool[pages].reshape(R, M * S, *pool.shape[2:]).copy() for pool in (k_pool, v_pool))
+  k_rows, v_rows = (_rows_view(pool, pages).copy() for pool in (k_pool, v_pool))
   for r in range(R):
     for t in range(NEW[r]):
       k_rows[r, LENGTHS[r] + t], v_rows[r, LENGTHS[r] + t] = k_new[r, t], v_new[r, t]
@@ -67,7 +72,7 @@ def test_paged_attention_equals_reference_over_contiguous_keys(kw):
     n = NEW[r]
     np.testing.assert_allclose(np.asarray(out[r, :n]), expected[r, :n], atol=ATOL, rtol=0)
   # The real tokens landed at their positions' pages; the new length counts them.
-  k_after = np.asarray(cache.k[0])[case[0]].reshape(R, M * S, N, K)
+  k_after = _rows_view(np.asarray(cache.k[0]), case[0])
   for r in range(R):
     end = LENGTHS[r] + NEW[r]
     np.testing.assert_array_equal(k_after[r, :end], k_rows[r, :end])
@@ -94,11 +99,11 @@ def test_sharded_pool_attends_and_copies_within_each_block(mesh):
   cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=H, n_kv_heads=4, head_dim=K, mlp_dim=32)
   rng = np.random.default_rng(1)
   pages, k_pool, v_pool, q, _, _ = _case()
-  k_pool, v_pool = (rng.normal(size=(2 * PAGES, S, 4, K)).astype(np.float32) for _ in range(2))
+  k_pool, v_pool = (rng.normal(size=(2 * PAGES, 4, S, K)).astype(np.float32) for _ in range(2))
   k_new, v_new = (rng.normal(size=(R, T, 4, K)).astype(np.float32) for _ in range(2))
   # Rows 0-1 live in block 0 (global pages 0..31), rows 2-3 in block 1 (global pages 32..63), with local ids.
   sharding = paged_kv_cache.pool_sharding(cfg, 2 * PAGES, S, mesh)
-  assert sharding.spec[0] is not None and sharding.spec[2] == "tensor"
+  assert sharding.spec[0] is not None and sharding.spec[1] == "tensor"
   on_mesh = lambda x: jax.device_put(x, sharding)  # noqa: E731
   rows = NamedSharding(mesh, P("data"))
   pairs = jax.device_put(_pairs(pages, blocks=2), rows)  # row ids local to each block, like the page ids
