@@ -70,11 +70,6 @@ class PagedKVCache:
   new_tokens: jax.Array
   pairs: Pairs
 
-  @property
-  def page_size(self) -> int:
-    """Slots per page S."""
-    return self.k[0].shape[2]
-
   def attend(self, layer: int, q_RTHK: jax.Array, k_RTNK: jax.Array, v_RTNK: jax.Array, *, positions: jax.Array,
              window: jax.Array | int | None, softcap: float | None, scale: float,
              rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, PagedKVCache]:
