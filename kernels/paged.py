@@ -19,18 +19,33 @@ Key slot s of pair i has position index[i] * S + s and is visible to query t
 of row r = rows[i] iff it is below lengths[r] and, as in `mask.py`, causal
 (q_position >= kv_position) and within the window. Float32 throughout; a row
 with no visible key gets out 0 and lse -inf.
+
+This loop ("xla") is the reference and the path off TPU/GPU; `impl` picks a
+Pallas kernel of the same computation instead (`paged_pallas`).
 """
 
 import jax
 import jax.numpy as jnp
 
+from ptx_kernels import implementation
 from ptx_kernels import mask as mask_lib
+from ptx_kernels import paged_pallas
+
+IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+
+
+def _choose(impl: str, interpret: bool) -> implementation.Kernel:
+  """The kernel `impl` names, by `implementation.choose`'s rules; its pure-JAX "blockwise" is this module's "xla"."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  return implementation.choose("blockwise" if impl == "xla" else impl, interpret)
 
 
 def paged_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, rows: jax.Array, pages: jax.Array,
     index: jax.Array, lengths: jax.Array, q_positions: jax.Array, causal: bool = True, window=None,
     softcap: float | None = None, scale: float | None = None, block_pairs: int | None = None,
+    impl: str = "xla", interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of T queries per row over the pages its (row, page) pairs name.
 
@@ -46,18 +61,42 @@ def paged_attention(
       tokens' included).
     q_positions: int32 [R, T] the queries' positions.
     causal, window, softcap, scale: as in `flash_attention`.
-    block_pairs: pairs per block of the loop; default about 1 MiB of keys.
+    block_pairs: pairs per block of the "xla" loop; default about 1 MiB of
+      keys. The Pallas kernels take one pair per step.
+    impl: "xla" (this module's pure-JAX loop, any backend), "pallas_tpu"
+      (Mosaic kernel), "pallas_gpu" (Triton-style kernel; head dims and the
+      page size powers of two >= 16) or "auto": the default backend's Pallas
+      kernel on TPU or GPU, "xla" elsewhere (`paged_pallas`).
+    interpret: run a Pallas kernel through the Pallas interpreter (on CPU).
 
   Returns:
     (out [R, T, H, Dv] in q.dtype, lse [R, H, T] float32).
+
+  Raises:
+    ValueError: for shapes that do not fit together, an unknown impl, a
+      Pallas kernel the default backend cannot run uninterpreted, or shapes
+      the chosen kernel cannot tile.
   """
+  kernel = _choose(impl, interpret)
   q, k_pages, v_pages, lengths, q_positions = map(jnp.asarray, (q, k_pages, v_pages, lengths, q_positions))
   r, t, h, d = q.shape
-  _, kvh, s, _ = k_pages.shape
+  kvh = k_pages.shape[1]
   if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_pages.shape} do not fit together")
   window = mask_lib.check_window(window)
   scale = d ** -0.5 if scale is None else scale
+  args = (q, k_pages, v_pages, rows, pages, index, lengths, q_positions)
+  if kernel.name in implementation.PALLAS:
+    paged_pallas.check(kernel, q, k_pages, v_pages)
+    return paged_pallas.attention(*args, causal=causal, window=window, softcap=softcap, scale=scale, kernel=kernel)
+  return _segments(*args, causal=causal, window=window, softcap=softcap, scale=scale, block_pairs=block_pairs)
+
+
+def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, *, causal, window, softcap, scale,
+              block_pairs):
+  """The "xla" path: blocks of pairs folded into per-row accumulators by a segment softmax."""
+  r, t, h, d = q.shape
+  _, kvh, s, _ = k_pages.shape
   g = h // kvh
   n = rows.shape[0]
   block = min(n, block_pairs or max(1, (1 << 18) // (kvh * s * d)))
