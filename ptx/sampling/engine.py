@@ -120,6 +120,7 @@ class _Sequence:
   keep: bool
   feed: list[int]  # tokens to write before decoding: the prompt but its last token
   pending: int  # the token the next decode step feeds
+  cached: list[int] = dataclasses.field(default_factory=list)  # the tokens in the cache, in position order
   state: _State = _State.QUEUED
   block: int = -1
   slot: int = -1
@@ -131,6 +132,11 @@ class _Sequence:
   tokens: list[int] = dataclasses.field(default_factory=list)
   log_probs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def remaining(self) -> int:
+    """Tokens this turn may still sample."""
+    return self.max_new - len(self.tokens)
 
 
 class DecodeRows(NamedTuple):
@@ -246,7 +252,7 @@ class RolloutEngine:
   """
 
   def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *,
-               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh: Mesh | None = None,
+               sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0, mesh: Mesh | None = None,
                tempered_log_probs: bool = False, pad_id: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES):
     """Allocates the pool of pages (on `mesh`, pages over its batch axes and KV heads over `tensor`).
 
@@ -254,7 +260,7 @@ class RolloutEngine:
       cfg: the model config.
       config: the engine's shapes.
       sampling: the sampling rules of every request.
-      seed: the RNG seed (see the module docstring).
+      seed: the RNG seed, or a PRNG key (see the module docstring).
       mesh: the training mesh; None runs on the default device.
       tempered_log_probs: completions carry the log-probs of the policy at
         `sampling.temperature` (GRPO's), else the raw policy's.
@@ -282,7 +288,7 @@ class RolloutEngine:
                      out_shardings=None if shardings is None else ((shardings,) * cfg.n_layers,) * 2)(
                          cfg, config.pages, config.page_size)
     self._k, self._v = pool
-    self._key = jax.random.key(seed)
+    self._key = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
     self._slots_per_block = config.max_seqs // blocks
     self._free_slots = [list(range((b + 1) * self._slots_per_block - 1, b * self._slots_per_block - 1, -1))
                         for b in range(blocks)]
@@ -291,6 +297,7 @@ class RolloutEngine:
     self._extends: collections.deque[_Sequence] = collections.deque()
     self._sequences: dict[int, _Sequence] = {}
     self._next_id = 0
+    self._version: int | None = None  # the policy_version of the last step: whose parameters the cache holds
 
   @property
   def pool_bytes(self) -> int:
@@ -358,9 +365,9 @@ class RolloutEngine:
     tokens = [int(t) for t in tokens]
     if not tokens or max_new_tokens < 1:
       raise ValueError(f"sequence {seq_id}: extend needs tokens and max_new_tokens >= 1")
-    self._check_room(f"sequence {seq_id}", seq.length + len(tokens) + max_new_tokens)
+    self._check_room(f"sequence {seq_id}", seq.length + len(seq.feed) + len(tokens) + max_new_tokens)
     # The cache lacks the token sampled last: it is fed with the new ones, and their last one becomes pending.
-    seq.feed, seq.pending, seq.max_new = [seq.pending] + tokens[:-1], tokens[-1], max_new_tokens
+    seq.feed, seq.pending, seq.max_new = seq.feed + [seq.pending] + tokens[:-1], tokens[-1], max_new_tokens
     seq.stop_ids = seq.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
     seq.state = _State.EXTEND
     self._extends.append(seq)
@@ -375,9 +382,16 @@ class RolloutEngine:
   def step(self, params: Params, *, policy_version: int = 0) -> list[Completion]:
     """Admits what the free slots and pages hold, prefills it, then runs one decode call.
 
+    A `policy_version` other than the last call's means new parameters: the
+    cache of every admitted sequence is recomputed under them first (its
+    whole context prefilled again, a group's shared prompt pages once per
+    sample), so each token is sampled from the policy `params` define, given
+    its context, and the version stamped on it says which.
+
     Args:
       params: the parameter tree, placed as training placed it.
-      policy_version: stamped on every token this call samples.
+      policy_version: which parameters `params` are; stamped on every token
+        this call samples.
 
     Returns:
       The turns that finished in this call.
@@ -386,6 +400,9 @@ class RolloutEngine:
       RuntimeError: when queued work can never be admitted because every
         slot or page is taken by held sequences (release some).
     """
+    if self._version is not None and policy_version != self._version:
+      self._refresh()
+    self._version = policy_version
     self._admit()
     with self._on_mesh():
       self._prefill(params)
@@ -405,6 +422,67 @@ class RolloutEngine:
     while self.busy:
       done.update((c.seq_id, c) for c in self.step(params, policy_version=policy_version))
     return done
+
+  def snapshot(self) -> dict[str, np.ndarray]:
+    """Every unfinished sequence as host arrays, for a checkpoint: `restore` on a fresh engine goes on from here.
+
+    A sequence is saved as its context (the tokens its cache holds or is to
+    hold), its pending token, what it sampled in this turn and its RNG
+    counter, not its pages: a restored engine prefills the context again
+    under the `step` parameters, which is what this engine does after an
+    update, so the same parameters give the same tokens as the uninterrupted
+    engine (see `step`).
+
+    Raises:
+      ValueError: when a sequence is held for `extend` (multi-turn episodes
+        are not saved yet).
+    """
+    held = [s.seq_id for s in self._sequences.values() if s.state in (_State.HELD, _State.EXTEND)]
+    if held:
+      raise ValueError(f"cannot snapshot the engine: sequences {held} are held for extend (release them first)")
+    admitted = sorted((s for s in self._sequences.values() if s.state is not _State.QUEUED), key=lambda s: s.seq_id)
+    groups = [[s] for s in admitted] + [list(g) for g in self._queue]
+    seqs = [s for g in groups for s in g]
+    context = lambda s: (s.leader.cached + s.leader.feed) if s.state is _State.FOLLOWER else s.cached + s.feed
+    ragged = {"context": [context(s) for s in seqs], "stop_ids": [list(s.stop_ids) for s in seqs],
+              "tokens": [s.tokens for s in seqs], "log_probs": [s.log_probs for s in seqs],
+              "versions": [s.versions for s in seqs]}
+    out = {name: np.asarray([x for v in values for x in v], np.float32 if name == "log_probs" else np.int32)
+           for name, values in ragged.items()}
+    out.update({f"{name}_lengths": np.asarray([len(v) for v in values], np.int32) for name, values in ragged.items()})
+    fields = {"seq_id": lambda s: s.seq_id, "pending": lambda s: s.pending, "max_new": lambda s: s.max_new,
+              "keep": lambda s: s.keep, "sampled": lambda s: s.sampled}
+    out.update({name: np.asarray([get(s) for s in seqs], np.int32) for name, get in fields.items()})
+    out["group"] = np.asarray([i for i, g in enumerate(groups) for _ in g], np.int32)
+    out["next_id"] = np.asarray(self._next_id, np.int64)
+    out["version"] = np.asarray(-1 if self._version is None else self._version, np.int64)
+    return out
+
+  def restore(self, saved: dict[str, np.ndarray]) -> None:
+    """Queues the sequences of a `snapshot` on this engine, which must hold none yet."""
+    if self._sequences:
+      raise ValueError(f"restore needs an empty engine; this one holds {len(self._sequences)} sequences")
+    saved = {k: np.asarray(v) for k, v in saved.items()}
+    ragged = {}
+    for name in ("context", "stop_ids", "tokens", "log_probs", "versions"):
+      ends = np.cumsum(saved[f"{name}_lengths"])
+      ragged[name] = [x.tolist() for x in np.split(saved[name], ends[:-1])] if len(ends) else []
+    groups: dict[int, list[_Sequence]] = {}
+    for i, seq_id in enumerate(saved["seq_id"].tolist()):
+      context = ragged["context"][i]
+      seq = _Sequence(seq_id=seq_id, max_new=int(saved["max_new"][i]), stop_ids=tuple(ragged["stop_ids"][i]),
+                      keep=bool(saved["keep"][i]), feed=context, pending=int(saved["pending"][i]),
+                      sampled=int(saved["sampled"][i]), tokens=ragged["tokens"][i],
+                      log_probs=ragged["log_probs"][i], versions=ragged["versions"][i])
+      groups.setdefault(int(saved["group"][i]), []).append(seq)
+    for _, group in sorted(groups.items()):
+      for follower in group[1:]:
+        follower.leader = group[0]
+      group[0].followers = group[1:]
+      self._sequences.update((s.seq_id, s) for s in group)
+      self._queue.append(group)
+    self._next_id = int(saved["next_id"])
+    self._version = None if int(saved["version"]) < 0 else int(saved["version"])
 
   # Host side.
 
@@ -435,7 +513,7 @@ class RolloutEngine:
     """Starts queued extends, then queued groups, in order, while their slots and pages are free."""
     while self._extends:
       seq = self._extends[0]
-      more = self._pages_for(seq.length + len(seq.feed) + seq.max_new) - len(seq.pages)
+      more = self._pages_for(seq.length + len(seq.feed) + seq.remaining) - len(seq.pages)
       if more > self.allocator.free_pages(seq.block):
         break
       seq.pages += self.allocator.allocate(seq.block, max(more, 0))
@@ -444,14 +522,14 @@ class RolloutEngine:
     while self._queue:
       group = self._queue[0]
       leader = group[0]
-      need = self._group_pages(len(leader.feed), leader.max_new, len(group))
+      need = self._group_pages(len(leader.feed), leader.remaining, len(group))
       fits = [b for b in range(self.allocator.blocks)
               if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need]
       if not fits:
         break
       block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
       self._queue.popleft()
-      own = self._pages_for(len(leader.feed) + leader.max_new)
+      own = self._pages_for(len(leader.feed) + leader.remaining)
       shared = len(leader.feed) // self.config.page_size
       for seq in group:
         seq.block, seq.slot = block, self._free_slots[block].pop()
@@ -462,6 +540,14 @@ class RolloutEngine:
         self.allocator.share(block, leader.pages[:shared])
         seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
         seq.state, seq.feed = _State.FOLLOWER, []
+
+  def _refresh(self) -> None:
+    """Marks every admitted sequence's cached tokens to be prefilled again (under the next call's parameters)."""
+    for seq in self._sequences.values():
+      if seq.cached:
+        seq.feed, seq.cached, seq.length = seq.cached + seq.feed, [], 0
+        if seq.state is _State.LIVE:
+          seq.state = _State.PREFILL
 
   def _prefill(self, params: Params) -> None:
     """Writes every admitted sequence's feed: up to `prefill_rows` rows and `prefill_chunk` tokens per call."""
@@ -487,6 +573,7 @@ class RolloutEngine:
         tokens[row, :len(chunk)], lengths[row], new[row] = chunk, seq.length, len(chunk)
         table[row, :len(seq.pages)] = seq.pages
         seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
+        seq.cached += chunk
         reads[row] = seq.pages[:self._pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
       self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new),
@@ -501,7 +588,7 @@ class RolloutEngine:
       for seq in leader.followers:
         if leader.length % self.config.page_size:
           pairs[seq.block].append((leader.pages[shared], seq.pages[shared]))
-        seq.length, seq.state = leader.length, _State.LIVE
+        seq.length, seq.state, seq.cached = leader.length, _State.LIVE, list(leader.cached)
       leader.followers = []
     if not any(pairs):
       return
@@ -526,8 +613,8 @@ class RolloutEngine:
     for seq in live:
       r = row_of[seq.seq_id]
       table[r, :len(seq.pages)] = seq.pages
-      reads[r] = seq.pages[:self._pages_for(seq.length + min(steps, seq.max_new - len(seq.tokens)))]
-      lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.max_new - len(seq.tokens)
+      reads[r] = seq.pages[:self._pages_for(seq.length + min(steps, seq.remaining))]
+      lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.remaining
       seq_ids[r], sampled[r], is_live[r] = seq.seq_id, seq.sampled, True
       stops[r, :len(seq.stop_ids)] = seq.stop_ids
     pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
@@ -542,6 +629,7 @@ class RolloutEngine:
       seq.tokens += tokens[r, :n].tolist()
       seq.log_probs += log_probs[r, :n].tolist()
       seq.versions += [policy_version] * n
+      seq.cached += [seq.pending] + tokens[r, :n - 1].tolist()
       seq.length, seq.sampled, seq.pending = seq.length + n, seq.sampled + n, int(tokens[r, n - 1])
       if finish[r]:
         done.append(Completion(seq_id=seq.seq_id, tokens=np.asarray(seq.tokens, np.int32),

@@ -178,15 +178,68 @@ def test_extend_continues_a_held_sequence_as_one_prompt(tiny_config):
 
 
 def test_policy_versions_stamp_the_step_that_sampled_each_token(tiny_config):
+  """A new version recomputes the cache: with the same parameters the tokens are those of one uninterrupted run."""
   cfg = tiny_config
   engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
   params = _params(cfg)
   (seq,) = engine.submit(PROMPTS[1], max_new_tokens=12)
-  versions = []
   for version in range(10):
     for completion in engine.step(params, policy_version=version):
-      versions = completion.policy_versions.tolist()
-  assert versions == [0] * 5 + [1] * 5 + [2] * 2  # decode_steps = 5 tokens per call
+      done = completion
+  assert done.policy_versions.tolist() == [0] * 5 + [1] * 5 + [2] * 2  # decode_steps = 5 tokens per call
+  whole = generate(params, [PROMPTS[1]], cfg=cfg, max_new_tokens=12, sampling=GREEDY, rng=jax.random.key(0))
+  np.testing.assert_array_equal(done.tokens, np.asarray(whole.tokens[0]))
+
+
+def test_an_update_continues_each_rollout_as_the_new_parameters_would(tiny_config):
+  """After a version change every token comes from the new parameters given its whole context, held turns too."""
+  cfg = tiny_config
+  old, new = _params(cfg), _params(cfg, seed=3)
+  engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
+  (live,) = engine.submit(PROMPTS[4], max_new_tokens=12)
+  (held,) = engine.submit(PROMPTS[1], max_new_tokens=4, keep=True)
+  first = {c.seq_id: c for c in engine.step(old, policy_version=0)}  # 5 tokens of `live`; `held` finishes
+  engine.extend(held, [7, 8, 9], max_new_tokens=6)
+  done = engine.run(new, policy_version=1)
+  turn1 = first[held].tokens.tolist()
+  prefix = generate(old, [PROMPTS[4]], cfg=cfg, max_new_tokens=5, sampling=GREEDY, rng=jax.random.key(0))
+  prefix = np.asarray(prefix.tokens[0]).tolist()
+  rest = generate(new, [PROMPTS[4] + prefix], cfg=cfg, max_new_tokens=7, sampling=GREEDY, rng=jax.random.key(0))
+  np.testing.assert_array_equal(done[live].tokens, prefix + np.asarray(rest.tokens[0]).tolist())
+  assert done[live].policy_versions.tolist() == [0] * 5 + [1] * 7
+  turn2 = generate(new, [PROMPTS[1] + turn1 + [7, 8, 9]], cfg=cfg, max_new_tokens=6, sampling=GREEDY,
+                   rng=jax.random.key(0))
+  np.testing.assert_array_equal(done[held].tokens, np.asarray(turn2.tokens[0]))
+
+
+def test_a_restored_snapshot_goes_on_as_the_engine_would_have(tiny_config):
+  """Sampled rollouts, saved mid-flight (queued, prefilled, part-decoded, grouped) and restored on a fresh engine."""
+  cfg = tiny_config
+  params = _params(cfg)
+
+  def start():
+    engine = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=9)
+    for row in range(6):
+      engine.submit(PROMPTS[row], max_new_tokens=BUDGETS[row] + 4, samples=2)
+    return engine
+
+  whole = start()
+  want = whole.run(params)
+  engine = start()
+  got = {c.seq_id: c for c in engine.step(params)}
+  saved = jax.tree.map(np.asarray, engine.snapshot())
+  assert saved["tokens_lengths"].max() > 0 and len(set(saved["group"].tolist())) < len(saved["group"])
+  restored = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=9)
+  restored.restore(saved)
+  got.update(restored.run(params))
+  assert sorted(got) == sorted(want)
+  for seq_id, c in want.items():
+    np.testing.assert_array_equal(got[seq_id].tokens, c.tokens)
+    # The restored engine prefilled the contexts in other calls: the same float32 math in another row layout.
+    np.testing.assert_allclose(got[seq_id].log_probs, c.log_probs, atol=ENGINE_VS_TRAINER_ATOL)
+  with pytest.raises(ValueError, match="empty engine"):
+    restored.submit(PROMPTS[0], max_new_tokens=1)
+    restored.restore(saved)
 
 
 def test_bad_requests_name_what_is_wrong(tiny_config):
