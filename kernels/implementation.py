@@ -110,13 +110,15 @@ class Kernel:
     return tuple(g + s for g, s in zip(grads, share))
 
 
-def choose(impl: str, interpret: bool = False) -> Kernel:
+def choose(impl: str, interpret: bool = False, portable: str = "blockwise") -> Kernel:
   """The kernel that `impl` names, checked against the default backend.
 
   Args:
     impl: one of IMPLS; "auto" is the default backend's Pallas kernel (TPU or
       GPU) and "blockwise" elsewhere.
     interpret: run a Pallas kernel through the Pallas interpreter (on CPU).
+    portable: what the caller calls its pure-JAX kernel, for the error
+      message (`ptx_kernels.paged` calls it "xla").
 
   Returns:
     The concrete kernel.
@@ -134,5 +136,5 @@ def choose(impl: str, interpret: bool = False) -> Kernel:
   if needs is not None and not interpret and backend != needs:
     raise ValueError(
         f"impl {impl!r} runs on a {needs.upper()}, not on {backend!r}: pass "
-        "interpret=True for the Pallas interpreter, or use 'blockwise'")
+        f"interpret=True for the Pallas interpreter, or use {portable!r}")
   return Kernel(impl, interpret)

@@ -38,7 +38,7 @@ def _choose(impl: str, interpret: bool) -> implementation.Kernel:
   """The kernel `impl` names, by `implementation.choose`'s rules; its pure-JAX "blockwise" is this module's "xla"."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  return implementation.choose("blockwise" if impl == "xla" else impl, interpret)
+  return implementation.choose("blockwise" if impl == "xla" else impl, interpret, portable="xla")
 
 
 def paged_attention(

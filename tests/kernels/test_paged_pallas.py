@@ -98,8 +98,8 @@ def _call(q_shape=(5, 1, H, D), pool_shape=(12, KV, S, D), **kw):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(impl="flash"), "impl must be one of"),
-    (dict(impl="pallas_tpu"), "'pallas_tpu' runs on a TPU, not on 'cpu'.*interpret=True"),
-    (dict(impl="pallas_gpu"), "'pallas_gpu' runs on a GPU, not on 'cpu'.*interpret=True"),
+    (dict(impl="pallas_tpu"), "'pallas_tpu' runs on a TPU, not on 'cpu'.*interpret=True.*use 'xla'"),
+    (dict(impl="pallas_gpu"), "'pallas_gpu' runs on a GPU, not on 'cpu'.*interpret=True.*use 'xla'"),
     (dict(impl="pallas_gpu", interpret=True, q_shape=(5, 1, H, 24), pool_shape=(12, KV, S, 24)),
      r"head_dim a power of two >= 16, got 24"),
     (dict(impl="pallas_gpu", interpret=True, pool_shape=(12, KV, 8, D)),
