@@ -354,6 +354,15 @@ class GRPOConfig:
   ref_sync_alpha: float = 1.0
   # Host-reward mode: batches the sampler may run ahead of the update (0: on-policy, as the fused mode).
   max_staleness: int = 1
+  # Host-reward mode's sampler: "static" (`generate` on each batch) or "engine" (`ptx.sampling.engine`: continuous
+  # batching over paged KV, groups scored as they finish, partial rollouts across updates; `ptx.train.rl_engine`).
+  rollouts: Literal["static", "engine"] = "static"
+  # Engine rollouts: KV pages in its pool (0: every in-flight sequence at its worst case, which resumes exactly).
+  engine_pages: int = 0
+  # Engine rollouts: token positions per KV page.
+  engine_page_size: int = 16
+  # Engine rollouts: tokens per decode call; groups are scored and sequences admitted between calls.
+  engine_decode_steps: int = 16
   # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
   mask_truncated: bool = False
   # Importance correction with tis_cap: "token" (min(exp(old - sampler), cap) per token) or "sequence_mask"

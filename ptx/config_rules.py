@@ -94,5 +94,11 @@ def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
                       f"{cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, {cfg.entropy_coef}, {cfg.entropy_coef_max}")
   if cfg.max_staleness < 0:
     raise ConfigError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
+  if cfg.rollouts == "engine" and cfg.filter_groups == "refill":
+    raise ConfigError('grpo.filter_groups="refill" samples further batches on demand, which engine rollouts do not: '
+                      'use grpo.rollouts="static", or grpo.filter_groups="mask"')
+  for name in ("engine_pages", "engine_page_size", "engine_decode_steps"):
+    if getattr(cfg, name) < (0 if name == "engine_pages" else 1):
+      raise ConfigError(f"grpo.{name} must be >= {0 if name == 'engine_pages' else 1}, got {getattr(cfg, name)}")
   if cfg.max_response_tokens < 1:
     raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")

@@ -84,3 +84,18 @@ def test_grpo_bad_record_names_its_line(tmp_path, capsys):
   data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
   assert cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, f"--data.train_files=[\"{data}\"]"]) == 2
   assert f"ptx grpo: error: {data}:2: missing field 'answer'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_grpo_with_engine_rollouts_resumes_exactly(tmp_path, capsys):
+  # The checkpoint of step 2 holds the engine mid-flight: batch 3's sequences part-decoded by the parameters of
+  # step 2, their finished groups scored; the resumed run recomputes their cache and goes on as the full run did.
+  rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+  data = tmp_path / "rl.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  records = _resumes_exactly(tmp_path, capsys, *COMMON, f"--data.train_files=[\"{data}\"]", "--grpo.rollouts=engine",
+                             "--grpo.max_staleness=1", "--grpo.max_response_tokens=6", "--grpo.engine_decode_steps=2")
+  assert {"timing_s/reward", "rollout/staleness", "rollout/staleness_mean", "rollout/engine_pages_peak"} <= set(
+      records[STEPS])
+  assert all(records[k]["rollout/staleness"] <= 1.0 for k in records)
+  assert (tmp_path / "full" / "checkpoints" / "2" / "pipeline").exists()

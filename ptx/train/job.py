@@ -40,6 +40,8 @@ from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models.params import weight_decay_mask
 from ptx.rl import token_rewards
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
+from ptx.sampling.engine import EngineConfig
+from ptx.train.rl_engine import EngineGRPOStep
 from ptx.train.rl_host import HostGRPOStep, HostReward
 from ptx.train.rl_step import FusedGRPOStep, RewardFn, RLSpec
 from ptx.train.step import Bound, SupervisedStep
@@ -75,7 +77,7 @@ class Job:
   algorithm: Algorithm
   model: ModelConfig
   rules: sharding.Rules
-  step: SupervisedStep | FusedGRPOStep | HostGRPOStep
+  step: SupervisedStep | FusedGRPOStep | HostGRPOStep | EngineGRPOStep
   with_reference: bool
   optim: OptimizerConfig
   updates_per_step: int
@@ -132,6 +134,10 @@ def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewa
       with `in_graph=True`).
   """
   rules = _check(cfg, "grpo", tokenizer)
+  if cfg.grpo.rollouts != "static":
+    # The fused mode samples inside its one program; only the host-reward mode can draw from the engine.
+    raise config_lib.ConfigError(f"grpo.rollouts={cfg.grpo.rollouts!r} needs host rewards (an environment or reward "
+                                 "functions on rl records); the fused in-graph mode samples with 'static' only")
   return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn), rules,
               with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
 
@@ -146,8 +152,28 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
       environment, or `ptx.train.reward_functions.RewardFunctions`.
   """
   rules = _check(cfg, "grpo", tokenizer)
-  return _job(cfg, "grpo_host", HostGRPOStep(_rl_spec(cfg, tokenizer, rules), reward), rules,
-              with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
+  spec = _rl_spec(cfg, tokenizer, rules)
+  step = (HostGRPOStep(spec, reward) if cfg.grpo.rollouts == "static"
+          else EngineGRPOStep(spec, reward, _engine_config(cfg)))
+  return _job(cfg, "grpo_host", step, rules, with_reference=cfg.grpo.uses_reference,
+              updates_per_step=cfg.grpo.updates_per_step)
+
+
+def _engine_config(cfg: Config) -> EngineConfig:
+  """The rollout engine of a host-reward job: slots for the batch and the `max_staleness` ones ahead.
+
+  With `grpo.engine_pages` 0 the pool holds every slot's sequence at its
+  worst case (prompt width plus budget) without sharing a group's prompt
+  pages, so admission waits only for slots: a resumed engine, which
+  re-admits its sequences one by one, admits them exactly as the
+  uninterrupted one did.
+  """
+  g = cfg.grpo
+  seqs = cfg.data.batch_size * g.group_size * (1 + g.max_staleness)
+  seq_len = cfg.data.seq_len + g.max_response_tokens
+  pages = g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1  # + the sink page
+  return EngineConfig(max_seqs=seqs, pages=pages, page_size=g.engine_page_size, max_seq_len=seq_len,
+                      decode_steps=g.engine_decode_steps, prefill_rows=min(seqs, 8))
 
 
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:

@@ -65,6 +65,14 @@ HostReward = Callable[[np.ndarray, np.ndarray, Any], Any]
 STALE_TIS_CAP = 2.0
 
 
+def stale_spec(spec: RLSpec) -> RLSpec:
+  """`spec` with the importance weight's cap that stale rollouts need (`STALE_TIS_CAP` unless `grpo.tis_cap` is set)."""
+  cfg = spec.grpo
+  if cfg.max_staleness > 0 and cfg.tis_cap is None:
+    return dataclasses.replace(spec, grpo=dataclasses.replace(cfg, tis_cap=STALE_TIS_CAP))
+  return spec
+
+
 class Lookahead(grain.DatasetIterator):
   """A resumable iterator a consumer may read ahead of; its state is that of the next item `next` returns.
 
@@ -216,11 +224,9 @@ class HostRewardStep:
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
-    cfg = spec.grpo
-    self.staleness = cfg.max_staleness
+    self.staleness = spec.grpo.max_staleness
     proximal = self.staleness > 0
-    if proximal and cfg.tis_cap is None:
-      spec = dataclasses.replace(spec, grpo=dataclasses.replace(cfg, tis_cap=STALE_TIS_CAP))
+    spec = stale_spec(spec)
     self._spec, self._mesh, self._reward, self._prompts = spec, mesh, reward, prompts
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from stepping import run_steps
 from tolerances import ADAM_EPS
 from ptx.config import Config, DataConfig, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
 from ptx.data.arithmetic import ArithmeticTask
@@ -69,11 +70,7 @@ def _run(cfg, grpo_cfg, steps, *, reward=_components, host=False):
     data = prompts(4)
     step = make_grpo_step(RLSpec(model=cfg, grpo=grpo_cfg, **kw), reward, optimizer=optimizer, mesh=mesh,
                           state_shardings=shardings)
-  history = []
-  for _ in range(steps):
-    state, metrics = step(state, next(data))
-    history.append(jax.device_get(metrics))
-  return state, history
+  return run_steps(step, state, data, steps)
 
 
 def _coefficients(state):

@@ -21,6 +21,8 @@ from ptx.train import streams
 from ptx.train.job import dpo_job, grpo_host_job, grpo_job, sft_job
 from ptx.train.loop import fit
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.sampling.engine import EngineConfig
+from ptx.train.rl_engine import EngineGRPOStep
 from ptx.train.rl_host import EnvReward
 
 TOK = ByteTokenizer()
@@ -122,6 +124,18 @@ def test_jobs_compare_by_value_and_decide_the_reference_once():
   assert "grpo" in host.sections and "dpo" not in host.sections and "grpo" not in sft_job(sft_cfg, TOK).sections
 
 
+def test_engine_rollouts_hold_the_batch_and_those_ahead_at_their_worst_case():
+  cfg = _grpo_cfg(rollouts="engine", max_staleness=1, engine_page_size=4, engine_decode_steps=3)
+  step = grpo_host_job(cfg, TOK, EnvReward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2)).step
+  assert isinstance(step, EngineGRPOStep) and not isinstance(grpo_host_job(_grpo_cfg(), TOK, step.reward).step,
+                                                             EngineGRPOStep)
+  # 8 prompts x 2 samples x (1 + 1 batch ahead) slots; each holds 8 prompt columns + 4 new tokens in 3 pages of 4.
+  assert step.engine == EngineConfig(max_seqs=32, pages=32 * 3 + 1, page_size=4, max_seq_len=12, decode_steps=3,
+                                     prefill_rows=8)
+  with pytest.raises(ConfigError, match="grpo.rollouts='engine' needs host rewards"):
+    grpo_job(cfg, TOK)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(data=DataConfig(kind="sft", batch_size=8, seq_len=8)), "data.kind='sft', but grpo reads 'rl' records"),
     (dict(grpo=GRPOConfig(minibatches=3)), "grpo.minibatches=3 must divide data.batch_size=8"),
@@ -131,6 +145,8 @@ def test_jobs_compare_by_value_and_decide_the_reference_once():
     (dict(grpo=GRPOConfig(ref_sync_every=5), lora=LoRAConfig(rank=4)),
      "grpo.ref_sync_every: under LoRA"),
     (dict(model=ModelConfig(vocab_size=100)), "tokenizer vocab 259 > model vocab_size 100"),
+    (dict(grpo=GRPOConfig(rollouts="engine", filter_groups="refill")), 'filter_groups="refill" samples further'),
+    (dict(grpo=GRPOConfig(rollouts="engine", engine_page_size=0)), "grpo.engine_page_size must be >= 1, got 0"),
 ])
 def test_cross_field_rules_fail_before_compiling_naming_the_fields(change, message):
   cfg = dataclasses.replace(_grpo_cfg(), **change)

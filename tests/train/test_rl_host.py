@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stepping import run_steps
 from tolerances import ADAM_EPS
 from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
 from ptx.data.arithmetic import ArithmeticTask
@@ -57,16 +58,8 @@ def _run(cfg, grpo_cfg, steps, *, host_reward=None):
     data = Lookahead(_prompts(None))
     step = HostRewardStep(spec=RLSpec(model=cfg, grpo=grpo_cfg, **kw), optimizer=optimizer, mesh=mesh,
                           state_shardings=shardings, reward=host_reward, prompts=data)
-  state, history = _steps(step, state, data, steps)
+  state, history = run_steps(step, state, data, steps)
   return state, history, data, step
-
-
-def _steps(step, state, data, n):
-  history = []
-  for _ in range(n):
-    state, metrics = step(state, next(data))
-    history.append(jax.device_get(metrics))
-  return state, history
 
 
 def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
@@ -184,7 +177,7 @@ def test_a_refilling_pipeline_taken_back_from_its_saved_state_continues_exactly(
   _, _, fresh_data, fresh = _run(cfg, grpo_cfg, 0, host_reward=_first_sample_of_odd_prompts)
   fresh_data.set_state(position)
   fresh.set_pipeline_state(saved)
-  state, rest = _steps(fresh, state, fresh_data, 2)
+  state, rest = run_steps(fresh, state, fresh_data, 2)
   for step_want, step_got in zip(want, got + rest):
     drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
     np.testing.assert_equal(drop(step_got), drop(step_want))
