@@ -120,6 +120,7 @@ class _Sequence:
   keep: bool
   feed: list[int]  # tokens to write before decoding: the prompt but its last token
   pending: int  # the token the next decode step feeds
+  reserve: int = 0  # positions its pages cover from admission on (at least what its first turn needs)
   cached: list[int] = dataclasses.field(default_factory=list)  # the tokens in the cache, in position order
   state: _State = _State.QUEUED
   block: int = -1
@@ -298,6 +299,7 @@ class RolloutEngine:
     self._sequences: dict[int, _Sequence] = {}
     self._next_id = 0
     self._version: int | None = None  # the policy_version of the last step: whose parameters the cache holds
+    self._stalled = False
 
   @property
   def pool_bytes(self) -> int:
@@ -310,7 +312,7 @@ class RolloutEngine:
     return bool(self._queue or self._extends or any(s is not None and s.state is _State.LIVE for s in self._slots))
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (), samples: int = 1,
-             keep: bool = False) -> list[int]:
+             keep: bool = False, reserve: int = 0) -> list[int]:
     """Queues `samples` sequences that continue `prompt`; returns their ids (consecutive, in sample order).
 
     Args:
@@ -320,6 +322,10 @@ class RolloutEngine:
       samples: samples G of the prompt; they share its prompt pages.
       keep: hold each sample's slot and pages after it finishes, for `extend`
         or `release`; else they are freed at once.
+      reserve: cached positions each sample's pages cover from admission on,
+        when more than its prompt and `max_new_tokens` (a multi-turn episode
+        reserves its whole context, so its `extend`s never wait for pages
+        that other episodes hold).
 
     Raises:
       ValueError: naming the request, for an empty prompt, a token outside the
@@ -335,16 +341,17 @@ class RolloutEngine:
                        f"[0, {self.cfg.vocab_size})")
     if max_new_tokens < 1 or samples < 1:
       raise ValueError(f"{request}: max_new_tokens ({max_new_tokens}) and samples ({samples}) must be >= 1")
-    self._check_room(request, len(prompt) - 1 + max_new_tokens)
+    reserve = max(reserve, len(prompt) - 1 + max_new_tokens)
+    self._check_room(request, reserve)
     if samples > self._slots_per_block:
       raise ValueError(f"{request}: {samples} samples share pages on one device, which has "
                        f"{self._slots_per_block} slots")
-    need = self._group_pages(len(prompt) - 1, max_new_tokens, samples)
+    need = self._group_pages(len(prompt) - 1, reserve, samples)
     if need > self.allocator.capacity:
       raise ValueError(f"{request}: {samples} samples of {max_new_tokens} new tokens need {need} pages, more than "
                        f"the {self.allocator.capacity} of one device's block (EngineConfig.pages)")
     group = [_Sequence(seq_id=self._next_id + g, max_new=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
-                       keep=keep, feed=prompt[:-1], pending=prompt[-1]) for g in range(samples)]
+                       keep=keep, feed=prompt[:-1], pending=prompt[-1], reserve=reserve) for g in range(samples)]
     for follower in group[1:]:
       follower.leader = group[0]
     group[0].followers = group[1:]
@@ -396,9 +403,9 @@ class RolloutEngine:
     Returns:
       The turns that finished in this call.
 
-    Raises:
-      RuntimeError: when queued work can never be admitted because every
-        slot or page is taken by held sequences (release some).
+    When nothing is decoding after admission (queued work waits for slots or
+    pages that held sequences keep), the call does nothing and `stalled`
+    says so until a call decodes again.
     """
     if self._version is not None and policy_version != self._version:
       self._refresh()
@@ -407,20 +414,31 @@ class RolloutEngine:
     with self._on_mesh():
       self._prefill(params)
       self._start_followers()
-      if not any(s is not None and s.state is _State.LIVE for s in self._slots):
-        if self._queue or self._extends:
-          waiting = self._extends[0] if self._extends else self._queue[0][0]
-          raise RuntimeError(
-              f"sequence {waiting.seq_id} cannot be admitted: {self.allocator.in_use} pages and "
-              f"{sum(s is not None for s in self._slots)} slots are held by finished sequences (release them)")
+      self._stalled = not any(s is not None and s.state is _State.LIVE for s in self._slots)
+      if self._stalled:
         return []
       return self._decode(params, policy_version)
 
+  @property
+  def stalled(self) -> bool:
+    """Whether the last `step` could decode nothing while work was queued (held sequences keep what it needs)."""
+    return self._stalled and self.busy
+
   def run(self, params: Params, *, policy_version: int = 0) -> dict[int, Completion]:
-    """Steps until nothing is queued or decoding; returns every finished turn by sequence id."""
+    """Steps until nothing is queued or decoding; returns every finished turn by sequence id.
+
+    Raises:
+      RuntimeError: when queued work can never be admitted because every
+        slot or page is taken by held sequences (release some).
+    """
     done = {}
     while self.busy:
       done.update((c.seq_id, c) for c in self.step(params, policy_version=policy_version))
+      if self.stalled:
+        waiting = self._extends[0] if self._extends else self._queue[0][0]
+        raise RuntimeError(
+            f"sequence {waiting.seq_id} cannot be admitted: {self.allocator.in_use} pages and "
+            f"{sum(s is not None for s in self._slots)} slots are held by finished sequences (release them)")
     return done
 
   def snapshot(self) -> dict[str, np.ndarray]:
@@ -451,7 +469,7 @@ class RolloutEngine:
            for name, values in ragged.items()}
     out.update({f"{name}_lengths": np.asarray([len(v) for v in values], np.int32) for name, values in ragged.items()})
     fields = {"seq_id": lambda s: s.seq_id, "pending": lambda s: s.pending, "max_new": lambda s: s.max_new,
-              "keep": lambda s: s.keep, "sampled": lambda s: s.sampled}
+              "keep": lambda s: s.keep, "sampled": lambda s: s.sampled, "reserve": lambda s: s.reserve}
     out.update({name: np.asarray([get(s) for s in seqs], np.int32) for name, get in fields.items()})
     out["group"] = np.asarray([i for i, g in enumerate(groups) for _ in g], np.int32)
     out["next_id"] = np.asarray(self._next_id, np.int64)
@@ -472,6 +490,7 @@ class RolloutEngine:
       context = ragged["context"][i]
       seq = _Sequence(seq_id=seq_id, max_new=int(saved["max_new"][i]), stop_ids=tuple(ragged["stop_ids"][i]),
                       keep=bool(saved["keep"][i]), feed=context, pending=int(saved["pending"][i]),
+                      reserve=int(saved["reserve"][i]) if "reserve" in saved else 0,
                       sampled=int(saved["sampled"][i]), tokens=ragged["tokens"][i],
                       log_probs=ragged["log_probs"][i], versions=ragged["versions"][i])
       groups.setdefault(int(saved["group"][i]), []).append(seq)
@@ -497,9 +516,9 @@ class RolloutEngine:
   def _pages_for(self, positions: int) -> int:
     return -(-positions // self.config.page_size)
 
-  def _group_pages(self, cached: int, max_new: int, samples: int) -> int:
-    """Pages a group needs: one sample's, plus each other sample's own beyond the shared full prompt pages."""
-    own = self._pages_for(cached + max_new)
+  def _group_pages(self, cached: int, reserve: int, samples: int) -> int:
+    """Pages a group needs: one sample's `reserve` positions, plus each other sample's beyond the shared prompt pages."""
+    own = self._pages_for(reserve)
     return own + (samples - 1) * (own - cached // self.config.page_size)
 
   def _held(self, seq_id: int, action: str) -> _Sequence:
@@ -522,14 +541,15 @@ class RolloutEngine:
     while self._queue:
       group = self._queue[0]
       leader = group[0]
-      need = self._group_pages(len(leader.feed), leader.remaining, len(group))
+      reserve = max(leader.reserve, len(leader.feed) + leader.remaining)
+      need = self._group_pages(len(leader.feed), reserve, len(group))
       fits = [b for b in range(self.allocator.blocks)
               if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need]
       if not fits:
         break
       block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
       self._queue.popleft()
-      own = self._pages_for(len(leader.feed) + leader.remaining)
+      own = self._pages_for(reserve)
       shared = len(leader.feed) // self.config.page_size
       for seq in group:
         seq.block, seq.slot = block, self._free_slots[block].pop()

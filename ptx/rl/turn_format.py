@@ -1,0 +1,127 @@
+"""How a multi-turn episode looks in tokens: the first prompt, the ids that end a turn, the environment's replies.
+
+An episode's trajectory is built token by token, never re-tokenised: the
+model's tokens are the ones it sampled, and every environment reply is
+encoded once, on its own, from the chat template's rendering of the
+conversation at that point. `TurnFormat.reply` takes the text the template
+puts between the end of the model's turn and the start of its next one (the
+end-of-turn marker when the model did not sample it, the reply message under
+its role header, the next assistant header) and encodes just that, so the
+reply's tokens follow the model's tokens exactly as sampled.
+
+A turn ends at the template's end-of-turn marker when the tokenizer spells it
+as one token (`<|im_end|>` of SmolLM2 and Qwen, `<|eot_id|>` of Llama 3,
+`<end_of_turn>` of Gemma); otherwise (a byte tokenizer, where the marker is
+many tokens) at the tokenizer's eos, and the reply then begins with the marker
+as environment tokens. Either way the whole trajectory is what the template
+renders for the conversation wherever the tokenizer encodes the rendering's
+pieces as it encodes the whole (`render_check` says where it does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ptx.data.chat import CHATML, ChatTemplate, Message, encode_chat
+from ptx.data.tokenizer import Tokenizer
+
+_PROBE = "\x00probe\x00"  # assistant content no real turn contains
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnFormat:
+  """The token form of episodes for one tokenizer and chat template.
+
+  Attributes:
+    tokenizer: encodes prompts and replies, decodes the model's turns.
+    template: the chat template (default: the tokenizer's, else ChatML).
+    reply_role: the role the environment's replies take ("tool": the
+      template renders tool results in its family's own way).
+  """
+
+  tokenizer: Tokenizer
+  template: ChatTemplate | None = None
+  reply_role: str = "tool"
+
+  @property
+  def chat_template(self) -> ChatTemplate:
+    """The template in use."""
+    return self.template or getattr(self.tokenizer, "chat_template", None) or CHATML
+
+  @property
+  def end_of_turn(self) -> str:
+    """The text the template closes an assistant turn with (`<|im_end|>` for ChatML)."""
+    segments = self.chat_template.segments([{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": _PROBE}])
+    target = [text for text, is_target in segments if is_target and _PROBE in text]
+    if len(target) != 1:
+      raise ValueError("chat template: cannot find the assistant turn's span to learn its end-of-turn marker")
+    return target[0][target[0].index(_PROBE) + len(_PROBE):]
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The ids that end the model's turn: the end-of-turn marker when it is one token, else eos."""
+    marker = self.tokenizer.encode(self.end_of_turn)
+    return (marker[0],) if len(marker) == 1 else (self.tokenizer.eos_id,)
+
+  def prompt(self, text: str) -> list[int]:
+    """The first prompt: `text` as a user turn and the assistant header after it."""
+    return encode_chat(self.tokenizer, [{"role": "user", "content": text}], self.chat_template,
+                       add_generation_prompt=True)[0]
+
+  def action(self, tokens: Sequence[int]) -> str:
+    """The text of a model turn for the environment: its tokens, the stop id left out."""
+    stops = set(self.stop_ids)
+    return self.tokenizer.decode([t for t in tokens if t not in stops])
+
+  def reply(self, messages: Sequence[Message], observation: str, *, closed: bool) -> list[int]:
+    """The tokens that follow the model's last turn: the environment's `observation` and the next assistant header.
+
+    Args:
+      messages: the conversation so far, ending with the model's turn (its
+        decoded text), as `ptx.data.chat` messages.
+      observation: the environment's reply.
+      closed: whether the model's turn ended with the end-of-turn marker
+        itself (a stop id that is the marker); else the marker is written here.
+
+    Returns:
+      The token ids to append, encoded from the template's text between the
+      model's turn and the next.
+    """
+    if not messages or messages[-1]["role"] != "assistant":
+      raise ValueError("TurnFormat.reply: the conversation must end with the model's turn")
+    segments = self.chat_template.segments([*messages, {"role": self.reply_role, "content": observation}],
+                                           add_generation_prompt=True)
+    last = max(i for i, (_, is_target) in enumerate(segments) if is_target)
+    tail = "".join(text for text, _ in segments[last + 1:])
+    if not closed or len(self.tokenizer.encode(self.end_of_turn)) != 1:
+      tail = self.end_of_turn + tail
+    return self.tokenizer.encode(tail)
+
+  def render_check(self, messages: Sequence[Message], tokens: Sequence[int]) -> int | None:
+    """Where a trajectory departs from the template's encoding of its whole conversation: None if nowhere.
+
+    Args:
+      messages: the conversation (first prompt, the model's turns, the replies).
+      tokens: the trajectory's tokens (prompt included).
+
+    Returns:
+      The first position where `tokens` and `encode_chat(messages)` differ,
+      or None when they are equal: equality holds when the model's tokens
+      are the tokenizer's own encoding of their text and the marker is one
+      token; a byte tokenizer's eos stop, or a turn the tokenizer would have
+      split otherwise, shows up here.
+    """
+    ended = messages[-1]["role"] == "assistant"
+    whole = encode_chat(self.tokenizer, messages, self.chat_template, add_generation_prompt=not ended)[0]
+    if ended:  # an episode ends with the model's turn: the layout the template writes after it is not sampled
+      segments = self.chat_template.segments(messages)
+      last = max(i for i, (_, is_target) in enumerate(segments) if is_target)
+      layout = len(self.tokenizer.encode("".join(text for text, _ in segments[last + 1:])))
+      whole = whole[:len(whole) - layout]
+    tokens = list(tokens)
+    for i, (a, b) in enumerate(zip(whole, tokens)):
+      if a != b:
+        return i
+    return None if len(whole) == len(tokens) else min(len(whole), len(tokens))
