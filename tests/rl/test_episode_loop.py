@@ -6,12 +6,13 @@ import threading
 import jax
 import numpy as np
 import pytest
+from scripted_episodes import ScriptedEnv
 
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import init_params
 from ptx.models.decoder import forward, token_log_probs
-from ptx.rl.environments.base import Outcome, Step
+from ptx.rl.environments.base import Outcome
 from ptx.rl.episode_loop import play
 from ptx.rl.turn_format import TurnFormat
 from ptx.sampling import SamplingConfig
@@ -45,39 +46,6 @@ class MarkerTokenizer(ByteTokenizer):
 
   def decode(self, ids) -> str:
     return "".join(self.MARKER if i == 259 else super(MarkerTokenizer, self).decode([i]) for i in ids)
-
-
-class ScriptedEpisode:
-  """Answers each action with a numbered observation; done after the task's `turns` actions, rewarded 1."""
-
-  def __init__(self, env, task):
-    self.env, self.task, self.actions = env, task, []
-    self.prompt = task["prompt"]
-
-  def step(self, action):
-    self.actions.append(action)
-    self.env.hook(self.task, len(self.actions))
-    if self.env.fail == self.task["prompt"]:
-      raise OSError("the tool's machine went away")
-    if len(self.actions) >= self.task["turns"]:
-      return Step.final(Outcome.OK, "scripted", reward=1.0)
-    return Step(observation=f"obs {len(self.actions)} of {self.task['prompt']}")
-
-  def close(self):
-    self.env.closed += 1
-
-
-class ScriptedEnv:
-  name, sandboxed = "scripted", False
-
-  def __init__(self, max_turns=4, hook=lambda task, n: None, fail=None):
-    self.max_turns, self.hook, self.fail = max_turns, hook, fail
-    self.episodes, self.closed = [], 0
-
-  def reset(self, task):
-    episode = ScriptedEpisode(self, task)
-    self.episodes.append(episode)
-    return episode
 
 
 @pytest.fixture(scope="module")
