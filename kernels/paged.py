@@ -32,6 +32,9 @@ from ptx_kernels import mask as mask_lib
 from ptx_kernels import paged_pallas
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+# Up to this many blocks of pairs run unrolled: on XLA:CPU each iteration of a while loop costs a fixed
+# overhead that a short decode call's attention (a few blocks) pays several times over.
+UNROLLED_BLOCKS = 4
 
 
 def _choose(impl: str, interpret: bool) -> implementation.Kernel:
@@ -135,7 +138,13 @@ def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, *, 
 
   init = (jnp.full((r, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((r, kvh, g, t), jnp.float32),
           jnp.zeros((r, kvh, g, t, v_pages.shape[-1]), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, n_blocks, fold, init) if n_blocks > 1 else fold(0, init)
+  if n_blocks <= UNROLLED_BLOCKS:
+    carry = init
+    for i in range(n_blocks):
+      carry = fold(i, carry)
+    m, l, acc = carry
+  else:
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, fold, init)
   safe = jnp.where(l > 0, l, 1.0)
   out = (acc / safe[..., None]).transpose(0, 3, 1, 2, 4).reshape(r, t, h, -1)
   lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf).reshape(r, h, t)

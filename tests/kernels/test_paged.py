@@ -28,8 +28,10 @@ def _pairs(tables, pad):
   return (np.asarray(x, np.int32) for x in (rows, pages, index))
 
 
-# block_pairs=2: the 12 pairs run as 6 blocks, a row's pages split across blocks (the online softmax across them).
-@pytest.mark.parametrize("t, kw", [(1, dict()), (3, dict(window=5, softcap=4.0)), (2, dict(block_pairs=2))])
+# block_pairs=2: the 12 pairs run as 6 blocks in a loop, a row's pages split across blocks (the online softmax
+# across them); block_pairs=4: 3 blocks, unrolled (paged.UNROLLED_BLOCKS).
+@pytest.mark.parametrize("t, kw", [(1, dict()), (3, dict(window=5, softcap=4.0)), (2, dict(block_pairs=2)),
+                                   (2, dict(block_pairs=4))])
 def test_matches_the_reference_over_gathered_pages(t, kw):
   rng, k_pages, v_pages, tables, lengths = _case()
   q = rng.normal(size=(4, t, H, D)).astype(np.float32)
