@@ -13,7 +13,7 @@ class ScriptedEpisode:
   def step(self, action):
     self.actions.append(action)
     self.env.hook(self.task, len(self.actions))
-    if self.env.fail == self.task["prompt"]:
+    if self.env.fail is not None and self.task["prompt"].startswith(self.env.fail):
       raise OSError("the tool's machine went away")
     if len(self.actions) >= self.task["turns"]:
       return Step.final(Outcome.OK, "scripted", reward=self.env.reward(self.actions))
@@ -24,7 +24,7 @@ class ScriptedEpisode:
 
 
 class ScriptedEnv:
-  """Episodes of `ScriptedEpisode`; `hook(task, calls)` runs in every step, `fail` names a prompt whose steps raise.
+  """Episodes of `ScriptedEpisode`; `hook(task, calls)` runs in every step, `fail` a prompt prefix whose steps raise.
 
   The final reward is `reward(actions)` (default 1.0).
   """

@@ -13,7 +13,8 @@ waits on a tool when nothing else can run.
 An episode ends when the environment says done, at the environment's turn
 limit (`Environment.max_turns` steps), or when the context is full (the
 next turn would not fit `max_context`): then it is scored 0 with outcome
-LIMIT, since the environment never judged it. A step that raises scores the
+LIMIT, since the environment never judged it; `max_episode_tokens` bounds
+the tokens after the first prompt the same way. A step that raises scores the
 episode INFRA_ERROR (the environment failed, not the model), which training
 excludes from its group's baseline rather than score 0.
 
@@ -82,6 +83,7 @@ class _Live:
   episode: Episode
   seq_id: int
   prompt: list[int]
+  limit: int  # positions it may fill: its context
   tokens: list[int] = dataclasses.field(default_factory=list)
   mask: list[int] = dataclasses.field(default_factory=list)
   log_probs: list[float] = dataclasses.field(default_factory=list)
@@ -97,7 +99,8 @@ class _Live:
 
 def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequence[Mapping[str, Any]],
          fmt: TurnFormat, *, samples: int = 1, max_turn_tokens: int = 256, max_context: int | None = None,
-         policy_version: int = 0, tool_threads: int = 16) -> list[Trajectory]:
+         max_episode_tokens: int | None = None, policy_version: int = 0,
+         tool_threads: int = 16) -> list[Trajectory]:
   """Plays `samples` episodes of every task to the end; returns them in task, then sample order.
 
   Args:
@@ -112,6 +115,9 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
     max_turn_tokens: tokens the model may sample in one turn.
     max_context: positions an episode may fill, prompt and replies included;
       default (and at most) the engine's `max_seq_len`.
+    max_episode_tokens: tokens an episode may add after its first prompt,
+      the model's and the replies' (a training row's width); default: only
+      the context bounds it.
     policy_version: stamped on every sampled token.
     tool_threads: environment steps running at once.
 
@@ -135,18 +141,19 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
       except ValueError as e:
         raise ValueError(f"play: task {index}: {e}") from None
       prompt = fmt.prompt(episodes[0].prompt)
-      budget = min(max_turn_tokens, limit - len(prompt) + 1)
+      room = limit if max_episode_tokens is None else min(limit, len(prompt) + max_episode_tokens)
+      budget = min(max_turn_tokens, room - len(prompt) + 1)
       if budget < 1:
         for episode in episodes:
           episode.close()
         raise ValueError(f"play: task {index}: its prompt of {len(prompt)} tokens leaves no room in a context of "
-                         f"{limit}")
+                         f"{room}")
       ids = engine.submit(prompt, max_new_tokens=budget, stop_ids=stop_ids, samples=samples, keep=True,
                           reserve=limit)
       for sample, (seq_id, episode) in enumerate(zip(ids, episodes)):
-        live[seq_id] = _Live(index, sample, episode, seq_id, prompt,
+        live[seq_id] = _Live(index, sample, episode, seq_id, prompt, room,
                              messages=[{"role": "user", "content": episode.prompt}])
-    _run(engine, params, env, fmt, live, done, stop_ids=stop_ids, max_turn_tokens=max_turn_tokens, limit=limit,
+    _run(engine, params, env, fmt, live, done, stop_ids=stop_ids, max_turn_tokens=max_turn_tokens,
          policy_version=policy_version, tool_threads=tool_threads)
   finally:
     for state in live.values():
@@ -155,7 +162,7 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
 
 
 def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnFormat, live: dict[int, _Live],
-         done: dict[tuple[int, int], Trajectory], *, stop_ids: tuple[int, ...], max_turn_tokens: int, limit: int,
+         done: dict[tuple[int, int], Trajectory], *, stop_ids: tuple[int, ...], max_turn_tokens: int,
          policy_version: int, tool_threads: int) -> None:
   """Steps the engine and the environment until every episode in `live` is done (moved to `done`)."""
   waiting: dict[concurrent.futures.Future, tuple[_Live, Completion]] = {}
@@ -198,9 +205,10 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
           continue
         closed = completion.finish_reason == STOP and int(completion.tokens[-1]) in stop_ids
         reply = fmt.reply(state.messages, step.observation, closed=closed)
-        budget = min(max_turn_tokens, limit - state.length - len(reply) + 1)
+        budget = min(max_turn_tokens, state.limit - state.length - len(reply) + 1)
         if budget < 1:
-          finish(state, Step.final(Outcome.LIMIT, f"the context of {limit} tokens is full after {state.turns} turns"))
+          finish(state, Step.final(Outcome.LIMIT, f"the context of {state.limit} tokens is full after {state.turns} "
+                                                  "turns"))
           continue
         state.tokens += reply
         state.mask += [0] * len(reply)

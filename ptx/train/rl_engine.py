@@ -89,6 +89,14 @@ class _Batch:
     return len(self.done) == sum(map(len, self.seq_ids))
 
 
+def engine_on_mesh(engine: EngineConfig, mesh: Mesh, rules) -> EngineConfig:
+  """`engine`'s shapes for one device, rounded up to the devices that split the batch (a sink page for each)."""
+  blocks = paged_kv_cache.page_blocks(engine.pages, mesh, rules)
+  up = lambda n: -(-n // blocks) * blocks  # noqa: E731
+  return dataclasses.replace(engine, max_seqs=up(engine.max_seqs), prefill_rows=up(engine.prefill_rows),
+                             pages=up(engine.pages + blocks - 1))
+
+
 class EngineRewardStep:
   """`step(state, batch) -> (state, metrics)` of the host-reward mode with engine rollouts, for `fit`.
 
@@ -117,10 +125,7 @@ class EngineRewardStep:
                        'do: use grpo.rollouts="static", or filter_groups="mask"')
     self.staleness = spec.grpo.max_staleness
     spec = stale_spec(spec)
-    blocks = paged_kv_cache.page_blocks(engine.pages, mesh, spec.rules)
-    up = lambda n: -(-n // blocks) * blocks  # noqa: E731
-    engine = dataclasses.replace(engine, max_seqs=up(engine.max_seqs), prefill_rows=up(engine.prefill_rows),
-                                 pages=up(engine.pages + blocks - 1))
+    engine = engine_on_mesh(engine, mesh, spec.rules)
     self._spec, self._mesh, self._reward, self._prompts, self._engine_config = spec, mesh, reward, prompts, engine
     proximal = self.staleness > 0
 
