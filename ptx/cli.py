@@ -26,8 +26,8 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
                "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
                        "or on rl records"}
-# `ptx grpo --env`: single-turn environments that score rl records on the host.
-_ENVIRONMENTS = ("exact_answer", "code")
+# `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones.
+_ENVIRONMENTS = ("exact_answer", "code", "calculator")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,10 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     if name == "grpo":
       job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
                           "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
-                          "With them: rl records scored on the host by --env (host-reward mode).")
+                          "With them: rl records scored on the host by --env (host-reward mode). --env calculator: "
+                          "multi-turn episodes with a calculator tool, on built-in word problems by default.")
       job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
-                       help="environment scoring rl records: exact_answer (final answer, as math) or code "
-                       "(unit tests in the sandbox)")
+                       help="environment scoring rl records: exact_answer (final answer, as math), code "
+                       "(unit tests in the sandbox) or calculator (multi-turn, a calculator tool; built-in "
+                       "word problems without --data.train_files)")
   return parser
 
 
@@ -248,6 +250,17 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.rl.prompt_batches import JsonlTasks
   from ptx.train import job, presets, streams
 
+  if args.env == "calculator":
+    from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
+
+    built = job.grpo_episode_job(cfg, tokenizer, CalculatorEnv())
+    if cfg.data.train_files:
+      tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or ("answer",))
+    else:
+      print(f"ptx grpo: no --data.train_files: training on the built-in calculator word problems "
+            f"(CalculatorTasks seed {cfg.train.seed}, train split)", flush=True)
+      tasks = CalculatorTasks(cfg.train.seed)
+    return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
   if not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
 

@@ -363,6 +363,9 @@ class GRPOConfig:
   engine_page_size: int = 16
   # Engine rollouts: tokens per decode call; groups are scored and sequences admitted between calls.
   engine_decode_steps: int = 16
+  # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
+  # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
+  turn_tokens: int = 64
   # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
   mask_truncated: bool = False
   # Importance correction with tis_cap: "token" (min(exp(old - sampler), cap) per token) or "sequence_mask"

@@ -97,6 +97,8 @@ def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
   if cfg.rollouts == "engine" and cfg.filter_groups == "refill":
     raise ConfigError('grpo.filter_groups="refill" samples further batches on demand, which engine rollouts do not: '
                       'use grpo.rollouts="static", or grpo.filter_groups="mask"')
+  if cfg.turn_tokens < 1:
+    raise ConfigError(f"grpo.turn_tokens must be >= 1, got {cfg.turn_tokens}")
   for name in ("engine_pages", "engine_page_size", "engine_decode_steps"):
     if getattr(cfg, name) < (0 if name == "engine_pages" else 1):
       raise ConfigError(f"grpo.{name} must be >= {0 if name == 'engine_pages' else 1}, got {getattr(cfg, name)}")

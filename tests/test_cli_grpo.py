@@ -99,3 +99,21 @@ def test_grpo_with_engine_rollouts_resumes_exactly(tmp_path, capsys):
       records[STEPS])
   assert all(records[k]["rollout/staleness"] <= 1.0 for k in records)
   assert (tmp_path / "full" / "checkpoints" / "2" / "pipeline").exists()
+
+
+@pytest.mark.slow
+def test_grpo_on_calculator_episodes_trains_and_resumes_exactly(tmp_path, capsys):
+  # Multi-turn episodes on the built-in word problems: each step plays its batch's episodes with the step's
+  # parameters (an engine keyed by the state's rng and step), so a resumed run plays and trains the same.
+  records = _resumes_exactly(tmp_path, capsys, *COMMON, "--env", "calculator", "--grpo.max_staleness=0",
+                             "--grpo.turn_tokens=8", "--grpo.max_response_tokens=160", "--data.seq_len=448")
+  for k in range(1, STEPS + 1):
+    assert records[k]["episodes/turns_mean"] >= 1 and records[k]["episodes/tokens_environment_mean"] > 0
+    assert records[k]["rollout/logp_diff_max"] < 1e-4  # the learner reads the tokens the engine sampled
+
+
+def test_grpo_on_calculator_episodes_refuses_staleness(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "calculator", "--grpo.max_staleness=1"])
+  assert exit_.value.code == 2
+  assert "set grpo.max_staleness=0 (got 1)" in capsys.readouterr().err

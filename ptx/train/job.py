@@ -12,6 +12,8 @@ the config again:
                  program (`ptx.train.rl_step`)
   grpo_host_job  GRPO family, host reward: the device samples ahead while the
                  host scores (`ptx.train.rl_host`)
+  grpo_episode_job  GRPO family over multi-turn episodes in an environment
+                 (`ptx.train.rl_episodes`)
 
 Each builder first runs `ptx.config.check` (every cross-field rule, naming
 the fields) and the tokenizer check, so a bad combination fails before
@@ -39,19 +41,23 @@ from ptx.config import Config, ModelConfig, OptimizerConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models.params import weight_decay_mask
 from ptx.rl import token_rewards
+from ptx.rl.environments.base import Environment
+from ptx.rl.turn_format import TurnFormat
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
 from ptx.sampling.engine import EngineConfig
 from ptx.train.rl_engine import EngineGRPOStep
+from ptx.train.rl_episodes import EpisodeGRPOStep
 from ptx.train.rl_host import HostGRPOStep, HostReward
 from ptx.train.rl_step import FusedGRPOStep, RewardFn, RLSpec
 from ptx.train.step import Bound, SupervisedStep
 
-Algorithm = Literal["sft", "dpo", "grpo", "grpo_host"]
+Algorithm = Literal["sft", "dpo", "grpo", "grpo_host", "grpo_episodes"]
 # The config sections each algorithm reads (printed and saved at the start of a run).
 _SECTIONS = {"sft": ("model", "mesh", "optim", "train", "data", "lora"),
              "dpo": ("model", "mesh", "optim", "train", "data", "dpo", "lora"),
              "grpo": ("model", "mesh", "optim", "train", "data", "grpo", "lora"),
-             "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora")}
+             "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora"),
+             "grpo_episodes": ("model", "mesh", "optim", "train", "data", "grpo", "lora")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Job:
   """What `fit` runs: everything an algorithm decides, decided once.
 
   Attributes:
-    algorithm: "sft", "dpo", "grpo" (fused) or "grpo_host".
+    algorithm: "sft", "dpo", "grpo" (fused), "grpo_host" or "grpo_episodes" (multi-turn).
     model: the model config the state is initialised and sharded for.
     rules: the sharding rules (`mesh.param_rules`, `mesh.activation_rules`
       over `ptx.sharding.DEFAULT_RULES`) of the state, batches and steps.
@@ -77,7 +83,7 @@ class Job:
   algorithm: Algorithm
   model: ModelConfig
   rules: sharding.Rules
-  step: SupervisedStep | FusedGRPOStep | HostGRPOStep | EngineGRPOStep
+  step: SupervisedStep | FusedGRPOStep | HostGRPOStep | EngineGRPOStep | EpisodeGRPOStep
   with_reference: bool
   optim: OptimizerConfig
   updates_per_step: int
@@ -157,6 +163,33 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
           else EngineGRPOStep(spec, reward, _engine_config(cfg)))
   return _job(cfg, "grpo_host", step, rules, with_reference=cfg.grpo.uses_reference,
               updates_per_step=cfg.grpo.updates_per_step)
+
+
+def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job:
+  """The multi-turn GRPO job of `cfg`: each step plays G episodes of every task in `env`, then updates on them.
+
+  Args:
+    cfg: the job config: `grpo.turn_tokens` per turn, `grpo.max_response_tokens`
+      for all an episode adds after its first prompt (`data.seq_len` tokens at most).
+    tokenizer: encodes prompts and replies (with its chat template, else ChatML).
+    env: the multi-turn environment.
+
+  Raises:
+    ConfigError: for settings episodes do not have (they are played on-policy, on the engine).
+  """
+  rules = _check(cfg, "grpo", tokenizer)
+  g = cfg.grpo
+  if g.max_staleness != 0 or g.filter_groups == "refill":
+    raise config_lib.ConfigError(f"--env {env.name}: multi-turn episodes are played on-policy, all of a step's at "
+                                 "once: set grpo.max_staleness=0 (got "
+                                 f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
+  seqs = cfg.data.batch_size * g.group_size
+  seq_len = cfg.data.seq_len + g.max_response_tokens
+  engine = EngineConfig(max_seqs=seqs, pages=g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1,
+                        page_size=g.engine_page_size, max_seq_len=seq_len, decode_steps=g.engine_decode_steps,
+                        prefill_rows=min(seqs, 8))
+  step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat(tokenizer), engine, g.turn_tokens)
+  return _job(cfg, "grpo_episodes", step, rules, with_reference=g.uses_reference, updates_per_step=g.updates_per_step)
 
 
 def _engine_config(cfg: Config) -> EngineConfig:

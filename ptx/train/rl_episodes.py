@@ -9,7 +9,7 @@ infrastructure errors out of their group's baseline) and runs the same jitted
 update as the single-turn host mode. Rollouts are on-policy: nothing is in
 flight between steps, so a checkpoint needs nothing beyond the train state.
 
-Metrics add, per step: `episodes/turns_mean`, `episodes/tool_wait_s_mean`,
+Metrics add, per step: `episodes/turns_mean`, `timing_s/tool_wait_mean` (an episode's tool seconds),
 `episodes/infra_error_frac`, the fraction of each outcome
 (`episodes/outcome/<name>`), tokens per episode by source
 (`episodes/tokens_<prompt|model|environment>_mean`), `timing_s/play` and
@@ -36,9 +36,30 @@ from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.generation import Generation
 from ptx.train.episode_rollouts import episode_rollouts
 from ptx.train.rl_engine import engine_on_mesh
-from ptx.train.rl_step import RLSpec, learn, step_keys
+from ptx.train.rl_step import GRPOStepKind, RLSpec, learn, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeGRPOStep(GRPOStepKind):
+  """The multi-turn GRPO step of a Job: `spec`, the environment, the episodes' token form and the engine's shapes."""
+
+  env: Environment
+  fmt: TurnFormat
+  engine: EngineConfig
+  max_turn_tokens: int
+
+  def stream(self, data: Any) -> Any:
+    """The task batches as `fit` reads them: unchanged (nothing is read ahead)."""
+    return data
+
+  def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
+            data: Any) -> "EpisodeStep":
+    """The step object for `fit`."""
+    del data
+    return EpisodeStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings, env=self.env,
+                       fmt=self.fmt, engine=self.engine, max_turn_tokens=self.max_turn_tokens)
 
 
 class EpisodeStep:
@@ -103,6 +124,15 @@ class EpisodeStep:
                    "timing_s/play": played - start}
 
 
+  def pipeline_state(self) -> None:
+    """Nothing is in flight between steps: the train state is the whole checkpoint."""
+    return None
+
+  def set_pipeline_state(self, saved: Any) -> None:
+    """Raises: a checkpoint of this step holds no pipeline."""
+    raise ValueError("a multi-turn GRPO checkpoint holds no pipeline; this one was written by another step kind")
+
+
 def episode_metrics(trajectories) -> dict[str, float]:
   """Per-step means over a step's episodes: turns, tool time, tokens by source, outcome fractions."""
   n = len(trajectories)
@@ -111,7 +141,7 @@ def episode_metrics(trajectories) -> dict[str, float]:
     sources.update(t.source_tokens())
   outcomes = collections.Counter(str(t.outcome) for t in trajectories)
   return {"episodes/turns_mean": float(np.mean([t.turns for t in trajectories])),
-          "episodes/tool_wait_s_mean": float(np.mean([t.tool_wait_s for t in trajectories])),
+          "timing_s/tool_wait_mean": float(np.mean([t.tool_wait_s for t in trajectories])),
           "episodes/infra_error_frac": sum(t.infra_error for t in trajectories) / n,
           **{f"episodes/tokens_{source}_mean": count / n for source, count in sources.items()},
           **{f"episodes/outcome/{name}": count / n for name, count in sorted(outcomes.items())}}
