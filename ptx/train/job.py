@@ -160,7 +160,7 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
   rules = _check(cfg, "grpo", tokenizer)
   spec = _rl_spec(cfg, tokenizer, rules)
   step = (HostGRPOStep(spec, reward) if cfg.grpo.rollouts == "static"
-          else EngineGRPOStep(spec, reward, _engine_config(cfg)))
+          else EngineGRPOStep(spec, reward, _engine_config(cfg, ahead=cfg.grpo.max_staleness)))
   return _job(cfg, "grpo_host", step, rules, with_reference=cfg.grpo.uses_reference,
               updates_per_step=cfg.grpo.updates_per_step)
 
@@ -183,17 +183,13 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
     raise config_lib.ConfigError(f"--env {env.name}: multi-turn episodes are played on-policy, all of a step's at "
                                  "once: set grpo.max_staleness=0 (got "
                                  f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
-  seqs = cfg.data.batch_size * g.group_size
-  seq_len = cfg.data.seq_len + g.max_response_tokens
-  engine = EngineConfig(max_seqs=seqs, pages=g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1,
-                        page_size=g.engine_page_size, max_seq_len=seq_len, decode_steps=g.engine_decode_steps,
-                        prefill_rows=min(seqs, 8))
-  step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat(tokenizer), engine, g.turn_tokens)
+  step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat(tokenizer), _engine_config(cfg, ahead=0),
+                         g.turn_tokens)
   return _job(cfg, "grpo_episodes", step, rules, with_reference=g.uses_reference, updates_per_step=g.updates_per_step)
 
 
-def _engine_config(cfg: Config) -> EngineConfig:
-  """The rollout engine of a host-reward job: slots for the batch and the `max_staleness` ones ahead.
+def _engine_config(cfg: Config, *, ahead: int) -> EngineConfig:
+  """The rollout engine of a host-reward or episode job: slots for the batch and the `ahead` ones sampled ahead.
 
   With `grpo.engine_pages` 0 the pool holds every slot's sequence at its
   worst case (prompt width plus budget) without sharing a group's prompt
@@ -202,7 +198,7 @@ def _engine_config(cfg: Config) -> EngineConfig:
   uninterrupted one did.
   """
   g = cfg.grpo
-  seqs = cfg.data.batch_size * g.group_size * (1 + g.max_staleness)
+  seqs = cfg.data.batch_size * g.group_size * (1 + ahead)
   seq_len = cfg.data.seq_len + g.max_response_tokens
   pages = g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1  # + the sink page
   return EngineConfig(max_seqs=seqs, pages=pages, page_size=g.engine_page_size, max_seq_len=seq_len,
