@@ -28,8 +28,8 @@ from ptx.train.state import init_state, state_shardings
 from ptx.train.step import make_train_step
 
 # Long enough that a fast machine cannot finish between the test seeing step KILL_AT and its signal
-# landing: 40 steps of margin, where the test polls every 50 ms.
-STEPS = 60
+# landing: 27 steps of margin (5 s here at ~5 steps/s, checkpoints included), where the test polls every 50 ms.
+STEPS = 40
 KILL_AT = 13  # between two checkpoints (every 4 steps), after the third
 OVERRIDES = ["--model=tiny", "--model.n_layers=1", "--model.d_model=64", "--model.mlp_dim=128",
              f"--train.steps={STEPS}", "--train.log_every=1", "--train.checkpoint_every=4",
