@@ -1,6 +1,15 @@
 """A scripted multi-turn environment for episode tests: numbered observations, done after the task's turns."""
 
+from ptx.config import ModelConfig
 from ptx.rl.environments.base import Outcome, Step
+from ptx.sampling.engine import EngineConfig
+
+# The model and engine of the episode tests (conftest's tiny_config): shared, so the files' compiled programs are one
+# set in the run's compilation cache. Small pages and decode calls: turns end mid-call, episodes queue for slots.
+MODEL = ModelConfig(vocab_size=264, d_model=40, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=14, mlp_dim=96,
+                    rope_theta=10_000.0, init_std=0.1)
+ENGINE = EngineConfig(max_seqs=4, pages=160, page_size=8, max_seq_len=256, decode_steps=4, prefill_chunk=32,
+                      prefill_rows=2)
 
 
 class ScriptedEpisode:

@@ -6,7 +6,8 @@ import threading
 import jax
 import numpy as np
 import pytest
-from scripted_episodes import ScriptedEnv
+from scripted_episodes import ENGINE as CONFIG
+from scripted_episodes import MODEL, ScriptedEnv
 
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import ByteTokenizer
@@ -18,10 +19,6 @@ from ptx.rl.turn_format import TurnFormat
 from ptx.sampling import SamplingConfig
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 
-# Small pages and decode calls, so turns end mid-call and episodes queue behind the slots; one compiled set of
-# programs for every test here.
-CONFIG = EngineConfig(max_seqs=4, pages=160, page_size=8, max_seq_len=256, decode_steps=4, prefill_chunk=32,
-                      prefill_rows=2)
 SAMPLING = SamplingConfig(temperature=1.0)
 # The engine's log-probs against the training forward over the whole trajectory: the same float32 math in another
 # summation order (paged attention in blocks vs the training kernel), a few ulps; see tests/sampling/test_engine.py.
@@ -50,11 +47,7 @@ class MarkerTokenizer(ByteTokenizer):
 
 @pytest.fixture(scope="module")
 def model():
-  from ptx.config import ModelConfig
-
-  cfg = ModelConfig(vocab_size=264, d_model=40, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=14, mlp_dim=96,
-                    rope_theta=10_000.0, init_std=0.1)  # conftest's tiny_config, built once for the module
-  return cfg, init_params(cfg, jax.random.key(0))
+  return MODEL, init_params(MODEL, jax.random.key(0))
 
 
 def _play(model, env, tasks=TASKS, *, fmt=None, seed=0, **kwargs):

@@ -6,22 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scripted_episodes import ScriptedEnv
+from scripted_episodes import ENGINE, MODEL, ScriptedEnv
 
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
-from ptx.config import GRPOConfig, ModelConfig
+from ptx.config import GRPOConfig
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import init_params
 from ptx.rl.environments.base import Outcome
 from ptx.rl.episode_loop import play
 from ptx.rl.turn_format import TurnFormat
 from ptx.sampling import LENGTH, STOP, SamplingConfig
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine import RolloutEngine
 from ptx.train.episode_rollouts import episode_rollouts
 
-CFG = ModelConfig(vocab_size=264, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=14, mlp_dim=96,
-                  rope_theta=10_000.0, init_std=0.1)
+CFG = MODEL
 G = 2
 TASKS = [{"prompt": "a", "turns": 2}, {"prompt": "bb", "turns": 3}, {"prompt": "ccc", "turns": 1}]
 
@@ -30,10 +29,9 @@ TASKS = [{"prompt": "a", "turns": 2}, {"prompt": "bb", "turns": 3}, {"prompt": "
 def episodes():
   """G episodes per task: rewards from the last action's length (they differ within groups); task 2's tool fails."""
   params = init_params(CFG, jax.random.key(0))
-  engine = RolloutEngine(CFG, EngineConfig(max_seqs=4, pages=128, page_size=8, max_seq_len=256, decode_steps=4,
-                                           prefill_chunk=32, prefill_rows=2), sampling=SamplingConfig())
+  engine = RolloutEngine(CFG, ENGINE, sampling=SamplingConfig(temperature=1.0))
   env = ScriptedEnv(reward=lambda actions: float(len(actions[-1]) % 2), fail="ccc")
-  trajectories = play(engine, params, env, TASKS, TurnFormat(ByteTokenizer()), samples=G, max_turn_tokens=5)
+  trajectories = play(engine, params, env, TASKS, TurnFormat(ByteTokenizer()), samples=G, max_turn_tokens=6)
   return params, trajectories
 
 
