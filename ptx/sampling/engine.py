@@ -4,8 +4,9 @@
 for every row at the full budget. The engine instead keeps `max_seqs` rows
 (slots) busy: a request takes a slot and the pages its own budget needs as
 soon as both are free, and gives them back the moment it stops. Three
-programs, each compiled once per shape bucket, run on the pool of pages
-(`ptx.models.paged_kv_cache`), donated through every call:
+programs (`ptx.sampling.engine_programs`), each compiled once per shape
+bucket, run on the pool of pages (`ptx.models.paged_kv_cache`), donated
+through every call:
 
   prefill  writes up to `prefill_chunk` tokens of up to `prefill_rows` rows
            into their pages (a prompt, or the tool output a multi-turn episode
@@ -36,7 +37,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +47,12 @@ from jax.sharding import Mesh, NamedSharding
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
-from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
+from ptx.models.decoder import Params
 from ptx.sampling import buckets
-from ptx.sampling.generation import LENGTH, STOP
+from ptx.sampling.engine_programs import (DecodeRows, copy_program, decode_program, init_pool_program,
+                                          prefill_program, reading_pairs)
 from ptx.sampling.page_allocator import PageAllocator
-from ptx.sampling.rules import SamplingConfig, sample_tokens
+from ptx.sampling.rules import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,109 +142,6 @@ class _Sequence:
     return self.max_new - len(self.tokens)
 
 
-class DecodeRows(NamedTuple):
-  """Every slot's inputs to a decode call (R rows)."""
-
-  page_table: jax.Array  # int32 [R, M]
-  lengths: jax.Array  # int32 [R]: cached positions
-  pending: jax.Array  # int32 [R]: the token the first step feeds
-  live: jax.Array  # bool [R]
-  remaining: jax.Array  # int32 [R]: tokens the row may still sample
-  stop_ids: jax.Array  # int32 [R, K], padded with -1
-  seq_ids: jax.Array  # int32 [R]
-  sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
-  pairs: paged_kv_cache.Pairs  # the pages each row reads, up to what the call can fill
-
-
-class Decoded(NamedTuple):
-  """What a decode call sampled."""
-
-  tokens: jax.Array  # int32 [R, steps]; pad after a row's emitted count
-  log_probs: jax.Array  # float32 [R, steps]
-  emitted: jax.Array  # int32 [R]
-  finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
-
-
-def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
-                  new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
-                  rules: sharding.Rules) -> tuple[tuple, tuple]:
-  """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
-  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
-                                      pairs=pairs)
-  positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
-  return cache.k, cache.v
-
-
-def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.Array, *, cfg: ModelConfig,
-                 sampling: SamplingConfig, steps: int, tempered_log_probs: bool, pad_id: int,
-                 rules: sharding.Rules) -> tuple[tuple, tuple, Decoded]:
-  """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
-  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
-  R = rows.lengths.shape[0]
-  logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
-  # Every uniform the call may use, drawn before the loop (threefry is a loop of small ops on CPU): row r's
-  # step i takes that of its token sampled + i.
-  draw = lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n))  # noqa: E731
-  uniforms_RS = jax.vmap(lambda seq, n: jax.vmap(lambda i: draw(seq, n + i))(jnp.arange(steps)))(rows.seq_ids,
-                                                                                                 rows.sampled)
-
-  def step(carry):
-    i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
-    cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
-                                        new_tokens=live.astype(jnp.int32), pairs=rows.pairs)
-    logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
-    logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
-    token = sample_tokens(logits_RV, uniforms_RS[:, i], sampling)
-    log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
-    token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
-    out = Decoded(tokens=out.tokens.at[:, i].set(token), log_probs=out.log_probs.at[:, i].set(log_prob),
-                  emitted=out.emitted + live, finish=out.finish)
-    stopped = live & jnp.any(token[:, None] == rows.stop_ids, axis=-1)
-    exhausted = live & ~stopped & (remaining <= 1)
-    finish = jnp.where(stopped, STOP, jnp.where(exhausted, LENGTH, finish))
-    return (i + 1, cache.k, cache.v, cache.lengths, jnp.where(live, token, pending), live & ~stopped & ~exhausted,
-            remaining - live, sampled + live, out, finish)
-
-  out = Decoded(tokens=jnp.full((R, steps), pad_id, jnp.int32), log_probs=jnp.zeros((R, steps), jnp.float32),
-                emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32))
-  start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.pending, rows.live, rows.remaining, rows.sampled, out,
-           jnp.zeros((R,), jnp.int32))
-  carry = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[5]), step, start)
-  _, k, v, *_, out, finish = carry
-  return k, v, out._replace(finish=finish)
-
-
-_prefill_jit = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
-_decode_jit = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
-                                                     "rules"), donate_argnums=(1, 2))
-_copy_jit = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
-
-
-def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_cache.Pairs:
-  """The (row, page, index) pairs of rows that read `page_lists[r]` (pages local to their block), as host arrays.
-
-  Rows are split into `blocks` equal blocks (block-major, as the batch axes
-  split them); each block's pairs hold its own row ids, and every block is
-  padded to the same power-of-two count with sink pages past every length
-  (the last row's, so rows stay sorted).
-  """
-  per_block = len(page_lists) // blocks
-  chunks = []
-  for block in range(blocks):
-    lists = page_lists[block * per_block:(block + 1) * per_block]
-    chunks.append((np.repeat(np.arange(per_block, dtype=np.int32), [len(p) for p in lists]),
-                   np.asarray([page for p in lists for page in p], np.int32),
-                   np.concatenate([np.arange(len(p), dtype=np.int32) for p in lists])))
-  width = buckets.bucket(max(len(rows) for rows, _, _ in chunks), 8)
-  past = np.int32((2 ** 31 - 1) // (1 << 12) - 1)  # a page index whose positions no row reaches (pages <= 4096 slots)
-  out = [np.full((blocks, width), fill, np.int32) for fill in (per_block - 1, paged_kv_cache.SINK_PAGE, past)]
-  for block, chunk in enumerate(chunks):
-    for array, values in zip(out, chunk):
-      array[block, :len(values)] = values
-  return paged_kv_cache.Pairs(*(array.reshape(-1) for array in out))
-
-
 class RolloutEngine:
   """Continuous batching of sampling requests over a paged KV cache (see the module docstring).
 
@@ -285,9 +184,7 @@ class RolloutEngine:
     shardings = None if mesh is None else paged_kv_cache.pool_sharding(cfg, config.pages, config.page_size, mesh,
                                                                        rules)
     with self._on_mesh():
-      pool = jax.jit(paged_kv_cache.init_pool, static_argnums=(0, 1, 2),
-                     out_shardings=None if shardings is None else ((shardings,) * cfg.n_layers,) * 2)(
-                         cfg, config.pages, config.page_size)
+      pool = init_pool_program(cfg, config.pages, config.page_size, shardings)()
     self._k, self._v = pool
     self._key = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
     self._slots_per_block = config.max_seqs // blocks
@@ -596,7 +493,7 @@ class RolloutEngine:
         seq.cached += chunk
         reads[row] = seq.pages[:self._pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
-      self._k, self._v = _prefill_jit(params, self._k, self._v, *self._rows(table, lengths, new),
+      self._k, self._v = prefill_program(params, self._k, self._v, *self._rows(table, lengths, new),
                                       paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
                                       **self._statics)
 
@@ -618,7 +515,7 @@ class RolloutEngine:
       if block_pairs:
         table[block, :len(block_pairs)] = block_pairs
     sources, targets = self._rows(table[..., 0].reshape(-1), table[..., 1].reshape(-1))
-    self._k, self._v = _copy_jit(self._k, self._v, sources, targets, rules=self.rules)
+    self._k, self._v = copy_program(self._k, self._v, sources, targets, rules=self.rules)
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One decode call over the live sequences; returns the turns that finished and frees what they held."""
@@ -639,7 +536,7 @@ class RolloutEngine:
       stops[r, :len(seq.stop_ids)] = seq.stop_ids
     pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
     rows = DecodeRows(*self._rows(table, lengths, pending, is_live, remaining, stops, seq_ids, sampled), pairs)
-    self._k, self._v, out = _decode_jit(params, self._k, self._v, rows, self._key, **self._statics,
+    self._k, self._v, out = decode_program(params, self._k, self._v, rows, self._key, **self._statics,
                                         **self._decode_statics)
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
     done = []

@@ -1,0 +1,135 @@
+"""The rollout engine's device programs: prefill, decode and copy over a pool of pages, and the pairs they read.
+
+Each is jitted once at module level and compiled once per shape bucket (the
+host side, `ptx.sampling.engine`, packs its rows into power-of-two buckets);
+every program donates the pool it writes. `init_pool_program` gives the
+pool's allocation, compiled once per shape and placement, however many
+engines are built (a multi-turn GRPO job builds one per step).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ptx import sharding
+from ptx.config import ModelConfig
+from ptx.models import paged_kv_cache
+from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
+from ptx.sampling import buckets
+from ptx.sampling.generation import LENGTH, STOP
+from ptx.sampling.rules import SamplingConfig, sample_tokens
+
+
+class DecodeRows(NamedTuple):
+  """Every slot's inputs to a decode call (R rows)."""
+
+  page_table: jax.Array  # int32 [R, M]
+  lengths: jax.Array  # int32 [R]: cached positions
+  pending: jax.Array  # int32 [R]: the token the first step feeds
+  live: jax.Array  # bool [R]
+  remaining: jax.Array  # int32 [R]: tokens the row may still sample
+  stop_ids: jax.Array  # int32 [R, K], padded with -1
+  seq_ids: jax.Array  # int32 [R]
+  sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
+  pairs: paged_kv_cache.Pairs  # the pages each row reads, up to what the call can fill
+
+
+class Decoded(NamedTuple):
+  """What a decode call sampled."""
+
+  tokens: jax.Array  # int32 [R, steps]; pad after a row's emitted count
+  log_probs: jax.Array  # float32 [R, steps]
+  emitted: jax.Array  # int32 [R]
+  finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
+
+
+def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
+                  new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
+                  rules: sharding.Rules) -> tuple[tuple, tuple]:
+  """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
+  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
+                                      pairs=pairs)
+  positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
+  return cache.k, cache.v
+
+
+def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.Array, *, cfg: ModelConfig,
+                 sampling: SamplingConfig, steps: int, tempered_log_probs: bool, pad_id: int,
+                 rules: sharding.Rules) -> tuple[tuple, tuple, Decoded]:
+  """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
+  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
+  R = rows.lengths.shape[0]
+  logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
+  # Every uniform the call may use, drawn before the loop (threefry is a loop of small ops on CPU): row r's
+  # step i takes that of its token sampled + i.
+  draw = lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n))  # noqa: E731
+  uniforms_RS = jax.vmap(lambda seq, n: jax.vmap(lambda i: draw(seq, n + i))(jnp.arange(steps)))(rows.seq_ids,
+                                                                                                 rows.sampled)
+
+  def step(carry):
+    i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
+    cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
+                                        new_tokens=live.astype(jnp.int32), pairs=rows.pairs)
+    logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
+    logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
+    token = sample_tokens(logits_RV, uniforms_RS[:, i], sampling)
+    log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
+    token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
+    out = Decoded(tokens=out.tokens.at[:, i].set(token), log_probs=out.log_probs.at[:, i].set(log_prob),
+                  emitted=out.emitted + live, finish=out.finish)
+    stopped = live & jnp.any(token[:, None] == rows.stop_ids, axis=-1)
+    exhausted = live & ~stopped & (remaining <= 1)
+    finish = jnp.where(stopped, STOP, jnp.where(exhausted, LENGTH, finish))
+    return (i + 1, cache.k, cache.v, cache.lengths, jnp.where(live, token, pending), live & ~stopped & ~exhausted,
+            remaining - live, sampled + live, out, finish)
+
+  out = Decoded(tokens=jnp.full((R, steps), pad_id, jnp.int32), log_probs=jnp.zeros((R, steps), jnp.float32),
+                emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32))
+  start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.pending, rows.live, rows.remaining, rows.sampled, out,
+           jnp.zeros((R,), jnp.int32))
+  carry = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[5]), step, start)
+  _, k, v, *_, out, finish = carry
+  return k, v, out._replace(finish=finish)
+
+
+prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
+decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
+                                                     "rules"), donate_argnums=(1, 2))
+copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
+
+
+def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_cache.Pairs:
+  """The (row, page, index) pairs of rows that read `page_lists[r]` (pages local to their block), as host arrays.
+
+  Rows are split into `blocks` equal blocks (block-major, as the batch axes
+  split them); each block's pairs hold its own row ids, and every block is
+  padded to the same power-of-two count with sink pages past every length
+  (the last row's, so rows stay sorted).
+  """
+  per_block = len(page_lists) // blocks
+  chunks = []
+  for block in range(blocks):
+    lists = page_lists[block * per_block:(block + 1) * per_block]
+    chunks.append((np.repeat(np.arange(per_block, dtype=np.int32), [len(p) for p in lists]),
+                   np.asarray([page for p in lists for page in p], np.int32),
+                   np.concatenate([np.arange(len(p), dtype=np.int32) for p in lists])))
+  width = buckets.bucket(max(len(rows) for rows, _, _ in chunks), 8)
+  past = np.int32((2 ** 31 - 1) // (1 << 12) - 1)  # a page index whose positions no row reaches (pages <= 4096 slots)
+  out = [np.full((blocks, width), fill, np.int32) for fill in (per_block - 1, paged_kv_cache.SINK_PAGE, past)]
+  for block, chunk in enumerate(chunks):
+    for array, values in zip(out, chunk):
+      array[block, :len(values)] = values
+  return paged_kv_cache.Pairs(*(array.reshape(-1) for array in out))
+
+
+@functools.lru_cache(maxsize=None)
+def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement: jax.sharding.NamedSharding | None):
+  """The jitted allocation of an empty pool (`paged_kv_cache.init_pool`), one per shape and placement."""
+  out = None if placement is None else ((placement,) * cfg.n_layers,) * 2
+  return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size), out_shardings=out)
