@@ -149,11 +149,11 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
         raise ValueError(f"play: task {index}: its prompt of {len(prompt)} tokens leaves no room in a context of "
                          f"{room}")
       ids = engine.submit(prompt, max_new_tokens=budget, stop_ids=stop_ids, samples=samples, keep=True,
-                          reserve=limit)
+                          reserve=room)
       for sample, (seq_id, episode) in enumerate(zip(ids, episodes)):
         live[seq_id] = _Live(index, sample, episode, seq_id, prompt, room,
                              messages=[{"role": "user", "content": episode.prompt}])
-    _run(engine, params, env, fmt, live, done, stop_ids=stop_ids, max_turn_tokens=max_turn_tokens,
+    _run(engine, params, env, fmt, live, done, max_turn_tokens=max_turn_tokens,
          policy_version=policy_version, tool_threads=tool_threads)
   finally:
     for state in live.values():
@@ -162,7 +162,7 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
 
 
 def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnFormat, live: dict[int, _Live],
-         done: dict[tuple[int, int], Trajectory], *, stop_ids: tuple[int, ...], max_turn_tokens: int,
+         done: dict[tuple[int, int], Trajectory], *, max_turn_tokens: int,
          policy_version: int, tool_threads: int) -> None:
   """Steps the engine and the environment until every episode in `live` is done (moved to `done`)."""
   waiting: dict[concurrent.futures.Future, tuple[_Live, Completion]] = {}
@@ -203,8 +203,7 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
         if state.turns >= env.max_turns:
           finish(state, Step.final(Outcome.NO_ANSWER, f"out of turns ({env.max_turns}) without an answer"))
           continue
-        closed = completion.finish_reason == STOP and int(completion.tokens[-1]) in stop_ids
-        reply = fmt.reply(state.messages, step.observation, closed=closed)
+        reply = fmt.reply(state.messages, step.observation, closed=completion.finish_reason == STOP)
         budget = min(max_turn_tokens, state.limit - state.length - len(reply) + 1)
         if budget < 1:
           finish(state, Step.final(Outcome.LIMIT, f"the context of {state.limit} tokens is full after {state.turns} "

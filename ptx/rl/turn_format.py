@@ -21,6 +21,7 @@ pieces as it encodes the whole (`render_check` says where it does not).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from ptx.data.chat import CHATML, ChatTemplate, Message, encode_chat
@@ -49,7 +50,7 @@ class TurnFormat:
     """The template in use."""
     return self.template or getattr(self.tokenizer, "chat_template", None) or CHATML
 
-  @property
+  @functools.cached_property
   def end_of_turn(self) -> str:
     """The text the template closes an assistant turn with (`<|im_end|>` for ChatML)."""
     segments = self.chat_template.segments([{"role": "user", "content": "x"},
@@ -59,7 +60,7 @@ class TurnFormat:
       raise ValueError("chat template: cannot find the assistant turn's span to learn its end-of-turn marker")
     return target[0][target[0].index(_PROBE) + len(_PROBE):]
 
-  @property
+  @functools.cached_property
   def stop_ids(self) -> tuple[int, ...]:
     """The ids that end the model's turn: the end-of-turn marker when it is one token, else eos."""
     marker = self.tokenizer.encode(self.end_of_turn)
