@@ -13,7 +13,7 @@ ENGINE = EngineConfig(max_seqs=4, pages=160, page_size=8, max_seq_len=256, decod
 
 
 class ScriptedEpisode:
-  """Answers each action with a numbered observation; done after the task's `turns` actions."""
+  """Answers each action with a numbered observation (one tool call; the second fails); done after `turns` actions."""
 
   def __init__(self, env, task):
     self.env, self.task, self.actions = env, task, []
@@ -26,7 +26,8 @@ class ScriptedEpisode:
       raise OSError("the tool's machine went away")
     if len(self.actions) >= self.task["turns"]:
       return Step.final(Outcome.OK, "scripted", reward=self.env.reward(self.actions))
-    return Step(observation=f"obs {len(self.actions)} of {self.task['prompt']}")
+    return Step(observation=f"obs {len(self.actions)} of {self.task['prompt']}", tool_calls=1,
+                tool_errors=int(len(self.actions) == 2))
 
   def close(self):
     self.env.closed += 1

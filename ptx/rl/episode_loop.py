@@ -62,6 +62,8 @@ class Trajectory:
   outcome: Outcome
   reason: str
   tool_wait_s: float  # seconds the episode's environment steps took, summed
+  tool_calls: int  # tool calls the environment ran for the model (`Step.tool_calls`, summed)
+  tool_errors: int  # of those, refused or failed
 
   @property
   def infra_error(self) -> bool:
@@ -91,6 +93,8 @@ class _Live:
   messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
   turns: int = 0
   tool_wait_s: float = 0.0
+  tool_calls: int = 0
+  tool_errors: int = 0
 
   @property
   def length(self) -> int:
@@ -197,6 +201,8 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
         state, completion = waiting.pop(future)
         step, seconds = future.result()
         state.tool_wait_s += seconds
+        state.tool_calls += step.tool_calls
+        state.tool_errors += step.tool_errors
         if step.done:
           finish(state, step)
           continue
@@ -236,4 +242,5 @@ def _trajectory(state: _Live, step: Step) -> Trajectory:
       log_probs=np.asarray([0.0] * n + state.log_probs, np.float32),
       policy_versions=np.asarray([-1] * n + state.versions, np.int32),
       messages=tuple(state.messages), turns=state.turns, reward=float(step.reward),
-      outcome=step.outcome or Outcome.INFRA_ERROR, reason=step.reason, tool_wait_s=state.tool_wait_s)
+      outcome=step.outcome or Outcome.INFRA_ERROR, reason=step.reason, tool_wait_s=state.tool_wait_s,
+      tool_calls=state.tool_calls, tool_errors=state.tool_errors)

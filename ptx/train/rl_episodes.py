@@ -9,7 +9,9 @@ infrastructure errors out of their group's baseline) and runs the same jitted
 update as the single-turn host mode. Rollouts are on-policy: nothing is in
 flight between steps, so a checkpoint needs nothing beyond the train state.
 
-Metrics add, per step: `episodes/turns_mean`, `timing_s/tool_wait_mean` (an episode's tool seconds),
+Metrics add, per step: `episodes/turns_mean`, `episodes/tool_calls_mean` and
+`episodes/tool_errors_mean` (calls the environment ran, and refused or failed),
+`timing_s/tool_wait_mean` (an episode's tool seconds),
 `episodes/infra_error_frac`, the fraction of each outcome
 (`episodes/outcome/<name>`), tokens per episode by source
 (`episodes/tokens_<prompt|model|environment>_mean`), `timing_s/play` and
@@ -141,6 +143,8 @@ def episode_metrics(trajectories) -> dict[str, float]:
     sources.update(t.source_tokens())
   outcomes = collections.Counter(str(t.outcome) for t in trajectories)
   return {"episodes/turns_mean": float(np.mean([t.turns for t in trajectories])),
+          "episodes/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
+          "episodes/tool_errors_mean": float(np.mean([t.tool_errors for t in trajectories])),
           "timing_s/tool_wait_mean": float(np.mean([t.tool_wait_s for t in trajectories])),
           "episodes/infra_error_frac": sum(t.infra_error for t in trajectories) / n,
           **{f"episodes/tokens_{source}_mean": count / n for source, count in sources.items()},

@@ -41,10 +41,10 @@ def test_an_episode_answers_tool_calls_then_scores_one_answer():
   episode = CalculatorEnv().reset(task)
   assert "calculator(expression)" in episode.prompt and "<tool_call>" in episode.prompt
   step = episode.step(_call("6405 * 560"))
-  assert not step.done and step.observation == "3586800"
+  assert not step.done and step.observation == "3586800" and (step.tool_calls, step.tool_errors) == (1, 0)
   step = episode.step(_call("1 / 0") + _call("2 + 2"))
   assert step.observation == "error: calculator failed: ValueError: division by zero\n4"
-  assert episode.calls == 3 and episode.tool_errors == 1
+  assert (step.tool_calls, step.tool_errors) == (2, 1)
   assert "no `Answer: <integer>` found" in episode.step("hmm, let me think").observation
   final = episode.step(f"Answer: {task['answer']:,}")
   assert final.done and final.outcome == Outcome.OK and final.reward == 1.0

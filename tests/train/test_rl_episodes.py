@@ -52,6 +52,8 @@ def test_steps_play_episodes_and_train_on_exactly_what_was_sampled(tiny_config):
     assert m["episodes/outcome/infra_error"] == 0.25 and m["episodes/outcome/ok"] == 0.75
     # Turns: tasks of 1, 2 and 3 turns, and the failing task's single (raising) turn.
     assert m["episodes/turns_mean"] == (1 + 2 + 3 + 1) / 4
+    # A call per observation (none in a final turn), the second of an episode failing: 0 + 1 + 2 + 0, 0 + 0 + 1 + 0.
+    assert m["episodes/tool_calls_mean"] == 3 / 4 and m["episodes/tool_errors_mean"] == 1 / 4
     assert m["episodes/tokens_model_mean"] > 0 and m["episodes/tokens_environment_mean"] > 0
     assert m["timing_s/play"] > 0
 

@@ -45,13 +45,16 @@ class Step:
   reward: float = 0.0  # meaningful once done
   outcome: Outcome | None = None  # set once done
   reason: str = ""  # for people: why this reward
+  tool_calls: int = 0  # tool calls (commands, function calls) this step ran for the model
+  tool_errors: int = 0  # of those, the ones refused or failed (unparsable, unknown, bad arguments, raised)
 
   @classmethod
-  def final(cls, outcome: Outcome, reason: str, reward: float | None = None) -> Step:
+  def final(cls, outcome: Outcome, reason: str, reward: float | None = None, *, tool_calls: int = 0,
+            tool_errors: int = 0) -> Step:
     """A last step; the reward defaults to 1.0 for OK and 0.0 otherwise."""
     if reward is None:
       reward = 1.0 if outcome == Outcome.OK else 0.0
-    return cls("", True, reward, outcome, reason)
+    return cls("", True, reward, outcome, reason, tool_calls, tool_errors)
 
 
 class Episode(Protocol):

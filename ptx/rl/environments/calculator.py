@@ -1,10 +1,11 @@
 """Arithmetic word problems with a calculator tool: hard to do in one's head, easy with the tool.
 
-Task records are `{"prompt": str, "answer": int}`; `CalculatorTasks(seed,
-split)[i]` generates them (three-operation problems over three- and
-four-digit numbers), each side of the train / held-out split by the
-problem's identity (`ptx.data.splits`), so a training stream never holds a
-held-out problem. In each turn the model either calls the calculator (in
+Task records are `{"prompt": str, "answer": int, "expression": str}`;
+`CalculatorTasks(seed, split)[i]` generates them (three-operation problems
+over three- and four-digit numbers; "expression" is the problem's arithmetic,
+which only demonstrations read), each side of the train / held-out split by
+the problem's identity (`ptx.data.splits`), so a training stream never holds
+a held-out problem. In each turn the model either calls the calculator (in
 its family's tool-call format, `ptx.rl.tools`) and sees the results, or
 answers with `Answer: <integer>`, which ends the episode: reward 1.0 when it
 equals the task's answer. A turn with neither gets a reminder; the episode
@@ -15,12 +16,17 @@ answer, and it must hold exactly one `Answer:` (a turn listing several is
 wrong); the calculator evaluates arithmetic only (numbers, + - * / // % **
 and parentheses, bounded in size), never names, attributes or calls, so it
 cannot reach the task's answer or anything else in the process.
+
+`CalculatorEnv.demonstration(task)` is a solved episode as chat messages (the
+prompt, a calculator call, its result, the answer), played through the
+environment itself, for warming a model up on the tool by SFT.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import operator
 import re
 from collections.abc import Mapping
@@ -84,14 +90,10 @@ CALCULATOR = Tool("calculator", "Evaluates an arithmetic expression (+ - * / // 
                   calculate)
 
 _STORIES = (
-    ("A warehouse holds {a} crates of {b} bolts each. {c} bolts are shipped out. How many bolts remain?",
-     lambda a, b, c: a * b - c),
-    ("A farm packs {a} boxes with {b} apples in each, then adds {c} loose apples. How many apples are there?",
-     lambda a, b, c: a * b + c),
-    ("A printer prints {a} pages a day for {b} days, minus {c} misprints. How many good pages are printed?",
-     lambda a, b, c: a * b - c),
-    ("{a} workers each earn {b} coins a week; a bonus of {c} coins is shared too. How many coins are paid?",
-     lambda a, b, c: a * b + c),
+    ("A warehouse holds {a} crates of {b} bolts each. {c} bolts are shipped out. How many bolts remain?", "-"),
+    ("A farm packs {a} boxes with {b} apples in each, then adds {c} loose apples. How many apples are there?", "+"),
+    ("A printer prints {a} pages a day for {b} days, minus {c} misprints. How many good pages are printed?", "-"),
+    ("{a} workers each earn {b} coins a week; a bonus of {c} coins is shared too. How many coins are paid?", "+"),
 )
 _ANSWER_RULE = "When you know the result, reply with `Answer: <integer>` and nothing else."
 
@@ -99,6 +101,10 @@ _ANSWER_RULE = "When you know the result, reply with `Answer: <integer>` and not
 @dataclasses.dataclass(frozen=True)
 class CalculatorTasks:
   """Word problems a*b±c with a, b of 3-4 digits and c of 4, task i a pure function of (seed, i, split).
+
+  A record also holds the problem's arithmetic as "expression" (`"a * b - c"`),
+  which the environment never reads: `CalculatorEnv.demonstration` calls the
+  calculator on it.
 
   Attributes:
     seed: selects the stream.
@@ -112,7 +118,7 @@ class CalculatorTasks:
     splits.check("CalculatorTasks", self.split)
 
   def __getitem__(self, i: int) -> dict[str, Any]:
-    """Task i: `{"prompt", "answer"}`."""
+    """Task i: `{"prompt", "answer", "expression"}`."""
     rng = np.random.default_rng([self.seed, i, splits.SPLITS.index(self.split)])
 
     def candidate():
@@ -121,8 +127,9 @@ class CalculatorTasks:
       return f"{story}:{a}:{b}:{c}", (story, a, b, c)
 
     story, a, b, c = splits.draw("CalculatorTasks", self.split, candidate)
-    text, answer = _STORIES[story]
-    return {"prompt": text.format(a=a, b=b, c=c), "answer": answer(a, b, c)}
+    text, sign = _STORIES[story]
+    return {"prompt": text.format(a=a, b=b, c=c), "answer": a * b + (c if sign == "+" else -c),
+            "expression": f"{a} * {b} {sign} {c}"}
 
 
 @dataclasses.dataclass
@@ -132,16 +139,13 @@ class CalculatorEpisode:
   prompt: str
   answer: int
   tools: ToolRegistry
-  calls: int = 0
-  tool_errors: int = 0
 
   def step(self, action: str) -> Step:
-    """Answers the turn's tool calls, or scores its answer."""
+    """Answers the turn's tool calls (counted in the Step), or scores its answer."""
     results = self.tools.run(action)
     if results:
-      self.calls += len(results)
-      self.tool_errors += sum(not ok for _, _, ok in results)
-      return Step(observation="\n".join(text for _, text, _ in results))
+      return Step(observation="\n".join(text for _, text, _ in results), tool_calls=len(results),
+                  tool_errors=sum(not ok for _, _, ok in results))
     answers = _ANSWER.findall(action)
     if not answers:
       return Step(observation="No tool call and no `Answer: <integer>` found: call the calculator or answer.")
@@ -176,3 +180,44 @@ class CalculatorEnv:
     answer = field(task, "answer", int, self.name)
     tools = ToolRegistry([CALCULATOR], self.tool_format)
     return CalculatorEpisode(f"{prompt}\n\n{tools.instructions()} {_ANSWER_RULE}", answer, tools)
+
+  def demonstration(self, task: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A solved episode of `task` as chat messages: the prompt, a calculator call, its result, the answer.
+
+    The episode is played through `reset` and `step`, so the prompt and the
+    tool's result are exactly what an episode shows the model, the call is in
+    this environment's `tool_format`, and the answer copies the result.
+
+    Args:
+      task: a record with "prompt", "answer" and "expression" (the problem's
+        arithmetic, as `CalculatorTasks` writes it).
+
+    Returns:
+      `ptx.data.chat` messages: user, assistant, tool, assistant.
+
+    Raises:
+      ValueError: naming the field, for a record without "expression", or one
+        whose expression the calculator refuses or whose value is not its answer.
+    """
+    expression = field(task, "expression", str, self.name)
+    episode = self.reset(task)
+    call = _call_text(self.tool_format, CALCULATOR.name, {"expression": expression})
+    step = episode.step(call)
+    if step.tool_errors or step.done:
+      raise ValueError(f"{self.name} task field 'expression' ({expression!r}): the calculator answered "
+                       f"{step.observation!r}")
+    answer = f"Answer: {step.observation}"
+    final = episode.step(answer)
+    if final.outcome != Outcome.OK:
+      raise ValueError(f"{self.name} task field 'expression' ({expression!r}) is not the answer: {final.reason}")
+    return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": step.observation}, {"role": "assistant", "content": answer}]
+
+
+def _call_text(fmt: str, name: str, arguments: Mapping[str, Any]) -> str:
+  """A call of tool `name` with `arguments`, written as a model of family `fmt` writes it (`ptx.rl.tools`)."""
+  if fmt == "hermes":
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': dict(arguments)})}</tool_call>"
+  if fmt == "llama3":
+    return json.dumps({"name": name, "parameters": dict(arguments)})
+  return f"```tool_code\n{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})\n```"

@@ -67,10 +67,12 @@ class ShellEpisode:
     result = sandbox.run(["sh", "-c", command], limits=self.limits, workspace=self.workspace)
     if result.outcome == sandbox.Outcome.INFRA_ERROR:
       return Step.final(Outcome.INFRA_ERROR, result.reason)
+    # A command that exits nonzero ran; one the sandbox stopped (time, a signal, a limit) counts as a tool error.
+    ran = {"tool_calls": 1, "tool_errors": int(result.outcome not in (sandbox.Outcome.OK, sandbox.Outcome.FAILED))}
     if self.turns_left == 0:
-      return self._judge()
+      return dataclasses.replace(self._judge(), **ran)
     output = (result.stdout_text + result.stderr_text)[-_OBSERVATION_CHARS:]
-    return Step(observation=f"[exit {result.exit_code}] {output}")
+    return Step(observation=f"[exit {result.exit_code}] {output}", **ran)
 
   def _judge(self) -> Step:
     secret = f".check-{secrets.token_hex(8)}"
