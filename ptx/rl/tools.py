@@ -2,12 +2,23 @@
 
 A `Tool` is a name, a description, a JSON schema of its arguments (an object
 of named properties of type string, number, integer, boolean, array or
-object, some `required`) and a Python function that returns the result as
-text. `ToolRegistry.run(text)` finds the calls in a model's turn in one
-family's format and answers each: the result, or an error that says what was
-wrong with that call (unparsable, an unknown tool, a missing or mistyped
-argument, the tool raising), so the model sees it as an observation and can
-recover; nothing a model writes makes the environment fail.
+object, some `required`) and a function that returns the result as text: a
+Python function, or a program run in the OS sandbox (`Tool.command`: the
+arguments as a JSON object on its standard input, its standard output the
+result, a fresh workspace each call). `ToolRegistry.run(text)` finds the
+calls in a model's turn in one family's format and answers each: the result,
+or an error that says what was wrong with that call (unparsable, an unknown
+tool, a missing or mistyped argument, the tool raising or its program
+failing, the episode's call or time budget spent), so the model sees it as
+an observation and can recover; nothing a model writes makes the environment
+fail. Only a tool that cannot run at all (`ToolUnavailable`: the sandbox
+could not start) fails the step, which the episode loop scores as an
+infrastructure error, never as the model's.
+
+A registry serves one episode: its budgets (`max_episode_calls`,
+`max_episode_seconds`) count that episode's calls. Time is checked between
+calls (a Python function cannot be interrupted; a command's own sandbox
+timeout bounds each of its runs).
 
 Formats (`FORMATS`):
   hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
@@ -27,8 +38,11 @@ import ast
 import dataclasses
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from ptx.rl import sandbox
 
 FORMATS = ("hermes", "llama3", "gemma")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -53,6 +67,25 @@ class Tool:
   parameters: Mapping[str, Any]
   fn: Callable[..., str]
 
+  @classmethod
+  def command(cls, name: str, description: str, parameters: Mapping[str, Any], argv: Sequence[str], *,
+              limits: sandbox.Limits = sandbox.Limits(timeout_s=5.0, cpu_s=5)) -> Tool:
+    """A tool that runs `argv` in the OS sandbox, once per call, in a fresh workspace (so it is idempotent).
+
+    Args:
+      name: what the model calls it by.
+      description: what it does, for the prompt.
+      parameters: JSON schema of its arguments, which the program reads as
+        one JSON object on its standard input.
+      argv: the program and its arguments, on the sandbox PATH.
+      limits: each run's sandbox limits.
+
+    Returns:
+      The tool: its result is the program's standard output; a nonzero exit,
+      a timeout or a limit is an error naming it, with the end of stderr.
+    """
+    return cls(name, description, parameters, _SandboxedCommand(name, tuple(argv), limits))
+
   def schema(self) -> dict[str, Any]:
     """The tool as chat templates take it (`{"type": "function", "function": {...}}`)."""
     return {"type": "function",
@@ -75,6 +108,27 @@ class Tool:
       if kind is not None and (isinstance(value, bool) != (expected == "boolean") or not isinstance(value, kind)):
         return f"argument {key!r} of {self.name} must be {expected}, got {type(value).__name__}"
     return None
+
+
+class ToolUnavailable(RuntimeError):
+  """A tool could not run at all (the environment's failure, not the model's): the step fails."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _SandboxedCommand:
+  """The function of `Tool.command`: one sandboxed run per call."""
+
+  name: str
+  argv: tuple[str, ...]
+  limits: sandbox.Limits
+
+  def __call__(self, **arguments: Any) -> str:
+    result = sandbox.run(list(self.argv), stdin=json.dumps(arguments), limits=self.limits)
+    if result.outcome == sandbox.Outcome.OK:
+      return result.stdout_text
+    if result.outcome == sandbox.Outcome.INFRA_ERROR:
+      raise ToolUnavailable(f"tool {self.name}: {result.reason}")
+    raise RuntimeError(f"{result.reason}: {result.stderr_text[-500:].strip()}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +168,26 @@ class ToolRegistry:
     tools: the tools (names unique).
     fmt: the model family's call format, one of FORMATS.
     max_calls: calls answered per turn; the rest get an error.
+    max_episode_calls: calls answered in the episode (every answered call
+      counts, failed ones too); None: no limit.
+    max_episode_seconds: tool time the episode may spend; once spent,
+      further calls get an error. None: no limit.
   """
 
-  def __init__(self, tools: Sequence[Tool], fmt: str = "hermes", *, max_calls: int = 4):
+  def __init__(self, tools: Sequence[Tool], fmt: str = "hermes", *, max_calls: int = 4,
+               max_episode_calls: int | None = None, max_episode_seconds: float | None = None):
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
       raise ValueError(f"tool names must be unique, got {names}")
     if fmt not in FORMATS:
       raise ValueError(f"tool call format must be one of {FORMATS}, got {fmt!r}")
+    for field, value in (("max_calls", max_calls), ("max_episode_calls", max_episode_calls),
+                         ("max_episode_seconds", max_episode_seconds)):
+      if value is not None and not value > 0:
+        raise ValueError(f"ToolRegistry {field} must be > 0, got {value!r}")
     self.tools, self.fmt, self.max_calls = {t.name: t for t in tools}, fmt, max_calls
+    self.max_episode_calls, self.max_episode_seconds = max_episode_calls, max_episode_seconds
+    self.calls_used, self.seconds_used = 0, 0.0
 
   def schemas(self) -> list[dict[str, Any]]:
     """Every tool's schema, for the chat template's `tools`."""
@@ -143,15 +208,34 @@ class ToolRegistry:
     return "Tools:\n" + "\n".join(lines) + f"\nTo call one, reply with {call}."
 
   def run(self, text: str) -> list[tuple[Call, str, bool]]:
-    """Answers every call in `text`: (the call, the result or an error message, whether it succeeded)."""
+    """Answers every call in `text`: (the call, the result or an error message, whether it succeeded).
+
+    Raises:
+      ToolUnavailable: a tool could not run at all.
+    """
     out = []
     for i, call in enumerate(parse_calls(text, self.fmt)):
-      out.append((call, *self._answer(call, over=i >= self.max_calls)))
+      refusal = self._refusal(over_turn=i >= self.max_calls)
+      if refusal:
+        out.append((call, f"error: {refusal}", False))
+        continue
+      start = time.perf_counter()
+      out.append((call, *self._answer(call)))
+      self.calls_used += 1
+      self.seconds_used += time.perf_counter() - start
     return out
 
-  def _answer(self, call: Call, *, over: bool) -> tuple[str, bool]:
-    if over:
-      return f"error: at most {self.max_calls} tool calls are answered per turn", False
+  def _refusal(self, *, over_turn: bool) -> str:
+    """Why the next call is not answered ("" when it is)."""
+    if over_turn:
+      return f"at most {self.max_calls} tool calls are answered per turn"
+    if self.max_episode_calls is not None and self.calls_used >= self.max_episode_calls:
+      return f"this episode's {self.max_episode_calls} tool calls are used up"
+    if self.max_episode_seconds is not None and self.seconds_used >= self.max_episode_seconds:
+      return f"this episode's {self.max_episode_seconds:g} s of tool time are used up"
+    return ""
+
+  def _answer(self, call: Call) -> tuple[str, bool]:
     if call.error:
       return f"error: {call.error}", False
     tool = self.tools.get(call.name)
@@ -162,6 +246,8 @@ class ToolRegistry:
       return f"error: {problem}", False
     try:
       return str(tool.fn(**call.arguments)), True
+    except ToolUnavailable:
+      raise
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation, never the episode's end
       return f"error: {call.name} failed: {type(e).__name__}: {e}", False
 

@@ -1,8 +1,12 @@
 """Tool calls: the families' formats parse, and every bad call is answered with an error that names what is wrong."""
 
+import time
+
 import pytest
 
-from ptx.rl.tools import Call, Tool, ToolRegistry, parse_calls
+from ptx.rl import sandbox
+from ptx.rl.sandbox_result import Outcome, SandboxResult, Usage
+from ptx.rl.tools import Call, Tool, ToolRegistry, ToolUnavailable, parse_calls
 
 ADD = Tool("add", "Adds two integers.", {"type": "object", "properties": {"a": {"type": "integer"},
                                                                           "b": {"type": "integer"}},
@@ -74,3 +78,47 @@ def test_the_prompt_instructions_show_a_call_the_registry_parses(fmt):
   assert "echo(text, loud): Echoes text." in text
   example = text.split("To call one, reply with ", 1)[1].rstrip(".")
   assert parse_calls(example, fmt) == [Call("echo", {"text": "...", "loud": "..."})]
+
+
+def test_an_episodes_call_and_time_budgets_refuse_calls_by_name():
+  tools = ToolRegistry([ADD, ECHO], max_episode_calls=3)
+  call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+  bad = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+  assert [ok for _, _, ok in tools.run(call + bad)] == [True, False]  # a failed call is answered, and counts
+  assert [text for _, text, _ in tools.run(call + call)] == ["3", "error: this episode's 3 tool calls are used up"]
+  assert tools.run(call)[0][1] == "error: this episode's 3 tool calls are used up" and tools.calls_used == 3
+  clock = []
+  slow = Tool("slow", "Takes a while.", {"type": "object", "properties": {}},
+              lambda: clock.append(time.sleep(0.05)) or "done")
+  timed = ToolRegistry([slow], max_episode_seconds=0.04)
+  # The first call may start (no time is spent yet); it overruns the budget, so the next is refused.
+  assert [text for _, text, _ in timed.run('<tool_call>{"name": "slow"}</tool_call>' * 2)] == [
+      "done", "error: this episode's 0.04 s of tool time are used up"]
+  assert len(clock) == 1
+  with pytest.raises(ValueError, match="max_episode_calls must be > 0"):
+    ToolRegistry([ADD], max_episode_calls=0)
+
+
+def test_a_command_tool_runs_sandboxed_with_its_arguments_on_stdin_and_names_its_failures():
+  script = ("import json, sys; a = json.load(sys.stdin); n = a['n']\n"
+            "if n < 0: sys.exit('negative ' + str(n))\n"
+            "print(n * n)")
+  square = Tool.command("square", "Squares n.", {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                   "required": ["n"]}, ["python3", "-c", script])
+  tools = ToolRegistry([square])
+  answers = [(text.strip(), ok) for _, text, ok in tools.run(
+      '<tool_call>{"name": "square", "arguments": {"n": 12}}</tool_call>'
+      '<tool_call>{"name": "square", "arguments": {"n": -3}}</tool_call>'
+      '<tool_call>{"name": "square", "arguments": {"n": "12; rm -rf /"}}</tool_call>')]
+  assert answers[0] == ("144", True)
+  assert answers[1][0].startswith("error: square failed: RuntimeError: exit 1") and "negative -3" in answers[1][0]
+  assert answers[2] == ("error: argument 'n' of square must be integer, got str", False)
+
+
+def test_a_tool_that_cannot_run_fails_the_step_instead_of_answering_the_model(monkeypatch):
+  tool = Tool.command("t", "x", {"type": "object", "properties": {}}, ["true"])
+  infra = SandboxResult(Outcome.INFRA_ERROR, None, b"", b"", False, Usage(0.0, 0.0, 0.0, 0), False, None,
+                        "no sandbox could start")
+  monkeypatch.setattr(sandbox, "run", lambda *a, **k: infra)
+  with pytest.raises(ToolUnavailable, match="tool t: no sandbox"):
+    ToolRegistry([tool]).run('<tool_call>{"name": "t"}</tool_call>')
