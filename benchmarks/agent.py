@@ -9,12 +9,22 @@ Both methods run the same episodes through the same engine, model and seed:
             episode's turn and then runs all their tools (concurrently) does:
             every turn waits for the slowest tool of the batch
 
-The environment's tool calls sleep for a duration drawn uniformly from
-[--tool-min, --tool-max] seconds (seeded by task, sample and turn, the same for
-both methods); an episode takes --turns tool calls, its last one ending it.
+The environment's tool calls sleep for a duration drawn from [--tool-min,
+--tool-max] seconds, uniformly or log-uniformly (--tool-dist: most calls
+quick, a long tail of slow ones), seeded by task, sample and turn, the same
+for both methods; an episode takes --turns tool calls, its last one ending it.
 --episodes = tasks x --samples in all, --concurrent at once: the engine's
 slots, which the episode loop refills as episodes end, and the size of each
 lockstep wave.
+`tool_floor_s` is what each method would take if decoding cost nothing, from
+the seeded tool durations alone: lockstep waits for the slowest tool of its
+wave every turn (the sum over waves and turns of the wave's longest call);
+the episode loop can do no better than spreading the episodes' tool time over
+the slots (the larger of the total over --concurrent and the longest
+episode). Their ratio, `tool_bound`, is the most overlap can gain over
+lockstep on this workload on any device: with uniform durations it is about
+E[max of --concurrent draws] / E[draw] (0.99 / 0.55 = 1.79 for 64 draws of
+U(0.1, 1)).
 `device_busy_frac` is the fraction of the wall time spent inside engine calls
 (each call ends by fetching its tokens, so that is the device at work or the
 host feeding it); `episodes_per_s` is episodes over wall seconds. Every method
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -55,6 +66,41 @@ MODELS = {"anchor": sampling_bench.CFG,
           "toy": ModelConfig(vocab_size=264, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolTimes:
+  """How long the tools take: seconds in [low, high], "uniform" or "loguniform"."""
+
+  low: float
+  high: float
+  dist: str = "uniform"
+
+  def seconds(self, prompt: str, sample: int, call: int) -> float:
+    """The seeded duration of a tool call (1-based `call`) of sample `sample` of the task `prompt`."""
+    u = random.Random(f"{prompt}/{sample}/{call}").random()
+    if self.dist == "uniform":
+      return self.low + u * (self.high - self.low)
+    return self.low * (self.high / self.low) ** u
+
+
+def tool_times(args) -> ToolTimes:
+  """The tools' durations of the command line."""
+  return ToolTimes(args.tool_min, args.tool_max, args.tool_dist)
+
+
+def tool_floors(tasks: list[dict], args) -> dict:
+  """Each method's wall time if decoding cost nothing (see the module docstring), and their ratio."""
+  per_wave = args.concurrent // args.samples
+  times = tool_times(args)
+  calls = {(t, s): [times.seconds(task["prompt"], s, c) for c in range(1, args.turns + 1)]
+           for t, task in enumerate(tasks) for s in range(args.samples)}
+  lockstep = sum(max(calls[(t, s)][c] for t in range(w, min(w + per_wave, len(tasks))) for s in range(args.samples))
+                 for w in range(0, len(tasks), per_wave) for c in range(args.turns))
+  episodes = [sum(c) for c in calls.values()]
+  overlap = max(sum(episodes) / args.concurrent, max(episodes))
+  return {"tool_floor_s": {"overlap": round(overlap, 3), "lockstep": round(lockstep, 3)},
+          "tool_bound": round(lockstep / overlap, 3)}
+
+
 class SleepyEpisode:
   """A tool call per turn that sleeps its seeded duration; done after `turns` calls."""
 
@@ -64,8 +110,7 @@ class SleepyEpisode:
 
   def step(self, action: str) -> Step:
     self.calls += 1
-    rng = random.Random(f"{self.task['prompt']}/{self.sample}/{self.calls}")
-    time.sleep(rng.uniform(self.env.tool_min, self.env.tool_max))
+    time.sleep(self.env.times.seconds(self.task["prompt"], self.sample, self.calls))
     if self.calls >= self.env.turns:
       return Step.final(Outcome.OK, "done", reward=float(len(action) % 2))
     return Step(observation=f"output {self.calls}")
@@ -79,8 +124,8 @@ class SleepyEnv:
 
   name, sandboxed = "sleepy", False
 
-  def __init__(self, turns: int, tool_min: float, tool_max: float):
-    self.turns, self.max_turns, self.tool_min, self.tool_max = turns, turns, tool_min, tool_max
+  def __init__(self, turns: int, times: ToolTimes):
+    self.turns, self.max_turns, self.times = turns, turns, times
     self._samples: dict[str, int] = {}
 
   def reset(self, task: dict) -> SleepyEpisode:
@@ -154,6 +199,11 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda name, seconds, **_: _COMPILES.append(seconds) if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
+def workload(args) -> list[dict]:
+  """The tasks: --episodes / --samples of them."""
+  return [{"prompt": f"task {i}: run the tools"} for i in range(args.episodes // args.samples)]
+
+
 def measure(method: str, params, cfg, args) -> dict:
   """One timed run of `method` on a fresh engine, after untimed ones until a run compiles nothing new.
 
@@ -164,14 +214,13 @@ def measure(method: str, params, cfg, args) -> dict:
   config = EngineConfig(max_seqs=args.concurrent, pages=args.concurrent * (args.context // args.page_size) + 1,
                         page_size=args.page_size, max_seq_len=args.context, decode_steps=args.decode_steps,
                         prefill_chunk=64, prefill_rows=16)
-  tasks = [{"prompt": f"task {i}: run the tools"} for i in range(args.episodes // args.samples)]
   fmt = TurnFormat(ByteTokenizer())
   run = {"overlap": run_overlap, "lockstep": run_lockstep}[method]
-  record, warmups = {}, 0
+  tasks, record, warmups = workload(args), {}, 0
   while True:
     engine = RolloutEngine(cfg, config, sampling=SamplingConfig(temperature=1.0), seed=args.seed)
     seconds = timed_engine(engine)
-    env = SleepyEnv(args.turns, args.tool_min, args.tool_max)
+    env = SleepyEnv(args.turns, tool_times(args))
     compiled = len(_COMPILES)
     start, cpu = time.perf_counter(), time.process_time()
     record = run(engine, params, env, tasks, fmt, args)
@@ -196,6 +245,7 @@ def main() -> None:
   p.add_argument("--samples", type=int, default=4, help="episodes per task (a GRPO group)")
   p.add_argument("--turns", type=int, default=3, help="tool calls per episode")
   p.add_argument("--tool-min", type=float, default=0.1)
+  p.add_argument("--tool-dist", default="uniform", choices=("uniform", "loguniform"))
   p.add_argument("--tool-max", type=float, default=1.0)
   p.add_argument("--turn-tokens", type=int, default=32)
   p.add_argument("--context", type=int, default=512)
@@ -227,6 +277,7 @@ def main() -> None:
   if {"overlap", "lockstep"} <= set(summary):
     summary["overlap_over_lockstep"] = round(summary["overlap"]["episodes_per_s_median"]
                                              / summary["lockstep"]["episodes_per_s_median"], 2)
+  summary.update(tool_floors(workload(args), args))
   print(json.dumps({"summary": summary, "load_avg_1m_end": round(os.getloadavg()[0], 2)}), flush=True)
 
 

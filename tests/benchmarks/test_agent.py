@@ -1,5 +1,6 @@
 """benchmarks/agent.py runs both methods on the same episodes and prints its figures."""
 
+import argparse
 import json
 import pathlib
 import subprocess
@@ -20,3 +21,21 @@ def test_both_methods_play_the_same_episodes_and_print_a_summary():
     assert 0 < run["device_busy_frac"] <= 1 and run["episodes_per_s"] > 0 and run["cpu_s"] > 0
   summary = lines[-1]["summary"]
   assert summary["overlap_over_lockstep"] > 0 and len(summary["overlap"]["runs"]) == 1
+  # Decoding costs time, so neither method can beat its tool floor.
+  for method, floor in summary["tool_floor_s"].items():
+    assert runs[method]["wall_s"] >= floor > 0
+  assert summary["tool_bound"] >= 1  # lockstep waits for every tool the episode loop waits for, at least
+
+
+def test_the_tool_bound_is_the_expected_maximum_over_the_mean_for_many_uniform_draws():
+  sys.path.insert(0, str(SCRIPT.parent))
+  import agent
+
+  args = argparse.Namespace(concurrent=64, samples=4, turns=3, tool_min=0.1, tool_max=1.0, tool_dist="uniform")
+  tasks = [{"prompt": f"task {i}"} for i in range(64)]
+  # 4 waves of 64 draws per turn: E[max of 64 draws of U(0.1, 1)] / E[draw] = (0.1 + 0.9 * 64 / 65) / 0.55 = 1.79;
+  # the draws are seeded, so this is one sample of it, within a few percent.
+  assert 1.7 < agent.tool_floors(tasks, args)["tool_bound"] < 1.85
+  # Log-uniform on [0.1, 1]: the mean is 0.9 / ln 10 = 0.39 and the max of 64 draws about 0.96: 2.46.
+  args.tool_dist = "loguniform"
+  assert 2.3 < agent.tool_floors(tasks, args)["tool_bound"] < 2.6
