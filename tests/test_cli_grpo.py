@@ -117,3 +117,18 @@ def test_grpo_on_calculator_episodes_refuses_staleness(tmp_path, capsys):
     cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "calculator", "--grpo.max_staleness=1"])
   assert exit_.value.code == 2
   assert "set grpo.max_staleness=0 (got 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["calculator", "terminal", "docqa"])
+def test_each_episode_environment_poses_its_built_in_tasks_and_names_the_fields_records_need(name):
+  from ptx.data.tokenizer import ByteTokenizer
+
+  env, builtin, fields = cli._episode_environment(name, ByteTokenizer())
+  record = builtin(0)[0]
+  assert env.name in (name, "shell") and env.max_turns > 1 and set(fields) <= set(record)
+  assert builtin(0)[0] == record and builtin(1)[0] != record  # seeded: the train split of `--train.seed`
+  episode = env.reset(record)
+  try:
+    assert record.get("prompt", record.get("question")) in episode.prompt
+  finally:
+    episode.close()

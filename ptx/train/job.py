@@ -180,7 +180,7 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
   rules = _check(cfg, "grpo", tokenizer)
   g = cfg.grpo
   if g.max_staleness != 0 or g.filter_groups == "refill":
-    raise config_lib.ConfigError(f"--env {env.name}: multi-turn episodes are played on-policy, all of a step's at "
+    raise config_lib.ConfigError(f"multi-turn episodes ({env.name}) are played on-policy, all of a step's at "
                                  "once: set grpo.max_staleness=0 (got "
                                  f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
   step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat(tokenizer), _engine_config(cfg, ahead=0),

