@@ -132,7 +132,10 @@ def _wrong_folder(record) -> str:
 _EXIT0 = "import os\nos._exit(0)\n"
 # Lets the right program run only when the check's secrets are within its reach while it runs (else exit 1).
 _GUARD = """import glob, os, sys
-leaks = [os.environ.get("CHECK_DIR")] + glob.glob("/work/.check-*") + glob.glob(".check-*") + glob.glob("/tmp/*/*")
+# The check's directory, and a scratch copy of the reference program (not this one).
+leaks = [os.environ.get("CHECK_DIR")] + glob.glob("/work/.check-*") + glob.glob(".check-*")
+copies = glob.glob("/tmp/*/" + os.path.basename(sys.argv[0])) + glob.glob("tmp*/" + os.path.basename(sys.argv[0]))
+leaks += [path for path in copies if os.path.dirname(os.path.abspath(path)) != os.getcwd()]
 
 
 def probe(action):

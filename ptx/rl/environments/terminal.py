@@ -38,8 +38,8 @@ case in the model's final workspace, with a clean environment; the reward is
 1 when every run exits 0 and prints exactly what the reference printed. So
 the reward cannot be fooled by: an exit status (`exit 0`, `sys.exit(0)` at
 import: the output must match); output hard-coded for the visible data;
-deleting or editing the visible tests, or a planted `unittest.py` (the check
-never runs them); an `__eq__` that equals everything (results cross as
+deleting or editing the visible tests, or a planted `unittest.py` or
+`conftest.py` (the check never runs them; the sandbox has no pytest); an `__eq__` that equals everything (results cross as
 printed JSON); a `json.py`, `sitecustomize.py` or `usercustomize.py`
 planted for the check itself (ShellEnv starts it with PYTHONSAFEPATH and
 PYTHONNOUSERSITE); reading the check, the reference or the expected outputs
