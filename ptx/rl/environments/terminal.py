@@ -28,29 +28,29 @@ workspace's fix does not depend on its data, so a held-out task is code the
 policy never trained on, not new numbers in a program it did. The hash puts
 9 of the 44 variants (from 7 of the 11 families) on the held-out side.
 
-The hidden check (`check_files`, never in the workspace while the model
-acts; see `ShellEnv`) holds the reference workspace (the fixed project) and
-hidden cases: input files the model never saw (new data, or a script making
-new calls of the module's function) and the command to run. It makes itself
-undumpable, reads them and deletes its directory, runs the reference on
-every case in scratch directories it then deletes, and only then runs each
-case in the model's final workspace, with a clean environment; the reward is
-1 when every run exits 0 and prints exactly what the reference printed. So
-the reward cannot be fooled by: an exit status (`exit 0`, `sys.exit(0)` at
-import: the output must match); output hard-coded for the visible data;
-deleting or editing the visible tests, or a planted `unittest.py` or
-`conftest.py` (the check never runs them; the sandbox has no pytest); an `__eq__` that equals everything (results cross as
-printed JSON); a `json.py`, `sitecustomize.py` or `usercustomize.py`
-planted for the check itself (ShellEnv starts it with PYTHONSAFEPATH and
-PYTHONNOUSERSITE); reading the check, the reference or the expected outputs
-while the model's program runs (nothing of them is left on disk, and
-PR_SET_DUMPABLE closes the check's `/proc/PID/mem` and `fd`); moving the
-data to where a wrong path points (the hidden inputs go where the task
+The hidden check (`check_files`, never in the workspace while the model acts;
+see `ShellEnv`) holds the reference workspace (the fixed project) and hidden
+cases: input files the model never saw (new data, or a script making new calls
+of the module's function) and the command to run. It makes itself undumpable,
+reads them and deletes its directory, runs the reference on every case in
+scratch directories it then deletes, and only then runs each case in the
+model's final workspace, with a clean environment; the reward is 1 when every
+run exits 0 and prints exactly what the reference printed. So the reward
+cannot be fooled by: an exit status (`exit 0`, `sys.exit(0)` at import: the
+output must match); output hard-coded for the visible data; deleting or
+editing the visible tests, or a planted `unittest.py` or `conftest.py` (the
+check never runs them; the sandbox has no pytest); an `__eq__` that equals
+everything (results cross as printed JSON); a `json.py`, `sitecustomize.py` or
+`usercustomize.py` planted for the check itself (ShellEnv starts it with
+PYTHONSAFEPATH and PYTHONNOUSERSITE); reading the check, the reference or the
+expected outputs while the model's program runs (nothing of them is left on
+disk, and PR_SET_DUMPABLE closes the check's `/proc/PID/mem` and `fd`); moving
+the data to where a wrong path points (the hidden inputs go where the task
 says); hanging (the sandbox's time limit ends the check: reward 0). Not
 defended: a fix that is right on the hidden cases and wrong elsewhere (three
 runs, or three or four calls, per task). Under the weaker rlimits backend
-without root, a program can see other checks' scratch directories on the
-host (see `ptx.rl.sandbox`).
+without root, a program can see other checks' scratch directories on the host
+(see `ptx.rl.sandbox`).
 
 `reference_fix(record)` returns shell commands that solve a record, for
 tests and baselines. It reads the record's own check files, so it cannot
