@@ -24,7 +24,10 @@ What the model cannot reach:
   imported), no shell start-up file; no process of the model's survives.
 What it can: a check that runs the model's programs runs them with the check
 files readable (the same sandbox); such a task must compare their output
-against what it cannot learn from those files alone.
+against what it cannot learn from those files alone, and a check that holds
+expected values in memory while the model's code runs must make itself
+undumpable (`prctl(PR_SET_DUMPABLE, 0)`), or that code can read them through
+`/proc/PPID/mem` (`ptx.rl.environments.terminal`'s check does both).
 """
 
 from __future__ import annotations
