@@ -16,6 +16,29 @@ many tokens) at the tokenizer's eos, and the reply then begins with the marker
 as environment tokens. Either way the whole trajectory is what the template
 renders for the conversation wherever the tokenizer encodes the rendering's
 pieces as it encodes the whole (`render_check` says where it does not).
+
+Families (tests/rl/test_turn_format_families.py renders each):
+  Qwen 2.5 / 3, SmolLM2  ChatML. SmolLM2 has a plain `tool` role; Qwen puts
+      a tool message in a user turn as a `<tool_response>` block, consecutive
+      ones in one turn. A reply is one tool message, so a turn's
+      several results come as one observation, in one block. Qwen 3 keeps the
+      `<think>` block of a turn after the user's query when it holds
+      reasoning; an empty one it writes only while the turn is the last, so
+      no reply can follow such a turn (ValueError: the template rewrites it).
+      Results as user turns would be new queries, dropping all reasoning.
+  Llama 3.1+  results under `<|start_header_id|>ipython<|end_header_id|>`,
+      JSON-quoted; `<|eot_id|>` ends every turn (`<|eom_id|>`, which the
+      model writes after a built-in tool call, is not a stop id). The
+      template trims each turn, so a turn that ends in whitespace departs
+      there; a tokenizer whose decode drops special tokens drops a sampled
+      `<|python_tag|>` from the turn's text, which departs there too.
+  Gemma 2 / 3  no tool role: `TurnFormat(reply_role="user")`, the result in a
+      ```tool_output fence (the environment's text). Trims like Llama.
+A BPE tokenizer that encodes the whole rendering at once, as HF's
+`apply_chat_template` does, merges the assistant header's line break with
+whitespace that starts the turn (SmolLM2: two spaces, or a space before a
+digit); the model, sampling after the header, cannot produce that
+(`render_check(..., one_text=True)` finds it).
 """
 
 from __future__ import annotations
@@ -100,27 +123,30 @@ class TurnFormat:
       tail = self.end_of_turn + tail
     return self.tokenizer.encode(tail)
 
-  def render_check(self, messages: Sequence[Message], tokens: Sequence[int]) -> int | None:
+  def render_check(self, messages: Sequence[Message], tokens: Sequence[int], *, one_text: bool = False) -> int | None:
     """Where a trajectory departs from the template's encoding of its whole conversation: None if nowhere.
 
     Args:
       messages: the conversation (first prompt, the model's turns, the replies).
       tokens: the trajectory's tokens (prompt included).
+      one_text: compare with the tokenizer's encoding of the whole rendering
+        as one text (as HF's `apply_chat_template` tokenizes it), not of its
+        segments one by one (as `encode_chat` does for training).
 
     Returns:
-      The first position where `tokens` and `encode_chat(messages)` differ,
+      The first position where `tokens` and the encoded conversation differ,
       or None when they are equal: equality holds when the model's tokens
       are the tokenizer's own encoding of their text and the marker is one
       token; a byte tokenizer's eos stop, or a turn the tokenizer would have
       split otherwise, shows up here.
     """
     ended = messages[-1]["role"] == "assistant"
-    whole = encode_chat(self.tokenizer, messages, self.chat_template, add_generation_prompt=not ended)[0]
+    segments = self.chat_template.segments(messages, add_generation_prompt=not ended)
     if ended:  # an episode ends with the model's turn: the layout the template writes after it is not sampled
-      segments = self.chat_template.segments(messages)
-      last = max(i for i, (_, is_target) in enumerate(segments) if is_target)
-      layout = len(self.tokenizer.encode("".join(text for text, _ in segments[last + 1:])))
-      whole = whole[:len(whole) - layout]
+      segments = segments[:max(i for i, (_, is_target) in enumerate(segments) if is_target) + 1]
+    pieces = ["".join(text for text, _ in segments)] if one_text else [text for text, _ in segments]
+    bos = [self.tokenizer.bos_id] if self.chat_template.add_bos and self.tokenizer.bos_id is not None else []
+    whole = bos + [t for piece in pieces for t in self.tokenizer.encode(piece)]
     tokens = list(tokens)
     for i, (a, b) in enumerate(zip(whole, tokens)):
       if a != b:
