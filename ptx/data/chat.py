@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from typing import Any, Mapping, Protocol, Sequence
 
 from ptx.data.tokenizer import Tokenizer
@@ -75,6 +76,9 @@ class JinjaChatTemplate:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
+    # As transformers renders: Jinja's own tojson escapes HTML (`<` as \u003c), ASCII-escapes, sorts keys and
+    # returns markup, so a tool call or result rendered through it would differ from what the model was trained on.
+    env.filters["tojson"] = _tojson
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     self.source = source
     self._template = env.from_string(source)
@@ -173,6 +177,11 @@ def _check_prefix(prefix: str, text: str, turn: int) -> None:
     raise ValueError(
         f"chat template rewrites earlier turns when rendering through message {turn}; "
         "assistant spans cannot be located by prefix, so the loss mask would be wrong")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:

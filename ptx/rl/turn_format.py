@@ -32,7 +32,8 @@ Families (tests/rl/test_turn_format_families.py renders each):
       template trims each turn, so a turn that ends in whitespace departs
       there; a tokenizer whose decode drops special tokens drops a sampled
       `<|python_tag|>` from the turn's text, which departs there too.
-  Gemma 2 / 3  no tool role: `TurnFormat(reply_role="user")`, the result in a
+  Gemma 2 / 3  no tool role: `TurnFormat(reply_role="user")` (what
+      `TurnFormat.of` picks for a template that refuses a tool message), the result in a
       ```tool_output fence (the environment's text). Trims like Llama.
 A BPE tokenizer that encodes the whole rendering at once, as HF's
 `apply_chat_template` does, merges the assistant header's line break with
@@ -67,6 +68,20 @@ class TurnFormat:
   tokenizer: Tokenizer
   template: ChatTemplate | None = None
   reply_role: str = "tool"
+
+  @classmethod
+  def of(cls, tokenizer: Tokenizer, template: ChatTemplate | None = None) -> TurnFormat:
+    """The format whose replies take the role the template renders: "tool", or "user" where it has none (Gemma)."""
+    fmt = cls(tokenizer, template)
+    render = getattr(fmt.chat_template, "render", None)  # a Jinja template; the built-in ChatML takes every role
+    if render is None:
+      return fmt
+    try:  # the whole conversation, not its segments: a template may rewrite earlier turns for other reasons (Qwen 3)
+      render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+              {"role": "tool", "content": "z"}], add_generation_prompt=True)
+    except ValueError:  # a template without a tool role raises on it (Gemma: roles must alternate)
+      return cls(tokenizer, template, reply_role="user")
+    return fmt
 
   @property
   def chat_template(self) -> ChatTemplate:

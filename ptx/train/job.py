@@ -183,7 +183,7 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
     raise config_lib.ConfigError(f"multi-turn episodes ({env.name}) are played on-policy, all of a step's at "
                                  "once: set grpo.max_staleness=0 (got "
                                  f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
-  step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat(tokenizer), _engine_config(cfg, ahead=0),
+  step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat.of(tokenizer), _engine_config(cfg, ahead=0),
                          g.turn_tokens)
   return _job(cfg, "grpo_episodes", step, rules, with_reference=g.uses_reference, updates_per_step=g.updates_per_step)
 

@@ -81,3 +81,12 @@ def test_template_raise_exception_surfaces_as_value_error():
 def test_validate_messages_rejects_malformed_conversations(messages, match):
   with pytest.raises(ValueError, match=match):
     validate_messages(messages)
+
+
+def test_tojson_renders_as_transformers_does_not_as_jinjas_html_filter():
+  # Jinja's own filter would give "a\u003cb \u00e9 \u0027x\u0027", sorted keys, and markup that escapes what is
+  # added to it; the models' templates were rendered with json.dumps in training.
+  template = JinjaChatTemplate("{% for m in messages %}{{ '<|x|>' + m | tojson }}{{ m.content | tojson(indent=2) }}"
+                               "{% endfor %}")
+  message = {"role": "tool", "content": "a<b é 'x'"}
+  assert template.render([message]) == '<|x|>{"role": "tool", "content": "a<b é \'x\'"}"a<b é \'x\'"'

@@ -290,6 +290,10 @@ def test_gemma_has_no_tool_role_so_results_go_in_a_user_turn(request):
   # Gemma's template refuses a tool message; the reply takes the user role (Family.reply_role) instead.
   with pytest.raises(ValueError, match="roles must alternate"):
     _play("gemma", _format("gemma", request, reply_role="tool"), _turns("gemma"))
+  # TurnFormat.of (what the episode jobs build) finds the role each template takes.
+  for name, family in FAMILIES.items():
+    fmt = _format(name, request)
+    assert TurnFormat.of(fmt.tokenizer).reply_role == family.reply_role, name
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3", "gemma"])
