@@ -1,11 +1,11 @@
-"""`ptx eval`: one report per suite for several suites, file suites' task files, and the errors of bad arguments."""
+"""`ptx eval`: one report per suite, multi-turn suites played as episodes, file suites' task files, bad arguments."""
 
 import json
 
 import pytest
 
 from ptx import cli
-from ptx.rl import evaluation
+from ptx.rl import evaluation, sandbox
 
 SMALL = ["--n", "2", "--k", "2", "--max-new-tokens", "4"]
 
@@ -23,6 +23,28 @@ def test_several_suites_write_one_report_each_and_compare_as_directories(ptx_che
   assert not (out / "eval.json").exists()
   assert cli.main(["eval", "--compare", str(out), str(out)]) == 0  # nothing moved: no regression
   assert capsys.readouterr().out.splitlines()[-1] == "no regression (no pass@1 fell by more than 0.05)"
+
+
+def test_a_multi_turn_suite_plays_episodes_end_to_end(ptx_checkpoint, tmp_path, capsys):
+  tasks = tmp_path / "shell.jsonl"
+  tasks.write_text(json.dumps({"prompt": "Sort data.txt into sorted.txt.", "files": {"data.txt": "3\n10\n2\n"},
+                               "check": "printf '2\\n3\\n10\\n' | cmp - sorted.txt", "max_turns": 2}) + "\n")
+  outs = [tmp_path / "a", tmp_path / "b"]
+  for out in outs:  # twice, with the same seed
+    assert cli.main(["eval", "--model", str(ptx_checkpoint), "--task", "shell", "--tasks-file", str(tasks), *SMALL,
+                     "--out", str(out)]) == 0
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert [(line["suite"], line["tasks"], line["k"], line["sandbox"]) for line in lines] == [
+      ("shell", 1, 2, str(sandbox.backend()))] * 2
+  samples = [json.loads(line) for line in (outs[0] / "samples.jsonl").read_text().splitlines()]
+  assert len(samples) == 2 and sum(lines[0]["outcomes"].values()) == 2
+  for sample in samples:  # each turn the model's, in the chat template's assistant turn; each reply a tool turn
+    assert [m["role"] for m in sample["messages"]] == ["assistant", "tool"] * (sample["turns"] - 1) + ["assistant"]
+    assert sample["completion"].count("<|im_start|>tool\n") == sample["turns"] - 1
+    assert sample["tool_calls"] == sample["turns"]  # every action ran as a command (random bytes: none is DONE)
+  # The same seed plays the same episodes: the same tokens, replies and scores.
+  for file in ("eval.json", "samples.jsonl"):
+    assert (outs[0] / file).read_text() == (outs[1] / file).read_text()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,22 +1,33 @@
-"""Evaluates a sampler on an environment: pass@k, mean@k, outcome counts, a JSON report.
+"""Evaluates a policy on an environment: pass@k, mean@k, outcome counts, a JSON report.
 
-`evaluate(generate, env, tasks, k=...)` asks `generate(prompts, k)` for k
-completions of every task's prompt, then plays each completion as its own
-episode. Multi-turn episodes continue with `generate(transcripts, 1)`, one call
-per turn for all live episodes, where a transcript is the prompt followed by
-each action and observation on their own lines. Scoring runs through
-`ptx.rl.rewards.run_steps`: concurrent, with infrastructure faults retried.
+Two ways to play a task's k samples, one report:
+
+- `evaluate(generate, env, tasks, k=...)`, for single-turn environments:
+  `generate(prompts, k)` gives k completions of every task's prompt (a
+  `ptx.sampling.text.TextSampler`), each scored as its own episode through
+  `ptx.rl.rewards.run_steps` (concurrent, infrastructure faults retried).
+- `evaluate_episodes(engine, params, env, tasks, fmt, k=...)`, for
+  multi-turn environments: the episodes are played by
+  `ptx.rl.episode_loop.play` on the rollout engine, as training plays them:
+  token in, token out (each turn sampled from the live sequence, each
+  environment reply encoded once and appended with `extend`; nothing is
+  decoded and encoded again), the k samples of a task sharing its prompt's
+  pages.
 
 pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
 for n samples with c correct, computed as a product that neither overflows
 nor cancels. mean@k is the mean reward over all samples.
 
 The report keeps what the model wrote: "samples" holds one entry per
-completion (task index, sample index, reward, outcome, reason, and the text
-after the prompt, every turn of it), the first of each task with its
-prompt. `write_report` puts them in `samples.jsonl`, one JSON line each,
-beside the summary; both files are replaced atomically, so a crash leaves
-the old file or the new one, never part of one.
+sample (task index, sample index, reward, outcome, reason, and the
+"completion": the text after the prompt), the first of each task with its
+prompt. An episode's completion is the decoding of its trajectory's tokens
+after the first prompt (every turn as sampled, every reply as appended,
+with the chat template's markup between them); its entry adds "messages"
+(the model's turns and the environment's replies as text, by role), "turns",
+"tool_calls" and "tool_errors". `write_report` puts them in `samples.jsonl`,
+one JSON line each, beside the summary; both files are replaced atomically,
+so a crash leaves the old file or the new one, never part of one.
 
 Several suites' reports form a directory of report directories, one per
 suite (`SUITE/eval.json` and its samples; `write_suites`, `read_suites`).
@@ -32,18 +43,28 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ptx import paths
-from ptx.rl import sandbox
+from ptx.rl import episode_loop, sandbox
 from ptx.rl.environments.base import Environment, Episode, Outcome, Step
 from ptx.rl.rewards import run_steps
+from ptx.rl.turn_format import TurnFormat
+from ptx.sampling.engine import RolloutEngine
 
 Generate = Callable[[list[str], int], list[list[str]]]
 # The completions of a report, beside its summary.
 SAMPLES_FILE = "samples.jsonl"
 # A report's summary in its directory (`ptx eval --out DIR`, each suite's directory of `write_suites`).
 REPORT_FILE = "eval.json"
+
+
+class Scored(Protocol):
+  """How one sample ended: a final `Step` or an episode's `Trajectory`."""
+
+  reward: float
+  outcome: Outcome | None
+  reason: str
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,11 +93,11 @@ def _ks(k: int) -> list[int]:
 
 def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, Any]], *, k: int,
              concurrency: int = 32) -> dict[str, Any]:
-  """Samples k completions per task, plays them, and returns the report.
+  """Samples k completions per task of a single-turn environment, scores them, and returns the report.
 
   Args:
     generate: `generate(prompts, k) -> completions`, k per prompt, in order.
-    env: the environment that scores them.
+    env: the environment that scores them (`max_turns` 1).
     tasks: task records for `env.reset`.
     k: samples per task.
     concurrency: scoring steps run at once.
@@ -86,11 +107,16 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
     and k), "mean@k", "outcomes" (counts), "sandbox" (the backend that ran
     the model's code; None for environments that run none), "per_task"
     details, and "samples" (see the module docstring).
+
+  Raises:
+    ValueError: for a multi-turn environment (`evaluate_episodes` plays
+      those), k < 1, no tasks, a task record `env.reset` refuses (naming
+      it), or `generate` returning the wrong number of completions.
   """
-  if k < 1:
-    raise ValueError(f"evaluate: k must be >= 1, got {k}")
-  if not tasks:
-    raise ValueError("evaluate: tasks is empty")
+  if env.max_turns > 1:
+    raise ValueError(f"evaluate: {env.name} is multi-turn (max_turns {env.max_turns}): play its episodes on the "
+                     "rollout engine with evaluate_episodes")
+  _check(k, tasks)
   episodes: list[list[Episode]] = []
   try:
     for index, task in enumerate(tasks):
@@ -98,47 +124,73 @@ def evaluate(generate: Generate, env: Environment, tasks: Sequence[Mapping[str, 
         episodes.append([env.reset(task) for _ in range(k)])
       except ValueError as e:
         raise ValueError(f"evaluate: task {index}: {e}") from None
-    finals, texts = _play(generate, env, episodes, k, concurrency)
+    completions = generate([row[0].prompt for row in episodes], k)
+    if len(completions) != len(episodes) or any(len(c) != k for c in completions):
+      raise ValueError(f"generate returned {[len(c) for c in completions]} completions; wanted {k} for each of "
+                       f"{len(episodes)} prompts")
+    steps = run_steps([lambda e=e, a=a: e.step(a) for row, texts in zip(episodes, completions)
+                       for e, a in zip(row, texts)], concurrency)
+    # One action per episode: a step that does not end it leaves it unanswered.
+    steps = [s if s.done else Step.final(Outcome.NO_ANSWER, "out of turns") for s in steps]
+    finals = [steps[r * k:(r + 1) * k] for r in range(len(episodes))]
   finally:
     for episode in (e for row in episodes for e in row):
       episode.close()
-  backend = str(sandbox.backend()) if getattr(env, "sandboxed", False) else None
-  samples = _samples([row[0].prompt for row in episodes], finals, texts)
-  return {**_report(env.name, finals, k), "sandbox": backend, "samples": samples}
+  samples = _samples([row[0].prompt for row in episodes], finals, completions)
+  return {**_report(env.name, finals, k), "sandbox": _backend(env), "samples": samples}
 
 
-def _play(generate: Generate, env: Environment, episodes: list[list[Episode]], k: int,
-          concurrency: int) -> tuple[list[list[Step]], list[list[str]]]:
-  """Runs every episode to its final Step, turn by turn; returns the final Steps and what each episode wrote."""
-  completions = generate([row[0].prompt for row in episodes], k)
-  if len(completions) != len(episodes) or any(len(c) != k for c in completions):
-    raise ValueError(f"generate returned {[len(c) for c in completions]} completions; wanted {k} for each of "
-                     f"{len(episodes)} prompts")
-  flat = [e for row in episodes for e in row]
-  actions = [a for row in completions for a in row]
-  transcripts = [e.prompt for e in flat]
-  finals: list[Step | None] = [None] * len(flat)
-  texts = [""] * len(flat)
-  live = list(range(len(flat)))
-  for turn in range(env.max_turns):
-    steps = run_steps([lambda e=flat[i], a=a: e.step(a) for i, a in zip(live, actions)], concurrency)
-    still = []
-    for i, action, step in zip(live, actions, steps):
-      if step.done or turn == env.max_turns - 1:
-        finals[i] = step if step.done else Step.final(Outcome.NO_ANSWER, "out of turns")
-        texts[i] = transcripts[i][len(flat[i].prompt):] + action
-      else:
-        transcripts[i] += f"{action}\n{step.observation}\n"
-        still.append(i)
-    live = still
-    if not live:
-      break
-    actions = [c[0] for c in generate([transcripts[i] for i in live], 1)]
-  rows = range(len(episodes))
-  return [finals[r * k:(r + 1) * k] for r in rows], [texts[r * k:(r + 1) * k] for r in rows]
+def evaluate_episodes(engine: RolloutEngine, params: Any, env: Environment, tasks: Sequence[Mapping[str, Any]],
+                      fmt: TurnFormat, *, k: int, max_turn_tokens: int,
+                      max_episode_tokens: int | None = None) -> dict[str, Any]:
+  """Plays k episodes of every task on the rollout engine (`ptx.rl.episode_loop.play`) and returns the report.
+
+  Args:
+    engine: the rollout engine, holding nothing; its seed fixes the tokens.
+    params: the policy's parameters, as `engine.step` takes them.
+    env: the environment.
+    tasks: task records for `env.reset`.
+    fmt: the episodes' token form (prompt, turn stop ids, replies).
+    k: episodes per task, played as one group sharing its prompt's pages.
+    max_turn_tokens: tokens the model may sample in one turn.
+    max_episode_tokens: tokens an episode may add after its first prompt
+      (turns and replies); an episode that would pass it, or the engine's
+      context, ends with outcome "limit" (default: only the context bounds it).
+
+  Returns:
+    `evaluate`'s report, built from the trajectories; each sample's entry
+    adds "messages", "turns", "tool_calls" and "tool_errors" (see the
+    module docstring).
+
+  Raises:
+    ValueError: for k < 1, no tasks, or (naming the task) a record
+      `env.reset` refuses or a first prompt that leaves no room.
+  """
+  _check(k, tasks)
+  played = episode_loop.play(engine, params, env, tasks, fmt, samples=k, max_turn_tokens=max_turn_tokens,
+                             max_episode_tokens=max_episode_tokens)
+  rows = [played[i * k:(i + 1) * k] for i in range(len(tasks))]
+  texts = [[fmt.tokenizer.decode(t.tokens[t.prompt_len:].tolist()) for t in row] for row in rows]
+  samples = _samples([row[0].messages[0]["content"] for row in rows], rows, texts)
+  for entry, t in zip(samples, played):
+    entry.update(messages=[dict(m) for m in t.messages[1:]], turns=t.turns, tool_calls=t.tool_calls,
+                 tool_errors=t.tool_errors)
+  return {**_report(env.name, rows, k), "sandbox": _backend(env), "samples": samples}
 
 
-def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:
+def _check(k: int, tasks: Sequence[Mapping[str, Any]]) -> None:
+  if k < 1:
+    raise ValueError(f"evaluate: k must be >= 1, got {k}")
+  if not tasks:
+    raise ValueError("evaluate: tasks is empty")
+
+
+def _backend(env: Environment) -> str | None:
+  """The sandbox backend that ran the model's code, for an environment that runs any."""
+  return str(sandbox.backend()) if getattr(env, "sandboxed", False) else None
+
+
+def _report(env_name: str, finals: Sequence[Sequence[Scored]], k: int) -> dict[str, Any]:
   per_task, outcomes = [], collections.Counter()
   for index, steps in enumerate(finals):
     outcomes.update(str(s.outcome) for s in steps)
@@ -155,8 +207,9 @@ def _report(env_name: str, finals: list[list[Step]], k: int) -> dict[str, Any]:
   }
 
 
-def _samples(prompts: list[str], finals: list[list[Step]], texts: list[list[str]]) -> list[dict[str, Any]]:
-  """One entry per completion, in task and sample order; the first of each task carries its prompt."""
+def _samples(prompts: list[str], finals: Sequence[Sequence[Scored]],
+             texts: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+  """One entry per sample, in task and sample order; the first of each task carries its prompt."""
   out = []
   for task, (prompt, steps, written) in enumerate(zip(prompts, finals, texts)):
     for sample, (step, text) in enumerate(zip(steps, written)):

@@ -1,16 +1,21 @@
 """Named evaluation suites: what `ptx eval --task NAME` evaluates.
 
 A suite is an environment plus its task records. The generated suites
-(`arithmetic`, `countdown`, `needle`) need no files: records 0..n-1 of a
-seeded stream of the task's held-out problems (`ptx.data.splits`: no
-training stream of the task draws them; `needle` cycles over its (length,
-depth) grid, and its report is read per cell).
+(`arithmetic`, `countdown`, `needle`, `calculator`, `terminal`) need no
+files: records 0..n-1 of a seeded stream of the task's held-out problems
+(`ptx.data.splits`: no training stream of the task draws them; `needle`
+cycles over its (length, depth) grid, and its report is read per cell;
+`terminal` is `ShellEnv` on the buggy projects of
+`ptx.rl.environments.terminal`).
 The file suites (`math`, `code`, `shell`, `exact`) read a JSONL file of records in the
 format their environment documents (`exact`: `{"prompt", "answer"}` records whose prompts are
 sampled as written, `math` without its `\\boxed{}` instruction).
 
-`evaluate` runs one suite: `ptx.rl.evaluation.evaluate`'s report, which it
-labels with the suite's name (and for `needle` its accuracy per cell).
+`calculator` (word problems with a calculator tool), `terminal` and `shell`
+are multi-turn (`Environment.max_turns` > 1): their episodes are played on the
+rollout engine (`ptx.rl.evaluation.evaluate_episodes`), the others sampled
+once per sample (`ptx.rl.evaluation.evaluate`). `label` names a report
+after its suite (and for `needle` adds its accuracy per cell).
 """
 
 from __future__ import annotations
@@ -22,19 +27,22 @@ from typing import Any
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.records import decode
 from ptx.data.sources import JsonlSource
-from ptx.rl import evaluation
 from ptx.rl.environments import needle
 from ptx.rl.environments.base import Environment
+from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
 from ptx.rl.environments.countdown import CountdownEnv, CountdownTask
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.environments.python_tests import PythonTestsEnv
 from ptx.rl.environments.shell import ShellEnv
+from ptx.rl.environments.terminal import TerminalTasks
 
 _BOXED = " Put the final answer in \\boxed{}."
 _GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
     "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*", split="held_out")),
     "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed, split="held_out")),
     "needle": (needle.NeedleEnv, lambda seed: needle.NeedleTask(seed=seed, split="held_out")),
+    "calculator": (CalculatorEnv, lambda seed: CalculatorTasks(seed=seed, split="held_out")),
+    "terminal": (ShellEnv, lambda seed: TerminalTasks(seed=seed, split="held_out")),
 }
 _FILES: dict[str, Callable[[], Environment]] = {
     "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
@@ -73,22 +81,19 @@ def load(name: str, *, n: int = 100, seed: int = 0,
   return _FILES[name](), [decode(source[i]) for i in range(min(n, len(source)))]
 
 
-def evaluate(name: str, env: Environment, tasks: list[dict[str, Any]], generate: evaluation.Generate, *,
-             k: int) -> dict[str, Any]:
-  """Evaluates suite `name` (its environment and records from `load`) and returns the labelled report.
+def label(name: str, tasks: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any]:
+  """Returns suite `name`'s report (`ptx.rl.evaluation`'s, of its `tasks`) labelled with the suite.
 
   Args:
     name: the suite's name, kept in the report as "suite".
-    env: its environment.
-    tasks: its task records.
-    generate: `generate(prompts, k) -> completions` (a `ptx.sampling.text.TextSampler`).
-    k: samples per task.
+    tasks: its task records, in the report's order.
+    report: `ptx.rl.evaluation.evaluate`'s or `evaluate_episodes`' report.
 
   Returns:
-    `ptx.rl.evaluation.evaluate`'s report with "suite" and, for needle, "cells"
-    (accuracy per haystack length and needle depth: long context is read per cell).
+    The report with "suite" and, for needle, "cells" (accuracy per haystack
+    length and needle depth: long context is read per cell).
   """
-  report = {"suite": name, **evaluation.evaluate(generate, env, tasks, k=k)}
+  labelled = {"suite": name, **report}
   if name == "needle":
-    report["cells"] = needle.cells(report, tasks)
-  return report
+    labelled["cells"] = needle.cells(labelled, tasks)
+  return labelled

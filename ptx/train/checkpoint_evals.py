@@ -23,11 +23,25 @@ naming the field. `ptx eval` evaluates a model through the same object.
 
 Evaluation reads the state's parameter arrays in place (`model_params`:
 under LoRA the adapters over the base, neither copied) through a fresh
-`TextSampler` per suite with `eval.seed`, so every evaluation draws the
-same random numbers, from its own key, never the state's, and it reads no
+sampler per suite with `eval.seed`, so every evaluation draws the same
+random numbers, from its own key, never the state's, and it reads no
 training data: a run trains exactly as it would without it. Every process
 samples (generation is one SPMD program) and scores; only process 0
 writes reports and warns.
+
+A single-turn suite is sampled by a `TextSampler` (`eval.max_new_tokens`
+per completion). A multi-turn suite (`Environment.max_turns` > 1) is played
+by `ptx.rl.evaluation.evaluate_episodes` on a `RolloutEngine` over the same
+arrays, on the same mesh, token in, token out as training plays episodes,
+always through the chat template (the tokenizer's, else ChatML), whatever
+`eval.chat`: a reply is a turn of the conversation. Its sizes:
+`eval.max_new_tokens` per turn; an episode may add, after its first
+prompt, each turn's budget and for each reply as much or 256 tokens,
+whichever is more (`SuiteEvals._episodes`), and ends with outcome "limit"
+beyond that; the engine's context is the suite's longest first prompt
+plus that, and it decodes whole groups of `eval.k`, at most 32 episodes
+at once but at least one group on each device that holds pages, with
+pages for every slot at its whole context (`episode_engine`).
 """
 
 from __future__ import annotations
@@ -41,9 +55,12 @@ from jax.sharding import Mesh
 
 from ptx import paths, sharding
 from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig
-from ptx.data.tokenizer import Tokenizer
+from ptx.data.tokenizer import Tokenizer, check_fits
+from ptx.models import paged_kv_cache
 from ptx.rl import evaluation, suites
 from ptx.rl.environments.base import Environment
+from ptx.rl.turn_format import TurnFormat
+from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.text import TextSampler
 from ptx.train.metrics import MetricsWriter
 from ptx.train.run_dir import RunDirError
@@ -54,6 +71,13 @@ log = logging.getLogger(__name__)
 
 # Where a run's evaluations go, one directory per evaluated step: `EVALS/step_<n>/<suite>/eval.json`.
 EVALS = "evals"
+# Episodes of a multi-turn suite decoding at once (whole groups): its engine's slots, and with them its pages.
+_EPISODES_AT_ONCE = 32
+# An engine's context is rounded up to this, so suites with similar prompts share compiled programs.
+_CONTEXT_STEP = 256
+# Tokens an episode's context holds for each environment reply, at least: the shell shows 2000 characters of a
+# command's output, some 500 tokens of a BPE tokenizer, error messages take tens.
+_REPLY_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,16 +110,80 @@ class SuiteEvals:
     """
     section, reports = self.source, {}
     for name, env, tasks in self.suites:
-      sampler = TextSampler(params, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
-                            sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
-      reports[name] = suites.evaluate(name, env, list(tasks), sampler, k=section.k)
+      if env.max_turns > 1:
+        report = self._episodes(params, model, env, list(tasks), mesh, rules)
+      else:
+        sampler = TextSampler(params, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+                              sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
+        report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
+      reports[name] = suites.label(name, list(tasks), report)
     return reports
+
+  def _episodes(self, params: Any, model: ModelConfig, env: Environment, tasks: list[dict[str, Any]],
+                mesh: Mesh | None, rules: sharding.Rules) -> dict[str, Any]:
+    """A multi-turn suite's report: its episodes played on a fresh rollout engine seeded with `eval.seed`."""
+    section, fmt = self.source, TurnFormat.of(self.tokenizer)
+    check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
+    # Each turn its budget, each reply (a tool's output or error) at least _REPLY_TOKENS: bounded in total, not per
+    # turn, so a long reply can use what short turns left.
+    turns = env.max_turns
+    added = turns * section.max_new_tokens + (turns - 1) * max(section.max_new_tokens, _REPLY_TOKENS)
+    config = episode_engine(_longest_prompt(env, tasks, fmt) + added, section.k, len(tasks), mesh, rules)
+    engine = RolloutEngine(model, config, sampling=section.sampling, seed=section.seed, mesh=mesh,
+                           pad_id=self.tokenizer.pad_id, rules=rules)
+    return evaluation.evaluate_episodes(engine, params, env, tasks, fmt, k=section.k,
+                                        max_turn_tokens=section.max_new_tokens, max_episode_tokens=added)
 
   def start(self, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig, lora: LoRAConfig | None,
             mesh: Mesh, rules: sharding.Rules, checkpoint_every: int, primary: bool) -> CheckpointEvals:
     """The evaluations of one `fit` into run directory `out` (`checkpoint_every`: the default cadence)."""
     return CheckpointEvals(self, out, writer, model=model, lora=lora, mesh=mesh, rules=rules,
                            every=self.source.every or checkpoint_every, primary=primary)
+
+
+def episode_engine(context: int, k: int, tasks: int, mesh: Mesh | None,
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> EngineConfig:
+  """The rollout engine that plays a multi-turn suite: `tasks` groups of `k` episodes of up to `context` positions.
+
+  Every device block of pages (`paged_kv_cache.page_blocks`) gets the same
+  whole groups: as many as `_EPISODES_AT_ONCE` episodes allow over all
+  blocks, at least one, never more than the suite has, with the pages of
+  each of their episodes at `context` (rounded up to `_CONTEXT_STEP`) and
+  its sink page, so an admitted episode never waits for pages.
+
+  Args:
+    context: positions one episode may fill, first prompt included.
+    k: episodes per task (a group: its samples share a device block).
+    tasks: tasks in the suite.
+    mesh: the mesh the engine runs on (None: one device).
+    rules: the sharding rules.
+
+  Returns:
+    The engine's shapes (the engine's defaults for its page size and calls).
+  """
+  # The mesh's size is a multiple of every product of its axes: the batch axes all divide it.
+  blocks = paged_kv_cache.page_blocks(1 if mesh is None else mesh.devices.size, mesh, rules)
+  groups = max(1, min(-(-tasks // blocks), _EPISODES_AT_ONCE // (k * blocks)))  # per block
+  slots, page_size = groups * k, EngineConfig.page_size
+  context = -(-context // _CONTEXT_STEP) * _CONTEXT_STEP
+  pages = slots * -(-context // page_size) + 1
+  return EngineConfig(max_seqs=blocks * slots, pages=blocks * pages, max_seq_len=context,
+                      prefill_rows=blocks * min(slots, -(-8 // blocks)))
+
+
+def _longest_prompt(env: Environment, tasks: list[dict[str, Any]], fmt: TurnFormat) -> int:
+  """Tokens of the longest first prompt of `tasks` in `fmt` (each episode started to read it, then closed)."""
+  longest = 0
+  for index, task in enumerate(tasks):
+    try:
+      episode = env.reset(task)
+    except ValueError as e:
+      raise ValueError(f"task {index}: {e}") from None
+    try:
+      longest = max(longest, len(fmt.prompt(episode.prompt)))
+    finally:
+      episode.close()
+  return longest
 
 
 def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:

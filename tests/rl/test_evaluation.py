@@ -1,16 +1,29 @@
-"""ptx.rl.evaluation: pass@k against the estimator, the driver, reports and compare."""
+"""ptx.rl.evaluation: pass@k against the estimator, both drivers (single-turn, episodes), reports and compare."""
 
 import asyncio
+import collections
 import dataclasses
 import fractions
 import json
 import math
 
+import jax
 import pytest
+from scripted_episodes import ENGINE, MODEL, ScriptedEnv
 
 from ptx.data.arithmetic import ArithmeticTask
-from ptx.rl import evaluation, sandbox
+from ptx.data.tokenizer import ByteTokenizer
+from ptx.models import init_params
+from ptx.rl import evaluation
 from ptx.rl.environments import base, exact_answer, shell
+from ptx.rl.turn_format import TurnFormat
+from ptx.sampling import SamplingConfig
+from ptx.sampling.engine import RolloutEngine
+from ptx.sampling.generation import STOP
+
+FMT = TurnFormat(ByteTokenizer())
+# Scripted episodes of 1-3 turns; the steps of task 3 raise (the environment fails, not the model).
+TASKS = [{"prompt": f"task {i}", "turns": 1 + i % 3} for i in range(5)]
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -68,25 +81,96 @@ def test_evaluate_single_turn_report():
   assert [t["correct"] for t in report["per_task"]] == correct
 
 
-def test_evaluate_multi_turn_shell_task():
-  task = {"prompt": "Sort data.txt into sorted.txt.", "files": {"data.txt": "3\n10\n2\n"},
-          "check": "printf '2\\n3\\n10\\n' | cmp - sorted.txt"}
-  seen = []
+@pytest.fixture(scope="module")
+def params():
+  return init_params(MODEL, jax.random.key(0))
 
-  def generate(prompts, n):
-    if n == 2:  # the first turn: one good and one bad plan
-      return [["sort -n data.txt > sorted.txt", "sort data.txt > sorted.txt"] for _ in prompts]
-    seen.extend(prompts)
-    return [["DONE"] for _ in prompts]
 
-  env = shell.ShellEnv(max_turns=3, limits=sandbox.Limits(timeout_s=20.0, cpu_s=1))
-  report = evaluation.evaluate(generate, env, [task], k=2)
-  assert report["outcomes"] == {"ok": 1, "wrong": 1}
-  # A sample's text is every turn after the prompt: actions and the observations between them.
-  assert [s["completion"] for s in report["samples"]] == [
-      "sort -n data.txt > sorted.txt\n[exit 0] \nDONE", "sort data.txt > sorted.txt\n[exit 0] \nDONE"]
-  assert report["pass@k"] == {"1": 0.5, "2": 1.0}
-  assert len(seen) == 2 and all("sorted.txt\n[exit 0] \n" in p for p in seen)
+def _episodes(params, seed, k=2):
+  """The report of k scripted episodes per task on a fresh engine seeded `seed`, and what the engine saw.
+
+  Returns:
+    (report, turns: each sequence's Completions, extends: the tokens appended to each sequence, submits: the
+    prompts submitted with their sample counts).
+  """
+  engine = RolloutEngine(MODEL, ENGINE, sampling=SamplingConfig(temperature=1.0), seed=seed)
+  turns, extends, submits = collections.defaultdict(list), collections.defaultdict(list), []
+  step, extend, submit = engine.step, engine.extend, engine.submit
+
+  def recording_step(*args, **kwargs):
+    completions = step(*args, **kwargs)
+    for c in completions:
+      turns[c.seq_id].append(c)
+    return completions
+
+  def recording_extend(seq_id, tokens, **kwargs):
+    extends[seq_id].append(list(tokens))
+    return extend(seq_id, tokens, **kwargs)
+
+  def recording_submit(prompt, **kwargs):
+    submits.append((list(prompt), kwargs["samples"]))
+    return submit(prompt, **kwargs)
+
+  engine.step, engine.extend, engine.submit = recording_step, recording_extend, recording_submit
+  report = evaluation.evaluate_episodes(engine, params, ScriptedEnv(fail="task 3"), TASKS, FMT, k=k,
+                                        max_turn_tokens=6)
+  assert engine.allocator.in_use == 0 and not engine.busy  # every episode gave its pages back
+  return report, turns, extends, submits
+
+
+def test_an_evaluated_episode_is_its_sampled_tokens_and_the_encoded_replies(params):
+  report, turns, extends, submits = _episodes(params, seed=3)
+  # Each task's prompt goes to the engine once, for its k samples together; everything after it is extended.
+  assert submits == [(FMT.prompt(t["prompt"]), 2) for t in TASKS]
+  assert report["outcomes"] == {"infra_error": 2, "ok": 8} and report["pass@k"] == {"1": 0.8, "2": 0.8}
+  assert report["env"] == "scripted" and report["sandbox"] is None and report["mean@k"] == 0.8
+  for entry in report["samples"]:
+    task = TASKS[entry["task"]]
+    seq_id = entry["task"] * 2 + entry["sample"]  # ids go in task, then sample order
+    tokens, messages = [], []
+    for i, turn in enumerate(turns[seq_id]):
+      tokens += turn.tokens.tolist()
+      messages.append({"role": "assistant", "content": FMT.action(turn.tokens)})
+      if i + 1 < len(turns[seq_id]):
+        observation = f"obs {i + 1} of {task['prompt']}"
+        reply = FMT.reply([{"role": "user", "content": task["prompt"]}, *messages], observation,
+                          closed=turn.finish_reason == STOP)
+        assert extends[seq_id][i] == reply  # the reply, encoded once, is what the live sequence got
+        tokens += reply
+        messages.append({"role": "tool", "content": observation})
+    # The report's text is the decoding of exactly those tokens: the sampled ones and the appended replies.
+    assert entry["completion"] == FMT.tokenizer.decode(tokens)
+    assert entry["messages"] == messages and entry["turns"] == len(turns[seq_id])
+    assert entry["turns"] == (1 if task["prompt"] == "task 3" else task["turns"])  # task 3 failed at its first step
+    # A scripted observation is one tool call, the second of an episode failed: summed from the steps.
+    calls = entry["turns"] - 1 if task["prompt"] != "task 3" else 0
+    assert (entry["tool_calls"], entry["tool_errors"]) == (calls, int(calls >= 2))
+    assert entry.get("prompt") == (task["prompt"] if entry["sample"] == 0 else None)
+  assert "the environment's step raised OSError" in report["per_task"][3]["reasons"][0]
+
+
+def test_the_same_seed_gives_the_same_episode_report(params):
+  first, again, other = (_episodes(params, seed)[0] for seed in (3, 3, 4))
+  assert again == first
+  # A test that can fail: another seed samples other turns.
+  assert [s["completion"] for s in other["samples"]] != [s["completion"] for s in first["samples"]]
+
+
+def test_episodes_refuse_bad_records_and_counts_by_name(params):
+  engine = RolloutEngine(MODEL, ENGINE, seed=0)
+  good = {"prompt": "p", "files": {}, "check": "true"}
+  with pytest.raises(ValueError, match="task 1: shell task record needs field 'check'"):
+    evaluation.evaluate_episodes(engine, params, shell.ShellEnv(), [good, {"prompt": "p", "files": {}}], FMT, k=2,
+                                 max_turn_tokens=4)
+  for k, tasks, message in ((0, TASKS, "k must be >= 1"), (1, [], "tasks is empty")):
+    with pytest.raises(ValueError, match=message):
+      evaluation.evaluate_episodes(engine, params, ScriptedEnv(), tasks, FMT, k=k, max_turn_tokens=4)
+
+
+def test_single_turn_evaluate_refuses_a_multi_turn_environment():
+  with pytest.raises(ValueError, match=r"shell is multi-turn \(max_turns 8\): .* evaluate_episodes"):
+    evaluation.evaluate(lambda prompts, k: [["DONE"] * k for _ in prompts], shell.ShellEnv(),
+                        [{"prompt": "p", "files": {}, "check": "true"}], k=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +190,10 @@ def test_a_scoring_step_that_raises_is_an_infra_error_not_a_wrong_answer():
   assert "verifier bug" in report["per_task"][0]["reasons"][0]
 
 
-def test_a_bad_task_record_is_named_and_earlier_episodes_are_closed():
-  env = shell.ShellEnv()
-  good = {"prompt": "p", "files": {}, "check": "true"}
-  with pytest.raises(ValueError, match="task 1: shell task record needs field 'check'"):
-    evaluation.evaluate(lambda prompts, k: [["DONE"] * k for _ in prompts], env, [good, {"prompt": "p", "files": {}}],
-                        k=2)
+def test_a_bad_task_record_is_named():
+  with pytest.raises(ValueError, match="task 1: exact_answer task record needs field 'answer'"):
+    evaluation.evaluate(lambda prompts, k: [["2"] * k for _ in prompts], exact_answer.ExactAnswerEnv(),
+                        [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}], k=2)
 
 
 def test_generate_with_the_wrong_shape_is_rejected():

@@ -1,17 +1,35 @@
-"""ptx.rl.suites: generated and file suites load and evaluate."""
+"""ptx.rl.suites: generated and file suites load, evaluate and are labelled."""
 
 import json
 
 import pytest
 
 from ptx.rl import evaluation, suites
+from ptx.rl.environments.calculator import CalculatorTasks
+from ptx.rl.environments.terminal import TerminalTasks
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator", "terminal"])
 def test_generated_suites_are_seeded(name):
   env, tasks = suites.load(name, n=5, seed=2)
   assert len(tasks) == 5 and tasks == suites.load(name, n=5, seed=2)[1] != suites.load(name, n=5, seed=3)[1]
   assert env.reset(tasks[0]).prompt
+  assert (env.max_turns > 1) == (name in ("calculator", "terminal"))  # played as episodes on the engine
+  if name == "terminal":
+    env.reset(tasks[0]).close()  # a workspace: give it back
+
+
+def test_the_episode_suites_are_the_held_out_splits():
+  # A suite draws the held-out side of the task's split: none of its problems is one the training stream poses.
+  train = {CalculatorTasks(seed=0)[i]["prompt"] for i in range(400)}
+  _, tasks = suites.load("calculator", n=100)
+  assert tasks == [CalculatorTasks(seed=0, split="held_out")[i] for i in range(100)]
+  assert not train & {t["prompt"] for t in tasks}
+  # Terminal tasks split by variant (bug family and theme): the suite's variants are none of training's.
+  _, tasks = suites.load("terminal", n=40)
+  assert tasks == [TerminalTasks(seed=0, split="held_out")[i] for i in range(40)]
+  held_out = {TerminalTasks(seed=0, split="held_out").variant(i) for i in range(40)}
+  assert not held_out & {TerminalTasks(seed=0).variant(i) for i in range(200)}
 
 
 def test_math_file_suite_evaluates(tmp_path):
@@ -31,12 +49,16 @@ def test_bad_names_and_missing_paths_are_explained():
     suites.load("code")
 
 
+def _no_idea(prompts, k):
+  return [["no idea"] * k for _ in prompts]
+
+
 def test_a_suite_report_names_its_suite_and_needle_reads_per_cell():
   env, tasks = suites.load("arithmetic", n=2)
-  report = suites.evaluate("arithmetic", env, tasks, lambda prompts, k: [["no idea"] * k for _ in prompts], k=2)
+  report = suites.label("arithmetic", tasks, evaluation.evaluate(_no_idea, env, tasks, k=2))
   assert report["suite"] == "arithmetic" and report["tasks"] == 2 and "cells" not in report
   env, tasks = suites.load("needle", n=3)
-  report = suites.evaluate("needle", env, tasks, lambda prompts, k: [["no idea"] * k for _ in prompts], k=1)
+  report = suites.label("needle", tasks, evaluation.evaluate(_no_idea, env, tasks, k=1))
   want = {(str(t["length"]), str(t["depth"])) for t in tasks}
   got = {(length, depth): v for length, row in report["cells"].items() for depth, v in row.items()}
   assert report["suite"] == "needle" and set(got) == want and set(got.values()) == {0.0}
