@@ -273,7 +273,7 @@ def main() -> None:
   summary = {m: {"episodes_per_s_median": statistics.median(x["episodes_per_s"] for x in rs),
                  "device_busy_frac_median": statistics.median(x["device_busy_frac"] for x in rs),
                  "runs": [x["episodes_per_s"] for x in rs], "cpu_s": [x["cpu_s"] for x in rs]}
-             for m, rs in runs.items()}
+             for m, rs in runs.items() if rs}  # --rounds 0: the tool floors alone
   if {"overlap", "lockstep"} <= set(summary):
     summary["overlap_over_lockstep"] = round(summary["overlap"]["episodes_per_s_median"]
                                              / summary["lockstep"]["episodes_per_s_median"], 2)
