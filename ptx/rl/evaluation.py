@@ -12,7 +12,7 @@ Two ways to play a task's k samples, one report:
   token in, token out (each turn sampled from the live sequence, each
   environment reply encoded once and appended with `extend`; nothing is
   decoded and encoded again), the k samples of a task sharing its prompt's
-  pages.
+  pages. A step that raises scores its episode "infra_error", not retried.
 
 pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k)
 for n samples with c correct, computed as a product that neither overflows
@@ -179,6 +179,7 @@ def evaluate_episodes(engine: RolloutEngine, params: Any, env: Environment, task
 
 
 def _check(k: int, tasks: Sequence[Mapping[str, Any]]) -> None:
+  """Refuses k < 1 and an empty task list."""
   if k < 1:
     raise ValueError(f"evaluate: k must be >= 1, got {k}")
   if not tasks:
@@ -191,6 +192,7 @@ def _backend(env: Environment) -> str | None:
 
 
 def _report(env_name: str, finals: Sequence[Sequence[Scored]], k: int) -> dict[str, Any]:
+  """A report's scores: pass@k, mean@k, outcome counts and per-task details of each task's k samples."""
   per_task, outcomes = [], collections.Counter()
   for index, steps in enumerate(finals):
     outcomes.update(str(s.outcome) for s in steps)
