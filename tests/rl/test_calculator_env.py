@@ -4,6 +4,7 @@ import pytest
 
 from ptx.rl.environments.base import Outcome
 from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks, calculate
+from ptx.rl.tools import FORMATS
 
 
 def _call(expression):
@@ -71,3 +72,36 @@ def test_the_hacks_a_policy_would_try_score_nothing():
   # Only the record's own answer scores: a record without one is refused by name.
   with pytest.raises(ValueError, match="calculator task record needs field 'answer'"):
     CalculatorEnv().reset({"prompt": "1+1"})
+
+
+@pytest.mark.parametrize("tool_format", FORMATS)
+def test_a_demonstration_is_an_episode_the_environment_scores_1(tool_format):
+  env = CalculatorEnv(tool_format=tool_format)
+  task = CalculatorTasks(seed=3)[7]
+  demo = env.demonstration(task)
+  assert [m["role"] for m in demo] == ["user", "assistant", "tool", "assistant"]
+  # Replayed through a fresh episode, the assistant turns get the demonstration's observations, then reward 1.
+  episode = env.reset(task)
+  assert demo[0]["content"] == episode.prompt
+  call = episode.step(demo[1]["content"])
+  assert not call.done and call.observation == demo[2]["content"] == str(task["answer"])
+  assert (call.tool_calls, call.tool_errors) == (1, 0)
+  final = episode.step(demo[3]["content"])
+  assert final.done and final.outcome == Outcome.OK and final.reward == 1.0
+  assert task["expression"] in demo[1]["content"]
+
+
+def test_a_demonstration_needs_the_records_expression_and_its_value_to_be_the_answer():
+  with pytest.raises(ValueError, match="calculator task record needs field 'expression'"):
+    CalculatorEnv().demonstration({"prompt": "1+1?", "answer": 2})
+  with pytest.raises(ValueError, match=r"field 'expression' \('1 \+ 2'\) is not the answer: 3 is not 2"):
+    CalculatorEnv().demonstration({"prompt": "1+1?", "answer": 2, "expression": "1 + 2"})
+  with pytest.raises(ValueError, match=r"field 'expression' \('two'\): the calculator answered 'error: "):
+    CalculatorEnv().demonstration({"prompt": "1+1?", "answer": 2, "expression": "two"})
+
+
+def test_without_instructions_the_prompt_is_the_problem_alone():
+  task = CalculatorTasks()[0]
+  assert CalculatorEnv(instructions=False).reset(task).prompt == task["prompt"]
+  assert CalculatorEnv(instructions=False).demonstration(task)[0]["content"] == task["prompt"]
+

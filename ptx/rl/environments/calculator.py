@@ -167,19 +167,26 @@ class CalculatorEnv:
   Attributes:
     max_turns: turns per episode.
     tool_format: the model family's tool-call format (`ptx.rl.tools.FORMATS`).
+    instructions: whether the prompt follows the problem with the tool's
+      description, how to call it and how to answer; False poses the problem
+      alone, for a model that has learned the tool (SFT on `demonstration`s),
+      which then reads about 300 fewer prompt bytes an episode.
   """
 
   name: str = "calculator"
   max_turns: int = 4
   sandboxed: bool = False
   tool_format: str = "hermes"
+  instructions: bool = True
 
   def reset(self, task: Mapping[str, Any]) -> CalculatorEpisode:
     """Starts an episode for a `{"prompt", "answer"}` record."""
     prompt = field(task, "prompt", str, self.name)
     answer = field(task, "answer", int, self.name)
     tools = ToolRegistry([CALCULATOR], self.tool_format)
-    return CalculatorEpisode(f"{prompt}\n\n{tools.instructions()} {_ANSWER_RULE}", answer, tools)
+    if self.instructions:
+      prompt = f"{prompt}\n\n{tools.instructions()} {_ANSWER_RULE}"
+    return CalculatorEpisode(prompt, answer, tools)
 
   def demonstration(self, task: Mapping[str, Any]) -> list[dict[str, str]]:
     """A solved episode of `task` as chat messages: the prompt, a calculator call, its result, the answer.
