@@ -106,7 +106,7 @@ class SuiteEvals:
       rules: the sharding rules `params` were placed by.
 
     Returns:
-      {suite: `ptx.rl.suites.evaluate`'s report}.
+      {suite: its report (`ptx.rl.evaluation`'s, labelled by `ptx.rl.suites.label`)}.
     """
     section, reports = self.source, {}
     for name, env, tasks in self.suites:
