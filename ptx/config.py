@@ -438,7 +438,8 @@ class LoRAConfig:
 class EvalConfig:
   """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
 
-  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle; math, code, shell read `files`); empty: none.
+  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle, and the multi-turn calculator and terminal; math, code,
+  # shell read `files`); empty: none.
   suites: tuple[str, ...] = ()
   # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
   files: tuple[str, ...] = ()
@@ -453,7 +454,8 @@ class EvalConfig:
   # Seed of the generated suites' streams and of the sampler, the same at every evaluation, so checkpoints
   # are compared on the same tasks with the same random draws.
   seed: int = 0
-  # Render prompts as a user turn of the tokenizer's chat template.
+  # Render the prompts of single-turn suites as a user turn of the tokenizer's chat template (multi-turn suites
+  # always are: their replies are turns).
   chat: bool = False
   # Evaluate every this many steps (None: train.checkpoint_every), after the last step, and before the first.
   every: int | None = None

@@ -70,7 +70,8 @@ def score(env: Environment, tasks: Sequence[Mapping[str, Any]], completions: Seq
   if len(tasks) != len(completions):
     raise ValueError(f"rewards.score: {len(tasks)} tasks but {len(completions)} completions")
   if env.max_turns != 1:
-    raise ValueError(f"rewards.score: {env.name} is multi-turn ({env.max_turns} turns); use evaluation.evaluate")
+    raise ValueError(f"rewards.score: {env.name} is multi-turn ({env.max_turns} turns); play it with "
+                     "evaluation.evaluate_episodes")
   episodes = [env.reset(task) for task in tasks]
   try:
     return run_steps([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)], concurrency)
