@@ -60,6 +60,8 @@ PRESETS: launch.Presets = {
                             turn_tokens=48)),
     # A prompt of up to 448 tokens (the task and the shell instructions), then up to 896 of commands and outputs.
     "full": lambda: ptx.Config(
+        # Rows of 1,344 tokens through 30 layers: without remat the update holds ~20 GB of activations on a CPU.
+        model=ptx.ModelConfig(remat="full"),
         optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=4, log_every=1, checkpoint_every=4),
         data=ptx.DataConfig(kind="rl", batch_size=2, seq_len=448, pack=False),
@@ -70,12 +72,7 @@ PRESETS: launch.Presets = {
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv)
-  launch.start(args)
-  args.model_dir = launch.smollm2_dir(args)
-  if args.preset == "tiny":
-    overrides = ["--model.n_layers=2", *overrides]
-  cfg, params, tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)
+  args, cfg, params, tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv)
   job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset]))
   tasks = ptx.grpo_prompts(cfg, tokenizer, TerminalTasks(TRAIN_SEED, "train"), in_graph=False)
   state, summary = ptx.fit(cfg, job, train_data=tasks, out=args.out, init_params=params, resume=args.resume,

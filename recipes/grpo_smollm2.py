@@ -108,12 +108,7 @@ def write_held_out(prompts: ChatAddition, n: int, path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary and the held-out pass@1 and pass@K before and after."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv)
-  launch.start(args)
-  args.model_dir = launch.smollm2_dir(args)
-  if args.preset == "tiny":
-    overrides = ["--model.n_layers=2", *overrides]
-  cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides, fresh_tiny=False)
+  args, cfg, params, hf_tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv)
   tokenizer = launch.prompt_tokenizer(hf_tokenizer)
   args.out.mkdir(parents=True, exist_ok=True)
   held_out = args.out / "held_out.jsonl"

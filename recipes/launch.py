@@ -92,6 +92,23 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str], 
     args.error(str(e))
 
 
+def smollm2_recipe(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+  """`parse`, `start` and `configure` for a recipe of the real SmolLM2-135M-Instruct (`smollm2_dir`).
+
+  The tiny preset keeps the first 2 of its 30 layers: the real tokenizer,
+  template and weights at smoke-test cost.
+
+  Returns:
+    (flags, config, starting parameters, the model's tokenizer).
+  """
+  args, overrides = parse(doc, presets, argv)
+  start(args)
+  args.model_dir = smollm2_dir(args)
+  if args.preset == "tiny":
+    overrides = ["--model.n_layers=2", *overrides]
+  return args, *configure(args, presets[args.preset](), overrides, fresh_tiny=False)
+
+
 def smollm2_dir(args: argparse.Namespace) -> paths.Path:
   """--model-dir, or the bundled SmolLM2-135M-Instruct GGUF converted once into OUT/smollm2 (float32 HF)."""
   if args.model_dir is not None:
