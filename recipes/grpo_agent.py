@@ -55,9 +55,10 @@ PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
-        data=ptx.DataConfig(kind="rl", batch_size=2, seq_len=448, pack=False),
-        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=256,
-                            turn_tokens=48)),
+        # 8 tasks: a batch splits over up to 8 devices (the test suite's fake ones).
+        data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=448, pack=False),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=160,
+                            turn_tokens=24)),
     # A prompt of up to 448 tokens (the task and the shell instructions), then up to 896 of commands and outputs.
     "full": lambda: ptx.Config(
         # Rows of 1,344 tokens through 30 layers: without remat the update holds ~20 GB of activations on a CPU.
