@@ -27,8 +27,9 @@ Expected step time: on a v5e-8 with 32 tasks x 8 episodes, dominated by the
 commands (about 0.1-1 s each, overlapped with decoding) and the update over
 256 rows of up to 1,344 tokens: about 10-20 s a step (estimate, not
 measured). On this 2-core CPU `--preset full` (2 tasks x 4 episodes of up
-to 4 commands, all 30 layers) takes minutes a step; `--preset tiny` keeps 2
-of the 30 layers and runs in about a minute.
+to 4 commands, all 30 layers) takes minutes a step (measured below);
+`--preset tiny` keeps 2 of the 30 layers and takes a few minutes, mostly
+compiling (376 s in the test suite at load 10-24).
 
 Expected scores: SmolLM2-135M-Instruct was never trained to act in a shell:
 at first most episodes end without a passing check, and the reward stays
