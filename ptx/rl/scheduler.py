@@ -21,7 +21,12 @@ job, not `asyncio.to_thread`: a thread cannot be stopped, so when an attempt
 times out or is cancelled its result is reported at once but its slot stays
 taken until the call has really returned. `concurrency` thus bounds the blocking
 calls actually running, and a started attempt never waits for a thread held by
-an earlier one. A call may watch `abandoned()` to give up early.
+an earlier one. A call may watch `abandoned()` to give up early. `hold` does the
+same for any work running outside the loop (a remote task).
+
+Where an attempt runs is the executor's choice (`ptx.rl.executors`): in this
+loop by default, or as a Ray task on a CPU node (`ptx.rl.ray_executor`); every
+rule above stays here, whichever runs it.
 
 A deadline is judged by the attempt's own running time, not by the order in
 which a stalled loop catches up (see `Scheduler._deadline`).
@@ -38,6 +43,8 @@ import random
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
+
+from ptx.rl.executors import Executor, LocalExecutor, Resources
 
 INFRA_ERROR = "infra_error"
 
@@ -79,6 +86,7 @@ class Job:
   key: Hashable = None  # the caller's name for it, echoed in the result
   priority: int = 0  # higher starts first
   timeout_s: float | None = None  # per attempt, from its start; None: the scheduler's default
+  resources: Resources | None = None  # what an attempt reserves where it runs; None: the executor's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +102,18 @@ class JobResult:
 
 @dataclasses.dataclass(eq=False)
 class _Attempt:
-  """One attempt in flight: its task, its deadline and the blocking calls it started."""
+  """One attempt in flight: its task, its deadline and the work it started outside the loop."""
 
   timeout_s: float | None
   pending: set[asyncio.Future]  # the scheduler's: everything close() waits for
   task: asyncio.Task | None = None
   timer: asyncio.TimerHandle | None = None  # its deadline
   credit: float = 0.0  # seconds the deadline may still move for a stalled loop
-  calls: dict[asyncio.Future, threading.Event] = dataclasses.field(default_factory=dict)  # running -> abandoned
+  calls: dict[asyncio.Future, Callable[[], None]] = dataclasses.field(default_factory=dict)  # running -> abandon
 
-  def hold(self, future: asyncio.Future, abandoned: threading.Event) -> None:
-    """Keeps the slot taken until `future` (a blocking call) is done."""
-    self.calls[future] = abandoned
+  def hold(self, future: asyncio.Future, abandon: Callable[[], None]) -> None:
+    """Keeps the slot taken until `future` (a blocking call, a remote task) is done."""
+    self.calls[future] = abandon
     self.pending.add(future)
     future.add_done_callback(self._returned)
 
@@ -119,8 +127,8 @@ class _Attempt:
     """The attempt is over: no deadline left, and no one wants what its calls still compute."""
     if self.timer is not None:
       self.timer.cancel()
-    for abandoned in self.calls.values():
-      abandoned.set()
+    for abandon in list(self.calls.values()):
+      abandon()
 
 
 _ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("ptx_rl_scheduler_attempt",
@@ -132,6 +140,7 @@ _ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.Context
 @dataclasses.dataclass(eq=False)
 class _Entry:
   job: Job
+  run: Callable[[], Awaitable[Any]]  # one attempt, where the executor runs it
   future: asyncio.Future
   seq: int
   attempts: int = 0
@@ -148,15 +157,17 @@ class Scheduler:
     timeout_s: default per-attempt timeout (None: no limit).
     retry: backoff for infrastructure faults.
     seed: seeds the backoff jitter.
+    executor: where attempts run (`ptx.rl.executors`); None: in this loop (`LocalExecutor`).
   """
 
   def __init__(self, concurrency: int, *, timeout_s: float | None = None, retry: Retry = Retry(),
-               seed: int = 0):
+               seed: int = 0, executor: Executor | None = None):
     if concurrency < 1:
       raise ValueError(f"Scheduler.concurrency must be >= 1, got {concurrency}")
     if timeout_s is not None and timeout_s <= 0:
       raise ValueError(f"Scheduler.timeout_s must be > 0 or None, got {timeout_s}")
     self.concurrency, self.timeout_s, self.retry = concurrency, timeout_s, retry
+    self.executor = LocalExecutor() if executor is None else executor
     self.counts: collections.Counter[str] = collections.Counter()
     self.retries = 0  # attempts repeated after an infrastructure fault
     self.in_flight = 0
@@ -183,15 +194,19 @@ class Scheduler:
 
     Returns:
       An asyncio.Future that resolves to the JobResult.
+
+    Raises:
+      TypeError: the executor cannot run the job (e.g. it does not pickle for Ray), naming its key.
     """
     if self._closed:
       raise RuntimeError("Scheduler.submit after close() or cancel()")
     if job.timeout_s is not None and job.timeout_s <= 0:
       raise ValueError(f"Job.timeout_s must be > 0 or None, got {job.timeout_s} (key {job.key!r})")
+    run = self.executor.bind(job)
     if self._queue is None:
       self._queue = asyncio.PriorityQueue()
       self._workers = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
-    entry = _Entry(job, asyncio.get_running_loop().create_future(), next(self._seq))
+    entry = _Entry(job, run, asyncio.get_running_loop().create_future(), next(self._seq))
     entry.future.add_done_callback(lambda f: self._on_future_done(entry))
     self._live.add(entry)
     self._enqueue(entry)
@@ -294,7 +309,7 @@ class Scheduler:
       attempt.credit = attempt.timeout_s
       attempt.timer = asyncio.get_running_loop().call_later(attempt.timeout_s, self._deadline, entry, attempt)
     try:
-      value = await entry.job.fn()
+      value = await entry.run()
       return "value", value, str(getattr(value, "outcome", "ok"))
     except asyncio.CancelledError as e:
       if asyncio.current_task().cancelling():
@@ -388,18 +403,34 @@ async def to_thread(fn: Callable[..., Any], /, *args: Any, executor: Any = None,
       return None  # its attempt is over: do not start work no one will read
     return context.run(fn, *args, **kwargs)
 
-  future = loop.run_in_executor(executor, call)
+  return await hold(loop.run_in_executor(executor, call), abandoned.set)
+
+
+async def hold(future: asyncio.Future, abandon: Callable[[], None]) -> Any:
+  """Awaits work running outside the loop (a thread, a remote task); inside a job, its slot stays taken until it ends.
+
+  When the attempt awaiting it times out or is cancelled, `abandon` is called (tell the work to stop) and the
+  wait ends at once, but the attempt's slot stays taken until `future` is done, so the scheduler's concurrency
+  bounds the work really running.
+
+  Args:
+    future: the work's future.
+    abandon: called when the work's result is no longer wanted (outside a job: once the wait ends).
+
+  Returns:
+    The work's result.
+  """
   attempt = _ATTEMPT.get()
   if attempt is None:  # not inside a job: there is no slot to hold
     try:
       return await future
     finally:
-      abandoned.set()
-  attempt.hold(future, abandoned)
+      abandon()
+  attempt.hold(future, abandon)
   try:
-    return await asyncio.shield(future)  # a cancellation ends the wait, never the call
+    return await asyncio.shield(future)  # a cancellation ends the wait, never the work
   except asyncio.CancelledError:
-    abandoned.set()
+    abandon()
     raise
 
 
