@@ -7,22 +7,26 @@ up to `concurrency` programs run at once (a step that timed out keeps its slot
 until its thread has returned: threads cannot be stopped); steps whose result is
 an infrastructure fault are retried, and a step that raises, or outlives the
 optional timeout, is scored as an infrastructure error (the environment failed,
-not the model), never as wrong.
+not the model), never as wrong. Where the steps run is the scheduler's
+executor: in this process by default, or as Ray tasks on CPU nodes
+(`ptx.rl.ray_executor`), where each step call must pickle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ptx.rl.environments.base import Environment, Outcome, Step
+from ptx.rl.executors import Executor
 from ptx.rl.scheduler import Job, Scheduler, to_thread
 
 
-def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32, *,
-              timeout_s: float | None = None) -> list[Step]:
+def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32, *, timeout_s: float | None = None,
+              executor: Executor | None = None, priorities: Sequence[int] | None = None) -> list[Step]:
   """Runs blocking step calls, `concurrency` at once, and returns their Steps in order.
 
   Args:
@@ -32,15 +36,22 @@ def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32, *,
       error (None: no limit). Its thread goes on until the call returns (it may watch
       `ptx.rl.scheduler.abandoned()` to stop early), keeping its slot, and run_steps returns
       only once every call has returned.
+    executor: where the calls run (`ptx.rl.executors`; with Ray each call must pickle); None: here.
+    priorities: the scheduler priority of each call (higher starts first); None: all equal.
 
   Returns:
     One Step per call.
   """
+  priorities = [0] * len(steps) if priorities is None else priorities
+  if len(priorities) != len(steps):
+    raise ValueError(f"rewards.run_steps: {len(priorities)} priorities for {len(steps)} steps")
 
   async def main(pool: concurrent.futures.Executor) -> list[Step]:
-    async with Scheduler(concurrency, timeout_s=timeout_s) as scheduler:
-      results = await scheduler.run(Job(lambda s=s: to_thread(s, executor=pool), key=i)
-                                    for i, s in enumerate(steps))
+    # A job's thread comes from its loop's default executor: `pool` here, the node's own where Ray runs it.
+    asyncio.get_running_loop().set_default_executor(pool)
+    async with Scheduler(concurrency, timeout_s=timeout_s, executor=executor) as scheduler:
+      results = await scheduler.run(Job(functools.partial(to_thread, s), key=i, priority=p)
+                                    for i, (s, p) in enumerate(zip(steps, priorities)))
     return [r.value if isinstance(r.value, Step)
             else Step.final(Outcome.INFRA_ERROR, f"scoring failed: {r.error}") for r in results]
 
@@ -55,7 +66,8 @@ def run_steps(steps: Sequence[Callable[[], Step]], concurrency: int = 32, *,
 
 
 def score(env: Environment, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], *,
-          concurrency: int = 32) -> list[Step]:
+          concurrency: int = 32, timeout_s: float | None = None, executor: Executor | None = None,
+          priorities: Sequence[int] | None = None) -> list[Step]:
   """Scores one completion per task with a single-turn environment.
 
   Args:
@@ -63,6 +75,9 @@ def score(env: Environment, tasks: Sequence[Mapping[str, Any]], completions: Seq
     tasks: task records, one per completion (repeat a record for a group).
     completions: the model's outputs.
     concurrency: most episodes scored at once.
+    timeout_s: seconds a step may run before it is scored as an infrastructure error (None: no limit).
+    executor: where the steps run (`run_steps`); None: here.
+    priorities: the scheduler priority of each completion's step; None: all equal.
 
   Returns:
     The final Step of each episode: reward, outcome and reason.
@@ -74,7 +89,8 @@ def score(env: Environment, tasks: Sequence[Mapping[str, Any]], completions: Seq
                      "evaluation.evaluate_episodes")
   episodes = [env.reset(task) for task in tasks]
   try:
-    return run_steps([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)], concurrency)
+    return run_steps([functools.partial(e.step, c) for e, c in zip(episodes, completions)], concurrency,
+                     timeout_s=timeout_s, executor=executor, priorities=priorities)
   finally:
     for episode in episodes:
       episode.close()

@@ -53,6 +53,8 @@ from ptx.data.tokenizer import Tokenizer
 from ptx.rl import rewards as rewards_lib
 from ptx.rl import sandbox
 from ptx.rl.environments.base import Environment, Outcome
+from ptx.rl.executors import Executor
+from ptx.rl.priority import PriorityPolicy
 from ptx.sampling.generation import Generation
 from ptx.train.rl_step import GRPOStepKind, RLSpec, learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
@@ -153,6 +155,11 @@ class EnvReward:
     stop_ids: ids left out of the decoded text.
     group_size: samples per task (G).
     concurrency: environment instances scored at once.
+    timeout_s: seconds a sample's scoring may run before it is an infrastructure error (None: no limit; with a
+      remote executor set one, so a job lost without word from its cluster cannot stall training).
+    executor: where the episodes are scored (`ptx.rl.executors`; `ptx.rl.ray_executor.RayExecutor`: on a Ray
+      cluster's CPU nodes); None: in this process.
+    priority: orders the samples' scoring under contention (`ptx.rl.priority`); None: in batch order.
   """
 
   env: Environment
@@ -160,6 +167,9 @@ class EnvReward:
   stop_ids: tuple[int, ...]
   group_size: int
   concurrency: int = 32
+  timeout_s: float | None = None
+  executor: Executor | None = dataclasses.field(default=None, compare=False)
+  priority: PriorityPolicy | None = dataclasses.field(default=None, compare=False)
   tally: _OutcomeTally = dataclasses.field(default_factory=_OutcomeTally, compare=False, repr=False)
 
   def __post_init__(self):
@@ -168,10 +178,16 @@ class EnvReward:
 
   def __call__(self, tokens: np.ndarray, lengths: np.ndarray, tasks: Sequence[dict[str, Any]]) -> np.ndarray:
     texts = decode_completions(self.tokenizer, tokens, lengths, self.stop_ids)
-    steps = rewards_lib.score(self.env, [t for t in tasks for _ in range(self.group_size)], texts,
-                              concurrency=self.concurrency)
+    per_sample = [t for t in tasks for _ in range(self.group_size)]
+    priorities = None if self.priority is None else [self.priority.priority(t) for t in per_sample]
+    steps = rewards_lib.score(self.env, per_sample, texts, concurrency=self.concurrency, timeout_s=self.timeout_s,
+                              executor=self.executor, priorities=priorities)
     self.tally.add([s.outcome for s in steps])
-    return np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
+    rewards = np.asarray([np.nan if s.outcome == Outcome.INFRA_ERROR else s.reward for s in steps], np.float32)
+    if self.priority is not None:
+      for task, group in zip(tasks, rewards.reshape(len(tasks), self.group_size)):
+        self.priority.record(task, group)
+    return rewards
 
   def take_metrics(self) -> dict[str, Any]:
     """Outcome fractions of the batches scored since the last call, and the sandbox backend that ran them."""
