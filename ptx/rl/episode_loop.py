@@ -85,7 +85,7 @@ class _Live:
   episode: Episode
   seq_id: int
   prompt: list[int]
-  limit: int  # positions it may fill: its context
+  limit: int  # tokens it may hold, prompt and replies included
   tokens: list[int] = dataclasses.field(default_factory=list)
   mask: list[int] = dataclasses.field(default_factory=list)
   log_probs: list[float] = dataclasses.field(default_factory=list)
@@ -145,8 +145,10 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
       except ValueError as e:
         raise ValueError(f"play: task {index}: {e}") from None
       prompt = fmt.prompt(episodes[0].prompt)
+      # Tokens the episode may hold: the engine could sample one past its last cached position, but a trajectory
+      # longer than `room` would not fit the training row `max_episode_tokens` sizes.
       room = limit if max_episode_tokens is None else min(limit, len(prompt) + max_episode_tokens)
-      budget = min(max_turn_tokens, room - len(prompt) + 1)
+      budget = min(max_turn_tokens, room - len(prompt))
       if budget < 1:
         for episode in episodes:
           episode.close()
@@ -210,7 +212,7 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
           finish(state, Step.final(Outcome.NO_ANSWER, f"out of turns ({env.max_turns}) without an answer"))
           continue
         reply = fmt.reply(state.messages, step.observation, closed=completion.finish_reason == STOP)
-        budget = min(max_turn_tokens, state.limit - state.length - len(reply) + 1)
+        budget = min(max_turn_tokens, state.limit - state.length - len(reply))
         if budget < 1:
           finish(state, Step.final(Outcome.LIMIT, f"the context of {state.limit} tokens is full after {state.turns} "
                                                   "turns"))

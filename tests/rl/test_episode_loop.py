@@ -169,6 +169,10 @@ def test_infrastructure_errors_turn_limits_and_full_contexts_end_episodes_by_nam
   (full,) = _play(model, ScriptedEnv(), [{"prompt": "task 0", "turns": 3}], max_context=len(prompt) + 12)
   assert full.outcome == Outcome.LIMIT and full.reward == 0.0 and full.turns == 1 and "context of" in full.reason
   assert len(full.tokens) <= len(prompt) + 12
+  # The episode's own budget binds before the turn's: never a token past it (a training row is that wide).
+  bounded = _play(model, ScriptedEnv(), [{"prompt": "task 0", "turns": 3}], samples=4, max_turn_tokens=40,
+                  max_episode_tokens=20)
+  assert max(len(t.tokens) - t.prompt_len for t in bounded) == 20
 
   with pytest.raises(ValueError, match="task 0: its prompt of .* leaves no room"):
     _play(model, ScriptedEnv(), [{"prompt": "x" * 400, "turns": 1}])
