@@ -6,20 +6,34 @@ tests/ on their path), and count their attempts in files (a job on a node has no
 """
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import os
 import pathlib
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from stepping import run_steps  # noqa: E402
+from ptx import cli  # noqa: E402
+from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig  # noqa: E402
+from ptx.data.arithmetic import ArithmeticTask  # noqa: E402
+from ptx.data.tokenizer import ByteTokenizer  # noqa: E402
 from ptx.rl import scheduler as sched  # noqa: E402
+from ptx.rl.environments.base import Outcome, SingleTurn, Step  # noqa: E402
 from ptx.rl.executors import LocalExecutor, Resources  # noqa: E402
+from ptx.rl.prompt_batches import PromptBatches  # noqa: E402
 from ptx.rl.ray_executor import RayExecutor  # noqa: E402
+from ptx.sharding import make_mesh  # noqa: E402
+from ptx.train.optimizer import make_optimizer  # noqa: E402
+from ptx.train.rl_host import EnvReward, HostRewardStep, Lookahead  # noqa: E402
+from ptx.train.rl_step import RLSpec  # noqa: E402
+from ptx.train.state import init_state, state_shardings  # noqa: E402
+
+TOK = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +222,70 @@ def test_a_job_that_does_not_pickle_is_refused_at_submit_naming_it(cluster):
 
   with pytest.raises(TypeError, match=r"Job 'task-7' cannot run on Ray: its fn does not pickle"):
     asyncio.run(main())
+
+
+def _even_bytes(action: str) -> Step:
+  """The fraction of the completion's bytes that are even: a reward a random model earns in varied amounts."""
+  data = action.encode()
+  reward = sum(b % 2 == 0 for b in data) / max(len(data), 1)
+  return Step.final(Outcome.OK if reward > 0.5 else Outcome.WRONG, "", reward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EvenBytesEnv:
+  name: str = "even_bytes"
+  max_turns: int = 1
+
+  def reset(self, task):
+    return SingleTurn(task["prompt"], _even_bytes)
+
+
+class _ScoredBothWays:
+  """The host reward on the Ray executor (what trains), each batch also scored by the local one for comparison."""
+
+  def __init__(self):
+    self.ray = EnvReward(_EvenBytesEnv(), TOK, (TOK.eos_id,), 2, concurrency=2, timeout_s=120, executor=RayExecutor())
+    self.local = EnvReward(_EvenBytesEnv(), TOK, (TOK.eos_id,), 2)
+    self.batches = []
+
+  def __call__(self, tokens, lengths, tasks):
+    on_ray = self.ray(tokens, lengths, tasks)
+    self.batches.append((on_ray, self.local(tokens, lengths, tasks)))
+    return on_ray
+
+
+@pytest.mark.slow
+def test_host_reward_grpo_trains_on_ray_with_the_local_executors_rewards(cluster, tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+  optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), 10)
+  spec = RLSpec(model=cfg, grpo=GRPOConfig(group_size=2, beta=0.0, kl_placement="none"), max_new_tokens=6,
+                stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  data = Lookahead(PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=None))
+  reward = _ScoredBothWays()
+  step = HostRewardStep(spec=spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings(cfg, optimizer, mesh),
+                        reward=reward, prompts=data)
+  _, history = run_steps(step, init_state(cfg, optimizer, 0, mesh), data, 2)
+  # The same completions (one seed, one run) get the same rewards on either executor, exactly: one Python function.
+  for on_ray, local in reward.batches:
+    np.testing.assert_array_equal(on_ray, local)
+  assert len({float(r) for on_ray, _ in reward.batches for r in on_ray}) > 2  # varied: a wrong score would show
+  for (on_ray, _), metrics in zip(reward.batches, history):
+    np.testing.assert_allclose(metrics["reward/mean"], on_ray.mean(), rtol=1e-6)  # float32 sums in another order
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--executor=ray"], "--executor=ray scores rl records on the host (--data.train_files"),
+    (["--executor=ray", "--env=calculator", "{data}"], "--executor=ray scores rl records on the host"),
+    (["--executor=ray", "--ray-resources=num_cpus=1,sandbox", "{data}"], "'sandbox' is not NAME=NUMBER"),
+    (["--ray-address=auto", "{data}"], "--ray-address needs --executor=ray"),
+    (["--score-concurrency=0", "{data}"], "--score-concurrency must be >= 1, got 0"),
+    (["--executor=ray", "--score-timeout-s=-1", "{data}"], "--score-timeout-s must be > 0, got -1.0"),
+])
+def test_grpo_executor_flags_refuse_what_they_cannot_do_naming_the_flag(tmp_path, capsys, flags, message):
+  data = tmp_path / "rl.jsonl"
+  data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+  flags = [f.format(data=f"--data.train_files=[\"{data}\"]") for f in flags]
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["grpo", "--out", str(tmp_path / "run"), "--no-progress", *flags])
+  assert exit_.value.code == 2 and message in capsys.readouterr().err
