@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
   ev.add_argument("--model", type=paths.argument, help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
                   "retrieval), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
-                  "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), shell (your "
-                  "records)")
+                  "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
+                  "about a long document through search tools), shell (your records)")
   ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
                   help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when --task "
                   "names one file suite; repeat for several")

@@ -438,8 +438,8 @@ class LoRAConfig:
 class EvalConfig:
   """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
 
-  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle, and the multi-turn calculator and terminal; math, code,
-  # shell read `files`); empty: none.
+  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle, and the multi-turn calculator, terminal and docqa;
+  # math, code, shell read `files`); empty: none.
   suites: tuple[str, ...] = ()
   # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
   files: tuple[str, ...] = ()

@@ -1,18 +1,20 @@
 """Named evaluation suites: what `ptx eval --task NAME` evaluates.
 
 A suite is an environment plus its task records. The generated suites
-(`arithmetic`, `countdown`, `needle`, `calculator`, `terminal`) need no
+(`arithmetic`, `countdown`, `needle`, `calculator`, `terminal`, `docqa`) need no
 files: records 0..n-1 of a seeded stream of the task's held-out problems
 (`ptx.data.splits`: no training stream of the task draws them; `needle`
 cycles over its (length, depth) grid, and its report is read per cell;
 `terminal` is `ShellEnv` on the buggy projects of
-`ptx.rl.environments.terminal`).
+`ptx.rl.environments.terminal`; `docqa` asks about generated documents none
+of whose questions a training stream asks, its budgets counted in the
+policy's tokens, so it needs the tokenizer).
 The file suites (`math`, `code`, `shell`, `exact`) read a JSONL file of records in the
 format their environment documents (`exact`: `{"prompt", "answer"}` records whose prompts are
 sampled as written, `math` without its `\\boxed{}` instruction).
 
-`calculator` (word problems with a calculator tool), `terminal` and `shell`
-are multi-turn (`Environment.max_turns` > 1): their episodes are played on the
+`calculator` (word problems with a calculator tool), `terminal`, `docqa` and
+`shell` are multi-turn (`Environment.max_turns` > 1): their episodes are played on the
 rollout engine (`ptx.rl.evaluation.evaluate_episodes`), the others sampled
 once per sample (`ptx.rl.evaluation.evaluate`). `label` names a report
 after its suite (and for `needle` adds its accuracy per cell).
@@ -26,24 +28,31 @@ from typing import Any
 
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.records import decode
+from ptx.data.tokenizer import Tokenizer
 from ptx.data.sources import JsonlSource
 from ptx.rl.environments import needle
 from ptx.rl.environments.base import Environment
 from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
 from ptx.rl.environments.countdown import CountdownEnv, CountdownTask
+from ptx.rl.environments.docqa import DocQAEnv, DocQATasks
 from ptx.rl.environments.exact_answer import ExactAnswerEnv
 from ptx.rl.environments.python_tests import PythonTestsEnv
 from ptx.rl.environments.shell import ShellEnv
 from ptx.rl.environments.terminal import TerminalTasks
 
 _BOXED = " Put the final answer in \\boxed{}."
-_GENERATED: dict[str, tuple[Callable[[], Environment], Callable[[int], Any]]] = {
-    "arithmetic": (ExactAnswerEnv, lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*", split="held_out")),
-    "countdown": (CountdownEnv, lambda seed: CountdownTask(seed=seed, split="held_out")),
-    "needle": (needle.NeedleEnv, lambda seed: needle.NeedleTask(seed=seed, split="held_out")),
-    "calculator": (CalculatorEnv, lambda seed: CalculatorTasks(seed=seed, split="held_out")),
-    "terminal": (ShellEnv, lambda seed: TerminalTasks(seed=seed, split="held_out")),
+# name: (the environment for the policy's tokenizer, the task stream of a seed).
+_GENERATED: dict[str, tuple[Callable[[Tokenizer], Environment], Callable[[int], Any]]] = {
+    "arithmetic": (lambda _: ExactAnswerEnv(),
+                   lambda seed: ArithmeticTask(seed=seed, max_digits=3, ops="+-*", split="held_out")),
+    "countdown": (lambda _: CountdownEnv(), lambda seed: CountdownTask(seed=seed, split="held_out")),
+    "needle": (lambda _: needle.NeedleEnv(), lambda seed: needle.NeedleTask(seed=seed, split="held_out")),
+    "calculator": (lambda _: CalculatorEnv(), lambda seed: CalculatorTasks(seed=seed, split="held_out")),
+    "terminal": (lambda _: ShellEnv(), lambda seed: TerminalTasks(seed=seed, split="held_out")),
+    "docqa": (DocQAEnv, lambda seed: DocQATasks(seed=seed, split="held_out")),
 }
+# The generated suites whose environment counts the policy's tokens: they need its tokenizer.
+_TOKENIZED = ("docqa",)
 _FILES: dict[str, Callable[[], Environment]] = {
     "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
     # Prompts used exactly as written (e.g. already rendered through a chat template), final answer checked.
@@ -54,8 +63,8 @@ FILE_SUITES = tuple(_FILES)
 NAMES = tuple(_GENERATED) + FILE_SUITES
 
 
-def load(name: str, *, n: int = 100, seed: int = 0,
-         path: str | os.PathLike | None = None) -> tuple[Environment, list[dict[str, Any]]]:
+def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | None = None,
+         tokenizer: Tokenizer | None = None) -> tuple[Environment, list[dict[str, Any]]]:
   """Returns the environment and task records of suite `name`.
 
   Args:
@@ -63,6 +72,8 @@ def load(name: str, *, n: int = 100, seed: int = 0,
     n: how many records (the first n of the stream or the file).
     seed: the stream of a generated suite.
     path: the JSONL file of a file suite.
+    tokenizer: the policy's tokenizer; `docqa` budgets its prompts and
+      replies in its tokens, and needs it.
 
   Returns:
     (environment, records).
@@ -70,9 +81,11 @@ def load(name: str, *, n: int = 100, seed: int = 0,
   if n < 1:
     raise ValueError(f"suites.load: n must be >= 1, got {n}")
   if name in _GENERATED:
+    if name in _TOKENIZED and tokenizer is None:
+      raise ValueError(f"suite {name!r} counts its prompts and replies in the policy's tokens: pass tokenizer")
     make_env, make_tasks = _GENERATED[name]
     tasks = make_tasks(seed)
-    return make_env(), [tasks[i] for i in range(n)]
+    return make_env(tokenizer), [tasks[i] for i in range(n)]
   if name not in _FILES:
     raise ValueError(f"unknown evaluation suite {name!r}; known: {', '.join(NAMES)}")
   if path is None:

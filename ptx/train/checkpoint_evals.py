@@ -36,8 +36,7 @@ arrays, on the same mesh, token in, token out as training plays episodes,
 always through the chat template (the tokenizer's, else ChatML), whatever
 `eval.chat`: a reply is a turn of the conversation. Its sizes:
 `eval.max_new_tokens` per turn; an episode may add, after its first
-prompt, each turn's budget and for each reply as much or 256 tokens,
-whichever is more (`SuiteEvals._episodes`), and ends with outcome "limit"
+prompt, each turn's budget and each reply's allowance (`episode_tokens`), and ends with outcome "limit"
 beyond that; the engine's context is the suite's longest first prompt
 plus that, and it decodes whole groups of `eval.k`, at most 32 episodes
 at once but at least one group on each device that holds pages, with
@@ -124,10 +123,7 @@ class SuiteEvals:
     """A multi-turn suite's report: its episodes played on a fresh rollout engine seeded with `eval.seed`."""
     section, fmt = self.source, TurnFormat.of(self.tokenizer)
     check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
-    # Each turn its budget, each reply (a tool's output or error) at least _REPLY_TOKENS: bounded in total, not per
-    # turn, so a long reply can use what short turns left.
-    turns = env.max_turns
-    added = turns * section.max_new_tokens + (turns - 1) * max(section.max_new_tokens, _REPLY_TOKENS)
+    added = episode_tokens(env, section.max_new_tokens)
     config = episode_engine(_longest_prompt(env, tasks, fmt) + added, section.k, len(tasks), mesh, rules)
     engine = RolloutEngine(model, config, sampling=section.sampling, seed=section.seed, mesh=mesh,
                            pad_id=self.tokenizer.pad_id, rules=rules)
@@ -186,6 +182,19 @@ def _longest_prompt(env: Environment, tasks: list[dict[str, Any]], fmt: TurnForm
   return longest
 
 
+def episode_tokens(env: Environment, max_new_tokens: int) -> int:
+  """Tokens an evaluated episode may add after its first prompt: its turns' and its replies' allowance.
+
+  Each turn gets `max_new_tokens`; each reply (a tool's output or error) as
+  much, at least _REPLY_TOKENS, or the bound an environment that counts its
+  replies' tokens declares (`reply_tokens`, docqa's), whichever is most. The
+  total bounds the episode, not each turn: a long reply can use what short
+  turns left.
+  """
+  reply = max(max_new_tokens, _REPLY_TOKENS, getattr(env, "reply_tokens", 0))
+  return env.max_turns * max_new_tokens + (env.max_turns - 1) * reply
+
+
 def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:
   """Loads the suites an `eval` section names; None when it names none.
 
@@ -220,7 +229,8 @@ def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:
   loaded = []
   for name in section.suites:
     try:
-      env, tasks = suites.load(name, n=section.n, seed=section.seed, path=files.get(name))
+      env, tasks = suites.load(name, n=section.n, seed=section.seed, path=files.get(name),
+                              tokenizer=tokenizer)
     except (OSError, ValueError) as e:  # a missing file or a bad record: named with the field that points at it
       raise ConfigError(f"eval.files {name}={files[name]}: {e}" if name in files else f"eval.suites {name}: {e}") from e
     loaded.append((name, env, tuple(tasks)))

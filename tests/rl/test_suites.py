@@ -4,17 +4,25 @@ import json
 
 import pytest
 
+from ptx.config import EvalConfig
+from ptx.data.tokenizer import ByteTokenizer
 from ptx.rl import evaluation, suites
 from ptx.rl.environments.calculator import CalculatorTasks
+from ptx.rl.environments.docqa import DocQATasks
 from ptx.rl.environments.terminal import TerminalTasks
+from ptx.train import checkpoint_evals
+
+TOK = ByteTokenizer()
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator", "terminal"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator", "terminal", "docqa"])
 def test_generated_suites_are_seeded(name):
-  env, tasks = suites.load(name, n=5, seed=2)
-  assert len(tasks) == 5 and tasks == suites.load(name, n=5, seed=2)[1] != suites.load(name, n=5, seed=3)[1]
+  env, tasks = suites.load(name, n=5, seed=2, tokenizer=TOK)
+  assert len(tasks) == 5 and tasks == suites.load(name, n=5, seed=2, tokenizer=TOK)[1]
+  assert tasks != suites.load(name, n=5, seed=3, tokenizer=TOK)[1]
   assert env.reset(tasks[0]).prompt
-  assert (env.max_turns > 1) == (name in ("calculator", "terminal"))  # played as episodes on the engine
+  # Played as episodes on the engine.
+  assert (env.max_turns > 1) == (name in ("calculator", "terminal", "docqa"))
   if name == "terminal":
     env.reset(tasks[0]).close()  # a workspace: give it back
 
@@ -30,6 +38,10 @@ def test_the_episode_suites_are_the_held_out_splits():
   assert tasks == [TerminalTasks(seed=0, split="held_out")[i] for i in range(40)]
   held_out = {TerminalTasks(seed=0, split="held_out").variant(i) for i in range(40)}
   assert not held_out & {TerminalTasks(seed=0).variant(i) for i in range(200)}
+  # docqa splits by document: no question of the suite is about a document training reads.
+  _, tasks = suites.load("docqa", n=20, tokenizer=TOK)
+  assert tasks == [DocQATasks(seed=0, split="held_out")[i] for i in range(20)]
+  assert not {t["doc"] for t in tasks} & {DocQATasks(seed=0)[i]["doc"] for i in range(200)}
 
 
 def test_math_file_suite_evaluates(tmp_path):
@@ -47,6 +59,19 @@ def test_bad_names_and_missing_paths_are_explained():
     suites.load("nope")
   with pytest.raises(ValueError, match="pass path"):
     suites.load("code")
+  with pytest.raises(ValueError, match="'docqa' counts .* pass tokenizer"):
+    suites.load("docqa")
+
+
+def test_evaluation_sizes_docqa_episodes_for_its_replies():
+  # docqa's replies run to its reply_tokens (512, passages shown whole), past the 256 a shell's output gets: an
+  # evaluated episode has room for every turn and every reply at that size, so none ends at the context's edge.
+  (_, env, _), = checkpoint_evals.build(EvalConfig(suites=("docqa",), n=1, max_new_tokens=8), TOK).suites
+  calculator = suites.load("calculator", n=1)[0]
+  assert env.reply_tokens == 512 and env.max_turns == 6
+  assert checkpoint_evals.episode_tokens(env, 8) == 6 * 8 + 5 * 512
+  assert checkpoint_evals.episode_tokens(calculator, 8) == 4 * 8 + 3 * 256
+  assert checkpoint_evals.episode_tokens(calculator, 300) == 4 * 300 + 3 * 300
 
 
 def _no_idea(prompts, k):

@@ -75,6 +75,8 @@ class Environment(Protocol):
   name: str
   max_turns: int  # the most actions an episode accepts
   sandboxed: bool  # runs model-written code in `ptx.rl.sandbox` (its backend is reported); absent means False
+  # Optional: `reply_tokens`, the most tokens of one reply in the policy's tokenizer where the environment bounds
+  # them (docqa); evaluation sizes an episode's context with it.
 
   def reset(self, task: Mapping[str, Any]) -> Episode:
     """Starts an episode for `task`."""
