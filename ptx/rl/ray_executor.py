@@ -109,6 +109,7 @@ class RayExecutor:
     """The Ray remote function, made once this process has joined the cluster."""
     if self._remote is None:
       if not ray.is_initialized():
+        # The workers' output is the jobs' (environments, sandboxed programs): not for the trainer's log.
         ray.init(address=self.address, log_to_driver=False)
       # max_retries=0: the scheduler alone decides what is retried, so each attempt runs once and is counted once.
       self._remote = ray.remote(max_retries=0, retry_exceptions=False)(_attempt_on_node)
