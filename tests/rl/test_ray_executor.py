@@ -289,3 +289,16 @@ def test_grpo_executor_flags_refuse_what_they_cannot_do_naming_the_flag(tmp_path
   with pytest.raises(SystemExit) as exit_:
     cli.main(["grpo", "--out", str(tmp_path / "run"), "--no-progress", *flags])
   assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_code_is_scored_in_the_sandbox_on_the_nodes_as_it_is_here(cluster):
+  from ptx.rl import rewards
+  from ptx.rl.environments.python_tests import PythonTestsEnv
+
+  task = {"prompt": "def double(x):", "tests": ["assert double(2) == 4", "assert double(-1) == -2"]}
+  completions = ["def double(x):\n  return 2 * x\n", "def double(x):\n  return x + 2\n", "import os; os._exit(3)"]
+  kw = dict(concurrency=2, timeout_s=120)
+  on_ray = rewards.score(PythonTestsEnv(), [task] * 3, completions, executor=RayExecutor(), **kw)
+  here = rewards.score(PythonTestsEnv(), [task] * 3, completions, **kw)
+  assert [(s.outcome, s.reward) for s in on_ray] == [(s.outcome, s.reward) for s in here]
+  assert [s.reward for s in on_ray] == [1.0, 0.0, 0.0] and on_ray[2].outcome != "infra_error"
