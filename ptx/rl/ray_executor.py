@@ -66,8 +66,9 @@ class RayExecutor:
   """Runs each attempt as a Ray task holding the job's resources.
 
   Args:
-    address: the Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None: the cluster this process
-      is connected to already, or a new local one. Joined at the first job.
+    address: the Ray cluster to join ("auto" on a machine that joined it with `ray start`, or "HOST:6379");
+      None: the cluster this process is connected to already, else RAY_ADDRESS, else a new local one. Joined at
+      the first job.
     resources: what an attempt reserves when its job names none.
   """
 
@@ -96,6 +97,7 @@ class RayExecutor:
     return functools.partial(self._attempt, payload, _options(resources))
 
   async def _attempt(self, payload: bytes, options: dict[str, Any]) -> Any:
+    """One attempt: a Ray task of the pickled job; Ray's losses raised as InfraError, the job's own as it raised."""
     ref = self._task().options(**options).remote(payload)
     try:
       value = await scheduler.hold(asyncio.wrap_future(ref.future()), functools.partial(ray.cancel, ref, force=True))

@@ -302,3 +302,17 @@ def test_code_is_scored_in_the_sandbox_on_the_nodes_as_it_is_here(cluster):
   here = rewards.score(PythonTestsEnv(), [task] * 3, completions, **kw)
   assert [(s.outcome, s.reward) for s in on_ray] == [(s.outcome, s.reward) for s in here]
   assert [s.reward for s in on_ray] == [1.0, 0.0, 0.0] and on_ray[2].outcome != "infra_error"
+
+
+def test_a_job_no_node_can_take_ends_at_its_timeout_and_frees_its_slot(cluster):
+  # No node offers "gpu_sandbox": Ray keeps the tasks pending (a node might join); the scheduler's timeout ends them.
+  executor = RayExecutor(resources=Resources(num_cpus=1, custom={"gpu_sandbox": 1}))
+
+  async def main():
+    async with sched.Scheduler(1, executor=executor, timeout_s=0.5) as s:
+      results = await s.run([sched.Job(functools.partial(_ran, "never"), key=i) for i in range(2)])
+    return s, results
+
+  s, results = asyncio.run(main())
+  assert [(r.outcome, r.attempts) for r in results] == [("timeout", 1), ("timeout", 1)]
+  assert dict(s.counts) == {"timeout": 2} and s.in_flight == 0
