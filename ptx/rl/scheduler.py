@@ -80,7 +80,7 @@ class Retry:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One unit of work for `Scheduler.run`."""
+  """One unit of work for `Scheduler.run`; for a remote executor (Ray) `fn` must pickle, with what it captures."""
 
   fn: Callable[[], Awaitable[Any]]  # called once per attempt
   key: Hashable = None  # the caller's name for it, echoed in the result
@@ -127,7 +127,7 @@ class _Attempt:
     """The attempt is over: no deadline left, and no one wants what its calls still compute."""
     if self.timer is not None:
       self.timer.cancel()
-    for abandon in list(self.calls.values()):
+    for abandon in self.calls.values():
       abandon()
 
 
