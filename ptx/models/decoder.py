@@ -29,6 +29,7 @@ from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.config import ModelConfig
+from ptx.models import int8_weights
 from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import lora
 from ptx.models import paged_kv_cache
@@ -171,8 +172,12 @@ def hidden_states(
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
-  """Looks up token embeddings [B, T, D] in the compute dtype."""
-  x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+  """Looks up token embeddings [B, T, D] in the compute dtype (rows of an int8 table dequantised)."""
+  table = params["embed"]
+  if isinstance(table, int8_weights.QArray):  # tied rollout parameters (`ptx.models.rollout_params`)
+    x = int8_weights.take_rows(table, tokens).astype(cfg.compute_dtype)
+  else:
+    x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
   if cfg.embed_scale:
     # HF Gemma rounds the sqrt(d) normaliser to the activation dtype first.
     x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.compute_dtype)
