@@ -101,6 +101,9 @@ class Completion:
   policy_versions: np.ndarray
   # STOP or LENGTH.
   finish_reason: int
+  # Drafts proposed in this turn, and those the policy accepted (`SpeculativeEngine`; 0 without drafting).
+  drafted: int = 0
+  accepted: int = 0
 
 
 class _State(enum.Enum):
@@ -539,24 +542,29 @@ class RolloutEngine:
     self._k, self._v, out = decode_program(params, self._k, self._v, rows, self._key, **self._statics,
                                         **self._decode_statics)
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
-    done = []
-    for seq in live:
-      r = row_of[seq.seq_id]
-      n = int(emitted[r])
-      seq.tokens += tokens[r, :n].tolist()
-      seq.log_probs += log_probs[r, :n].tolist()
-      seq.versions += [policy_version] * n
-      seq.cached += [seq.pending] + tokens[r, :n - 1].tolist()
-      seq.length, seq.sampled, seq.pending = seq.length + n, seq.sampled + n, int(tokens[r, n - 1])
-      if finish[r]:
-        done.append(Completion(seq_id=seq.seq_id, tokens=np.asarray(seq.tokens, np.int32),
-                               log_probs=np.asarray(seq.log_probs, np.float32),
-                               policy_versions=np.asarray(seq.versions, np.int32), finish_reason=int(finish[r])))
-        seq.tokens, seq.log_probs, seq.versions = [], [], []
-        if seq.keep:
-          seq.state = _State.HELD
-        else:
-          self._free(seq)
+    done = [self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(), int(finish[r]),
+                       policy_version) for seq, r in ((seq, row_of[seq.seq_id]) for seq in live)]
+    return [c for c in done if c is not None]
+
+  def _emit(self, seq: _Sequence, tokens: list[int], log_probs: list[float], finish: int,
+            policy_version: int) -> Completion | None:
+    """Appends a call's tokens (at least one) to `seq`; returns its turn when `finish` ends it, and frees what it held."""
+    n = len(tokens)
+    seq.tokens += tokens
+    seq.log_probs += log_probs
+    seq.versions += [policy_version] * n
+    seq.cached += [seq.pending] + tokens[:n - 1]
+    seq.length, seq.sampled, seq.pending = seq.length + n, seq.sampled + n, tokens[-1]
+    if not finish:
+      return None
+    done = Completion(seq_id=seq.seq_id, tokens=np.asarray(seq.tokens, np.int32),
+                      log_probs=np.asarray(seq.log_probs, np.float32),
+                      policy_versions=np.asarray(seq.versions, np.int32), finish_reason=finish)
+    seq.tokens, seq.log_probs, seq.versions = [], [], []
+    if seq.keep:
+      seq.state = _State.HELD
+    else:
+      self._free(seq)
     return done
 
   def _pack_rows(self, seqs: list[_Sequence], most: int) -> tuple[dict[int, int], int]:

@@ -1,4 +1,4 @@
-"""The rollout engine's device programs: prefill, decode and copy over a pool of pages, and the pairs they read.
+"""The rollout engine's device programs: prefill, decode, verify and copy over a pool of pages, and the pairs they read.
 
 Each is jitted once at module level and compiled once per shape bucket (the
 host side, `ptx.sampling.engine`, packs its rows into power-of-two buckets);
@@ -23,6 +23,7 @@ from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, te
 from ptx.sampling import buckets
 from ptx.sampling.generation import LENGTH, STOP
 from ptx.sampling.rules import SamplingConfig, sample_tokens
+from ptx.sampling.speculative import accepted_drafts
 
 
 class DecodeRows(NamedTuple):
@@ -48,6 +49,32 @@ class Decoded(NamedTuple):
   finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
 
 
+class VerifyRows(NamedTuple):
+  """Every drafting call's inputs (R rows, K drafts at most per row)."""
+
+  page_table: jax.Array  # int32 [R, M]
+  lengths: jax.Array  # int32 [R]: cached positions
+  tokens: jax.Array  # int32 [R, K + 1]: the pending token, then the row's drafts (padded)
+  drafts: jax.Array  # int32 [R]: drafts of each row; -1 for a row that takes no part
+  seq_ids: jax.Array  # int32 [R]
+  sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
+  pairs: paged_kv_cache.Pairs  # the pages each row reads, up to its last draft
+
+
+class Verified(NamedTuple):
+  """What a verify call sampled: row r emits tokens[r, :accepted[r] + 1]."""
+
+  tokens: jax.Array  # int32 [R, K + 1]: the policy's token after each fed one
+  log_probs: jax.Array  # float32 [R, K + 1]
+  accepted: jax.Array  # int32 [R]: the leading drafts the policy's tokens equal
+
+
+def uniforms(key: jax.Array, seq_ids: jax.Array, first: jax.Array, n: int) -> jax.Array:
+  """Uniforms [R, n]: row r's of its tokens first[r] .. first[r] + n - 1, each fold_in(fold_in(key, seq), token)."""
+  draw = lambda seq, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), t))  # noqa: E731
+  return jax.vmap(lambda seq, t0: jax.vmap(lambda i: draw(seq, t0 + i))(jnp.arange(n)))(seq_ids, first)
+
+
 def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
                   new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
                   rules: sharding.Rules) -> tuple[tuple, tuple]:
@@ -68,9 +95,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
   logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
   # Every uniform the call may use, drawn before the loop (threefry is a loop of small ops on CPU): row r's
   # step i takes that of its token sampled + i.
-  draw = lambda seq, n: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), n))  # noqa: E731
-  uniforms_RS = jax.vmap(lambda seq, n: jax.vmap(lambda i: draw(seq, n + i))(jnp.arange(steps)))(rows.seq_ids,
-                                                                                                 rows.sampled)
+  uniforms_RS = uniforms(key, rows.seq_ids, rows.sampled, steps)
 
   def step(carry):
     i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
@@ -98,9 +123,34 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
   return k, v, out._replace(finish=finish)
 
 
+def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.Array, *, cfg: ModelConfig,
+                 sampling: SamplingConfig, tempered_log_probs: bool,
+                 rules: sharding.Rules) -> tuple[tuple, tuple, Verified]:
+  """One forward over each row's pending token and drafts: the policy's token after each, and how many drafts hold.
+
+  Row r's tokens go to positions lengths[r] .. lengths[r] + drafts[r], its
+  padding to the sink page. The token after fed token j is sampled with the
+  uniform of token sampled[r] + j, the one a decode step would use there, so
+  the emitted tokens are those decoding draws (`ptx.sampling.speculative`).
+  """
+  R, T = rows.tokens.shape
+  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
+                                      new_tokens=rows.drafts + 1, pairs=rows.pairs)
+  positions = rows.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  logits_RTV, cache = forward_with_cache(params, rows.tokens, cfg, cache, positions=positions, rules=rules)
+  V = logits_RTV.shape[-1]
+  tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, rows.sampled, T).reshape(-1),
+                           sampling).reshape(R, T)
+  log_probs_RT = token_log_probs(tempered(logits_RTV, sampling.temperature if tempered_log_probs else 1.0), tokens_RT)
+  accepted_R = accepted_drafts(tokens_RT, rows.tokens[:, 1:], jnp.maximum(rows.drafts, 0))
+  return cache.k, cache.v, Verified(tokens=tokens_RT, log_probs=log_probs_RT, accepted=accepted_R)
+
+
 prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
 decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
                                                      "rules"), donate_argnums=(1, 2))
+verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules"),
+                         donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
 

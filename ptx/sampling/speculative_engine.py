@@ -1,0 +1,172 @@
+"""The speculative rollout engine: the rollout engine, with a drafter's tokens verified in one forward of the policy.
+
+Each step, every live sequence whose drafting is on asks its drafter for up
+to `SpeculativeConfig.drafts` tokens after its context, never more than its
+turn's remaining tokens minus one: the verify forward then writes only
+positions its pages already cover (admission reserves nothing more) and a
+turn never emits more than its budget. When drafting pays for the step (the
+cost model below), one verify call feeds each live row its pending token and
+drafts at positions length .. length + k, samples the policy's token after
+each (`ptx.sampling.speculative`) and emits the accepted drafts and one token
+more; a stop id inside that run ends the turn there. The row's length
+advances by what it emitted, so the K/V written for rejected drafts lies past
+it, where attention (bounded by each row's length and each query's position)
+never reads and the next call writes first. Otherwise the step runs the
+plain decode program, `decode_steps` tokens per row.
+
+The emitted tokens are those the standard engine samples with the same seed
+(the same uniform per token), so everything the engine promises (greedy
+equals `generate`, reproducibility, log-probs from the policy's own logits)
+holds, drafting or not.
+
+Cost model: a verify call costs `verify_cost` decode steps whatever the
+drafts (it computes K + 1 positions per row) and gives each row its accepted
+drafts plus one token; a decode step gives one. A sequence's tokens per
+verify (1 + its accepted drafts per verify in which it drafted) is measured;
+once it has drafted in `min_verifies` verifies, its drafting is turned off
+for good while that rate is below `verify_cost`. A step verifies only when
+the live rows' expected tokens per verify (the measured rate, or 1 + k
+before `min_verifies`, for a row with k drafts; 1 for a row without) reach
+`verify_cost` per row; else decoding gives more tokens for the time. The
+host's time (drafting, one round trip per verify against one per
+`decode_steps` tokens) is outside the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ptx.config import ModelConfig
+from ptx.models import paged_kv_cache
+from ptx.models.decoder import Params
+from ptx.sampling.drafting import Drafter
+from ptx.sampling.engine import Completion, EngineConfig, RolloutEngine, _Sequence, _State
+from ptx.sampling.engine_programs import VerifyRows, reading_pairs, verify_program
+from ptx.sampling.generation import LENGTH, STOP
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """How a `SpeculativeEngine` drafts, and the cost model that says when drafting pays."""
+
+  # Tokens drafted per sequence and verify at most (K): the verify program feeds K + 1 per row.
+  drafts: int = 4
+  # A verify call's time in decode steps at the engine's shapes. The default is the SmolLM2-135M shape's
+  # measured ratio (benchmarks/fast_mode.py); set it from that benchmark on the machine that samples.
+  verify_cost: float = 1.5
+  # Verifies a sequence drafts in before its measured acceptance may turn its drafting off.
+  min_verifies: int = 4
+
+  def __post_init__(self):
+    if self.drafts < 1 or self.min_verifies < 1:
+      raise ValueError(f"SpeculativeConfig.drafts ({self.drafts}) and .min_verifies ({self.min_verifies}) must be "
+                       ">= 1")
+    if self.verify_cost < 1.0:
+      raise ValueError(f"SpeculativeConfig.verify_cost must be >= 1 (a verify computes a decode step and more), got "
+                       f"{self.verify_cost}")
+
+
+@dataclasses.dataclass
+class _Record:
+  """One sequence's drafting: over its life (the cost model's), and in its current turn (its completion's)."""
+
+  verifies: int = 0
+  accepted: int = 0
+  off: bool = False
+  turn_drafted: int = 0
+  turn_accepted: int = 0
+
+
+class SpeculativeEngine(RolloutEngine):
+  """A `RolloutEngine` whose sequences draft tokens that one forward of the policy verifies (module docstring).
+
+  Its completions count each turn's drafted and accepted tokens.
+  """
+
+  def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, drafter: Drafter,
+               speculative: SpeculativeConfig = SpeculativeConfig(), **engine_args):
+    """A rollout engine (`RolloutEngine`'s arguments) that drafts with `drafter` under `speculative`."""
+    super().__init__(cfg, config, **engine_args)
+    self.drafter, self.speculative = drafter, speculative
+    self._records: dict[int, _Record] = {}
+
+  def _decode(self, params: Params, policy_version: int) -> list[Completion]:
+    """One verify call over the live sequences when drafting pays for it, else one decode call."""
+    live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
+    drafts = {s.seq_id: self._propose(s) for s in live}
+    expected = sum(self._expected(s, len(drafts[s.seq_id])) for s in live)
+    if not any(drafts.values()) or expected < self.speculative.verify_cost * len(live):
+      return super()._decode(params, policy_version)
+    return self._verify(params, policy_version, live, drafts)
+
+  def _propose(self, seq: _Sequence) -> list[int]:
+    record = self._records.setdefault(seq.seq_id, _Record())
+    k = min(self.speculative.drafts, seq.remaining - 1)
+    if record.off or k < 1:
+      return []
+    return [int(t) for t in self.drafter.propose(seq.cached + [seq.pending], k)[:k]]
+
+  def _expected(self, seq: _Sequence, k: int) -> float:
+    """Tokens a verify is expected to give `seq` with k drafts."""
+    record = self._records[seq.seq_id]
+    if not k:
+      return 1.0
+    return 1.0 + (k if record.verifies < self.speculative.min_verifies else record.accepted / record.verifies)
+
+  def _verify(self, params: Params, policy_version: int, live: list[_Sequence],
+              drafts: dict[int, list[int]]) -> list[Completion]:
+    """One verify call over the live sequences; returns the turns that finished."""
+    row_of, R = self._pack_rows(live, self._slots_per_block)
+    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
+    reads: list[list[int]] = [[] for _ in range(R)]
+    lengths, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(3))
+    n_drafts, tokens = np.full((R,), -1, np.int32), np.zeros((R, self.speculative.drafts + 1), np.int32)
+    for seq in live:
+      r, d = row_of[seq.seq_id], drafts[seq.seq_id]
+      table[r, :len(seq.pages)] = seq.pages
+      reads[r] = seq.pages[:self._pages_for(seq.length + 1 + len(d))]
+      lengths[r], n_drafts[r], seq_ids[r], sampled[r] = seq.length, len(d), seq.seq_id, seq.sampled
+      tokens[r, :1 + len(d)] = [seq.pending] + d
+    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
+    rows = VerifyRows(*self._rows(table, lengths, tokens, n_drafts, seq_ids, sampled), pairs)
+    self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **self._statics,
+                                           sampling=self.sampling,
+                                           tempered_log_probs=self._decode_statics["tempered_log_probs"])
+    tokens, log_probs, accepted = jax.device_get(tuple(out))
+    done = []
+    for seq in live:
+      r, k = row_of[seq.seq_id], len(drafts[seq.seq_id])
+      run = tokens[r, :accepted[r] + 1].tolist()
+      stop = next((i for i, t in enumerate(run) if t in seq.stop_ids), None)
+      n = len(run) if stop is None else stop + 1
+      finish = STOP if stop is not None else LENGTH if n == seq.remaining else 0
+      if k:
+        self._count(seq, k, n - 1)
+      done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version))
+    return [c for c in done if c is not None]
+
+  def _count(self, seq: _Sequence, drafted: int, accepted: int) -> None:
+    """Records a verify in which `seq` drafted; turns its drafting off when its measured rate does not pay."""
+    record = self._records[seq.seq_id]
+    record.verifies, record.accepted = record.verifies + 1, record.accepted + accepted
+    record.turn_drafted, record.turn_accepted = record.turn_drafted + drafted, record.turn_accepted + accepted
+    spec = self.speculative
+    record.off = record.verifies >= spec.min_verifies and 1 + record.accepted / record.verifies < spec.verify_cost
+
+  def _emit(self, seq: _Sequence, tokens: list[int], log_probs: list[float], finish: int,
+            policy_version: int) -> Completion | None:
+    """The base engine's `_emit`, with the turn's drafted and accepted counts on its completion."""
+    record = self._records.setdefault(seq.seq_id, _Record())
+    done = super()._emit(seq, tokens, log_probs, finish, policy_version)
+    if done is None:
+      return None
+    done = dataclasses.replace(done, drafted=record.turn_drafted, accepted=record.turn_accepted)
+    record.turn_drafted = record.turn_accepted = 0
+    return done
+
+  def _free(self, seq: _Sequence) -> None:
+    super()._free(seq)
+    self._records.pop(seq.seq_id, None)
