@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 from jax.sharding import Mesh
 from ptx_kernels import xla_cpu_workarounds
@@ -174,7 +175,7 @@ def hidden_states(
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
   """Looks up token embeddings [B, T, D] in the compute dtype (rows of an int8 table dequantised)."""
   table = params["embed"]
-  if isinstance(table, int8_weights.QArray):  # tied rollout parameters (`ptx.models.rollout_params`)
+  if isinstance(table, qwix.QArray):  # tied rollout parameters (`ptx.models.rollout_params`)
     x = int8_weights.take_rows(table, tokens).astype(cfg.compute_dtype)
   else:
     x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)

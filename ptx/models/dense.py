@@ -15,8 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from ptx.models import int8_weights
+import qwix
 
 
 def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = None) -> jax.Array:
@@ -26,7 +25,7 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = 
     eq: e.g. "btd,dhk->bthk" or "bthk,hkd->btd": x is (batch..., contracted...),
       w is (contracted..., out...), the output is (batch..., out...).
     x: activations.
-    w: the weight, or its int8 `QArray` (`ptx.models.int8_weights`).
+    w: the weight, or its int8 `qwix.QArray` (`ptx.models.int8_weights`), read weight-only.
     preferred_element_type: accumulation/output dtype (e.g. float32 logits).
 
   Raises:
@@ -39,21 +38,21 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = 
   if w_sub[:n_contract] != contracted or out != batch + outputs:
     raise ValueError(f"dense: {eq!r} is not of the form 'batch contracted, contracted out -> batch out'")
   n_batch = len(batch)
-  quantized = isinstance(w, int8_weights.QArray)
+  quantized = isinstance(w, qwix.QArray)
   if _folding_gathers(x.shape[:n_batch]):
     # Folding [B, T] into one row axis when the sequence axis T is split over devices and B > 1 is no free
     # reshape: each device's rows are not one block of the folded axis, so GSPMD gathers the sequence first
     # (18 of a (data 2, seq 4) GRPO step's 22 all-gathers; on (seq 8) with two rows, whole [tokens, vocab]
     # logit chunks per device). Contract in place instead. With one row the fold is free, and XLA:CPU's
     # unfolded dot held more (a 1M-token seq-8 SFT step: 5.3 GiB per device against 4.4).
-    dot_general = int8_weights.dot_general if quantized else jax.lax.dot_general
+    dot_general = qwix.dot_general if quantized else jax.lax.dot_general
     return dot_general(x, w, ((tuple(range(n_batch, x.ndim)), tuple(range(n_contract))), ((), ())),
                        preferred_element_type=preferred_element_type)
   x2 = x.reshape(math.prod(x.shape[:n_batch]), -1)
   # Sizes spelled out: a QArray reshapes its qvalue and scale by groups of axes and takes no -1.
   w2 = w.reshape(math.prod(w.shape[:n_contract]), math.prod(w.shape[n_contract:]))
   if quantized:
-    y = int8_weights.dot_general(x2, w2, (((1,), (0,)), ((), ())), preferred_element_type=preferred_element_type)
+    y = qwix.dot_general(x2, w2, (((1,), (0,)), ((), ())), preferred_element_type=preferred_element_type)
   else:
     y = jnp.dot(x2, w2, preferred_element_type=preferred_element_type)
   return y.reshape(*x.shape[:n_batch], *w.shape[n_contract:])

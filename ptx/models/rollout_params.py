@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import qwix
 from jax.sharding import Mesh
 
 from ptx import sharding
@@ -48,7 +49,7 @@ def rollout_params(params: Params, cfg: ModelConfig) -> Params:
   """
   layers = dict(params["layers"])
   for name, n_in in lora.INPUT_AXES.items():
-    if isinstance(layers[name], (lora.LoRAWeight, int8_weights.QArray)):
+    if isinstance(layers[name], (lora.LoRAWeight, qwix.QArray)):
       raise TypeError(f"rollout_params: params['layers'][{name!r}] is a {type(layers[name]).__name__}, not a float "
                       "array; pass the training parameters, LoRA adapters merged (ptx.models.lora.merge)")
     layers[name] = int8_weights.quantize(layers[name], contracted=range(1, 1 + n_in))  # after the layers axis

@@ -1,5 +1,5 @@
 """Int8 rollout parameters: per-channel error bound, the training arrays untouched, int8 bytes, logits near the float
-forward's (both product forms), shardings that follow the weights', adapters refused."""
+forward's, shardings that follow the weights', adapters refused."""
 
 import dataclasses
 
@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import qwix
-from ptx_kernels import xla_cpu_workarounds
 
 from ptx.config import LoRAConfig, MeshConfig
 from ptx.models import int8_weights, lora
@@ -59,21 +58,18 @@ def test_training_params_stay_float_and_unchanged(tiny_config):
   np.testing.assert_array_equal(rollout["layers"]["attn_norm"], params["layers"]["attn_norm"])
 
 
-# Both embeddings and both product forms, each once: tied with CPU's int8 dot, untied with TPU/GPU's weight-only form.
-@pytest.mark.parametrize("tied, cpu_form", [(True, True), (False, False)], ids=["tied-int8_dot", "untied-weight_only"])
-def test_rollout_logits_are_near_the_float_logits(tiny_config, tied, cpu_form):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_rollout_logits_are_near_the_float_logits(tiny_config, tied):
   cfg = dataclasses.replace(tiny_config, tie_embeddings=tied)
   params = init_params(cfg, jax.random.key(1))
   tokens = _tokens(cfg)
   want = np.asarray(_forward(params, tokens, cfg))
-  with xla_cpu_workarounds.override(cpu_form):  # off: the weight-only product that TPU and GPU programs run
-    got = np.asarray(_forward(_rollout(params, cfg), tokens, cfg))
+  got = np.asarray(_forward(_rollout(params, cfg), tokens, cfg))
   err = np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))
   # Rounding a weight to a step of its channel's max / 127 (about 2.5 sigma over these 40 to 96 inputs) errs by
   # step / sqrt(12) rms: 0.55% of the weight's scale, so each product's output is off by that much relative; ten
   # products in series (3 layers of q/k/v, o and the MLP's pair, and the output projection) give about 1.7% of the
-  # logits in rms, the int8-dot form's rounded activations a little more (seen 1.3% to 2.5% over 3 seeds).
-  # Skipping the quantisation gives 0, below the floor.
+  # logits in rms (seen 1.3% to 2.1% over 3 seeds). Skipping the quantisation gives 0, below the floor.
   assert 1e-3 < err < 0.05, err
 
 
