@@ -1,10 +1,12 @@
 """Drafters: what a speculative engine proposes after a sequence's context, for the policy to verify.
 
-A drafter is host code that reads the tokens of one sequence (its prompt,
-what it generated and the pending token) and proposes up to k next tokens.
-It is deterministic: its proposal is a function of the context alone, so
-accepting a draft exactly when the policy samples it keeps the policy's
-distribution (`ptx.sampling.speculative`).
+Two kinds. A `Drafter` is host code that reads the tokens of one sequence
+(its prompt, what it generated and the pending token) and proposes up to k
+next tokens; it is deterministic (its proposal is a function of the context
+alone), so accepting a draft exactly when the policy samples it keeps the
+policy's distribution. A `DraftModel` is a small model of the policy's
+tokenizer that samples its drafts on the device, whose distribution enters
+the rejection rule (`ptx.sampling.speculative`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import dataclasses
 from typing import Protocol, Sequence
 
 import numpy as np
+
+from ptx.config import ModelConfig
+from ptx.models.decoder import Params
 
 
 class Drafter(Protocol):
@@ -56,3 +61,24 @@ class NgramDrafter:
         start = int(full[-1] if full.size else hits[0]) + n
         return tokens[start:start + k].tolist()
     return []
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel:
+  """A small model of the policy's vocabulary that drafts on the device from each sequence's last `window` tokens.
+
+  It reads a window rather than keeping a cache: nothing of it has to follow
+  the policy's pages through prefill, copies, `extend` or an update, and a
+  drafter needs no more than the recent context to guess the next tokens. Its
+  K draws cost K forwards of window + K tokens of the draft model per verify.
+  """
+
+  # The draft model's parameter tree, placed where the policy's rows run (replicated, or as training places it).
+  params: Params
+  cfg: ModelConfig
+  # Context tokens the draft model reads: the sequence's last ones, its pending token included.
+  window: int = 64
+
+  def __post_init__(self):
+    if self.window < 1:
+      raise ValueError(f"DraftModel.window must be >= 1, got {self.window}")

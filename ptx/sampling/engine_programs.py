@@ -19,11 +19,15 @@ import numpy as np
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
-from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
+from ptx.models.decoder import (Params, forward_with_cache, hidden_states, hidden_with_cache, tempered, token_log_probs,
+                                unembed, unstack_layers)
 from ptx.sampling import buckets
 from ptx.sampling.generation import LENGTH, STOP
-from ptx.sampling.rules import SamplingConfig, sample_tokens
-from ptx.sampling.speculative import accepted_drafts
+from ptx.sampling.rules import SamplingConfig, invert_cdf, probabilities, sample_tokens
+from ptx.sampling.speculative import accepted_drafts, rejection_sample
+
+# Streams of uniforms besides the tokens' own (key itself): a draft model's draws, and its drafts' tests.
+DRAFT_STREAM, ACCEPT_STREAM = 1, 2
 
 
 class DecodeRows(NamedTuple):
@@ -134,16 +138,67 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
   the emitted tokens are those decoding draws (`ptx.sampling.speculative`).
   """
   R, T = rows.tokens.shape
-  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
-                                      new_tokens=rows.drafts + 1, pairs=rows.pairs)
-  positions = rows.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-  logits_RTV, cache = forward_with_cache(params, rows.tokens, cfg, cache, positions=positions, rules=rules)
+  logits_RTV, cache = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules)
   V = logits_RTV.shape[-1]
   tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, rows.sampled, T).reshape(-1),
                            sampling).reshape(R, T)
-  log_probs_RT = token_log_probs(tempered(logits_RTV, sampling.temperature if tempered_log_probs else 1.0), tokens_RT)
   accepted_R = accepted_drafts(tokens_RT, rows.tokens[:, 1:], jnp.maximum(rows.drafts, 0))
-  return cache.k, cache.v, Verified(tokens=tokens_RT, log_probs=log_probs_RT, accepted=accepted_R)
+  return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
+
+
+def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, window_RW: jax.Array,
+                       window_lengths_R: jax.Array, draft_params: Params, key: jax.Array, *, cfg: ModelConfig,
+                       draft_cfg: ModelConfig, sampling: SamplingConfig, tempered_log_probs: bool,
+                       rules: sharding.Rules) -> tuple[tuple, tuple, Verified]:
+  """`verify_pages` with drafts that a draft model samples here, over each row's window, under the rejection rule.
+
+  window_RW holds row r's last window_lengths_R[r] context tokens (its
+  pending one last) left-aligned, then room for K drafts: the draft model
+  runs K full forwards over it (no cache of its own to keep in step with the
+  pages), sampling draft j from its distribution q_j under `sampling`.
+  """
+  R, T = rows.tokens.shape
+  K = T - 1
+  draft_u_RK = uniforms(jax.random.fold_in(key, DRAFT_STREAM), rows.seq_ids, rows.sampled, K)
+
+  def draft(j, carry):
+    window_RW, q_RKV = carry
+    # Only the last real position's logits: the vocabulary projection of every window position would cost more
+    # than the layers of a small draft model.
+    x_RWD = hidden_states(draft_params, window_RW, draft_cfg, rules=rules)
+    x_R1D = jnp.take_along_axis(x_RWD, (window_lengths_R + j - 1)[:, None, None], axis=1)
+    q_RV = probabilities(unembed(draft_params, x_R1D, draft_cfg, rules)[:, 0], sampling)
+    window_RW = window_RW.at[jnp.arange(R), window_lengths_R + j].set(invert_cdf(q_RV, draft_u_RK[:, j]))
+    return window_RW, q_RKV.at[:, j].set(q_RV)
+
+  q_RKV = jnp.zeros((R, K, draft_cfg.vocab_size), jnp.float32)
+  window_RW, q_RKV = jax.lax.fori_loop(0, K, draft, (window_RW, q_RKV))
+  drafts_RK = jnp.take_along_axis(window_RW, window_lengths_R[:, None] + jnp.arange(K)[None], axis=1)
+  logits_RTV, cache = _policy_logits(params, k, v, rows, jnp.concatenate([rows.tokens[:, :1], drafts_RK], axis=1),
+                                     cfg=cfg, rules=rules)
+  V = logits_RTV.shape[-1]
+  p_RTV = probabilities(logits_RTV.reshape(R * T, V), sampling).reshape(R, T, V)
+  tokens_RT, accepted_R = rejection_sample(
+      p_RTV, q_RKV, drafts_RK, jnp.maximum(rows.drafts, 0),
+      uniforms(jax.random.fold_in(key, ACCEPT_STREAM), rows.seq_ids, rows.sampled, K),
+      uniforms(key, rows.seq_ids, rows.sampled, T))
+  return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
+
+
+def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
+                   rules: sharding.Rules) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
+  """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] .. lengths[r] + drafts[r]."""
+  cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
+                                      new_tokens=rows.drafts + 1, pairs=rows.pairs)
+  positions = rows.lengths[:, None] + jnp.arange(tokens_RT.shape[1], dtype=jnp.int32)[None]
+  return forward_with_cache(params, tokens_RT, cfg, cache, positions=positions, rules=rules)
+
+
+def _verified(logits_RTV: jax.Array, tokens_RT: jax.Array, accepted_R: jax.Array, sampling: SamplingConfig,
+              tempered_log_probs: bool) -> Verified:
+  """The emitted tokens with their log-probs under the policy's logits (raw, or at the sampling temperature)."""
+  log_probs_RT = token_log_probs(tempered(logits_RTV, sampling.temperature if tempered_log_probs else 1.0), tokens_RT)
+  return Verified(tokens=tokens_RT, log_probs=log_probs_RT, accepted=accepted_R)
 
 
 prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
@@ -151,6 +206,9 @@ decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "step
                                                      "rules"), donate_argnums=(1, 2))
 verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules"),
                          donate_argnums=(1, 2))
+draft_verify_program = jax.jit(draft_verify_pages, static_argnames=("cfg", "draft_cfg", "sampling",
+                                                                   "tempered_log_probs", "rules"),
+                               donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
 

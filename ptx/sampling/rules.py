@@ -61,7 +61,14 @@ def sample_tokens(logits_BV: jax.Array, uniforms_B: jax.Array, config: SamplingC
   """
   if config.greedy:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return invert_cdf(jax.nn.softmax(truncated_logits(logits_BV, config), axis=-1), uniforms_B)
+  return invert_cdf(probabilities(logits_BV, config), uniforms_B)
+
+
+def probabilities(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
+  """The float32 distribution [B, V] that `sample_tokens` draws from: one-hot at the argmax when greedy."""
+  if config.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits_BV, axis=-1), logits_BV.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(truncated_logits(logits_BV, config), axis=-1)
 
 
 def invert_cdf(probs_BV: jax.Array, uniforms_B: jax.Array) -> jax.Array:

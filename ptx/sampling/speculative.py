@@ -1,4 +1,4 @@
-"""Speculative sampling's acceptance rule for deterministic drafters: drafts kept while the policy's own tokens match.
+"""Speculative sampling's acceptance rules: which drafts the policy keeps, so that emitted tokens follow the policy.
 
 A drafter proposes d_1..d_k after a row's pending token; one forward of the
 policy over [pending, d_1..d_k] gives its distribution p_j after each fed
@@ -16,12 +16,17 @@ d_j. The emitted tokens are t_1..t_{a+1} (a accepted drafts): the tokens
 plain decoding draws with the same uniforms, so speculative and standard
 sampling give the same tokens for the same seed, whatever is drafted (greedy:
 accept while the draft is the argmax, then emit the argmax).
+
+A drafter that samples (a draft model) gives a q of its own, so its drafts go
+through the rule itself (`rejection_sample`), with uniforms of their own.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from ptx.sampling.rules import invert_cdf
 
 
 def accepted_drafts(tokens_RT: jax.Array, drafts_RK: jax.Array, n_drafts_R: jax.Array) -> jax.Array:
@@ -39,3 +44,40 @@ def accepted_drafts(tokens_RT: jax.Array, drafts_RK: jax.Array, n_drafts_R: jax.
   K = drafts_RK.shape[1]
   holds_RK = (tokens_RT[:, :K] == drafts_RK) & (jnp.arange(K)[None] < n_drafts_R[:, None])
   return jnp.sum(jnp.cumprod(holds_RK.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def rejection_sample(p_RTV: jax.Array, q_RKV: jax.Array, drafts_RK: jax.Array, n_drafts_R: jax.Array,
+                     accept_u_RK: jax.Array, sample_u_RT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The standard rule for drafts sampled from q: the tokens each row emits, and how many drafts it accepts.
+
+  Draft j is accepted when u_j q_j(d_j) < p_j(d_j), with probability
+  min(1, p_j(d_j) / q_j(d_j)); the token after the a accepted ones is drawn
+  from max(0, p_a - q_a) (`invert_cdf` renormalises) when draft a + 1 was
+  rejected, else from p_a. Greedy is the case of p and q one-hot.
+
+  Args:
+    p_RTV: float32 [R, K + 1, V]: the policy's distribution after the pending
+      token and after each draft (`rules.probabilities`).
+    q_RKV: float32 [R, K, V]: the drafter's distribution of each draft.
+    drafts_RK: int32 [R, K]: the drafts, padded past n_drafts_R.
+    n_drafts_R: int32 [R]: each row's real drafts.
+    accept_u_RK: float32 [R, K]: the uniform of each draft's test.
+    sample_u_RT: float32 [R, K + 1]: the uniform of the token drawn after a
+      accepted drafts, at index a.
+
+  Returns:
+    (int32 tokens [R, K + 1], int32 accepted [R]); row r emits tokens[r, :a + 1].
+  """
+  R, T, V = p_RTV.shape
+  K = T - 1
+  at_draft = lambda probs_RKV: jnp.take_along_axis(probs_RKV, drafts_RK[..., None], axis=-1)[..., 0]  # noqa: E731
+  holds_RK = (accept_u_RK * at_draft(q_RKV) < at_draft(p_RTV[:, :K])) & (jnp.arange(K)[None] < n_drafts_R[:, None])
+  accepted_R = jnp.sum(jnp.cumprod(holds_RK.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+  row = lambda x, i: jnp.take_along_axis(x, i[:, None, None], axis=1)[:, 0]  # noqa: E731
+  q_RV = row(jnp.pad(q_RKV, ((0, 0), (0, 1), (0, 0))), accepted_R)  # zeros after the last draft
+  rejected_R1 = (accepted_R < n_drafts_R)[:, None]
+  residual_RV = jnp.maximum(row(p_RTV, accepted_R) - jnp.where(rejected_R1, q_RV, 0.0), 0.0)
+  final_R = invert_cdf(residual_RV, jnp.take_along_axis(sample_u_RT, accepted_R[:, None], axis=1)[:, 0])
+  drafted_RT = jnp.pad(drafts_RK, ((0, 0), (0, 1)))
+  tokens_RT = jnp.where(jnp.arange(T)[None] < accepted_R[:, None], drafted_RT, final_R[:, None])
+  return tokens_RT.astype(jnp.int32), accepted_R

@@ -1,8 +1,9 @@
 """The speculative rollout engine: the rollout engine, with a drafter's tokens verified in one forward of the policy.
 
 Each step, every live sequence whose drafting is on asks its drafter for up
-to `SpeculativeConfig.drafts` tokens after its context, never more than its
-turn's remaining tokens minus one: the verify forward then writes only
+to `SpeculativeConfig.drafts` tokens after its context (a `DraftModel`
+samples them on the device, in the verify call), never more than its turn's
+remaining tokens minus one: the verify forward then writes only
 positions its pages already cover (admission reserves nothing more) and a
 turn never emits more than its budget. When drafting pays for the step (the
 cost model below), one verify call feeds each live row its pending token and
@@ -14,10 +15,13 @@ it, where attention (bounded by each row's length and each query's position)
 never reads and the next call writes first. Otherwise the step runs the
 plain decode program, `decode_steps` tokens per row.
 
-The emitted tokens are those the standard engine samples with the same seed
-(the same uniform per token), so everything the engine promises (greedy
-equals `generate`, reproducibility, log-probs from the policy's own logits)
-holds, drafting or not.
+With a host `Drafter` the emitted tokens are those the standard engine
+samples with the same seed (the same uniform per token), so everything the
+engine promises (greedy equals `generate`, reproducibility whatever the
+shapes, log-probs from the policy's own logits) holds, drafting or not. A
+`DraftModel`'s drafts go through the rejection rule with uniforms of their
+own: the tokens follow the policy's distribution (greedy: its tokens), and
+the same seed, submission order and engine shapes give the same tokens.
 
 Cost model: a verify call costs `verify_cost` decode steps whatever the
 drafts (it computes K + 1 positions per row) and gives each row its accepted
@@ -42,9 +46,9 @@ import numpy as np
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
-from ptx.sampling.drafting import Drafter
+from ptx.sampling.drafting import Drafter, DraftModel
 from ptx.sampling.engine import Completion, EngineConfig, RolloutEngine, _Sequence, _State
-from ptx.sampling.engine_programs import VerifyRows, reading_pairs, verify_program
+from ptx.sampling.engine_programs import VerifyRows, draft_verify_program, reading_pairs, verify_program
 from ptx.sampling.generation import LENGTH, STOP
 
 
@@ -54,8 +58,10 @@ class SpeculativeConfig:
 
   # Tokens drafted per sequence and verify at most (K): the verify program feeds K + 1 per row.
   drafts: int = 4
-  # A verify call's time in decode steps at the engine's shapes. The default is the SmolLM2-135M shape's
-  # measured ratio (benchmarks/fast_mode.py); set it from that benchmark on the machine that samples.
+  # A verify call's time in decode steps (those of the engine's decode calls) at the engine's shapes. 1.5 is an
+  # estimate for an accelerator, where a step is bound by reading the weights, which K + 1 tokens per row read
+  # once; a loaded 2-core CPU measured 2.2 at the SmolLM2-135M shape. Set it from the `calibrate` line of
+  # benchmarks/fast_mode.py on the machine that samples.
   verify_cost: float = 1.5
   # Verifies a sequence drafts in before its measured acceptance may turn its drafting off.
   min_verifies: int = 4
@@ -86,9 +92,16 @@ class SpeculativeEngine(RolloutEngine):
   Its completions count each turn's drafted and accepted tokens.
   """
 
-  def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, drafter: Drafter,
+  def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, drafter: Drafter | DraftModel,
                speculative: SpeculativeConfig = SpeculativeConfig(), **engine_args):
-    """A rollout engine (`RolloutEngine`'s arguments) that drafts with `drafter` under `speculative`."""
+    """A rollout engine (`RolloutEngine`'s arguments) that drafts with `drafter` under `speculative`.
+
+    Raises:
+      ValueError: for a draft model whose vocabulary is not the policy's.
+    """
+    if isinstance(drafter, DraftModel) and drafter.cfg.vocab_size != cfg.vocab_size:
+      raise ValueError(f"DraftModel.cfg.vocab_size ({drafter.cfg.vocab_size}) must be the policy's "
+                       f"({cfg.vocab_size}): a draft model shares the policy's tokenizer")
     super().__init__(cfg, config, **engine_args)
     self.drafter, self.speculative = drafter, speculative
     self._records: dict[int, _Record] = {}
@@ -107,6 +120,8 @@ class SpeculativeEngine(RolloutEngine):
     k = min(self.speculative.drafts, seq.remaining - 1)
     if record.off or k < 1:
       return []
+    if isinstance(self.drafter, DraftModel):
+      return [0] * k  # placeholders for the k drafts the draft model samples on the device
     return [int(t) for t in self.drafter.propose(seq.cached + [seq.pending], k)[:k]]
 
   def _expected(self, seq: _Sequence, k: int) -> float:
@@ -132,9 +147,13 @@ class SpeculativeEngine(RolloutEngine):
       tokens[r, :1 + len(d)] = [seq.pending] + d
     pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
     rows = VerifyRows(*self._rows(table, lengths, tokens, n_drafts, seq_ids, sampled), pairs)
-    self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **self._statics,
-                                           sampling=self.sampling,
-                                           tempered_log_probs=self._decode_statics["tempered_log_probs"])
+    statics = dict(self._statics, sampling=self.sampling, tempered_log_probs=self._decode_statics["tempered_log_probs"])
+    if isinstance(self.drafter, DraftModel):
+      self._k, self._v, out = draft_verify_program(params, self._k, self._v, rows,
+                                                   *self._rows(*self._windows(live, row_of, R)), self.drafter.params,
+                                                   self._key, draft_cfg=self.drafter.cfg, **statics)
+    else:
+      self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **statics)
     tokens, log_probs, accepted = jax.device_get(tuple(out))
     done = []
     for seq in live:
@@ -147,6 +166,15 @@ class SpeculativeEngine(RolloutEngine):
         self._count(seq, k, n - 1)
       done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version))
     return [c for c in done if c is not None]
+
+  def _windows(self, live: list[_Sequence], row_of: dict[int, int], R: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's last `DraftModel.window` context tokens, left-aligned with room for its drafts, and their count."""
+    W = self.drafter.window
+    window, counts = np.zeros((R, W + self.speculative.drafts), np.int32), np.ones((R,), np.int32)
+    for seq in live:
+      context = (seq.cached + [seq.pending])[-W:]
+      window[row_of[seq.seq_id], :len(context)], counts[row_of[seq.seq_id]] = context, len(context)
+    return window, counts
 
   def _count(self, seq: _Sequence, drafted: int, accepted: int) -> None:
     """Records a verify in which `seq` drafted; turns its drafting off when its measured rate does not pay."""

@@ -115,8 +115,9 @@ def _chi_square_p(counts, probs):
   """The p-value of observed counts against probabilities, cells expecting fewer than 5 merged into one."""
   expected = probs * counts.sum()
   small = expected < 5
-  observed = np.append(counts[~small], counts[small].sum())
-  expected = np.append(expected[~small], expected[small].sum())
+  observed, expected = counts[~small], expected[~small]
+  if small.any():
+    observed, expected = np.append(observed, counts[small].sum()), np.append(expected, probs[small].sum() * counts.sum())
   return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 

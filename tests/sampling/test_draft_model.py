@@ -1,0 +1,93 @@
+"""The draft-model drafter and the rejection rule: the rule draws from the policy (chi-square, and a wrong q is caught),
+greedy output == `generate`, sampled output follows the policy's distribution, a draft model equal to the policy has
+every draft accepted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_engine import PROMPTS, SMALL, _greedy_case, _run
+from test_generate import GREEDY, _params
+from test_speculative import ALPHA, ALWAYS, CHI_CFG, CHI_NEW, CHI_PROMPT, _chi_square_p, _exact_joint
+
+from ptx.sampling import SamplingConfig
+from ptx.sampling.drafting import DraftModel
+from ptx.sampling.engine import EngineConfig
+from ptx.sampling.speculative import rejection_sample
+from ptx.sampling.speculative_engine import SpeculativeEngine
+
+
+def _rule_samples(p_TV, q_KV, claimed_q_KV, n, seed=0):
+  """n rows of the rule with drafts drawn from q_KV and tested against claimed_q_KV: (tokens [n, K + 1], accepted)."""
+  rng = np.random.default_rng(seed)
+  K, V = q_KV.shape
+  drafts = np.stack([rng.choice(V, n, p=q_KV[j]) for j in range(K)], axis=1)
+  tokens, accepted = rejection_sample(
+      jnp.broadcast_to(p_TV, (n, K + 1, V)), jnp.broadcast_to(claimed_q_KV, (n, K, V)), jnp.asarray(drafts, jnp.int32),
+      jnp.full((n,), K, jnp.int32), jnp.asarray(rng.random((n, K)), jnp.float32),
+      jnp.asarray(rng.random((n, K + 1)), jnp.float32))
+  return np.asarray(tokens), np.asarray(accepted)
+
+
+def test_the_rejection_rule_draws_from_the_policy_and_a_wrong_q_is_caught():
+  """Token 1 follows p_0; given draft 1 accepted, token 2 follows p_1. A drafter that misstates q fails the test."""
+  rng = np.random.default_rng(1)
+  p_TV = rng.dirichlet(np.ones(6), 3).astype(np.float32)
+  q_KV = rng.dirichlet(np.ones(6), 2).astype(np.float32)
+  tokens, accepted = _rule_samples(p_TV, q_KV, q_KV, 200_000)
+  assert 0.2 < accepted.mean() < 1.8  # drafts both accepted and rejected
+  assert _chi_square_p(np.bincount(tokens[:, 0], minlength=6), p_TV[0]) > ALPHA
+  assert _chi_square_p(np.bincount(tokens[accepted >= 1, 1], minlength=6), p_TV[1]) > ALPHA
+  uniform = np.full_like(q_KV, 1 / 6)
+  wrong, _ = _rule_samples(p_TV, q_KV, uniform, 200_000)
+  assert _chi_square_p(np.bincount(wrong[:, 0], minlength=6), p_TV[0]) < ALPHA
+
+
+def test_the_rejection_rule_is_greedy_for_one_hot_distributions():
+  p_TV = jax.nn.one_hot(jnp.asarray([[2, 4, 1]]), 5)
+  drafts = jnp.asarray([[2, 3]])
+  tokens, accepted = rejection_sample(p_TV, jax.nn.one_hot(drafts, 5), drafts, jnp.asarray([2]),
+                                      jnp.asarray([[0.99, 0.99]]), jnp.asarray([[0.5, 0.5, 0.5]]))
+  assert tokens[0, :2].tolist() == [2, 4] and accepted.tolist() == [1]  # 2 accepted, 3 rejected: the argmax 4
+
+
+def test_greedy_draft_model_equals_generate_and_the_policy_drafting_itself_is_always_accepted(tiny_config):
+  """The policy as its own draft model over the whole context drafts the greedy tokens: each draft is accepted."""
+  cfg, params, stops, expected = _greedy_case(tiny_config)
+  engine = SpeculativeEngine(cfg, SMALL, sampling=GREEDY, drafter=DraftModel(params, cfg, window=SMALL.max_seq_len),
+                             speculative=ALWAYS)
+  rows = (3, 4, 6, 7)  # 3 and 7 stop at their 3rd token; 4 and 6 run to their budgets
+  got = _run(engine, params, rows, stops)
+  for row in rows:
+    (completion,) = got[row]
+    tokens, finish = expected[row]
+    np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
+    assert completion.finish_reason == finish, row
+    # Drafts past a stop id are not emitted, so only a row without stops counts all its drafts accepted.
+    assert completion.drafted > 0 and (completion.accepted == completion.drafted or stops[row]), row
+
+
+@pytest.mark.slow  # 4,096 samples through programs of their own (the draft loop); the n-gram tests cover temperature 1
+def test_draft_model_samples_follow_the_policy(temperature=0.8):
+  """Drafts from another random model of the vocabulary, over a window of 4 tokens, at temperature 0.8."""
+  params = _params(CHI_CFG, seed=2)
+  config = EngineConfig(max_seqs=64, pages=200, page_size=4, max_seq_len=16, decode_steps=3, prefill_chunk=8,
+                        prefill_rows=1)
+  engine = SpeculativeEngine(CHI_CFG, config, drafter=DraftModel(_params(CHI_CFG, seed=5), CHI_CFG, window=4),
+                             speculative=ALWAYS, sampling=SamplingConfig(temperature=temperature), seed=13)
+  for _ in range(4096 // 64):  # groups that fill the slots: the calls keep few shapes (compilations)
+    engine.submit(CHI_PROMPT, max_new_tokens=CHI_NEW, samples=64)
+  done = engine.run(params)
+  probs, tails = _exact_joint(params, temperature)
+  index = {tuple(t): i for i, t in enumerate(tails.tolist())}
+  counts = np.bincount([index[tuple(c.tokens.tolist())] for c in done.values()], minlength=len(index))
+  accepted, drafted = sum(c.accepted for c in done.values()), sum(c.drafted for c in done.values())
+  assert min(accepted, drafted - accepted) > 500  # drafts were accepted and rejected many times
+  assert _chi_square_p(counts, probs) > ALPHA
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_config):
+  with pytest.raises(ValueError, match=r"DraftModel.cfg.vocab_size \(5\) must be the policy's \(264\)"):
+    SpeculativeEngine(tiny_config, SMALL, drafter=DraftModel({}, CHI_CFG))
+  with pytest.raises(ValueError, match="DraftModel.window"):
+    DraftModel({}, CHI_CFG, window=0)
