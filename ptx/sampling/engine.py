@@ -548,7 +548,7 @@ class RolloutEngine:
 
   def _emit(self, seq: _Sequence, tokens: list[int], log_probs: list[float], finish: int,
             policy_version: int) -> Completion | None:
-    """Appends a call's tokens (at least one) to `seq`; returns its turn when `finish` ends it, and frees what it held."""
+    """Appends a call's tokens (one or more) to `seq`; returns its turn when `finish` ends it, freeing what it held."""
     n = len(tokens)
     seq.tokens += tokens
     seq.log_probs += log_probs

@@ -187,7 +187,7 @@ def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, win
 
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
                    rules: sharding.Rules) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
-  """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] .. lengths[r] + drafts[r]."""
+  """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
                                       new_tokens=rows.drafts + 1, pairs=rows.pairs)
   positions = rows.lengths[:, None] + jnp.arange(tokens_RT.shape[1], dtype=jnp.int32)[None]

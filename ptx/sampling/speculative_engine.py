@@ -60,7 +60,7 @@ class SpeculativeConfig:
   drafts: int = 4
   # A verify call's time in decode steps (those of the engine's decode calls) at the engine's shapes. 1.5 is an
   # estimate for an accelerator, where a step is bound by reading the weights, which K + 1 tokens per row read
-  # once; a loaded 2-core CPU measured 2.2 at the SmolLM2-135M shape. Set it from the `calibrate` line of
+  # once; a loaded 2-core CPU measured 2.6 at the SmolLM2-135M shape (8 rows). Set it from the `calibrate` line of
   # benchmarks/fast_mode.py on the machine that samples.
   verify_cost: float = 1.5
   # Verifies a sequence drafts in before its measured acceptance may turn its drafting off.

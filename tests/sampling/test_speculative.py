@@ -117,7 +117,8 @@ def _chi_square_p(counts, probs):
   small = expected < 5
   observed, expected = counts[~small], expected[~small]
   if small.any():
-    observed, expected = np.append(observed, counts[small].sum()), np.append(expected, probs[small].sum() * counts.sum())
+    observed = np.append(observed, counts[small].sum())
+    expected = np.append(expected, probs[small].sum() * counts.sum())
   return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 

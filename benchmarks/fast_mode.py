@@ -1,0 +1,170 @@
+"""Rollout tokens/s of the engine's fast modes against the standard engine, per workload.
+
+Modes (`MODES`: one entry each; an entry builds the engine a mode runs):
+
+  standard      `RolloutEngine`: `decode_steps` tokens per call
+  ngram         `SpeculativeEngine` with the n-gram (prompt lookup) drafter and
+                the default cost model: drafting turns off per request when
+                its measured acceptance does not pay
+  ngram_always  the same with verify_cost 1: every step with a draft verifies
+  draft_model   `SpeculativeEngine` with a `DraftModel`: the policy's first
+                --draft-layers layers (its embeddings and final norm too),
+                reading a window of --window tokens, verify_cost 1; a cut of the
+                policy rather than a distilled model (none is trained here)
+
+Workloads (token ids; the weights are random, so a draft is accepted where
+the random policy's greedy tokens happen to repeat the context, as they do
+in its loops: the acceptance printed is that of this model, not of a trained
+one on such text):
+
+  code_edit   a 160-token "file" (random ids), a separator, and its first 8
+              tokens again: the output of an edit repeats the input
+  arithmetic  word problems ("Ann has 17 apples and buys 25 more. ..."),
+              bytes as ids
+
+Each (workload, mode) runs twice, the first compiling; its JSON line gives
+the second run's tokens, wall seconds, tokens/s, and the drafted and accepted
+tokens. The `calibrate` line measures the cost model's verify_cost on this
+machine at these shapes: the time of a verify call (a run where every step
+is one, with a drafter always wrong, so each emits one token per row) over
+that of a decode step inside the standard engine's --decode-steps calls
+(what a step that does not verify runs instead), same tokens.
+
+    .venv/bin/python benchmarks/fast_mode.py --config smollm2 --requests 8 --new 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ptx.models import init_params
+from ptx.models.llama import smollm2_135m
+from ptx.sampling import SamplingConfig
+from ptx.sampling.drafting import DraftModel, NgramDrafter
+from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+
+import sampling as sampling_bench  # benchmarks/ is the script's folder, first on sys.path
+
+CONFIGS = {"tiny": sampling_bench.CFG, "smollm2": smollm2_135m()}
+GREEDY = SamplingConfig(greedy=True)
+
+
+class _AlwaysWrong:
+  """Drafts k ids the policy rarely emits (3-5), so a verify call emits one token (the line counts those accepted)."""
+
+  def propose(self, context, k):
+    return [(context[-1] + 1) % 3 + 3] * k
+
+
+def first_layers(params, cfg, n: int):
+  """(config, parameters) of the policy's first n layers, with its embeddings and final norm: a draft model."""
+  cut = {**params, "layers": jax.tree.map(lambda x: x[:n], params["layers"])}
+  return dataclasses.replace(cfg, n_layers=n), cut
+
+
+MODES = {
+    "standard": lambda cfg, config, args: RolloutEngine(cfg, config, sampling=GREEDY),
+    "ngram": lambda cfg, config, args: SpeculativeEngine(
+        cfg, config, sampling=GREEDY, drafter=NgramDrafter(), speculative=SpeculativeConfig(drafts=args.drafts)),
+    "ngram_always": lambda cfg, config, args: SpeculativeEngine(
+        cfg, config, sampling=GREEDY, drafter=NgramDrafter(),
+        speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0)),
+    "draft_model": lambda cfg, config, args: SpeculativeEngine(
+        cfg, config, sampling=GREEDY, drafter=DraftModel(args.draft_params, args.draft_cfg, window=args.window),
+        speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0)),
+}
+
+
+def code_edit(n: int, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+  """Prompts whose continuation repeats them: a random file, a separator, and the file's first tokens again."""
+  files = [rng.integers(3, vocab, 160).tolist() for _ in range(n)]
+  return [[1] + f + [2] + f[:8] for f in files]
+
+
+def arithmetic(n: int, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+  """Word problems as byte ids (+3, past the special ids)."""
+  names, items = ["Ann", "Bob", "Chen", "Dara"], ["apples", "books", "coins", "shells"]
+  texts = [f"{rng.choice(names)} has {rng.integers(2, 99)} {item} and buys {rng.integers(2, 99)} more. "
+           f"Then {rng.integers(2, 9)} friends each give {rng.integers(2, 20)} {item}. How many {item} now? Answer:"
+           for item in rng.choice(items, n)]
+  return [[1] + [b + 3 for b in t.encode()] for t in texts]
+
+
+WORKLOADS = {"code_edit": code_edit, "arithmetic": arithmetic}
+
+
+def engine_config(prompts: list[list[int]], args) -> EngineConfig:
+  """Room for every request at once, so each run keeps one batch of rows (few shapes to compile)."""
+  seq_len = max(map(len, prompts)) + args.new
+  pages_per_seq = -(-seq_len // args.page_size)
+  return EngineConfig(max_seqs=args.requests, pages=args.requests * pages_per_seq + 1, page_size=args.page_size,
+                      max_seq_len=seq_len, decode_steps=args.decode_steps, prefill_chunk=256,
+                      prefill_rows=args.requests)
+
+
+def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:
+  """Runs `prompts` through a fresh engine twice (the first compiles); the second run's figures."""
+  def once():
+    engine = engine_of()
+    for p in prompts:
+      engine.submit(p, max_new_tokens=new)
+    start = time.perf_counter()
+    done = engine.run(params)
+    return time.perf_counter() - start, list(done.values())
+
+  first, _ = once()
+  wall, done = once()
+  tokens = sum(len(c.tokens) for c in done)
+  drafted, accepted = sum(c.drafted for c in done), sum(c.accepted for c in done)
+  return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+          "compile_s": round(first - wall, 1), "drafted": drafted, "accepted": accepted,
+          "acceptance": round(accepted / drafted, 3) if drafted else None}
+
+
+def main() -> None:
+  """Prints one JSON line per (workload, mode), then the calibration line."""
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="smollm2", choices=sorted(CONFIGS))
+  p.add_argument("--workloads", default="code_edit,arithmetic")
+  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--requests", type=int, default=8)
+  p.add_argument("--new", type=int, default=64, help="tokens each request generates")
+  p.add_argument("--drafts", type=int, default=4, help="SpeculativeConfig.drafts")
+  p.add_argument("--decode-steps", type=int, default=16)
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers (the policy's first ones)")
+  p.add_argument("--window", type=int, default=64, help="DraftModel.window")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args()
+  cfg = CONFIGS[args.config]
+  params = init_params(cfg, jax.random.key(args.seed))
+  args.draft_cfg, args.draft_params = first_layers(params, cfg, args.draft_layers)
+  common = {"config": args.config, "requests": args.requests, "new": args.new, "drafts": args.drafts}
+  for name in args.workloads.split(","):
+    prompts = WORKLOADS[name](args.requests, cfg.vocab_size, np.random.default_rng(args.seed))
+    config = engine_config(prompts, args)
+    for mode in args.modes.split(","):
+      record = run(lambda: MODES[mode](cfg, config, args), params, prompts, args.new)
+      print(json.dumps({"workload": name, "mode": mode, **common, **record, "load": os.getloadavg()[0]}), flush=True)
+  prompts = code_edit(args.requests, cfg.vocab_size, np.random.default_rng(args.seed))
+  config = engine_config(prompts, args)
+  verify = run(lambda: SpeculativeEngine(cfg, config, sampling=GREEDY, drafter=_AlwaysWrong(), speculative=(
+      SpeculativeConfig(drafts=args.drafts, verify_cost=1.0, min_verifies=10 ** 9))), params, prompts, args.new)
+  decode = run(lambda: RolloutEngine(cfg, config, sampling=GREEDY), params, prompts, args.new)
+  print(json.dumps({"workload": "calibrate", **common, "verify_call_s": verify["wall_s"] / args.new,
+                    "decode_step_s": decode["wall_s"] / args.new,
+                    "verify_cost": round(verify["wall_s"] / decode["wall_s"], 2),
+                    "verify_accepted": verify["accepted"], "load": os.getloadavg()[0]}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
