@@ -124,7 +124,8 @@ def main() -> None:
     per_tree = {name: pick(r["tokens_per_s"] for r in records) for name, records in results.items()}
     summary[f"tokens_per_s_{stat}"] = per_tree
     if "float" in per_tree:
-      summary[f"vs_float_{stat}"] = {name: round(per_tree[name] / per_tree["float"], 3) for name in names if name != "float"}
+      summary[f"vs_float_{stat}"] = {name: round(per_tree[name] / per_tree["float"], 3)
+                                     for name in names if name != "float"}
   print(json.dumps({"summary": summary, "config": args.model_dir or args.config, "backend": jax.default_backend(),
                     **{k: v for k, v in vars(args).items() if k not in ("config", "model_dir")}}), flush=True)
 

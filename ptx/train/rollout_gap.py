@@ -1,4 +1,4 @@
-"""The log-prob gap between the rollouts' sampler and the policy, per step (int8 rollouts: `ptx.models.rollout_params`)."""
+"""The per-step log-prob gap of the rollouts' sampler to the policy (int8 rollouts, `ptx.models.rollout_params`)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ def _tokens(cfg, batch=2, seq=9):
 
 
 def test_dequantised_weight_is_within_half_a_step_of_its_channel():
-  w = jax.random.normal(jax.random.key(0), (3, 20, 4, 6)) * jnp.arange(1.0, 7.0)[None, None, None]  # [L, D, H, K]: channels of 6 scales
+  # [L, D, H, K], channels of 6 magnitudes
+  w = jax.random.normal(jax.random.key(0), (3, 20, 4, 6)) * jnp.arange(1.0, 7.0)[None, None, None]
   q = int8_weights.quantize(w, contracted=(1,))
   assert q.qvalue.dtype == jnp.int8 and q.scale.shape == (3, 1, 4, 6)
   absmax = np.asarray(jnp.max(jnp.abs(w), axis=1, keepdims=True))
