@@ -17,6 +17,7 @@ are reported as JSON lines instead of stopping the run. Goal: Pallas forward
 import argparse
 import functools
 import json
+import sys
 import time
 
 import jax
@@ -75,32 +76,37 @@ TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
 def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
-  """Yields one row per case, dtype and kernel: max relative errors against the f32 reference, fwd and bwd."""
+  """Yields one row per case, dtype and kernel: max relative errors against the f32 reference, fwd and bwd.
+
+  Every Pallas row comes before the cuDNN ones, so a cuDNN call that hangs (one did on the H200 on 12-04, the
+  section's limit cutting the rest) costs no Pallas row; each check says on stderr what it starts.
+  """
   keys = jax.random.split(jax.random.key(0), 4)
-  for case, h, kv, masks in _cases(b, t):
+  # cuDNN flash attention takes fp16/bf16 only, and jax.nn's call has no segment ids or soft-cap.
+  on_gpu = jax.default_backend() == "gpu"
+  runs = [("pallas_gpu", case) for case in _cases(b, t)] + [("cudnn", case) for case in _cases(b, t) if on_gpu]
+  for name, (case, h, kv, masks) in runs:
     for dtype in dtypes:
+      if name == "cudnn" and (dtype != "bfloat16" or masks):
+        continue
+      print(f"check: {case} {name} {dtype}", file=sys.stderr, flush=True)
       tol = TOLERANCES[dtype]
       q = jax.random.normal(keys[0], (b, t, h, d), dtype)
       k = jax.random.normal(keys[1], (b, t, kv, d), dtype)
       v = jax.random.normal(keys[2], (b, t, kv, d), dtype)
       dout = jax.random.normal(keys[3], q.shape, dtype)
       f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-      reference = functools.partial(pk.reference_attention, **masks)
-      want_grads, want = _fwd_bwd(reference)(*f32)
-      impls = {"pallas_gpu": functools.partial(_pallas, tiles, interpret=interpret, **masks)}
-      # cuDNN flash attention takes fp16/bf16 only, and jax.nn's call has no segment ids or soft-cap.
-      if dtype == "bfloat16" and not masks and jax.default_backend() == "gpu":
-        impls["cudnn"] = _cudnn
-      for name, attention in impls.items():
-        row = dict(bench="attention_gpu_check", case=case, impl=name, dtype=dtype, batch=b,
-                   seq_len=t, heads=h, kv_heads=kv, head_dim=d)
-        try:
-          grads, out = _fwd_bwd(attention)(q, k, v, dout)
-          errs = [_rel_err(out, want)] + [_rel_err(g, w) for g, w in zip(grads, want_grads)]
-          yield dict(row, rel_err_out=errs[0], rel_err_dq=errs[1], rel_err_dk=errs[2], rel_err_dv=errs[3],
-                     tolerance=tol, ok=max(errs) < tol)
-        except Exception as e:  # Report and carry on with the other checks.
-          yield dict(row, error=repr(e)[:500])
+      want_grads, want = _fwd_bwd(functools.partial(pk.reference_attention, **masks))(*f32)
+      attention = _cudnn if name == "cudnn" else functools.partial(_pallas, tiles, interpret=interpret, **masks)
+      row = dict(bench="attention_gpu_check", case=case, impl=name, dtype=dtype, batch=b,
+                 seq_len=t, heads=h, kv_heads=kv, head_dim=d)
+      try:
+        grads, out = _fwd_bwd(attention)(q, k, v, dout)
+        errs = [_rel_err(out, want)] + [_rel_err(g, w) for g, w in zip(grads, want_grads)]
+        yield dict(row, rel_err_out=errs[0], rel_err_dq=errs[1], rel_err_dk=errs[2], rel_err_dv=errs[3],
+                   tolerance=tol, ok=max(errs) < tol)
+      except Exception as e:  # Report and carry on with the other checks.
+        yield dict(row, error=repr(e)[:500])
 
 
 def _best_seconds(program, args, repeats):
@@ -153,6 +159,46 @@ def bench(seq_lens, heads, repeats, tiles, interpret=False):
       row["fwd_vs_cudnn"] = round(
           row["pallas_gpu_fwd_tflops"] / row["cudnn_fwd_tflops"], 3)
     yield row
+
+
+def _jax_triton(q, k, v):
+  """JAX's own Pallas Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha), causal."""
+  from jax.experimental.pallas.ops.gpu import attention as jax_attention
+  return jax_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True), None
+
+
+def _jax_mosaic(q, k, v):
+  """JAX's Mosaic GPU (Hopper: wgmma, TMA) flash attention forward (pallas.ops.gpu.attention_mgpu), causal."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True)
+  return attention_mgpu.attention(q, k, v, config), None
+
+
+def peers(t, heads, repeats, tiles):
+  """Yields one row: causal TFLOP/s at length t of ptx's kernel and of JAX's two GPU kernels, same shapes.
+
+  JAX's Triton kernel takes as many KV heads as query heads, so every kernel here runs MHA (kv = heads);
+  its Mosaic GPU kernel has no causal backward, so it is timed forward only. Says whether ptx's kernel is
+  slower than Pallas on this GPU allows (JAX's Triton kernel is the like-for-like) or than Hopper allows.
+  """
+  keys = jax.random.split(jax.random.key(t), 4)
+  q, k, v, dout = (jax.random.normal(key, (1, t, heads, 128), jnp.bfloat16) for key in keys)
+  fwd_flops = 2.0 * heads * t * t * 128
+  row = dict(bench="attention_gpu_peers", seq_len=t, heads=heads, kv_heads=heads, head_dim=128, dtype="bfloat16",
+             block_q=tiles.block_q, block_kv=tiles.block_kv)
+  kernels = (("ptx_pallas", functools.partial(_pallas, tiles), True), ("jax_triton", _jax_triton, True),
+             ("jax_mosaic", _jax_mosaic, False), ("cudnn", _cudnn, True))
+  for name, attention, backward in kernels:
+    print(f"peers: {name}", file=sys.stderr, flush=True)
+    try:
+      seconds = _best_seconds(jax.jit(lambda q, k, v, a=attention: a(q, k, v)[0]), (q, k, v), repeats)
+      row[f"{name}_fwd_tflops"] = round(fwd_flops / seconds / 1e12, 1)
+      if backward:
+        seconds = _best_seconds(_fwd_bwd(attention), (q, k, v, dout), repeats)
+        row[f"{name}_fwd_bwd_tflops"] = round(3.5 * fwd_flops / seconds / 1e12, 1)
+    except Exception as e:  # A kernel this JAX or GPU lacks: report, go on.
+      row[f"{name}_error"] = repr(e)[:300]
+  return row
 
 
 def main():

@@ -1,6 +1,6 @@
-"""One-shot accelerator check (issue #27): kernels, attention TFLOP/s, SmolLM2 SFT and GRPO steps, 1M-token memory.
+"""One-shot accelerator check: kernels, attention TFLOP/s, SmolLM2 SFT and GRPO steps, 1M-token memory, fast modes.
 
-  bash benchmarks/device_check.sh                        # on the GPU machine: every section, under 8 minutes
+  bash benchmarks/device_check.sh                        # on the GPU machine: every section, under 9 minutes
   bash benchmarks/device_check.sh --smoke                # tiny shapes on CPU (tests/benchmarks/test_device_check.py)
   python benchmarks/device_check.py --section sft [--smoke]   # one section, as the wrapper runs each
 
@@ -18,7 +18,9 @@ runs. Sections, each reusing the benchmark that measures it:
              window with a soft-cap (attention_gpu.check; tolerances there)
   attention  causal TFLOP/s of the Pallas kernel and of cuDNN through
              jax.nn.dot_product_attention at 4K, 16K and 64K tokens, forward
-             and forward+backward (attention_gpu.bench)
+             and forward+backward (attention_gpu.bench); then at 16K, MHA,
+             ptx's kernel beside JAX's Pallas Triton and Mosaic GPU kernels
+             and cuDNN (attention_gpu.peers)
   sft        the SFT step of the SmolLM2-135M shape, random weights, bfloat16
              compute, Pallas attention: median tokens/s and MFU after warm-up
              (train.measure)
@@ -27,6 +29,21 @@ runs. Sections, each reusing the benchmark that measures it:
              (long_context.compile_memory)
   grpo       the fused GRPO step (sample, reward, update) of the same model
              through rl_step.make_grpo_step (grpo.ptx_round)
+  fast       issue #29's rollout modes on the same model: greedy tokens/s of
+             the standard engine, n-gram and draft-model speculation, int8
+             weights and int8 with n-gram speculation, on the code-editing
+             and word-problem workloads, and the measured verify_cost
+             (fast_mode.measure); rows print as they come, so a section cut
+             off by its limit still gives the modes it finished
+
+The sections of issue #27 (all but fast) take under 8 minutes together.
+
+The GPU image has JAX, Flax, Optax and Orbax but not qwix (a ptx dependency
+that int8 rollouts need; ptx.models imports it): carry its wheel and install
+it first, e.g. `pip download --no-deps qwix==0.1.8 -d .whl` here, then there
+`pip install --no-index --no-deps --target /tmp/site .whl/*.whl` with
+PYTHONPATH=/tmp/site. It lacks grain and tensorboardX too, which no section
+imports (tests/benchmarks/test_device_check.py checks that).
 
 Where the Pallas model fails (sft, memory, grpo), its error line is followed
 by the same measurement with "xla" attention ("blockwise" at 1M tokens), so
@@ -51,7 +68,10 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
+
+START = time.monotonic()
 
 PEAK_TFLOPS = 989.0  # H200 SXM dense bfloat16, the vendor's datasheet (KINDS.md measured ~790 on matmuls)
 # Exit codes the wrapper reads: a section that printed its own error line, and "nothing else can run".
@@ -59,7 +79,8 @@ REPORTED, STOP = 2, 3
 # The modules each section imports (benchmarks/ is this script's folder, first on sys.path). Sections import them
 # themselves, so that a module that fails to import fails its sections alone, and env runs without JAX.
 MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
-           "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo")}
+           "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo"),
+           "fast": ("ptx.sampling.speculative_engine", "fast_mode")}
 
 
 def _context() -> dict:
@@ -70,8 +91,9 @@ def _context() -> dict:
 
 
 def _emit(section: str, row: dict) -> None:
-  """Prints one JSON line of `section`."""
-  print(json.dumps({"section": section, **_context(), **row}, default=str), flush=True)
+  """Prints one JSON line of `section`, with the seconds since the section's process started."""
+  elapsed = round(time.monotonic() - START, 1)
+  print(json.dumps({"section": section, **_context(), "elapsed_s": elapsed, **row}, default=str), flush=True)
 
 
 def _stop(row: dict, error: str) -> None:
@@ -121,13 +143,15 @@ def kernels(smoke: bool):
 
 
 def attention(smoke: bool):
-  """Yields TFLOP/s of Pallas and cuDNN, one row per sequence length."""
+  """Yields TFLOP/s of Pallas and cuDNN, one row per sequence length; on a GPU, then ptx's against JAX's kernels."""
   import attention_gpu
   import ptx_kernels as pk
   if smoke:
     yield from attention_gpu.bench([128], heads=8, repeats=1, tiles=pk.BlockSizes(32, 16), interpret=True)
   else:
     yield from attention_gpu.bench([4096, 16384, 65536], heads=16, repeats=5, tiles=pk.BlockSizes(128, 64))
+    # The H200 run of 12-04 had ptx's kernel at 0.15-0.45 of cuDNN's forward: is it the kernel or Pallas?
+    yield attention_gpu.peers(16384, heads=16, repeats=3, tiles=pk.BlockSizes(128, 64))
 
 
 def _first_working(impls, measure):
@@ -208,7 +232,24 @@ def grpo(smoke: bool):
   yield from _first_working(_impls(smoke, "xla"), measure)
 
 
-SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo}
+def fast(smoke: bool):
+  """Yields fast_mode's rows: tokens/s per (workload, mode), then the calibration row."""
+  import fast_mode
+  if smoke:
+    argv = ["--config", "tiny", "--requests", "2", "--new", "8", "--workloads", "code_edit",
+            "--modes", "standard,ngram_always,int8_ngram"]
+  else:
+    # Each mode compiles its engine's programs (40-60 s each on the H200, 12-04): the four that answer #29's
+    # question, code editing first. draft_model is left out: with random weights its cut of the policy accepts
+    # almost nothing (0.008 there), so its figure says nothing a trained draft would.
+    argv = ["--config", "smollm2", "--compute-dtype", "bfloat16", "--requests", "16", "--new", "128",
+            "--modes", "standard,ngram,int8,int8_ngram"]
+  args = fast_mode.parser().parse_args(argv)
+  yield from fast_mode.measure(*fast_mode.model(args), args)
+
+
+SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo,
+            "fast": fast}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Rollout tokens/s of the engine's fast modes against the standard engine, per workload.
 
-Modes (`MODES`: one entry each; an entry builds the engine a mode runs):
+Modes (`MODES`: one entry each; an entry names the parameter tree it samples
+from and builds the engine it runs):
 
   standard      `RolloutEngine`: `decode_steps` tokens per call
   ngram         `SpeculativeEngine` with the n-gram (prompt lookup) drafter and
@@ -11,6 +12,10 @@ Modes (`MODES`: one entry each; an entry builds the engine a mode runs):
                 --draft-layers layers (its embeddings and final norm too),
                 reading a window of --window tokens, verify_cost 1; a cut of the
                 policy rather than a distilled model (none is trained here)
+  int8          `RolloutEngine` over `ptx.models.rollout_params` of the policy
+                (int8 weight-only matrices): greedy tokens may differ from
+                standard's where the policy's top two logits nearly tie
+  int8_ngram    `ngram_always`'s engine over the int8 tree
 
 Workloads (token ids; the weights are random, so a draft is accepted where
 the random policy's greedy tokens happen to repeat the context, as they do
@@ -22,32 +27,41 @@ one on such text):
   arithmetic  word problems ("Ann has 17 apples and buys 25 more. ..."),
               bytes as ids
 
-Each (workload, mode) runs twice, the first compiling; its JSON line gives
-the second run's tokens, wall seconds, tokens/s, and the drafted and accepted
-tokens. The `calibrate` line measures the cost model's verify_cost on this
+Every workload shares one engine configuration (room for its longest
+prompt), so a mode compiles its programs once. Each (workload, mode) runs
+twice, the first compiling; its JSON line gives the second run's tokens, wall
+seconds, tokens/s, the drafted and accepted tokens, the engine programs the
+timed run compiled (shapes the first run did not meet; 0 unless the runs
+differ), and `same_as_standard`:
+the fraction of requests whose greedy tokens equal the standard mode's (1.0
+for the exact modes; int8's shows how often rounding flips a greedy choice). The `calibrate` line measures the cost model's verify_cost on this
 machine at these shapes: the time of a verify call (a run where every step
 is one, with a drafter always wrong, so each emits one token per row) over
 that of a decode step inside the standard engine's --decode-steps calls
 (what a step that does not verify runs instead), same tokens.
 
     .venv/bin/python benchmarks/fast_mode.py --config smollm2 --requests 8 --new 64
+
+`benchmarks/device_check.py --section fast` runs `measure` on a GPU in
+bfloat16 compute (`--compute-dtype`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
-
-import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
 
 from ptx.models import init_params
 from ptx.models.llama import smollm2_135m
-from ptx.sampling import SamplingConfig
+from ptx.models.rollout_params import rollout_params
+from ptx.sampling import SamplingConfig, engine_programs
 from ptx.sampling.drafting import DraftModel, NgramDrafter
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
@@ -71,16 +85,27 @@ def first_layers(params, cfg, n: int):
   return dataclasses.replace(cfg, n_layers=n), cut
 
 
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """A fast-mode variant: the parameter tree it samples from ("float" or "int8") and its engine's builder."""
+  tree: str
+  engine: Callable[..., RolloutEngine]
+
+
+def _ngram(cfg, config, args, verify_cost=None):
+  speculative = SpeculativeConfig(drafts=args.drafts, **({} if verify_cost is None else {"verify_cost": verify_cost}))
+  return SpeculativeEngine(cfg, config, sampling=GREEDY, drafter=NgramDrafter(), speculative=speculative)
+
+
 MODES = {
-    "standard": lambda cfg, config, args: RolloutEngine(cfg, config, sampling=GREEDY),
-    "ngram": lambda cfg, config, args: SpeculativeEngine(
-        cfg, config, sampling=GREEDY, drafter=NgramDrafter(), speculative=SpeculativeConfig(drafts=args.drafts)),
-    "ngram_always": lambda cfg, config, args: SpeculativeEngine(
-        cfg, config, sampling=GREEDY, drafter=NgramDrafter(),
-        speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0)),
-    "draft_model": lambda cfg, config, args: SpeculativeEngine(
+    "standard": Mode("float", lambda cfg, config, args: RolloutEngine(cfg, config, sampling=GREEDY)),
+    "ngram": Mode("float", _ngram),
+    "ngram_always": Mode("float", lambda cfg, config, args: _ngram(cfg, config, args, verify_cost=1.0)),
+    "draft_model": Mode("float", lambda cfg, config, args: SpeculativeEngine(
         cfg, config, sampling=GREEDY, drafter=DraftModel(args.draft_params, args.draft_cfg, window=args.window),
-        speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0)),
+        speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0))),
+    "int8": Mode("int8", lambda cfg, config, args: RolloutEngine(cfg, config, sampling=GREEDY)),
+    "int8_ngram": Mode("int8", lambda cfg, config, args: _ngram(cfg, config, args, verify_cost=1.0)),
 }
 
 
@@ -103,12 +128,19 @@ WORKLOADS = {"code_edit": code_edit, "arithmetic": arithmetic}
 
 
 def engine_config(prompts: list[list[int]], args) -> EngineConfig:
-  """Room for every request at once, so each run keeps one batch of rows (few shapes to compile)."""
+  """Room for every request at once and for the longest of `prompts`, so each mode compiles one set of programs."""
   seq_len = max(map(len, prompts)) + args.new
   pages_per_seq = -(-seq_len // args.page_size)
   return EngineConfig(max_seqs=args.requests, pages=args.requests * pages_per_seq + 1, page_size=args.page_size,
                       max_seq_len=seq_len, decode_steps=args.decode_steps, prefill_chunk=256,
                       prefill_rows=args.requests)
+
+
+def _compiled() -> int:
+  """Programs the engines' jitted functions have compiled so far (a timed run should add none)."""
+  return sum(program._cache_size() for program in (
+      engine_programs.prefill_program, engine_programs.decode_program, engine_programs.verify_program,
+      engine_programs.draft_verify_program, engine_programs.copy_program))
 
 
 def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:
@@ -119,21 +151,62 @@ def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:
       engine.submit(p, max_new_tokens=new)
     start = time.perf_counter()
     done = engine.run(params)
-    return time.perf_counter() - start, list(done.values())
+    return time.perf_counter() - start, [done[i] for i in sorted(done)]
 
   first, _ = once()
+  compiled = _compiled()
   wall, done = once()
   tokens = sum(len(c.tokens) for c in done)
   drafted, accepted = sum(c.drafted for c in done), sum(c.accepted for c in done)
   return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
           "compile_s": round(first - wall, 1), "drafted": drafted, "accepted": accepted,
-          "acceptance": round(accepted / drafted, 3) if drafted else None}
+          "acceptance": round(accepted / drafted, 3) if drafted else None,
+          "compiled_in_timed_run": _compiled() - compiled,
+          "outputs": [tuple(c.tokens) for c in done]}
 
 
-def main() -> None:
-  """Prints one JSON line per (workload, mode), then the calibration line."""
+def measure(cfg, params, args):
+  """Yields one row per (workload, mode), then the calibration row (module docstring).
+
+  Args:
+    cfg: the policy's config.
+    params: its parameters.
+    args: `main`'s options (workloads, modes, requests, new, drafts, decode_steps, page_size, draft_layers,
+      window, seed).
+  """
+  args.draft_cfg, args.draft_params = first_layers(params, cfg, args.draft_layers)
+  modes = args.modes.split(",")
+  trees = {"float": params}
+  if any(MODES[m].tree == "int8" for m in modes):
+    trees["int8"] = jax.jit(rollout_params, static_argnames="cfg")(params, cfg=cfg)
+  workloads = {name: WORKLOADS[name](args.requests, cfg.vocab_size, np.random.default_rng(args.seed))
+               for name in args.workloads.split(",")}
+  config = engine_config([p for prompts in workloads.values() for p in prompts], args)
+  common = {"config": args.config, "compute_dtype": cfg.compute_dtype, "requests": args.requests, "new": args.new,
+            "drafts": args.drafts}
+  for name, prompts in workloads.items():
+    standard = None
+    for mode in modes:
+      record = run(lambda: MODES[mode].engine(cfg, config, args), trees[MODES[mode].tree], prompts, args.new)
+      outputs = record.pop("outputs")
+      standard = outputs if mode == "standard" else standard
+      same = None if standard is None else round(sum(a == b for a, b in zip(outputs, standard)) / len(outputs), 3)
+      yield {"workload": name, "mode": mode, "params": MODES[mode].tree, **common, **record,
+             "same_as_standard": same, "load": os.getloadavg()[0]}
+  prompts = next(iter(workloads.values()))
+  verify = run(lambda: SpeculativeEngine(cfg, config, sampling=GREEDY, drafter=_AlwaysWrong(), speculative=(
+      SpeculativeConfig(drafts=args.drafts, verify_cost=1.0, min_verifies=10 ** 9))), params, prompts, args.new)
+  decode = run(lambda: RolloutEngine(cfg, config, sampling=GREEDY), params, prompts, args.new)
+  yield {"workload": "calibrate", **common, "verify_call_s": verify["wall_s"] / args.new,
+         "decode_step_s": decode["wall_s"] / args.new, "verify_cost": round(verify["wall_s"] / decode["wall_s"], 2),
+         "verify_accepted": verify["accepted"], "load": os.getloadavg()[0]}
+
+
+def parser() -> argparse.ArgumentParser:
+  """The script's options; `device_check` parses its own list with them."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="smollm2", choices=sorted(CONFIGS))
+  p.add_argument("--compute-dtype", default=None, help="the model's compute dtype (default: the config's)")
   p.add_argument("--workloads", default="code_edit,arithmetic")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--requests", type=int, default=8)
@@ -144,26 +217,24 @@ def main() -> None:
   p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers (the policy's first ones)")
   p.add_argument("--window", type=int, default=64, help="DraftModel.window")
   p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args()
+  return p
+
+
+def model(args):
+  """(config, random parameters) of --config in --compute-dtype."""
   cfg = CONFIGS[args.config]
-  params = init_params(cfg, jax.random.key(args.seed))
-  args.draft_cfg, args.draft_params = first_layers(params, cfg, args.draft_layers)
-  common = {"config": args.config, "requests": args.requests, "new": args.new, "drafts": args.drafts}
-  for name in args.workloads.split(","):
-    prompts = WORKLOADS[name](args.requests, cfg.vocab_size, np.random.default_rng(args.seed))
-    config = engine_config(prompts, args)
-    for mode in args.modes.split(","):
-      record = run(lambda: MODES[mode](cfg, config, args), params, prompts, args.new)
-      print(json.dumps({"workload": name, "mode": mode, **common, **record, "load": os.getloadavg()[0]}), flush=True)
-  prompts = code_edit(args.requests, cfg.vocab_size, np.random.default_rng(args.seed))
-  config = engine_config(prompts, args)
-  verify = run(lambda: SpeculativeEngine(cfg, config, sampling=GREEDY, drafter=_AlwaysWrong(), speculative=(
-      SpeculativeConfig(drafts=args.drafts, verify_cost=1.0, min_verifies=10 ** 9))), params, prompts, args.new)
-  decode = run(lambda: RolloutEngine(cfg, config, sampling=GREEDY), params, prompts, args.new)
-  print(json.dumps({"workload": "calibrate", **common, "verify_call_s": verify["wall_s"] / args.new,
-                    "decode_step_s": decode["wall_s"] / args.new,
-                    "verify_cost": round(verify["wall_s"] / decode["wall_s"], 2),
-                    "verify_accepted": verify["accepted"], "load": os.getloadavg()[0]}), flush=True)
+  if args.compute_dtype:
+    cfg = dataclasses.replace(cfg, compute_dtype=args.compute_dtype)
+  return cfg, init_params(cfg, jax.random.key(args.seed))
+
+
+def main() -> None:
+  """Prints one JSON line per (workload, mode), then the calibration line."""
+  args = parser().parse_args()
+  if unknown := set(args.modes.split(",")) - set(MODES):
+    raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {sorted(MODES)}")
+  for row in measure(*model(args), args):
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """benchmarks/device_check.sh, the one-shot GPU check, keeps running where no GPU is: its smoke mode on the CPU.
 
 The smoke run goes through every section as the GPU run does (the wrapper, one process per section, the same
-benchmark functions) with tiny shapes, so an API change that would break the device run fails here first. The
+benchmark functions) with tiny shapes, so an API change that would break the device run fails here first. It runs
+without grain and tensorboardX, as the GPU image does (a module-level import of grain cost the H200 run of 12-04
+its memory section). The
 wrapper's own failure paths (a section past its time limit, a crash, no JAX) run on stand-in interpreters.
 """
 
@@ -15,7 +17,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
-SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo")
+SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "fast")
+# ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
+NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
 
 
@@ -38,10 +42,19 @@ def _stand_in(tmp_path, body: str) -> str:
   return str(path)
 
 
+def _without(tmp_path, *packages: str) -> str:
+  """A folder for PYTHONPATH in which importing each of `packages` raises ImportError."""
+  for name in packages:
+    (tmp_path / "absent" / name).mkdir(parents=True)
+    (tmp_path / "absent" / name / "__init__.py").write_text(f"raise ImportError('{name} is not on this image')\n")
+  return str(tmp_path / "absent")
+
+
 @pytest.fixture(scope="module")
 def smoke_lines(tmp_path_factory):
-  """The JSON lines of one smoke run of every section (about a minute of CPU)."""
-  return _run(tmp_path_factory.mktemp("smoke"), sys.executable, "--smoke")[1]
+  """The JSON lines of one smoke run of every section (about a minute of CPU), as on the GPU image's packages."""
+  tmp_path = tmp_path_factory.mktemp("smoke")
+  return _run(tmp_path, sys.executable, "--smoke", PYTHONPATH=_without(tmp_path, *NOT_ON_THE_GPU_IMAGE))[1]
 
 
 @pytest.mark.slow
@@ -50,13 +63,15 @@ def test_every_section_prints_its_figures_without_an_error(smoke_lines):
   for line in smoke_lines:
     assert not [key for key in line if "error" in key], line
     assert all(key in line for key in CONTEXT), line
-    assert line["backend"] == "cpu"
+    assert line["backend"] == "cpu" and line["elapsed_s"] >= 0
 
 
 @pytest.mark.slow
 def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_lines):
   by = {name: [line for line in smoke_lines if line["section"] == name] for name in SECTIONS}
-  assert by["env"][0]["imports"] == dict.fromkeys(("kernels", "attention", "sft", "memory", "grpo"), "ok")
+  [env] = by["env"]
+  assert env["imports"] == dict.fromkeys(SECTIONS[1:], "ok")
+  assert all(env["versions"][name] is None for name in NOT_ON_THE_GPU_IMAGE), env["versions"]
   assert {line["case"] for line in by["kernels"]} == {"gqa_causal", "gqa_packed", "mqa_window_softcap"}
   assert all(line["ok"] for line in by["kernels"])
   [attention] = by["attention"]
@@ -67,6 +82,12 @@ def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_line
   [memory] = by["memory"]
   # The floor counts only what a training step cannot avoid holding, so the compiled step is at least that.
   assert memory["per_device_mib"] >= memory["floor_mib"]["total"] > 0
+  modes = [line for line in by["fast"] if line["workload"] == "code_edit"]
+  assert [line["mode"] for line in modes] == ["standard", "ngram_always", "int8_ngram"]
+  assert all(line["tokens"] == 2 * 8 and line["tokens_per_s"] > 0 for line in modes), modes
+  # Greedy n-gram speculation keeps the standard engine's tokens exactly in float32 (the int8 tree may not).
+  assert modes[1]["same_as_standard"] == 1.0 and modes[2]["params"] == "int8"
+  assert by["fast"][-1]["workload"] == "calibrate" and by["fast"][-1]["verify_cost"] > 0
 
 
 def test_a_section_past_its_limit_or_crashing_gets_an_error_line_and_the_next_still_runs(tmp_path):
