@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-shot accelerator check (issues #27 and #29): every section of benchmarks/device_check.py in a process of
 # its own, each under a hard time limit, all of them within DEVICE_CHECK_TOTAL_S (540 s: the whole run stays
-# under 9 minutes, #27's sections under 8). Prints JSON lines to stdout and, when $OUT is set, also to $OUT/device_check.jsonl. Exits 0 whatever
-# the sections do: a failure is a JSON line with an "error" field, and the next section runs.
+# under 9 minutes, #27's sections under 8). Prints JSON lines to stdout and, when $OUT is set, also to
+# $OUT/device_check.jsonl. Exits 0 whatever the sections do: a failure is a JSON line with an "error" field, and
+# the next section runs.
 #
 #   bash benchmarks/device_check.sh            # on the GPU machine
 #   bash benchmarks/device_check.sh --smoke    # tiny shapes on the CPU (or DEVICE_CHECK_SMOKE=1)

@@ -32,10 +32,11 @@ prompt), so a mode compiles its programs once. Each (workload, mode) runs
 twice, the first compiling; its JSON line gives the second run's tokens, wall
 seconds, tokens/s, the drafted and accepted tokens, the engine programs the
 timed run compiled (shapes the first run did not meet; 0 unless the runs
-differ), and `same_as_standard`:
-the fraction of requests whose greedy tokens equal the standard mode's (1.0
-for the exact modes; int8's shows how often rounding flips a greedy choice). The `calibrate` line measures the cost model's verify_cost on this
-machine at these shapes: the time of a verify call (a run where every step
+differ), and `same_as_standard`: the fraction of requests whose greedy tokens
+equal the standard mode's (1.0 for speculation in float32; in bf16 the verify
+forward's rounding differs from decoding's, and int8's shows how often its
+rounding flips a greedy choice). The `calibrate` line measures the cost
+model's verify_cost on this machine at these shapes: the time of a verify call (a run where every step
 is one, with a drafter always wrong, so each emits one token per row) over
 that of a decode step inside the standard engine's --decode-steps calls
 (what a step that does not verify runs instead), same tokens.
