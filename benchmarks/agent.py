@@ -236,8 +236,8 @@ def measure(method: str, params, cfg, args) -> dict:
   return record
 
 
-def main() -> None:
-  """Alternates the methods over rounds; one JSON line per run, then the summary."""
+def parser() -> argparse.ArgumentParser:
+  """The script's options; `device_check` parses its own list with them."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="anchor", choices=sorted(MODELS), help="anchor: the Tunix harness's config")
   p.add_argument("--episodes", type=int, default=256, help="episodes in all, --samples per task")
@@ -255,7 +255,11 @@ def main() -> None:
   p.add_argument("--methods", default="overlap,lockstep")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--max-warmups", type=int, default=4, help="untimed runs at most before the timed one")
-  args = p.parse_args()
+  return p
+
+
+def rows(args):
+  """Yields one row per run (the methods alternating over --rounds), then the summary row."""
   if args.episodes % args.samples or args.concurrent % args.samples:
     raise SystemExit(f"--episodes {args.episodes} and --concurrent {args.concurrent} must be multiples of "
                      f"--samples {args.samples}")
@@ -269,7 +273,7 @@ def main() -> None:
     for method in methods if r % 2 == 0 else methods[::-1]:
       record = measure(method, params, cfg, args)
       runs[method].append(record)
-      print(json.dumps({"method": method, "round": r, **record, **context}), flush=True)
+      yield {"method": method, "round": r, **record, **context}
   summary = {m: {"episodes_per_s_median": statistics.median(x["episodes_per_s"] for x in rs),
                  "device_busy_frac_median": statistics.median(x["device_busy_frac"] for x in rs),
                  "runs": [x["episodes_per_s"] for x in rs], "cpu_s": [x["cpu_s"] for x in rs]}
@@ -278,7 +282,13 @@ def main() -> None:
     summary["overlap_over_lockstep"] = round(summary["overlap"]["episodes_per_s_median"]
                                              / summary["lockstep"]["episodes_per_s_median"], 2)
   summary.update(tool_floors(workload(args), args))
-  print(json.dumps({"summary": summary, "load_avg_1m_end": round(os.getloadavg()[0], 2)}), flush=True)
+  yield {"summary": summary, "load_avg_1m_end": round(os.getloadavg()[0], 2)}
+
+
+def main() -> None:
+  """Alternates the methods over rounds; one JSON line per run, then the summary."""
+  for row in rows(parser().parse_args()):
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

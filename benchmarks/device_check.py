@@ -1,6 +1,6 @@
 """One-shot accelerator check: kernels, attention TFLOP/s, SmolLM2 SFT and GRPO steps, 1M-token memory, fast modes.
 
-  bash benchmarks/device_check.sh                        # on the GPU machine: every section, under 9 minutes
+  bash benchmarks/device_check.sh                        # on the GPU machine: every section, under 10 minutes
   bash benchmarks/device_check.sh --smoke                # tiny shapes on CPU (tests/benchmarks/test_device_check.py)
   python benchmarks/device_check.py --section sft [--smoke]   # one section, as the wrapper runs each
 
@@ -35,8 +35,12 @@ runs. Sections, each reusing the benchmark that measures it:
              and word-problem workloads, and the measured verify_cost
              (fast_mode.measure); rows print as they come, so a section cut
              off by its limit still gives the modes it finished
+  agent      issue #26's benchmark: 256 multi-turn episodes, 64 at once, with
+             log-uniform 0.1-1 s tools, through the episode loop against
+             lockstep turn-batches on the tiny anchor model, and the ratio's
+             bound from the tool times alone (agent.rows)
 
-The sections of issue #27 (all but fast) take under 8 minutes together.
+The sections of issue #27 (all but fast and agent) take under 8 minutes together.
 
 The GPU image has JAX, Flax, Optax and Orbax but not qwix (a ptx dependency
 that int8 rollouts need; ptx.models imports it): carry its wheel and install
@@ -80,7 +84,7 @@ REPORTED, STOP = 2, 3
 # themselves, so that a module that fails to import fails its sections alone, and env runs without JAX.
 MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
            "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo"),
-           "fast": ("ptx.sampling.speculative_engine", "fast_mode")}
+           "fast": ("ptx.sampling.speculative_engine", "fast_mode"), "agent": ("ptx.rl.episode_loop", "agent")}
 
 
 def _context() -> dict:
@@ -248,8 +252,21 @@ def fast(smoke: bool):
   yield from fast_mode.measure(*fast_mode.model(args), args)
 
 
+def agent(smoke: bool):
+  """Yields benchmarks/agent.py's rows: multi-turn episodes with slow tools, overlapped against lockstep turns."""
+  import agent as agent_bench
+  if smoke:
+    argv = ["--episodes", "8", "--concurrent", "4", "--turns", "1", "--tool-min", "0.01", "--tool-max", "0.02",
+            "--turn-tokens", "8", "--context", "128", "--rounds", "1", "--max-warmups", "1"]
+  else:
+    # One round with one untimed warm-up per method (~20 s of tool time each): a GPU decodes the anchor model
+    # far faster than the tools answer, so the ratio shows how near the tool bound the loop gets.
+    argv = ["--tool-dist", "loguniform", "--rounds", "1", "--max-warmups", "1"]
+  yield from agent_bench.rows(agent_bench.parser().parse_args(argv))
+
+
 SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo,
-            "fast": fast}
+            "fast": fast, "agent": agent}
 
 
 def main() -> None:
