@@ -1,9 +1,14 @@
 """A multi-turn shell task: the model runs commands, then a check it cannot reach decides.
 
 Task records are `{"prompt": str, "files": {path: content}, "check": str}`
-with optional `"check_files": {path: content}` and `"max_turns": int` (at most
-the environment's). Each episode gets a sandbox workspace holding `files`
-(the fixed initial state). Every action is one shell command, the last
+with optional `"check_files": {path: content}`, `"max_turns": int` (at most
+the environment's) and `"setup": str`. Each episode gets a sandbox workspace
+holding the task's fixed initial state: `files`, after `setup` (a command run
+once on them in the sandbox, which must be deterministic) when there is one.
+Workspaces come from the environment's warm pool when it has one
+(`ptx.rl.warm_pool`: prepared ahead, checked against the state's digest),
+else are prepared when the episode's first command needs one; a workspace
+that cannot be prepared ends the episode as an infrastructure error. Every action is one shell command, the last
 fenced code block of the output or else the whole output, run with `sh -c`
 in the workspace; its exit status and capped output are the next
 observation. Processes a command leaves behind are killed when it ends. The
@@ -35,10 +40,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ptx.rl import sandbox
+from ptx.rl import sandbox, scheduler, warm_pool
 from ptx.rl.environments.base import Outcome, Step, field, from_sandbox
 
 _FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -58,10 +63,19 @@ class ShellEpisode:
   check_files: Mapping[str, str]
   turns_left: int
   limits: sandbox.Limits
-  workspace: sandbox.Workspace
+  lease: warm_pool.Lease
+
+  @property
+  def workspace(self) -> sandbox.Workspace:
+    """The episode's workspace (waits for its preparation the first time)."""
+    return self.lease.workspace()
 
   def step(self, action: str) -> Step:
     """Runs one command, or the check on DONE / the last turn."""
+    try:
+      self.lease.workspace()
+    except scheduler.InfraError as e:
+      return Step.final(Outcome.INFRA_ERROR, f"no workspace: {e}")
     blocks = _FENCE.findall(action)
     command = (blocks[-1] if blocks else action).strip()
     if command.upper() == "DONE":
@@ -93,8 +107,8 @@ class ShellEpisode:
     return Step.final(from_sandbox(result.outcome), f"the check did not finish: {result.reason}")
 
   def close(self) -> None:
-    """Drops the workspace."""
-    self.workspace.close()
+    """Drops the workspace (or its claim on one being prepared)."""
+    self.lease.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,17 +118,18 @@ class ShellEnv:
   Attributes:
     max_turns: commands allowed when the record sets none, and the most it may set.
     limits: sandbox limits for each command and for the check.
+    pool: prepares workspaces ahead (`expect`); None: each episode prepares its own.
   """
 
   name: str = "shell"
   max_turns: int = 8
   limits: sandbox.Limits = sandbox.Limits(timeout_s=5.0, cpu_s=5)
   sandboxed: bool = True
+  pool: warm_pool.WarmPool | None = None
 
   def reset(self, task: Mapping[str, Any]) -> ShellEpisode:
     """Starts an episode for a `{"prompt", "files", "check"}` record (optional "check_files", "max_turns")."""
     prompt = field(task, "prompt", str, self.name)
-    files = field(task, "files", dict, self.name)
     check = field(task, "check", str, self.name)
     check_files = task.get("check_files", {})
     if not isinstance(check_files, dict):
@@ -123,4 +138,18 @@ class ShellEnv:
     if not 1 <= turns <= self.max_turns:
       raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns}")
     sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
-    return ShellEpisode(prompt + _INSTRUCTIONS, check, check_files, turns, self.limits, sandbox.Workspace(files))
+    state = self.initial_state(task)
+    lease = self.pool.checkout(state) if self.pool is not None else warm_pool.Lease.inline(state)
+    return ShellEpisode(prompt + _INSTRUCTIONS, check, check_files, turns, self.limits, lease)
+
+  def initial_state(self, task: Mapping[str, Any]) -> warm_pool.InitialState:
+    """Where an episode of `task` starts: its files, after its set-up."""
+    setup = task.get("setup", "")
+    if not isinstance(setup, str):
+      raise ValueError(f"{self.name} task field 'setup' must be a str, got {type(setup).__name__}")
+    return warm_pool.InitialState.of(field(task, "files", dict, self.name), setup)
+
+  def expect(self, tasks: Iterable[Mapping[str, Any]], samples: int = 1) -> None:
+    """Has the pool prepare `samples` workspaces of each task ahead (nothing without a pool)."""
+    if self.pool is not None:
+      self.pool.expect([state for task in tasks for state in [self.initial_state(task)] * samples])
