@@ -477,6 +477,30 @@ class EvalConfig:
       raise ValueError(f"eval.files entries are 'suite=path', got {bad}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How rollouts and evaluations sample: exactly, or fast (`ptx.sampling.rollout_mode`)."""
+
+  # "standard": the policy's float weights, one token per decode step. "fast": int8 weight-only copies of the
+  # matrices, derived from the training weights once per update, and n-gram (prompt lookup) speculative decoding;
+  # the loss rescoring with the float policy and its truncated importance weight absorb the int8 difference.
+  mode: Literal["standard", "fast"] = "standard"
+  # Fast mode: tokens drafted per sequence and verify at most.
+  drafts: int = 4
+  # Fast mode: a verify call's cost in decode steps; drafting runs only where the measured acceptance beats it
+  # (1.5: an accelerator's estimate; a 2-core CPU measured 2.6, `calibrate` of benchmarks/fast_mode.py).
+  verify_cost: float = 1.5
+  # Fast mode: the longest context suffix the n-gram drafter looks up.
+  max_ngram: int = 3
+
+  def __post_init__(self):
+    if self.mode not in ("standard", "fast"):
+      raise ValueError(f"rollout.mode must be standard or fast, got {self.mode!r}")
+    if self.drafts < 1 or self.max_ngram < 1 or self.verify_cost < 1.0:
+      raise ValueError(f"rollout.drafts ({self.drafts}) and rollout.max_ngram ({self.max_ngram}) must be >= 1, "
+                       f"rollout.verify_cost ({self.verify_cost}) >= 1")
+
+
 # The spec's presets (section 5.9), selectable as --grpo=NAME.
 GRPO_PRESETS: dict[str, GRPOConfig] = {
     "grpo_paper": GRPOConfig(loss_agg_mode="seq_mean_token_mean", beta=0.04),
@@ -514,6 +538,8 @@ class Config:
   lora: LoRAConfig = LoRAConfig()
   # Held-out suites evaluated at checkpoints, with regression flags.
   eval: EvalConfig = EvalConfig()
+  # How rollouts and evaluations sample: standard or fast.
+  rollout: RolloutConfig = RolloutConfig()
 
 
 class ConfigError(ValueError):

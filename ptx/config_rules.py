@@ -50,6 +50,7 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
     if groups * cfg.grpo.group_size % train.grad_accum:
       raise ConfigError(f"train.grad_accum={train.grad_accum} must divide the {groups * cfg.grpo.group_size} "
                         "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
+    check_rollout_mode(cfg)
   elif data.batch_size % train.grad_accum:
     raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
 
@@ -68,6 +69,23 @@ def check_attention(model: ModelConfig, backend: str) -> None:
   if backend == "gpu" and not pallas_gpu.takes_head_dim(model.head_dim):
     raise ConfigError(f"model.attention_impl='pallas' on GPU needs model.head_dim a power of two >= 16 (Triton's "
                       f"tiles), got {model.head_dim}: use 'auto' (xla at this head width) or 'xla'")
+
+
+def check_rollout_mode(cfg: Config) -> None:
+  """`rollout.mode="fast"` samples GRPO's rollouts on the engine, from int8 weights derived from plain parameters.
+
+  Raises:
+    ConfigError: naming rollout.mode and the field to set instead.
+  """
+  if cfg.rollout.mode != "fast":
+    return
+  if cfg.grpo.rollouts != "engine":
+    raise ConfigError(f"rollout.mode=fast samples on the rollout engine: it needs grpo.rollouts=engine (got "
+                      f"{cfg.grpo.rollouts!r}) and host rewards (rl records: --data.train_files with --env); the "
+                      "fused in-graph mode and static host rollouts sample in rollout.mode=standard only")
+  if cfg.lora.rank > 0:
+    raise ConfigError(f"rollout.mode=fast quantises plain parameters to int8, and lora.rank={cfg.lora.rank} trains "
+                      "adapters: set rollout.mode=standard (or lora.rank=0)")
 
 
 def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:

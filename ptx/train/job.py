@@ -45,6 +45,7 @@ from ptx.rl.environments.base import Environment
 from ptx.rl.turn_format import TurnFormat
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
 from ptx.sampling.engine import EngineConfig
+from ptx.sampling.rollout_mode import RolloutMode
 from ptx.train.rl_engine import EngineGRPOStep
 from ptx.train.rl_episodes import EpisodeGRPOStep
 from ptx.train.rl_host import HostGRPOStep, HostReward
@@ -55,9 +56,9 @@ Algorithm = Literal["sft", "dpo", "grpo", "grpo_host", "grpo_episodes"]
 # The config sections each algorithm reads (printed and saved at the start of a run).
 _SECTIONS = {"sft": ("model", "mesh", "optim", "train", "data", "lora"),
              "dpo": ("model", "mesh", "optim", "train", "data", "dpo", "lora"),
-             "grpo": ("model", "mesh", "optim", "train", "data", "grpo", "lora"),
-             "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora"),
-             "grpo_episodes": ("model", "mesh", "optim", "train", "data", "grpo", "lora")}
+             "grpo": ("model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout"),
+             "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout"),
+             "grpo_episodes": ("model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,8 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
   rules = _check(cfg, "grpo", tokenizer)
   spec = _rl_spec(cfg, tokenizer, rules)
   step = (HostGRPOStep(spec, reward) if cfg.grpo.rollouts == "static"
-          else EngineGRPOStep(spec, reward, _engine_config(cfg, ahead=cfg.grpo.max_staleness)))
+          else EngineGRPOStep(spec, reward, _engine_config(cfg, ahead=cfg.grpo.max_staleness),
+                              RolloutMode.of(cfg.rollout)))
   return _job(cfg, "grpo_host", step, rules, with_reference=cfg.grpo.uses_reference,
               updates_per_step=cfg.grpo.updates_per_step)
 
@@ -179,6 +181,9 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
   """
   rules = _check(cfg, "grpo", tokenizer)
   g = cfg.grpo
+  if cfg.rollout.mode != "standard":
+    raise config_lib.ConfigError(f"rollout.mode={cfg.rollout.mode}: multi-turn episodes ({env.name}) are sampled "
+                                 "in rollout.mode=standard only; set it")
   if g.max_staleness != 0 or g.filter_groups == "refill":
     raise config_lib.ConfigError(f"multi-turn episodes ({env.name}) are played on-policy, all of a step's at "
                                  "once: set grpo.max_staleness=0 (got "

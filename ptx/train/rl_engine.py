@@ -22,6 +22,15 @@ ratio exp(old - sampler) per token (decoupled PPO, `learn(proximal=True)`),
 as the static mode does; s = 0 is on-policy (every token of batch k sampled
 at version k).
 
+Fast mode (`rollout.mode="fast"`, `ptx.sampling.rollout_mode`): the engine
+is speculative (n-gram drafts) and samples from an int8 weight-only tree
+derived from the training parameters once per update, on the mesh where
+they live; the update trains the float parameters. The rollouts' log-probs
+are the int8 model's, so every step recomputes the policy's old log-probs
+and weights the loss by the truncated importance ratio, as s > 0 does, and
+logs their gap (`ptx.train.rollout_gap.logprob_gap`:
+`rollout/logp_gap_abs`, `rollout/is_ratio/*`, `rollout/logp_mismatch_kl`).
+
 Checkpoints hold the pipeline (`pipeline_state`): the engine's unfinished
 sequences (`RolloutEngine.snapshot`), and the completions and rewards of
 the batches in flight; a resumed run restores them and trains on the same
@@ -31,7 +40,9 @@ the static mode's only.
 Metrics add `timing_s/step`, `timing_s/generate` (decoding until batch k
 finished), `timing_s/reward` (waiting for its last scores after that),
 `rollout/staleness` (the oldest token's age in updates),
-`rollout/staleness_mean` (per token) and `rollout/engine_pages_peak`.
+`rollout/staleness_mean` (per token) and `rollout/engine_pages_peak`; with
+speculation, `rollout/drafted` (drafts per response token) and
+`rollout/draft_acceptance` (the fraction of drafts the policy accepted).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from ptx.data.global_batch import to_global
 from ptx.models import paged_kv_cache
 from ptx.sampling.engine import Completion, EngineConfig, RolloutEngine
 from ptx.sampling.generation import Generation
+from ptx.sampling.rollout_mode import RolloutMode
 from ptx.train.rl_host import HostGRPOStep, HostReward, Lookahead, stale_spec
 from ptx.train.rl_step import RLSpec, learn, rollout_batch, step_keys
 from ptx.train.state import TrainState
@@ -62,15 +74,16 @@ _ENGINE_STREAM = 2 ** 31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class EngineGRPOStep(HostGRPOStep):
-  """The host-reward GRPO step of a Job with engine rollouts: `spec`, the host `reward` and the engine's shapes."""
+  """The host-reward GRPO step of a Job with engine rollouts: `spec`, host `reward`, the engine's shapes and mode."""
 
   engine: EngineConfig = EngineConfig()
+  mode: RolloutMode = RolloutMode()
 
   def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
             data: Lookahead) -> "EngineRewardStep":
     """The step object for `fit`, submitting batches ahead of `data` (`stream`'s) to the engine."""
     return EngineRewardStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings,
-                            reward=self.reward, prompts=data, engine=self.engine)
+                            reward=self.reward, prompts=data, engine=self.engine, mode=self.mode)
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,21 +126,28 @@ class EngineRewardStep:
       prompt batch's width plus `max_new_tokens`. Its slots, prefill rows and
       pages are rounded up to the devices that split the batch, each device's
       block of pages gaining its own sink page.
+    mode: the engine and the tree it samples from (standard, or fast: int8
+      and speculative; module docstring).
 
   Raises:
-    ValueError: for `filter_groups="refill"`.
+    ValueError: for `filter_groups="refill"`, or an int8 mode under LoRA.
   """
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
-               state_shardings: TrainState, reward: HostReward, prompts: Lookahead, engine: EngineConfig):
+               state_shardings: TrainState, reward: HostReward, prompts: Lookahead, engine: EngineConfig,
+               mode: RolloutMode = RolloutMode()):
     if spec.grpo.filter_groups == "refill":
       raise ValueError('grpo.filter_groups="refill" samples further batches on demand, which engine rollouts do not '
                        'do: use grpo.rollouts="static", or filter_groups="mask"')
+    if spec.lora is not None and mode.int8:
+      raise ValueError("int8 rollouts quantise plain parameters; under LoRA set rollout.mode=standard")
     self.staleness = spec.grpo.max_staleness
-    spec = stale_spec(spec)
+    # Stale or int8-sampled rollouts: the policy's log-probs are recomputed and the loss importance-weighted.
+    proximal = self.staleness > 0 or not mode.exact
+    spec = stale_spec(spec, proximal)
     engine = engine_on_mesh(engine, mesh, spec.rules)
     self._spec, self._mesh, self._reward, self._prompts, self._engine_config = spec, mesh, reward, prompts, engine
-    proximal = self.staleness > 0
+    self._mode, self._rollout_params = mode, mode.params_fn(spec.model, mesh, spec.rules)
 
     def learn_fn(state, rollouts, gen, rewards):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -154,7 +174,7 @@ class EngineRewardStep:
       self._start(state, k)
     self._submit(k, batch)
     current = self._batches[0]
-    params = model_params(state, self._spec.lora)
+    params = self._rollout_params(model_params(state, self._spec.lora))  # once per update
     peak = 0
     while not current.complete():
       if not self._engine.busy:
@@ -175,8 +195,16 @@ class EngineRewardStep:
     metrics = {**metrics, **(take() if take is not None else {}), "timing_s/step": wall,
                "timing_s/generate": decoded - start, "timing_s/reward": scored - decoded,
                "rollout/staleness": float(age.max(initial=0)), "rollout/staleness_mean": float(age.mean()),
-               "rollout/engine_pages_peak": float(peak)}
+               "rollout/engine_pages_peak": float(peak), **self._draft_metrics(current)}
     return state, metrics
+
+  def _draft_metrics(self, b: _Batch) -> dict[str, float]:
+    """Drafts per response token and the fraction accepted, over the batch's completions (speculative modes)."""
+    if self._mode.speculative is None:
+      return {}
+    drafted, accepted = (sum(getattr(c, name) for c in b.done.values()) for name in ("drafted", "accepted"))
+    tokens = sum(len(c.tokens) for c in b.done.values())
+    return {"rollout/drafted": drafted / max(tokens, 1), "rollout/draft_acceptance": accepted / max(drafted, 1)}
 
   def pipeline_state(self) -> dict[str, Any] | None:
     """The engine's unfinished sequences and the batches in flight, as host arrays (None when there are none)."""
@@ -210,9 +238,9 @@ class EngineRewardStep:
   def _start(self, state: TrainState, k: int) -> None:
     """Builds the engine (its key from the state's rng, so a resumed run draws the same), restoring a pipeline."""
     spec = self._spec
-    self._engine = RolloutEngine(spec.model, self._engine_config, sampling=spec.grpo.sampling,
-                                 seed=jax.random.fold_in(state.rng, _ENGINE_STREAM), mesh=self._mesh,
-                                 tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
+    self._engine = self._mode.engine(spec.model, self._engine_config, sampling=spec.grpo.sampling,
+                                     seed=jax.random.fold_in(state.rng, _ENGINE_STREAM), mesh=self._mesh,
+                                     tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
     saved, self._resumed = self._resumed, None
     if saved is None:
       return

@@ -63,14 +63,15 @@ from ptx.train.step import model_params
 # reward(tokens [R, N], lengths [R], tasks of the B prompts) -> float32 [R], or named components {name: [R]};
 # NaN where unscorable.
 HostReward = Callable[[np.ndarray, np.ndarray, Any], Any]
-# The cap of the importance weight for stale rollouts when `grpo.tis_cap` is unset.
+# The cap of the importance weight for stale (or int8-sampled) rollouts when `grpo.tis_cap` is unset.
 STALE_TIS_CAP = 2.0
 
 
-def stale_spec(spec: RLSpec) -> RLSpec:
-  """`spec` with the importance weight's cap that stale rollouts need (`STALE_TIS_CAP` unless `grpo.tis_cap` is set)."""
+def stale_spec(spec: RLSpec, proximal: bool) -> RLSpec:
+  """`spec` with the importance weight's cap that off-policy rollouts need (`proximal`: stale, or sampled by int8
+  weights), `STALE_TIS_CAP` unless `grpo.tis_cap` is set."""
   cfg = spec.grpo
-  if cfg.max_staleness > 0 and cfg.tis_cap is None:
+  if proximal and cfg.tis_cap is None:
     return dataclasses.replace(spec, grpo=dataclasses.replace(cfg, tis_cap=STALE_TIS_CAP))
   return spec
 
@@ -242,7 +243,7 @@ class HostRewardStep:
                state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
     self.staleness = spec.grpo.max_staleness
     proximal = self.staleness > 0
-    spec = stale_spec(spec)
+    spec = stale_spec(spec, proximal)
     self._spec, self._mesh, self._reward, self._prompts = spec, mesh, reward, prompts
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -50,6 +50,7 @@ from ptx.models.shared_prefix import rollout_stats
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train import rl_metrics
 from ptx.train.optimizer import nonfinite_streak, skipped_steps
+from ptx.train.rollout_gap import logprob_gap
 from ptx.train.state import TrainState
 from ptx.train.step import JittedStep, accumulate_gradients, model_params, reference_params, trainable_loss
 
@@ -205,7 +206,8 @@ def learn(state: TrainState, batch: dict[str, jax.Array], gen: Generation, rewar
     key: the update's PRNG key (adapter dropout).
     spec: the static step description.
     optimizer: the optax transformation of the state.
-    proximal: the rollouts are stale: PPO's old log-probs are recomputed at
+    proximal: the rollouts are off the policy (stale, or sampled by int8
+      weights): PPO's old log-probs are recomputed at
       `state`'s parameters and exp(old - sampler), truncated at
       `spec.grpo.tis_cap`, weights the loss (decoupled PPO); else they are
       the sampler's.
@@ -252,7 +254,7 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
   # measures the sampler-trainer difference: no extra forward pass.
   if proximal:
     batch["old_logps"] = batch_logps(model_params(state, spec.lora), batch, spec)
-    metrics.update(rl_metrics.staleness_metrics(mask, batch["old_logps"], batch["sampler_logps"]))
+    metrics.update(logprob_gap(mask, batch["old_logps"], batch["sampler_logps"]))  # staleness and int8's gap
   else:
     batch["old_logps"] = batch["sampler_logps"]
   shaped = total + cfg.overlong_penalty * adv_lib.overlong_punishment(gen.lengths, cfg.max_response_tokens,
