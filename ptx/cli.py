@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                       "write OUT/eval.json (one suite) or OUT/SUITE/eval.json (several): pass@k, mean@k, outcome "
                       "counts. Or --compare two reports, or two directories of suites (a run's OUT/evals/step_0 "
                       "and OUT/evals/step_N): exit status 0, or 1 when a suite's pass@1 fell by more than "
-                      "--threshold (2: bad arguments or reports).")
+                      "--threshold (2: bad arguments or reports). --rollout.mode=fast samples int8 weights with n-gram "
+                      "speculative decoding, as ptx grpo's fast rollouts do (the rollout section's other fields: "
+                      "--rollout.drafts, --rollout.verify_cost, --rollout.max_ngram).")
   ev.add_argument("--model", type=paths.argument, help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
                   "retrieval), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
@@ -171,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
   compile_cache.enable()  # before anything compiles
   if args.command == "eval":
-    if overrides:
-      parser.error(f"unrecognized arguments: {' '.join(overrides)}")
-    return _evaluate(args, parser.error)
+    return _evaluate(args, overrides, parser.error)
   import jax
 
   # Pinned so RNG streams do not change when JAX's default does (STYLE 17).
@@ -244,7 +244,7 @@ def _prepare(args, overrides: list[str]):
     except json.JSONDecodeError as e:
       raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
   cfg, params, tokenizer = pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
-  evals = checkpoint_evals.build(cfg.eval, tokenizer)
+  evals = checkpoint_evals.build(cfg.eval, tokenizer, cfg.rollout)
   return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params), evals)
 
 
@@ -355,10 +355,22 @@ def _environment(name: str):
 _JOBS = {"sft": _supervised, "dpo": _supervised, "grpo": _grpo}
 
 
-def _evaluate(args, error) -> int:
-  """`ptx eval`: a model's reports on one or more suites, or `--compare`; returns the exit status."""
+def _evaluate(args, overrides: list[str], error) -> int:
+  """`ptx eval`: a model's reports on one or more suites, or `--compare`; returns the exit status.
+
+  Of the config overrides it takes the `rollout` section's (`--rollout.mode=fast`), as `ptx grpo` does.
+  """
+  from ptx import config_io
+  from ptx.config import Config, ConfigError
   from ptx.rl import evaluation
 
+  other = [o for o in overrides if not o.startswith("--rollout.")]
+  if other or (overrides and args.compare):
+    error(f"unrecognized arguments: {' '.join(other or overrides)} (ptx eval takes --rollout.* overrides only)")
+  try:
+    rollout = config_io.apply_overrides(Config(), overrides).rollout
+  except ConfigError as e:
+    error(str(e))
   if args.compare:
     return _compare(args.compare, args.threshold, error)
   if args.model is None or args.task is None:
@@ -374,7 +386,7 @@ def _evaluate(args, error) -> int:
     section = EvalConfig(suites=names, files=_task_files(names, args.tasks_file or ()), n=args.n, k=args.k,
                          max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat)
     tokenizer = load_tokenizer(args.model)
-    evals = checkpoint_evals.build(section, tokenizer)
+    evals = checkpoint_evals.build(section, tokenizer, rollout)
     model = load_hf(args.model)
     reports = evals.evaluate(model.params, model.cfg)
   except (OSError, ValueError) as e:

@@ -201,7 +201,7 @@ def export(args: argparse.Namespace, state: ptx.TrainState, cfg: ptx.Config, tok
 
 def evals(cfg: ptx.Config, tokenizer) -> checkpoint_evals.SuiteEvals | None:
   """The held-out suites `--eval.suites=...` names, for `fit` to evaluate at checkpoints (None: none)."""
-  return checkpoint_evals.build(cfg.eval, tokenizer)
+  return checkpoint_evals.build(cfg.eval, tokenizer, cfg.rollout)
 
 
 def run_supervised(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[str, int], list[dict]],

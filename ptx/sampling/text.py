@@ -3,7 +3,8 @@
 `TextSampler(prompts, k)` tokenizes each prompt (plainly, or as a user turn
 through the tokenizer's chat template), samples k continuations per prompt
 with `ptx.sampling.generate` (each prompt prefilled once for its k samples),
-and decodes them up to, not including, the stop token. It is the
+or on a rollout engine when given one (`ptx.sampling.rollout_mode`'s fast
+mode), and decodes them up to, not including, the stop token. It is the
 `generate(prompts, k)` callable of `ptx.rl.evaluation.evaluate`.
 """
 
@@ -19,6 +20,7 @@ from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import Tokenizer, check_fits
+from ptx.sampling.engine import RolloutEngine
 from ptx.sampling.generation import generate
 from ptx.sampling.rules import SamplingConfig
 
@@ -37,6 +39,11 @@ class TextSampler:
     mesh: sample sharded on this mesh.
     stop_ids: ids that end a completion; defaults to the tokenizer's eos.
     rules: the sharding rules `params` were placed by (a Job's `rules`).
+    engine: sample on this rollout engine (built with the sampling and seed
+      it should use, `sampling` and `seed` then unused), its shapes holding
+      k samples of the longest prompt plus `max_new_tokens`; else `generate`.
+      An attribute: it may be set after construction, once `encode` has
+      measured the prompts.
 
   Raises:
     ValueError: when the tokenizer has more tokens than the model's vocab_size.
@@ -45,11 +52,12 @@ class TextSampler:
   def __init__(self, params: Any, cfg: ModelConfig, tokenizer: Tokenizer, *, max_new_tokens: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0, chat: bool = False,
                mesh: Mesh | None = None, stop_ids: Sequence[int] | None = None,
-               rules: sharding.Rules = sharding.DEFAULT_RULES):
+               rules: sharding.Rules = sharding.DEFAULT_RULES, engine: RolloutEngine | None = None):
     check_fits(tokenizer, cfg.vocab_size, "TextSampler")
     self.params, self.cfg, self.tokenizer = params, cfg, tokenizer
     self.max_new_tokens, self.sampling, self.chat, self.mesh, self.rules = max_new_tokens, sampling, chat, mesh, rules
     self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_id]
+    self.engine = engine
     self._key = jax.random.key(seed)
     self._calls = 0
 
@@ -62,11 +70,22 @@ class TextSampler:
 
   def __call__(self, prompts: list[str], k: int) -> list[list[str]]:
     """k completions of every prompt, in prompt order."""
-    rng = jax.random.fold_in(self._key, self._calls)
-    self._calls += 1
-    out = generate(self.params, [self.encode(p) for p in prompts], cfg=self.cfg,
-                   max_new_tokens=self.max_new_tokens, sampling=self.sampling, rng=rng, stop_ids=self.stop_ids,
-                   group_size=k, mesh=self.mesh, pad_id=self.tokenizer.pad_id, rules=self.rules)
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    texts = [self.tokenizer.decode([t for t in row[:n] if t not in self.stop_ids]) for row, n in zip(tokens, lengths)]
+    encoded = [self.encode(p) for p in prompts]
+    if self.engine is not None:
+      rows = self._on_engine(encoded, k)
+    else:
+      rng = jax.random.fold_in(self._key, self._calls)
+      self._calls += 1
+      out = generate(self.params, encoded, cfg=self.cfg, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                     rng=rng, stop_ids=self.stop_ids, group_size=k, mesh=self.mesh, pad_id=self.tokenizer.pad_id,
+                     rules=self.rules)
+      rows = [row[:n] for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths))]
+    texts = [self.tokenizer.decode([t for t in row if t not in self.stop_ids]) for row in rows]
     return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+  def _on_engine(self, encoded: list[list[int]], k: int) -> list[np.ndarray]:
+    """The k sampled token rows of every prompt, in prompt order, from the engine."""
+    ids = [self.engine.submit(p, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, samples=k)
+           for p in encoded]
+    done = self.engine.run(self.params)
+    return [np.asarray(done[i].tokens) for group in ids for i in group]

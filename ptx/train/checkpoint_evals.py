@@ -29,9 +29,15 @@ training data: a run trains exactly as it would without it. Every process
 samples (generation is one SPMD program) and scores; only process 0
 writes reports and warns.
 
+The sampler follows `rollout.mode` (`ptx.sampling.rollout_mode`): standard
+samples the parameters as they are; fast samples their int8 derivation
+(made once per evaluation) on a speculative engine with n-gram drafts.
+
 A single-turn suite is sampled by a `TextSampler` (`eval.max_new_tokens`
-per completion). A multi-turn suite (`Environment.max_turns` > 1) is played
-by `ptx.rl.evaluation.evaluate_episodes` on a `RolloutEngine` over the same
+per completion) with `generate` in standard mode, on the mode's engine
+(sized as a multi-turn suite's) in fast mode. A multi-turn suite
+(`Environment.max_turns` > 1) is played by
+`ptx.rl.evaluation.evaluate_episodes` on the mode's engine over the same
 arrays, on the same mesh, token in, token out as training plays episodes,
 always through the chat template (the tokenizer's, else ChatML), whatever
 `eval.chat`: a reply is a turn of the conversation. Its sizes:
@@ -48,18 +54,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from jax.sharding import Mesh
 
 from ptx import paths, sharding
-from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig
+from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig, RolloutConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models import paged_kv_cache
 from ptx.rl import evaluation, suites
 from ptx.rl.environments.base import Environment
 from ptx.rl.turn_format import TurnFormat
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine import EngineConfig
+from ptx.sampling.rollout_mode import RolloutMode
 from ptx.sampling.text import TextSampler
 from ptx.train.metrics import MetricsWriter
 from ptx.train.run_dir import RunDirError
@@ -88,11 +95,13 @@ class SuiteEvals:
     suites: (name, environment, task records) of each suite, in the
       section's order.
     tokenizer: encodes prompts and decodes completions.
+    mode: how suites are sampled (`rollout.mode`: standard or fast).
   """
 
   source: EvalConfig
   suites: tuple[tuple[str, Environment, tuple[dict[str, Any], ...]], ...]
   tokenizer: Tokenizer
+  mode: RolloutMode = RolloutMode()
 
   def evaluate(self, params: Any, model: ModelConfig, *, mesh: Mesh | None = None,
                rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict[str, dict[str, Any]]:
@@ -108,12 +117,16 @@ class SuiteEvals:
       {suite: its report (`ptx.rl.evaluation`'s, labelled by `ptx.rl.suites.label`)}.
     """
     section, reports = self.source, {}
+    sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
     for name, env, tasks in self.suites:
       if env.max_turns > 1:
-        report = self._episodes(params, model, env, list(tasks), mesh, rules)
+        report = self._episodes(sampled, model, env, list(tasks), mesh, rules)
       else:
-        sampler = TextSampler(params, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+        sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
                               sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
+        if not self.mode.standard:  # the fast mode samples on its engine
+          longest = max(len(sampler.encode(prompt)) for prompt in _prompts(env, tasks))
+          sampler.engine = self._engine(model, longest + section.max_new_tokens, len(tasks), mesh, rules)
         report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
       reports[name] = suites.label(name, list(tasks), report)
     return reports
@@ -124,11 +137,15 @@ class SuiteEvals:
     section, fmt = self.source, TurnFormat.of(self.tokenizer)
     check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
     added = episode_tokens(env, section.max_new_tokens)
-    config = episode_engine(_longest_prompt(env, tasks, fmt) + added, section.k, len(tasks), mesh, rules)
-    engine = RolloutEngine(model, config, sampling=section.sampling, seed=section.seed, mesh=mesh,
-                           pad_id=self.tokenizer.pad_id, rules=rules)
+    engine = self._engine(model, _longest_prompt(env, tasks, fmt) + added, len(tasks), mesh, rules)
     return evaluation.evaluate_episodes(engine, params, env, tasks, fmt, k=section.k,
                                         max_turn_tokens=section.max_new_tokens, max_episode_tokens=added)
+
+  def _engine(self, model: ModelConfig, context: int, tasks: int, mesh: Mesh | None, rules: sharding.Rules):
+    """The mode's engine for `tasks` groups of `eval.k` samples of `context` positions at most, seed `eval.seed`."""
+    section = self.source
+    return self.mode.engine(model, episode_engine(context, section.k, tasks, mesh, rules), sampling=section.sampling,
+                            seed=section.seed, mesh=mesh, pad_id=self.tokenizer.pad_id, rules=rules)
 
   def start(self, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig, lora: LoRAConfig | None,
             mesh: Mesh, rules: sharding.Rules, checkpoint_every: int, primary: bool) -> CheckpointEvals:
@@ -167,19 +184,24 @@ def episode_engine(context: int, k: int, tasks: int, mesh: Mesh | None,
                       prefill_rows=blocks * min(slots, -(-8 // blocks)))
 
 
-def _longest_prompt(env: Environment, tasks: list[dict[str, Any]], fmt: TurnFormat) -> int:
-  """Tokens of the longest first prompt of `tasks` in `fmt` (each episode started to read it, then closed)."""
-  longest = 0
+def _prompts(env: Environment, tasks: Sequence[dict[str, Any]]) -> list[str]:
+  """The first prompts of `tasks`, as text (each episode started to read it, then closed)."""
+  prompts = []
   for index, task in enumerate(tasks):
     try:
       episode = env.reset(task)
     except ValueError as e:
       raise ValueError(f"task {index}: {e}") from None
     try:
-      longest = max(longest, len(fmt.prompt(episode.prompt)))
+      prompts.append(episode.prompt)
     finally:
       episode.close()
-  return longest
+  return prompts
+
+
+def _longest_prompt(env: Environment, tasks: list[dict[str, Any]], fmt: TurnFormat) -> int:
+  """Tokens of the longest first prompt of `tasks` in `fmt`."""
+  return max((len(fmt.prompt(prompt)) for prompt in _prompts(env, tasks)), default=0)
 
 
 def episode_tokens(env: Environment, max_new_tokens: int) -> int:
@@ -195,12 +217,13 @@ def episode_tokens(env: Environment, max_new_tokens: int) -> int:
   return env.max_turns * max_new_tokens + (env.max_turns - 1) * reply
 
 
-def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:
+def build(section: EvalConfig, tokenizer: Tokenizer, rollout: RolloutConfig = RolloutConfig()) -> SuiteEvals | None:
   """Loads the suites an `eval` section names; None when it names none.
 
   Args:
     section: the job's `cfg.eval`.
     tokenizer: the job's tokenizer.
+    rollout: the job's `cfg.rollout`: how the suites are sampled.
 
   Returns:
     The SuiteEvals for `fit(..., evals=...)` or `ptx eval`, or None.
@@ -234,7 +257,7 @@ def build(section: EvalConfig, tokenizer: Tokenizer) -> SuiteEvals | None:
     except (OSError, ValueError) as e:  # a missing file or a bad record: named with the field that points at it
       raise ConfigError(f"eval.files {name}={files[name]}: {e}" if name in files else f"eval.suites {name}: {e}") from e
     loaded.append((name, env, tuple(tasks)))
-  return SuiteEvals(source=section, suites=tuple(loaded), tokenizer=tokenizer)
+  return SuiteEvals(source=section, suites=tuple(loaded), tokenizer=tokenizer, mode=RolloutMode.of(rollout))
 
 
 class CheckpointEvals:

@@ -1,5 +1,5 @@
 """`rollout.mode=fast`: one config switch; GRPO's engine samples the int8 tree while the update trains the float one,
-logging the gap; settings without a fast path are refused, naming fields."""
+logging the gap; evaluation samples on the mode's engine; settings without a fast path are refused, naming fields."""
 
 import dataclasses
 
@@ -11,14 +11,15 @@ import qwix
 from test_rl_host import N_NEW, TOK, _even_tokens_on_host, _prompts
 from stepping import run_steps
 from ptx import config_io
-from ptx.config import Config, ConfigError, GRPOConfig, MeshConfig, OptimizerConfig, RolloutConfig
+from ptx.config import Config, ConfigError, EvalConfig, GRPOConfig, MeshConfig, OptimizerConfig, RolloutConfig
+from ptx.models.params import init_params
 from ptx.rl.environments.calculator import CalculatorEnv
 from ptx.sampling.engine import EngineConfig
 from ptx.sampling.rollout_mode import RolloutMode
 from ptx.sampling.rules import SamplingConfig
 from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
 from ptx.sharding import make_mesh
-from ptx.train import job, presets
+from ptx.train import checkpoint_evals, job, presets
 from ptx.train.optimizer import make_optimizer
 from ptx.train.rl_engine import EngineGRPOStep, EngineRewardStep
 from ptx.train.rl_host import Lookahead
@@ -105,3 +106,28 @@ def test_fast_grpo_samples_the_int8_tree_and_trains_the_float_one(tiny_config, m
     # The speculative engine's counts (a random tiny model rarely repeats its prompt, so drafts may be few or none;
     # tests/sampling/test_speculative.py checks them exactly).
     assert np.isfinite(m["loss"]) and m["rollout/drafted"] >= 0 and 0.0 <= m["rollout/draft_acceptance"] <= 1.0
+
+
+def _evals(sampling, **changes):
+  section = EvalConfig(suites=("arithmetic",), n=6, k=2, max_new_tokens=presets.ANSWER_WIDTH, sampling=sampling)
+  return dataclasses.replace(checkpoint_evals.build(section, TOK), **changes)
+
+
+def _completions(report):
+  return [(s["task"], s["sample"], s["completion"]) for s in report["samples"]]
+
+
+def test_greedy_eval_on_the_speculative_engine_equals_standard_and_fast_mode_evaluates(tiny_config):
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  params = init_params(cfg, jax.random.key(3))
+  greedy = SamplingConfig(greedy=True)
+  standard = _evals(greedy).evaluate(params, cfg)["arithmetic"]
+  # The n-gram drafter over the float tree: the engine's greedy tokens are generate's, drafted or not.
+  drafting = RolloutMode(speculative=SpeculativeConfig(verify_cost=1.0))
+  speculative = _evals(greedy, mode=drafting).evaluate(params, cfg)["arithmetic"]
+  assert _completions(speculative) == _completions(standard)
+  # --rollout.mode=fast as `ptx eval` and checkpoint evaluations build it: int8 weights, n-gram drafts.
+  fast_evals = checkpoint_evals.build(_evals(greedy).source, TOK, FAST)
+  assert fast_evals.mode.int8
+  fast = fast_evals.evaluate(params, cfg)["arithmetic"]
+  assert len(fast["samples"]) == 12 and 0.0 <= fast["pass@k"]["1"] <= 1.0
