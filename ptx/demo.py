@@ -26,9 +26,10 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from ptx.algorithms import sft
-from ptx.config import Config, DataConfig
+from ptx.config import Config, DataConfig, ModelConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.batch import pad_batch, sft_example
 from ptx.data.global_batch import to_global
@@ -101,6 +102,25 @@ def exact_match(params, batch, *, model) -> jax.Array:
   return jnp.mean(~jnp.any(wrong, axis=-1))
 
 
+_greedy = jax.jit(exact_match, static_argnames="model")
+
+
+def held_out_rows(cfg: Config) -> dict[str, jax.Array]:
+  """The first EVAL_SIZE held-out problems as SFT rows of `cfg.data.seq_len` tokens (host arrays)."""
+  tokenizer = ByteTokenizer()
+  rows = [sft_example(tokenizer, r["prompt"], r["completion"]) for r in records(HELD_OUT_TASKS, EVAL_SIZE)]
+  return pad_batch(rows, cfg.data.seq_len, tokenizer.pad_id)
+
+
+def held_out_scores(params, model: ModelConfig, mesh: Mesh, eval_batch: dict[str, jax.Array]) -> dict[str, float]:
+  """Greedy exact match on `eval_batch` (the held-out SFT rows), and pass@1 and pass@K sampled at temperature 1."""
+  sampler = TextSampler(params, model, ByteTokenizer(), max_new_tokens=presets.ANSWER_WIDTH,
+                        seed=presets.HELD_OUT_SEED, mesh=mesh)
+  report = evaluation.evaluate(sampler, ExactAnswerEnv(), [HELD_OUT_TASKS[i] for i in range(SAMPLED_TASKS)], k=K)
+  return {"greedy": float(_greedy(params, eval_batch, model=model)), "pass@1": report["pass@k"]["1"],
+          f"pass@{K}": report["pass@k"][str(K)]}
+
+
 def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = False, overwrite: bool = False,
         progress: bool = True) -> dict:
   """Trains (SFT, then `rl_steps` of GRPO) and evaluates the demo; returns the summary (also printed as JSON).
@@ -117,19 +137,10 @@ def run(cfg: Config, out: pathlib.Path, *, rl_steps: int = 400, resume: bool = F
   sft_records = records(SFT_TASKS, cfg.train.steps * cfg.data.batch_size)
   held_out_records = records(HELD_OUT_TASKS, EVAL_SIZE)
   train = make_pipeline(MemorySource(sft_records, "arithmetic"), tokenizer, cfg.data)
-  held_out = [sft_example(tokenizer, r["prompt"], r["completion"]) for r in held_out_records]
   mesh = make_mesh(cfg.mesh)
-  held_out_batch = pad_batch(held_out, cfg.data.seq_len, tokenizer.pad_id)
+  held_out_batch = held_out_rows(cfg)
   eval_batch = to_global(held_out_batch, mesh)
-  greedy = jax.jit(functools.partial(exact_match, model=cfg.model))
-  sampled_tasks = [HELD_OUT_TASKS[i] for i in range(SAMPLED_TASKS)]
-
-  def evaluate(params) -> dict[str, float]:
-    sampler = TextSampler(params, cfg.model, tokenizer, max_new_tokens=presets.ANSWER_WIDTH,
-                          seed=presets.HELD_OUT_SEED, mesh=mesh)
-    report = evaluation.evaluate(sampler, ExactAnswerEnv(), sampled_tasks, k=K)
-    return {"greedy": float(greedy(params, eval_batch)), "pass@1": report["pass@k"]["1"],
-            f"pass@{K}": report["pass@k"][str(K)]}
+  evaluate = functools.partial(held_out_scores, model=cfg.model, mesh=mesh, eval_batch=eval_batch)
 
   before = evaluate(initial_params(cfg.model, cfg.train.seed))
   state, sft_summary = fit(cfg, sft_stage, train_data=train, out=out / "sft", resume=resume,
