@@ -10,8 +10,10 @@ from and builds the engine it runs):
   ngram_always  the same with verify_cost 1: every step with a draft verifies
   draft_model   `SpeculativeEngine` with a `DraftModel`: the policy's first
                 --draft-layers layers (its embeddings and final norm too),
-                reading a window of --window tokens, verify_cost 1; a cut of the
-                policy rather than a distilled model (none is trained here)
+                reading a window of --window tokens, verify_cost 1; with
+                --distill-steps, distilled on the policy's greedy outputs
+                for other prompts of the same workloads first
+                (`ptx.train.draft_distillation`; a `distill` line reports it)
   int8          `RolloutEngine` over `ptx.models.rollout_params` of the policy
                 (int8 weight-only matrices): greedy tokens may differ from
                 standard's where the policy's top two logits nearly tie
@@ -59,6 +61,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from ptx.config import MeshConfig
 from ptx.models import init_params
 from ptx.models.llama import smollm2_135m
 from ptx.models.rollout_params import rollout_params
@@ -66,6 +69,8 @@ from ptx.sampling import SamplingConfig, engine_programs
 from ptx.sampling.drafting import DraftModel, NgramDrafter
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+from ptx.sharding import make_mesh
+from ptx.train import draft_distillation
 
 import sampling as sampling_bench  # benchmarks/ is the script's folder, first on sys.path
 
@@ -78,12 +83,6 @@ class _AlwaysWrong:
 
   def propose(self, context, k):
     return [(context[-1] + 1) % 3 + 3] * k
-
-
-def first_layers(params, cfg, n: int):
-  """(config, parameters) of the policy's first n layers, with its embeddings and final norm: a draft model."""
-  cut = {**params, "layers": jax.tree.map(lambda x: x[:n], params["layers"])}
-  return dataclasses.replace(cfg, n_layers=n), cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +174,16 @@ def measure(cfg, params, args):
     args: `main`'s options (workloads, modes, requests, new, drafts, decode_steps, page_size, draft_layers,
       window, seed).
   """
-  args.draft_cfg, args.draft_params = first_layers(params, cfg, args.draft_layers)
+  args.draft_cfg, args.draft_params = draft_distillation.cut(params, cfg, args.draft_layers)
+  if args.distill_steps:  # on other prompts of the same workloads (seed + 1), sampled as the modes decode: greedily
+    prompts = [p for name in args.workloads.split(",")
+               for p in WORKLOADS[name](args.distill_prompts, cfg.vocab_size, np.random.default_rng(args.seed + 1))]
+    d = draft_distillation.Distillation(samples=1, max_new_tokens=args.new, sampling=GREEDY, steps=args.distill_steps,
+                                        batch_size=8, seed=args.seed)
+    args.draft_params, losses = draft_distillation.distill(params, cfg, args.draft_cfg, args.draft_params, prompts,
+                                                           d, make_mesh(MeshConfig()))
+    yield {"workload": "distill", "prompts": len(prompts), "steps": args.distill_steps,
+           "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4), "load": os.getloadavg()[0]}
   modes = args.modes.split(",")
   trees = {"float": params}
   if any(MODES[m].tree == "int8" for m in modes):
@@ -217,6 +225,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers (the policy's first ones)")
   p.add_argument("--window", type=int, default=64, help="DraftModel.window")
+  p.add_argument("--distill-steps", type=int, default=0,
+                 help="train the draft model this many SFT steps on the policy's greedy samples (0: the cut as is)")
+  p.add_argument("--distill-prompts", type=int, default=64, help="prompts per workload to distil on (seed + 1)")
   p.add_argument("--seed", type=int, default=0)
   return p
 
