@@ -1,46 +1,53 @@
-"""Warm pools: the workspaces episodes start from, prepared ahead of need, each handed out once.
+"""Warm pools: the workspaces episodes start from, prepared ahead of need.
 
 A task's initial state (`InitialState`) is its files and, when it has one, a
 set-up command run once on them in the sandbox (generate data, build, make a
-repository); the workspace it leaves is where the episode starts. Preparing
-it (`prepare`) is the same code whether a pool did it ahead or an episode
-does it when it starts, so the two give the same bytes.
+repository); the workspace it leaves is where an episode starts. `prepare` is
+the one way to make it, whether a pool does it ahead or an episode does it
+when it starts, so the two give the same bytes for a deterministic set-up.
 
-Reproducible and checked. A state is named by its content: `InitialState.key`
-hashes the files and the set-up, so the same (task, seed) of a pure task
-source (`TerminalTasks(seed)[i]`) always has the same key, and a key cannot
-stand for two states. A prepared workspace (`Prepared`) carries the SHA-256
-of its snapshot. The pool keeps, per key, the digest of its first preparation
-as the reference: a later preparation that differs (a set-up that is not
-deterministic) is refused as an infrastructure fault, and a `Lease` hashes
-the snapshot again when it hands the workspace out, so bytes changed after
-preparation (in the pool, in transit) are never used. Set-up runs with
-SOURCE_DATE_EPOCH=0 and TZ=UTC, for tools that stamp dates.
+Named by content, checked at checkout. `InitialState.key` hashes the files and
+the set-up, so the same (task, seed) of a pure task source
+(`TerminalTasks(seed)[i]`) always has the same key and a key cannot stand for
+two states. A `Prepared` workspace carries the SHA-256 of its snapshot, and
+the pool keeps that digest apart from the bytes it hands around: a `Lease`
+hashes the snapshot again when it opens the workspace and refuses bytes that
+changed since (`Tampered`, an infrastructure fault). `verify=True` prepares
+each state twice and refuses one whose set-up is not deterministic
+(`NotReproducible`). Set-up runs with SOURCE_DATE_EPOCH=0 and TZ=UTC.
 
-`WarmPool` prepares the states it is told to `expect` in the background, up
-to `size` workspaces held or being made and `max_bytes` of held snapshots,
-and refills as `checkout` takes them; a checkout whose state is not ready
-asks for it at once, ahead of the expected ones. Each prepared workspace goes
-to exactly one lease and is used by one episode (a policy's commands change
-it). Preparations are jobs of the pool's own `Scheduler`, so they get its
-concurrency limit, timeouts, priorities (demanded first) and retries: a
-failed set-up is an `InfraError`, retried, and when retries are spent the
-episode that needed it ends as an infrastructure error, never as the model's
-failure. Held workspaces are bytes in memory (a workspace never lives as a
-host directory, see `ptx.rl.sandbox`): the pool writes nothing to the host's
-disk, a set-up's disk is the sandbox's capped tmpfs, and `close()` drops
-everything.
+Prepared once, opened once per episode. A workspace lives as bytes, never as
+a host directory (`ptx.rl.sandbox`): each run unpacks the snapshot into a
+fresh sandbox and an episode's changes become a new snapshot of its own
+`Workspace`. So a pool prepares each state once and every checkout opens a
+`Workspace` of its own from those bytes: the G episodes of a GRPO group start
+from one preparation, from identical bytes, and no episode sees another's
+changes; no `Workspace` is handed to two episodes.
 
-On Ray (`WarmPool(executor=RayExecutor(...))`) the preparations are Ray tasks
-on the CPU nodes, with the scheduler's rules as for any job: the set-up's CPU
-is spent on the nodes, not on the trainer's host, and a preparation lost with
-its node runs again elsewhere. The snapshots come back to the pool as bytes.
-Not an actor per node holding its workspaces: a workspace is bytes that any
-node can start from, so pinning it to the node that made it would need
-node-affine placement of episodes, which `RayExecutor` leaves to Ray's
-balancing, and it would lose the workspaces with the node. The cost is moving
-each snapshot twice, small for source trees (kilobytes) and the reason to
-keep large data out of set-ups until workspaces stay in Ray's object store.
+`WarmPool` prepares the states it is told to `expect` in the background and
+holds them; a checkout of a state not held asks for it at once, ahead of the
+expected ones. Bounds: `size` states held or being prepared ahead and
+`max_bytes` of held snapshots; a held state that no expected checkout still
+needs is evicted when room is wanted, least recently used first, and one
+still expected never is, so read-ahead pauses when the pool is full and
+resumes as checkouts come. Preparations are jobs of the pool's own
+`Scheduler`, so they get its concurrency limit, timeouts, priorities
+(demanded first) and retries: a failed set-up is an `InfraError`, retried,
+and when retries are spent each episode waiting for it ends as an
+infrastructure error, never as the model's failure. The pool writes nothing
+to the host's disk (a set-up's disk is the sandbox's capped tmpfs), and
+`close()` drops everything it holds.
+
+On Ray (`WarmPool(executor=RayExecutor(...))`) preparations are Ray tasks on
+the CPU nodes under the scheduler's rules like any job: the set-up's CPU is
+spent on the nodes, not on the trainer's host, and a preparation lost with
+its node runs again elsewhere. Snapshots come back to the pool as bytes. Not
+an actor per node holding its workspaces: any node can start from a
+snapshot, so pinning one to the node that made it would need node-affine
+placement of episodes, which `RayExecutor` leaves to Ray's balancing, and a
+node's death would take its workspaces with it. The cost is moving each
+snapshot to the trainer and out again: small for source trees (kilobytes);
+set-ups that make large data would want snapshots kept in Ray's object store.
 """
 
 from __future__ import annotations
@@ -60,10 +67,15 @@ from ptx.rl.executors import Executor
 
 SETUP_LIMITS = sandbox.Limits(timeout_s=60.0, cpu_s=60)  # what one set-up run may use
 _SETUP_ENV = {"SOURCE_DATE_EPOCH": "0", "TZ": "UTC"}  # fixed dates for tools that stamp them
+_CLOSED = "the warm pool closed before the workspace was prepared"
 
 
 class Tampered(scheduler.InfraError):
   """A prepared workspace whose bytes are not the ones its state prepares."""
+
+
+class NotReproducible(scheduler.InfraError):
+  """A state whose set-up gave different workspaces when run twice."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +131,13 @@ def prepare(state: InitialState, limits: sandbox.Limits = SETUP_LIMITS) -> Prepa
   return Prepared(state.key, snapshot, hashlib.sha256(snapshot).hexdigest())
 
 
-async def _prepare_job(state: InitialState, limits: sandbox.Limits) -> Prepared:
-  """A scheduler job preparing `state` (module-level, so that it pickles for Ray)."""
-  return await scheduler.to_thread(prepare, state, limits)
+async def _prepare_job(state: InitialState, limits: sandbox.Limits, verify: bool) -> Prepared:
+  """A scheduler job preparing `state`, twice when verifying (module-level, so that it pickles for Ray)."""
+  prepared = await scheduler.to_thread(prepare, state, limits)
+  if verify and (again := await scheduler.to_thread(prepare, state, limits)).digest != prepared.digest:
+    raise NotReproducible(f"state {state.key[:12]} prepared to {prepared.digest[:12]} and then to "
+                          f"{again.digest[:12]}: its set-up is not deterministic")
+  return prepared
 
 
 class Lease:
@@ -172,46 +188,47 @@ class Lease:
 
 
 class WarmPool:
-  """Prepares expected initial states ahead, in the background; hands each workspace out once.
+  """Prepares expected initial states ahead, in the background; each checkout opens a workspace of its own.
 
   Args:
-    size: workspaces held ready or being prepared ahead (a checkout that finds none asks past this).
-    max_bytes: snapshot bytes held ready.
+    size: states held prepared or being prepared ahead (a checkout of one not held asks past this).
+    max_bytes: snapshot bytes held.
     concurrency: preparations running at once.
     executor: where they run (`ptx.rl.executors`); None: threads of this process.
     limits: what one set-up run may use.
     retry: retries of a failed preparation (an infrastructure fault).
+    verify: prepare each state twice and refuse it when the two differ (`NotReproducible`).
   """
 
   def __init__(self, *, size: int = 64, max_bytes: int = 1 << 30, concurrency: int = 2,
                executor: Executor | None = None, limits: sandbox.Limits = SETUP_LIMITS,
-               retry: scheduler.Retry = scheduler.Retry()):
+               retry: scheduler.Retry = scheduler.Retry(), verify: bool = False):
     if size < 1 or max_bytes < 1:
       raise ValueError(f"WarmPool.size and max_bytes must be >= 1, got {size}, {max_bytes}")
-    self.size, self.max_bytes, self.limits = size, max_bytes, limits
+    self.size, self.max_bytes, self.limits, self.verify = size, max_bytes, limits, verify
     self.stats: collections.Counter[str] = collections.Counter()  # prepared, handed_out, hits, misses, failed, ...
-    self._ready: dict[str, collections.deque[Prepared]] = collections.defaultdict(collections.deque)
-    self._ready_count = self._ready_bytes = self._ahead = 0  # _ahead: expected preparations in flight
-    self._wanted: collections.deque[InitialState] = collections.deque()
-    self._waiters: dict[str, collections.deque[concurrent.futures.Future]] = collections.defaultdict(
-        collections.deque)
-    self._pending: collections.Counter[str] = collections.Counter()  # preparations in flight, per key
-    self._reference: dict[str, str] = {}
+    self._held: collections.OrderedDict[str, Prepared] = collections.OrderedDict()  # least recently used first
+    self._digest: dict[str, str] = {}  # of each held state, kept apart from the Prepared handed around
+    self._held_bytes = 0
+    self._ahead = self._ahead_bytes = 0  # preparations in flight for `expect`, and the bytes they are expected to take
+    self._last_bytes = 0  # of the last snapshot prepared: what the next one will likely take
+    self._due: collections.Counter[str] = collections.Counter()  # expected checkouts not yet made, per key
+    self._wanted: collections.OrderedDict[str, InitialState] = collections.OrderedDict()  # to prepare ahead
+    self._waiters: dict[str, list[concurrent.futures.Future]] = {}  # keys in flight -> their checkouts
     self._closed = False
-    # Preparations are jobs: a timeout past the set-up's own bounds only a lost remote task.
-    self._scheduler = scheduler.Scheduler(concurrency, timeout_s=2 * limits.timeout_s + 30, retry=retry,
-                                          executor=executor)
+    # Preparations are jobs: a timeout past the set-up's own bounds only ends a lost remote task.
+    self._scheduler = scheduler.Scheduler(concurrency, timeout_s=(2 + 2 * verify) * limits.timeout_s + 30,
+                                          retry=retry, executor=executor)
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="ptx-warm-pool", daemon=True)
     self._thread.start()
 
   def expect(self, states: Iterable[InitialState]) -> None:
-    """Queues one workspace per state given (a state twice: two workspaces) to prepare ahead."""
-    states = list(states)
-    self._call(self._expect, states)
+    """Says which states the next checkouts will ask for, once per checkout; prepares them ahead."""
+    self._call(self._expect, list(states))
 
   def checkout(self, state: InitialState) -> Lease:
-    """Claims a workspace of `state`: a ready one, one being prepared, or one asked for now.
+    """A workspace of `state` of its own: from the held snapshot, one being prepared, or one asked for now.
 
     Returns:
       The Lease; its `workspace()` waits for the preparation and raises InfraError when it failed.
@@ -220,16 +237,16 @@ class WarmPool:
     self._call(self._claim, state, future)
     return Lease(future.result, future.cancel)
 
-  def ready(self) -> int:
-    """Workspaces prepared and not yet claimed."""
-    return self._ready_count
+  def held(self) -> int:
+    """States prepared and held."""
+    return len(self._held)
 
   def in_flight(self) -> int:
     """Preparations running or queued in the scheduler."""
-    return sum(self._pending.values())
+    return len(self._waiters)
 
   def close(self) -> None:
-    """Stops preparing, fails the checkouts still waiting, drops every held workspace."""
+    """Stops preparing, fails the checkouts still waiting, drops every held snapshot."""
     if self._closed:
       return
     self._closed = True
@@ -252,90 +269,110 @@ class WarmPool:
   # Everything below runs in the pool's loop thread, so the state needs no lock.
 
   def _expect(self, states: list[InitialState]) -> None:
-    self._wanted.extend(states)
+    for state in states:
+      self._due[state.key] += 1
+      if state.key not in self._held and state.key not in self._waiters:
+        self._wanted[state.key] = state
     self._fill()
 
   def _claim(self, state: InitialState, future: concurrent.futures.Future) -> None:
-    ready = self._ready[state.key]
-    if ready:
+    key = state.key
+    if self._due[key] > 1:
+      self._due[key] -= 1
+    else:
+      self._due.pop(key, None)
+    if key in self._held:
       self.stats["hits"] += 1
-      if self._give(collections.deque([future]), ready[0]):
-        self._ready_count -= 1
-        self._ready_bytes -= len(ready.popleft().snapshot)
-      self._fill()
-      return
-    self.stats["misses"] += 1
-    waiters = self._waiters[state.key]
-    waiters.append(future)
-    if self._live(waiters) > self._pending[state.key]:
-      self._submit(state, ahead=False)
+      self._held.move_to_end(key)
+      self._give(future, self._held[key])
+    else:
+      self.stats["misses"] += 1
+      if key not in self._waiters:
+        self._wanted.pop(key, None)
+        self._submit(state, ahead=False)
+      self._waiters[key].append(future)
+    self._fill()
 
-  def _give(self, waiters: collections.deque[concurrent.futures.Future], prepared: Prepared) -> bool:
-    """Hands `prepared` to the oldest waiter not cancelled; False when there is none."""
-    while waiters:
-      future = waiters.popleft()
-      if future.set_running_or_notify_cancel():  # from here on the waiter cannot cancel: it is handed out once
-        self.stats["handed_out"] += 1
-        future.set_result((prepared, self._reference[prepared.key]))
-        return True
-    return False
-
-  @staticmethod
-  def _live(waiters: collections.deque[concurrent.futures.Future]) -> int:
-    return sum(not f.cancelled() for f in waiters)
+  def _give(self, future: concurrent.futures.Future, prepared: Prepared) -> None:
+    if future.set_running_or_notify_cancel():
+      self.stats["handed_out"] += 1
+      future.set_result((prepared, self._digest[prepared.key]))
 
   def _fill(self) -> None:
-    """Starts expected preparations while the pool is under its size and bytes."""
-    while (self._wanted and not self._closed and self._ready_count + self._ahead < self.size
-           and self._ready_bytes < self.max_bytes):
-      self._submit(self._wanted.popleft(), ahead=True)
+    """Starts expected preparations while the pool, after evicting what no expected checkout needs, has room."""
+    while self._wanted and not self._closed and self._room(self._estimate(next(iter(self._wanted.values())))):
+      self._submit(self._wanted.popitem(last=False)[1], ahead=True)
+
+  def _room(self, nbytes: int) -> bool:
+    """Whether one more state of `nbytes` fits, after evicting held states no expected checkout needs (LRU).
+
+    A preparation ahead counts its `_estimate` until it ends (one that takes more may then be dropped).
+    """
+    def fits():
+      return (len(self._held) + self._ahead < self.size
+              and self._held_bytes + self._ahead_bytes + nbytes <= self.max_bytes)
+
+    for key in [k for k in self._held if self._due[k] == 0]:
+      if fits():
+        break
+      self._held_bytes -= len(self._held.pop(key).snapshot)
+      self._digest.pop(key)
+      self.stats["evicted"] += 1
+    return fits()
+
+  def _estimate(self, state: InitialState) -> int:
+    """Bytes `state` will likely take once prepared: its files, or what the last preparation took if more."""
+    return max(len(state.files), self._last_bytes)
 
   def _submit(self, state: InitialState, ahead: bool) -> None:
-    self._pending[state.key] += 1
+    self._waiters[state.key] = []
+    estimate = self._estimate(state) if ahead else 0
     self._ahead += ahead
-    job = scheduler.Job(functools.partial(_prepare_job, state, self.limits), key=("prepare", state.key),
+    self._ahead_bytes += estimate
+    job = scheduler.Job(functools.partial(_prepare_job, state, self.limits, self.verify), key=("prepare", state.key),
                         priority=0 if ahead else 1)
-    self._scheduler.submit(job).add_done_callback(functools.partial(self._done, state.key, ahead))
+    self._scheduler.submit(job).add_done_callback(functools.partial(self._done, state.key, ahead, estimate))
 
-  def _done(self, key: str, ahead: bool, future: asyncio.Future) -> None:
-    """One preparation ended: to its oldest waiter, else ready; a failure to a waiter no other one covers."""
-    self._pending[key] -= 1
+  def _done(self, key: str, ahead: bool, estimate: int, future: asyncio.Future) -> None:
+    """One preparation ended: its checkouts get it (or the fault), and the pool holds it if it fits."""
+    waiters = self._waiters.pop(key, [])  # none once closed
     self._ahead -= ahead
+    self._ahead_bytes -= estimate
     self.stats["retries"] = self._scheduler.retries
-    if future.cancelled() or self._closed:
-      return
-    result, waiters = future.result(), self._waiters[key]
-    prepared, error = result.value, "" if result.outcome == "ok" else f"{result.outcome} {result.error}"
-    if result.outcome == "ok" and self._reference.setdefault(key, prepared.digest) != prepared.digest:
-      error = (f"state {key[:12]} prepared to {prepared.digest[:12]}, not to {self._reference[key][:12]} as "
-               "before: its set-up is not reproducible")
-      logging.getLogger(__name__).warning("warm pool: %s", error)
-    if error:
+    result = None if future.cancelled() or self._closed else future.result()
+    if result is None:
+      _fail(waiters, _CLOSED)
+    elif result.outcome != "ok":
       self.stats["failed"] += 1
-      while self._live(waiters) > self._pending[key]:
-        failed = waiters.popleft()
-        if failed.set_running_or_notify_cancel():
-          failed.set_exception(scheduler.InfraError(f"preparing the workspace failed: {error}"))
-          break
+      _fail(waiters, f"preparing the workspace failed: {result.outcome} {result.error}")
     else:
+      prepared = result.value
       self.stats["prepared"] += 1
-      if not self._give(waiters, prepared):
-        if self._ready_bytes + len(prepared.snapshot) > self.max_bytes:
-          self.stats["dropped"] += 1
-        else:
-          self._ready[key].append(prepared)
-          self._ready_count += 1
-          self._ready_bytes += len(prepared.snapshot)
+      self._last_bytes = len(prepared.snapshot)
+      self._digest[key] = prepared.digest
+      for waiter in waiters:
+        self._give(waiter, prepared)
+      if self._room(len(prepared.snapshot)):
+        self._held[key] = prepared
+        self._held_bytes += len(prepared.snapshot)
+      else:
+        self._digest.pop(key)
+        self.stats["dropped"] += 1
     self._fill()
 
   async def _shutdown(self) -> None:
     await self._scheduler.close()
     for waiters in self._waiters.values():
-      for future in waiters:
-        if not future.cancelled():
-          future.set_exception(scheduler.InfraError("the warm pool closed before the workspace was prepared"))
+      _fail(waiters, _CLOSED)
     self._waiters.clear()
-    self._ready.clear()
+    self._held.clear()
     self._wanted.clear()
-    self._ready_count = self._ready_bytes = 0
+    self._held_bytes = 0
     await self._loop.shutdown_default_executor()
+
+
+def _fail(waiters: list[concurrent.futures.Future], why: str) -> None:
+  """Ends each checkout still waiting with an InfraError saying why."""
+  for waiter in waiters:
+    if waiter.set_running_or_notify_cancel():
+      waiter.set_exception(scheduler.InfraError(why))
