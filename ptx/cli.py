@@ -21,6 +21,7 @@ import sys
 
 import ptx
 from ptx import paths
+from ptx.rl import scoring_flags
 
 _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
@@ -29,9 +30,6 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
 # `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones (episodes).
 _ENVIRONMENTS = ("exact_answer", "code", "calculator", "terminal", "docqa")
 _EPISODES = ("calculator", "terminal", "docqa")
-# `ptx grpo --executor=ray`: a sample's scoring that outlives this is an infrastructure error, so a job its cluster
-# lost without a word cannot stall training (ten minutes: far beyond a sandboxed test run's own limits).
-RAY_SCORE_TIMEOUT_S = 600.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,20 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                        "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check) or docqa "
                        "(questions about a long document, search and read tools)")
       scoring = job.add_argument_group("host scoring (--env exact_answer or code on rl records)")
-      scoring.add_argument("--executor", choices=("local", "ray"), default="local",
-                           help="where episodes are scored: in this process, or as Ray tasks on a cluster's CPU "
-                           "nodes (the ray extra; docs/DESIGN.md has the launch note)")
-      scoring.add_argument("--ray-address", help="with --executor=ray: the cluster (auto, HOST:6379); default: "
-                           "RAY_ADDRESS, else a new local cluster")
-      scoring.add_argument("--ray-resources", default="num_cpus=1", metavar="NAME=AMOUNT,...",
-                           help="with --executor=ray: what each scoring task reserves on its node: num_cpus, "
-                           "memory_bytes and custom resources the nodes declare (e.g. num_cpus=1,sandbox=1)")
-      scoring.add_argument("--score-concurrency", type=int, default=32,
-                           help="samples scored at once (with --executor=ray: at most the task slots the nodes "
-                           "offer, so that jobs wait in priority order here rather than in Ray's queue)")
-      scoring.add_argument("--score-timeout-s", type=float,
-                           help="seconds a sample's scoring may run before it counts as an infrastructure error "
-                           f"(default: none locally, {RAY_SCORE_TIMEOUT_S:g} with --executor=ray)")
+      scoring_flags.add_arguments(scoring)
   return parser
 
 
@@ -299,32 +284,10 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.train.rl_host import EnvReward
 
   env, fields = _environment(args.env)
-  reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **_scoring(args))
+  reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
   built = job.grpo_host_job(cfg, tokenizer, reward)
   tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
-
-
-def _scoring(args) -> dict:
-  """EnvReward's executor, concurrency and timeout from `ptx grpo`'s host scoring flags."""
-  if args.score_concurrency < 1:
-    raise ValueError(f"--score-concurrency must be >= 1, got {args.score_concurrency}")
-  if args.score_timeout_s is not None and args.score_timeout_s <= 0:
-    raise ValueError(f"--score-timeout-s must be > 0, got {args.score_timeout_s}")
-  if args.executor == "local":
-    if args.ray_address is not None:
-      raise ValueError("--ray-address needs --executor=ray")
-    return {"concurrency": args.score_concurrency, "timeout_s": args.score_timeout_s}
-  from ptx.rl.executors import Resources
-
-  resources = Resources.parse(args.ray_resources)
-  try:
-    from ptx.rl.ray_executor import RayExecutor
-  except ImportError as e:
-    raise ValueError(f"--executor=ray needs the ray extra (pip install 'ptx[ray]'): {e}") from e
-  timeout_s = RAY_SCORE_TIMEOUT_S if args.score_timeout_s is None else args.score_timeout_s
-  return {"executor": RayExecutor(args.ray_address, resources), "concurrency": args.score_concurrency,
-          "timeout_s": timeout_s}
 
 
 def _episode_environment(name: str, tokenizer):

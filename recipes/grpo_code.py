@@ -18,6 +18,12 @@ command on every host):
   python recipes/grpo_code.py --preset qwen7b --distributed --model-dir /ckpt/Qwen2.5-7B-Instruct \
       --out gs://bucket/runs/grpo_code
 
+To run the tests on a pool of CPU machines instead of the TPU hosts' CPUs
+(a Ray cluster the TPU hosts join with no CPUs: docs/DESIGN.md's launch
+note), add `--executor=ray --ray-address=auto
+--ray-resources=num_cpus=1,sandbox=1 --score-concurrency=256`; the recipe
+takes `ptx grpo`'s host scoring flags (`--help` lists them).
+
 Topology: all 32 chips on `fsdp`, bfloat16, full remat; 32 prompts x 8
 samples per step, 768 new tokens. Each host's CPUs run its share of the
 sandboxed tests (32 concurrent programs, 10 s and 1 GiB each).
@@ -86,7 +92,7 @@ class CodeTasks:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after on the held-out problems."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv)
+  args, overrides = launch.parse(__doc__, PRESETS, argv, scoring=True)
   launch.start(args)
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from

@@ -14,6 +14,10 @@ command on every host):
       --data.train_files='["gs://bucket/gsm8k/train.jsonl"]' --data.eval_files='["gs://bucket/gsm8k/test.jsonl"]' \
       --out gs://bucket/runs/grpo_gsm8k
 
+The verifier can run on a Ray cluster's CPU nodes instead: add
+`--executor=ray --ray-address=auto` (`ptx grpo`'s host scoring flags;
+docs/DESIGN.md has the launch note).
+
 Topology: all 32 chips on `fsdp`, bfloat16, full remat; 64 prompts x 8
 samples per step, 512 new tokens; the frozen reference (beta 0.04) is a
 second sharded copy. The verifier runs on each host's CPUs (32 concurrent
@@ -100,7 +104,8 @@ def synthetic_problems(split: str, n: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
-  args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512)
+  args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512,
+                                                       scoring=True)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
     params = ptx.initial_params(cfg.model, cfg.train.seed)
   tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.ExactAnswerEnv()

@@ -27,6 +27,7 @@ import jax
 import ptx
 from ptx import config as config_lib
 from ptx import paths
+from ptx.rl import scoring_flags
 from ptx.train import checkpoint_evals, pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
@@ -34,8 +35,9 @@ Presets = dict[str, Callable[[], ptx.Config]]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-  """Parses the common recipe flags; returns (flags, config overrides)."""
+def parse(doc: str, presets: Presets, argv: list[str] | None, *,
+          scoring: bool = False) -> tuple[argparse.Namespace, list[str]]:
+  """Parses the common recipe flags, and with `scoring` the host-reward ones; returns (flags, config overrides)."""
   # No abbreviations: `--model=PRESET` is a config override, never short for --model-dir.
   parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,
                                    epilog="Config overrides: --train.steps=2, "
@@ -51,8 +53,15 @@ def parse(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.
                       "checkpoints, metrics and exports)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (TPU pods, SLURM)")
+  if scoring:  # where the samples are scored: here or on a Ray cluster's CPU nodes, as `ptx grpo` takes it
+    scoring_flags.add_arguments(parser.add_argument_group("host scoring"))
   args, overrides = parser.parse_known_args(argv)
   args.error, args.presets = parser.error, tuple(presets)
+  if scoring:  # EnvReward's executor, concurrency and timeout, checked before anything runs
+    try:
+      args.reward_options = scoring_flags.reward_options(args)
+    except ValueError as e:
+      parser.error(str(e))
   return args, overrides
 
 
@@ -153,8 +162,8 @@ def chat_prompt(tokenizer, text: str, reply_start: str = "") -> str:
   return template.render([{"role": "user", "content": text}], add_generation_prompt=True) + reply_start
 
 
-def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
-                synthetic: Callable[[str, int], list[dict]], n: int) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+def data_recipe(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[str, int], list[dict]],
+                n: int, *, scoring: bool = False) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
   """`parse`, `start` and `configure` for a recipe reading --data.train_files / eval_files.
 
   The tiny preset first writes `synthetic(split, count)` records (n of the
@@ -162,7 +171,7 @@ def data_recipe(doc: str, presets: Presets, argv: list[str] | None,
   so `--data.*` overrides still win; it says so in its first lines, as does a
   run without held-out files.
   """
-  args, overrides = parse(doc, presets, argv)
+  args, overrides = parse(doc, presets, argv, scoring=scoring)
   start(args)
   if args.preset == "tiny":
     overrides = [*synthetic_data(args.out, synthetic("train", n), synthetic("held_out", 64)), *overrides]

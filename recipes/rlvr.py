@@ -47,8 +47,12 @@ def small(*, prompt_len: int, response_len: int) -> ptx.Config:
 
 def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tasks: Any,
           env: Environment) -> tuple[ptx.TrainState, dict]:
-  """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`."""
-  job = ptx.grpo_host_job(cfg, tokenizer, ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
+  """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`.
+
+  Where the samples are scored comes from the recipe's host scoring flags (`launch.parse(..., scoring=True)`).
+  """
+  reward = ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **args.reward_options)
+  job = ptx.grpo_host_job(cfg, tokenizer, reward)
   prompts = ptx.grpo_prompts(cfg, tokenizer, tasks, in_graph=False)
   return ptx.fit(cfg, job, train_data=prompts, out=args.out, resume=args.resume, overwrite=args.overwrite,
                  init_params=params, evals=launch.evals(cfg, tokenizer), progress=launch.progress(args))
