@@ -58,7 +58,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
