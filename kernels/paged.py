@@ -48,7 +48,7 @@ def paged_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, rows: jax.Array, pages: jax.Array,
     index: jax.Array, lengths: jax.Array, q_positions: jax.Array, causal: bool = True, window=None,
     softcap: float | None = None, scale: float | None = None, block_pairs: int | None = None,
-    impl: str = "xla", interpret: bool = False,
+    impl: str = "xla", interpret: bool = False, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of T queries per row over the pages its (row, page) pairs name.
 
@@ -71,6 +71,9 @@ def paged_attention(
       page size powers of two >= 16) or "auto": the default backend's Pallas
       kernel on TPU or GPU, "xla" elsewhere (`paged_pallas`).
     interpret: run a Pallas kernel through the Pallas interpreter (on CPU).
+    k_scales, v_scales: float32 [P, KV, S] per-slot, per-head scales of
+      int8 pools (x ~ values * scale; "xla" only), or None for pools in a
+      float dtype.
 
   Returns:
     (out [R, T, H, Dv] in q.dtype, lse [R, H, T] float32).
@@ -86,17 +89,23 @@ def paged_attention(
   kvh = k_pages.shape[1]
   if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_pages.shape} do not fit together")
+  if (k_scales is None) != (v_scales is None) or (k_scales is not None and (
+      k_scales.shape != k_pages.shape[:3] or v_scales.shape != v_pages.shape[:3])):
+    raise ValueError(f"k_scales and v_scales must both be None or float32 {k_pages.shape[:3]}")
   window = mask_lib.check_window(window)
   scale = d ** -0.5 if scale is None else scale
   args = (q, k_pages, v_pages, rows, pages, index, lengths, q_positions)
   if kernel.name in implementation.PALLAS:
+    if k_scales is not None:
+      raise ValueError(f"int8 pages (k_scales, v_scales) are read by impl='xla' only, not {kernel.name!r}")
     paged_pallas.check(kernel, q, k_pages, v_pages)
     return paged_pallas.attention(*args, causal=causal, window=window, softcap=softcap, scale=scale, kernel=kernel)
-  return _segments(*args, causal=causal, window=window, softcap=softcap, scale=scale, block_pairs=block_pairs)
+  return _segments(*args, k_scales, v_scales, causal=causal, window=window, softcap=softcap, scale=scale,
+                   block_pairs=block_pairs)
 
 
-def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, *, causal, window, softcap, scale,
-              block_pairs):
+def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, k_scales, v_scales, *, causal, window,
+              softcap, scale, block_pairs):
   """The "xla" path: blocks of pairs folded into per-row accumulators by a segment softmax."""
   r, t, h, d = q.shape
   _, kvh, s, _ = k_pages.shape
@@ -117,6 +126,8 @@ def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, *, 
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * block, block)  # noqa: E731
     rows_b, pages_b, index_b = take(rows), take(pages), take(index)
     k_BKSD, v_BKSD = k_pages[pages_b].astype(jnp.float32), v_pages[pages_b].astype(jnp.float32)
+    if k_scales is not None:  # int8 pages: dequantised as they are read
+      k_BKSD, v_BKSD = k_BKSD * k_scales[pages_b][..., None], v_BKSD * v_scales[pages_b][..., None]
     scores = jnp.einsum("bkgtd,bksd->bkgts", q_RKGTD[rows_b], k_BKSD) * scale
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)

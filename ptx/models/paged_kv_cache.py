@@ -4,7 +4,9 @@ Layout (L layers, P pages, S slots per page, N kv heads, K head_dim, R rows,
 M pages per row, Q (row, page) pairs):
 
   k, v         L arrays [P, N, S, K] in the compute dtype (after RoPE); heads
-               before slots, as in `kv_cache`, so pages feed the products untransposed
+               before slots, as in `kv_cache`, so pages feed the products untransposed;
+               or L `Int8Pages`: int8 values [P, N, S, K] and float32 scales
+               [P, N, S] (absmax / 127 of each slot and head, `kv_cache.quantize`)
   page_table   int32 [R, M]: page m of row r holds its positions [m * S, (m + 1) * S)
   lengths      int32 [R]: positions of each row already cached
   new_tokens   int32 [R]: how many of this call's T tokens are real for each
@@ -23,6 +25,13 @@ Attention (`ptx_kernels.paged_attention`) reads the pages the pairs name: the
 caller lists each row's pages up to what the call fills, so a call costs the
 pages the rows hold, not R times the longest row. This pure-JAX path is
 XLA:CPU's and the reference of the Pallas kernel.
+
+Int8 pages (`init_pool(..., int8=True)`) hold a quarter of float32's bytes
+(half of bfloat16's) plus 4 bytes a slot and head: a pool of the same memory
+holds about twice the sequences in bfloat16. Each token's K/V is quantised
+once, when it is written, with a scale of its own, so writing into a partly
+filled page never rescales what it holds; attention dequantises the pages it
+reads. The pure-JAX attention reads them; the Pallas paged kernels do not.
 
 Under a mesh whose batch axes split the pool's pages, rows and pages are split
 over them in the same blocks: a row's table and pairs hold page ids (and rows)
@@ -43,11 +52,21 @@ from jax.sharding import PartitionSpec
 
 from ptx import sharding
 from ptx.config import ModelConfig
+from ptx.models.kv_cache import quantize
 
 POOL_NAMES = ("batch", "kv_heads", None, "head_dim")
 SINK_PAGE = 0
 
-Arrays = tuple[jax.Array, ...]
+
+class Int8Pages(NamedTuple):
+  """One layer's K or V pool in int8: values [P, N, S, K] and float32 scales [P, N, S] (a pytree of the two)."""
+
+  values: jax.Array
+  scales: jax.Array
+
+
+Pool = jax.Array | Int8Pages
+Arrays = tuple[Pool, ...]
 
 
 class Pairs(NamedTuple):
@@ -98,7 +117,7 @@ class PagedKVCache:
     if page_axes is None:
       out, k, v = attend_local(*args)
     else:
-      pool, rows = PartitionSpec(page_axes, head_axes, None, None), PartitionSpec(page_axes)
+      pool, rows = _pool_spec(self.k[layer], page_axes, head_axes), PartitionSpec(page_axes)
       new = PartitionSpec(page_axes, None, head_axes, None)
       pairs = Pairs(rows, rows, rows)
       in_specs = (pool, pool, rows, rows, rows, pairs, new, new, new, rows, None if window is None else PartitionSpec())
@@ -113,18 +132,26 @@ class PagedKVCache:
     return dataclasses.replace(self, lengths=self.lengths + self.new_tokens)
 
 
-def init_pool(cfg: ModelConfig, pages: int, page_size: int) -> tuple[Arrays, Arrays]:
-  """Empty K and V pools, L arrays [pages, N, page_size, K] each (call under jit for sharded placement)."""
+def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) -> tuple[Arrays, Arrays]:
+  """Empty K and V pools, L arrays [pages, N, page_size, K] each, or L `Int8Pages` (call under jit to place them)."""
   shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers))  # noqa: E731
-  return zeros(), zeros()
+
+  def empty() -> Pool:
+    if int8:
+      return Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    return jnp.zeros(shape, cfg.compute_dtype)
+
+  return tuple(empty() for _ in range(cfg.n_layers)), tuple(empty() for _ in range(cfg.n_layers))
 
 
 def pool_sharding(cfg: ModelConfig, pages: int, page_size: int, mesh: jax.sharding.Mesh,
-                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.sharding.NamedSharding:
-  """Where a pool array lives on `mesh`: pages over the batch axes, KV heads over `tensor`."""
+                  rules: sharding.Rules = sharding.DEFAULT_RULES, int8: bool = False):
+  """Where one layer's pool lives on `mesh` (a NamedSharding, or `Int8Pages` of them): pages over the batch axes,
+  KV heads over `tensor`."""
   shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
-  return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(POOL_NAMES, rules, shape=shape, mesh=mesh))
+  spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=shape, mesh=mesh)
+  placed = jax.sharding.NamedSharding(mesh, spec)
+  return Int8Pages(placed, jax.sharding.NamedSharding(mesh, PartitionSpec(*spec[:3]))) if int8 else placed
 
 
 def page_blocks(pages: int, mesh: jax.sharding.Mesh | None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> int:
@@ -144,13 +171,14 @@ def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
   """Copies page sources[i] to targets[i] in every layer (ids local to their block; pairs of the sink are no-ops)."""
 
   def local(k, v, sources, targets):
-    return tuple(x.at[targets].set(x[sources]) for x in k), tuple(x.at[targets].set(x[sources]) for x in v)
+    copy = lambda pools: jax.tree.map(lambda x: x.at[targets].set(x[sources]), pools)  # noqa: E731
+    return copy(k), copy(v)
 
   mesh = jax.sharding.get_abstract_mesh()
   page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(k[0], mesh, rules)
   if page_axes is None:
     return local(k, v, sources, targets)
-  pool, pairs = (PartitionSpec(page_axes, head_axes, None, None),) * len(k), PartitionSpec(page_axes)
+  pool, pairs = (_pool_spec(k[0], page_axes, head_axes),) * len(k), PartitionSpec(page_axes)
   return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, pairs, pairs), out_specs=(pool, pool),
                        check_vma=False)(k, v, sources, targets)
 
@@ -159,29 +187,47 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_R
                   *, softcap, scale):
   """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
   R, T, N, K = k_RTNK.shape
-  S = k_pool.shape[2]
+  S = _values(k_pool).shape[2]
   real_RT = jnp.arange(T, dtype=jnp.int32)[None] < new_R[:, None]
   page_RT = jnp.take_along_axis(table_RM, jnp.clip(positions_RT // S, 0, table_RM.shape[1] - 1), axis=1)
   page_RT = jnp.where(real_RT, page_RT, SINK_PAGE)
   slot_RT = positions_RT % S
 
+  where = (page_RT.reshape(-1), slice(None), slot_RT.reshape(-1))
+
   def write(pool, new_RTNK):
-    # Advanced indices on axes 0 and 2: the indexed view is [R * T, N, K].
-    return pool.at[page_RT.reshape(-1), :, slot_RT.reshape(-1)].set(
-        new_RTNK.reshape(R * T, N, K).astype(pool.dtype))
+    # Advanced indices on axes 0 and 2: the indexed view is [R * T, N, K] ([R * T, N] of the scales).
+    new = new_RTNK.reshape(R * T, N, K)
+    if isinstance(pool, Int8Pages):
+      values, scales = quantize(new)
+      return Int8Pages(pool.values.at[where].set(values), pool.scales.at[where].set(scales))
+    return pool.at[where].set(new.astype(pool.dtype))
 
   k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
-  out, _ = ptx_kernels.paged_attention(q_RTHK, k_pool, v_pool, rows=pairs.rows, pages=pairs.pages, index=pairs.index,
-                                       lengths=lengths_R + new_R, q_positions=positions_RT, window=window,
-                                       softcap=softcap, scale=scale)
+  scales = lambda pool: pool.scales if isinstance(pool, Int8Pages) else None  # noqa: E731
+  out, _ = ptx_kernels.paged_attention(q_RTHK, _values(k_pool), _values(v_pool), k_scales=scales(k_pool),
+                                       v_scales=scales(v_pool), rows=pairs.rows, pages=pairs.pages,
+                                       index=pairs.index, lengths=lengths_R + new_R, q_positions=positions_RT,
+                                       window=window, softcap=softcap, scale=scale)
   return out, k_pool, v_pool
 
 
-def _pool_axes(pool: jax.Array, mesh, rules: sharding.Rules):
-  """(mesh axes splitting the pages, mesh axes splitting the KV heads) of a pool array on `mesh`.
+def _values(pool: Pool) -> jax.Array:
+  """One layer's pool array: its int8 values for `Int8Pages`."""
+  return pool.values if isinstance(pool, Int8Pages) else pool
+
+
+def _pool_axes(pool: Pool, mesh, rules: sharding.Rules):
+  """(mesh axes splitting the pages, mesh axes splitting the KV heads) of one layer's pool on `mesh`.
 
   Query heads split over the KV heads' axes: H is a multiple of N, so each
   device holds whole GQA groups.
   """
-  spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=pool.shape, mesh=mesh)
+  spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=_values(pool).shape, mesh=mesh)
   return spec[0], spec[1]
+
+
+def _pool_spec(pool: Pool, page_axes, head_axes):
+  """The shard_map spec of one layer's pool: a PartitionSpec, or `Int8Pages` of the values' and scales'."""
+  spec = PartitionSpec(page_axes, head_axes, None, None)
+  return Int8Pages(spec, PartitionSpec(page_axes, head_axes, None)) if isinstance(pool, Int8Pages) else spec

@@ -37,7 +37,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
-from typing import Sequence
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +73,16 @@ class EngineConfig:
   prefill_chunk: int = 64
   # Rows each prefill call writes; a multiple of the devices along the batch axes.
   prefill_rows: int = 8
+  # K/V page storage: "auto" (the model's compute dtype) or "int8" (per-slot, per-head scales; about half of
+  # bfloat16's bytes, so about twice the sequences in the same memory; `ptx.models.paged_kv_cache`).
+  kv_dtype: Literal["auto", "int8"] = "auto"
 
   def __post_init__(self):
     for name in ("max_seqs", "pages", "page_size", "max_seq_len", "decode_steps", "prefill_chunk", "prefill_rows"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.kv_dtype not in ("auto", "int8"):
+      raise ValueError(f"EngineConfig.kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
     if self.page_size > 4096:
       raise ValueError(f"EngineConfig.page_size must be <= 4096 (int32 positions of padding pairs), got "
                        f"{self.page_size}")
@@ -184,10 +189,11 @@ class RolloutEngine:
         raise ValueError(f"EngineConfig.{name} = {getattr(config, name)} must be a multiple of the {blocks} devices "
                          "that split the batch")
     self.allocator = PageAllocator(config.pages, blocks)
+    int8 = config.kv_dtype == "int8"
     shardings = None if mesh is None else paged_kv_cache.pool_sharding(cfg, config.pages, config.page_size, mesh,
-                                                                       rules)
+                                                                       rules, int8)
     with self._on_mesh():
-      pool = init_pool_program(cfg, config.pages, config.page_size, shardings)()
+      pool = init_pool_program(cfg, config.pages, config.page_size, shardings, int8)()
     self._k, self._v = pool
     self._key = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
     self._slots_per_block = config.max_seqs // blocks
@@ -204,7 +210,7 @@ class RolloutEngine:
   @property
   def pool_bytes(self) -> int:
     """Bytes of the K/V pool on all devices: the engine's KV memory, whatever its fill."""
-    return sum(x.size * x.dtype.itemsize for x in self._k + self._v)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self._k, self._v)))
 
   @property
   def busy(self) -> bool:

@@ -237,7 +237,10 @@ def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_
 
 
 @functools.lru_cache(maxsize=None)
-def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement: jax.sharding.NamedSharding | None):
-  """The jitted allocation of an empty pool (`paged_kv_cache.init_pool`), one per shape and placement."""
+def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement, int8: bool = False):
+  """The jitted allocation of an empty pool (`paged_kv_cache.init_pool`), one per shape, placement and storage.
+
+  `placement` is one layer's (`paged_kv_cache.pool_sharding`), or None.
+  """
   out = None if placement is None else ((placement,) * cfg.n_layers,) * 2
-  return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size), out_shardings=out)
+  return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size, int8), out_shardings=out)

@@ -74,3 +74,24 @@ def test_mismatched_shapes_are_named():
   with pytest.raises(ValueError, match="do not fit together"):
     pk.paged_attention(np.zeros((4, 1, 5, D), np.float32), k_pages, v_pages, rows=rows, pages=pages, index=index,
                        lengths=lengths, q_positions=np.zeros((4, 1), np.int32))
+
+
+def test_int8_pages_read_as_their_dequantised_values():
+  """Int8 pages with scales attend exactly as float pages holding values * scale (the product is in float32)."""
+  rng, _, _, tables, lengths = _case(1)
+  k8, v8 = (rng.integers(-127, 128, size=(12, KV, S, D)).astype(np.int8) for _ in range(2))
+  k_scales, v_scales = (rng.uniform(0.001, 0.05, size=(12, KV, S)).astype(np.float32) for _ in range(2))
+  q = rng.normal(size=(4, 2, H, D)).astype(np.float32)
+  q_positions = np.maximum(lengths[:, None] - 2 + np.arange(2)[None], 0).astype(np.int32)
+  rows, pages, index = _pairs(tables, pad=3)
+  common = dict(rows=rows, pages=pages, index=index, lengths=lengths, q_positions=q_positions)
+  out, lse = pk.paged_attention(q, k8, v8, k_scales=k_scales, v_scales=v_scales, **common)
+  dequantised = [x.astype(np.float32) * s[..., None] for x, s in ((k8, k_scales), (v8, v_scales))]
+  want, want_lse = pk.paged_attention(q, *dequantised, **common)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=ATOL, rtol=0)
+  np.testing.assert_allclose(np.asarray(lse)[lengths > 0], np.asarray(want_lse)[lengths > 0], atol=ATOL, rtol=0)
+  with pytest.raises(ValueError, match="k_scales and v_scales must both be None"):
+    pk.paged_attention(q, k8, v8, k_scales=k_scales, **common)
+  with pytest.raises(ValueError, match="read by impl='xla' only"):
+    pk.paged_attention(q, k8, v8, k_scales=k_scales, v_scales=v_scales, impl="pallas_gpu", interpret=True,
+                       **common)
