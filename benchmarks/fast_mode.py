@@ -18,6 +18,7 @@ from and builds the engine it runs):
                 (int8 weight-only matrices): greedy tokens may differ from
                 standard's where the policy's top two logits nearly tie
   int8_ngram    `ngram_always`'s engine over the int8 tree
+  int8_kv       `int8` with int8 KV pages as well (`EngineConfig.kv_dtype`)
 
 Workloads (token ids; the weights are random, so a draft is accepted where
 the random policy's greedy tokens happen to repeat the context, as they do
@@ -106,6 +107,8 @@ MODES = {
         speculative=SpeculativeConfig(drafts=args.drafts, verify_cost=1.0))),
     "int8": Mode("int8", lambda cfg, config, args: RolloutEngine(cfg, config, sampling=GREEDY)),
     "int8_ngram": Mode("int8", lambda cfg, config, args: _ngram(cfg, config, args, verify_cost=1.0)),
+    "int8_kv": Mode("int8", lambda cfg, config, args: RolloutEngine(
+        cfg, dataclasses.replace(config, kv_dtype="int8"), sampling=GREEDY)),
 }
 
 
