@@ -54,7 +54,7 @@ def sft_params(out: pathlib.Path):
   return cfg, loaded.params
 
 
-def one_run(mode: str, out: pathlib.Path, steps: int, prompts: int, verify_cost: float) -> dict:
+def one_run(mode: str, out: pathlib.Path, steps: int, prompts: int, verify_cost: float, seed: int | None) -> dict:
   """Trains GRPO in `mode` from the demo's SFT parameters and scores the result."""
   import jax
 
@@ -74,7 +74,8 @@ def one_run(mode: str, out: pathlib.Path, steps: int, prompts: int, verify_cost:
   cfg = demo.grpo_config(sft_cfg, steps)
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=prompts),
                             grpo=dataclasses.replace(cfg.grpo, rollouts="engine"),
-                            train=dataclasses.replace(cfg.train, log_every=1),
+                            train=dataclasses.replace(cfg.train, log_every=1,
+                                                      seed=cfg.train.seed if seed is None else seed),
                             rollout=RolloutConfig(mode=mode, verify_cost=verify_cost))
   tokenizer = ByteTokenizer()
   reward = EnvReward(ExactAnswerEnv(), tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size)
@@ -88,7 +89,8 @@ def one_run(mode: str, out: pathlib.Path, steps: int, prompts: int, verify_cost:
   mesh = make_mesh(sft_cfg.mesh)
   scores = demo.held_out_scores(state.params, sft_cfg.model, mesh, to_global(demo.held_out_rows(sft_cfg), mesh))
   last = history[-1]
-  return {"mode": mode, "steps": summary["step"], "prompts": prompts, "group": cfg.grpo.group_size,
+  return {"mode": mode, "seed": cfg.train.seed, "steps": summary["step"], "prompts": prompts,
+          "group": cfg.grpo.group_size,
           "grpo_wall_s": round(wall, 1), "grpo_cpu_s": round(cpu, 1),
           "step_s_median": round(statistics.median(r["timing_s/step"] for r in history[2:]), 3),
           **{f"held_out/{k}": v for k, v in scores.items()},
@@ -112,10 +114,11 @@ def main() -> None:
   parser.add_argument("--prompts", type=int, default=32, help="prompts a step (8 samples each)")
   parser.add_argument("--rounds", type=int, default=1, help="runs of each mode, alternating")
   parser.add_argument("--verify-cost", type=float, default=1.5, help="rollout.verify_cost of the fast runs")
+  parser.add_argument("--seed", type=int, help="train.seed of the GRPO runs (the sampler's key; default: the demo's)")
   parser.add_argument("--only", choices=MODES, help=argparse.SUPPRESS)  # one run, in this process
   args = parser.parse_args()
   if args.only:
-    print(json.dumps(one_run(args.only, args.out, args.steps, args.prompts, args.verify_cost)), flush=True)
+    print(json.dumps(one_run(args.only, args.out, args.steps, args.prompts, args.verify_cost, args.seed)), flush=True)
     return
   sft_params(args.out)  # once, before the timed runs
   runs = []
@@ -124,7 +127,8 @@ def main() -> None:
       with open(args.out / f"{mode}.log", "a") as log:  # the run's own output, beside its run directory
         done = subprocess.run([sys.executable, __file__, "--only", mode, "--out", str(args.out), "--steps",
                                str(args.steps), "--prompts", str(args.prompts), "--verify-cost",
-                               str(args.verify_cost)], check=True, stdout=subprocess.PIPE, stderr=log, text=True)
+                               str(args.verify_cost), *(["--seed", str(args.seed)] if args.seed is not None else [])],
+                              check=True, stdout=subprocess.PIPE, stderr=log, text=True)
       runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
       print(json.dumps(runs[-1]), flush=True)
   summary = {mode: {key: statistics.median(r[key] for r in runs if r["mode"] == mode)

@@ -117,6 +117,14 @@ def _completions(report):
   return [(s["task"], s["sample"], s["completion"]) for s in report["samples"]]
 
 
+def _count_verifies(monkeypatch) -> list:
+  """Appends to the list it returns at each verify call of a speculative engine."""
+  verifies = []
+  original = SpeculativeEngine._verify
+  monkeypatch.setattr(SpeculativeEngine, "_verify", lambda self, *a: verifies.append(1) or original(self, *a))
+  return verifies
+
+
 def test_greedy_eval_on_the_speculative_engine_equals_standard_and_fast_mode_evaluates(tiny_config):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   params = init_params(cfg, jax.random.key(3))
@@ -125,9 +133,23 @@ def test_greedy_eval_on_the_speculative_engine_equals_standard_and_fast_mode_eva
   # The n-gram drafter over the float tree: the engine's greedy tokens are generate's, drafted or not.
   drafting = RolloutMode(speculative=SpeculativeConfig(verify_cost=1.0))
   speculative = _evals(greedy, mode=drafting).evaluate(params, cfg)["arithmetic"]
+  # (No "=" precedes an arithmetic prompt's last token, so nothing is drafted at the first call, whose decode_steps
+  # then finish every answer: the multi-turn test below runs the verify path.)
   assert _completions(speculative) == _completions(standard)
   # --rollout.mode=fast as `ptx eval` and checkpoint evaluations build it: int8 weights, n-gram drafts.
   fast_evals = checkpoint_evals.build(_evals(greedy).source, TOK, FAST)
   assert fast_evals.mode.int8
   fast = fast_evals.evaluate(params, cfg)["arithmetic"]
   assert len(fast["samples"]) == 12 and 0.0 <= fast["pass@k"]["1"] <= 1.0
+
+
+def test_multi_turn_greedy_eval_on_the_speculative_engine_equals_standard(tiny_config, monkeypatch):
+  """Episodes `extend` their sequences between turns; drafting over the float tree keeps every greedy token."""
+  verifies = _count_verifies(monkeypatch)
+  cfg = dataclasses.replace(tiny_config, n_layers=1)
+  params = init_params(cfg, jax.random.key(5))
+  section = EvalConfig(suites=("calculator",), n=2, k=1, max_new_tokens=6, sampling=SamplingConfig(greedy=True))
+  standard = checkpoint_evals.build(section, TOK).evaluate(params, cfg)["calculator"]
+  drafting = RolloutMode(speculative=SpeculativeConfig(verify_cost=1.0))
+  speculative = dataclasses.replace(checkpoint_evals.build(section, TOK), mode=drafting).evaluate(params, cfg)
+  assert _completions(speculative["calculator"]) == _completions(standard) and verifies  # the verify path ran
