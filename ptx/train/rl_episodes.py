@@ -31,13 +31,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx.data.global_batch import to_global
-from ptx.rl.environments.base import Environment
+from ptx.rl.environments.base import Environment, PreparesAhead
 from ptx.rl.episode_loop import play
 from ptx.rl.turn_format import TurnFormat
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.generation import Generation
 from ptx.train.episode_rollouts import episode_rollouts
 from ptx.train.rl_engine import engine_on_mesh
+from ptx.train.rl_host import Lookahead
 from ptx.train.rl_step import GRPOStepKind, RLSpec, learn, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
@@ -52,16 +53,15 @@ class EpisodeGRPOStep(GRPOStepKind):
   engine: EngineConfig
   max_turn_tokens: int
 
-  def stream(self, data: Any) -> Any:
-    """The task batches as `fit` reads them: unchanged (nothing is read ahead)."""
-    return data
+  def stream(self, data: Any) -> Lookahead:
+    """The task batches as `fit` reads them: a `Lookahead`, so the step can tell the environment the next batch."""
+    return data if isinstance(data, Lookahead) else Lookahead(data)
 
   def build(self, optimizer: optax.GradientTransformation, mesh: Mesh, state_shardings: TrainState,
             data: Any) -> "EpisodeStep":
-    """The step object for `fit`."""
-    del data
+    """The step object for `fit`, reading the next batch's tasks ahead of `data` (`stream`'s)."""
     return EpisodeStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings, env=self.env,
-                       fmt=self.fmt, engine=self.engine, max_turn_tokens=self.max_turn_tokens)
+                       fmt=self.fmt, engine=self.engine, max_turn_tokens=self.max_turn_tokens, tasks=data)
 
 
 class EpisodeStep:
@@ -80,6 +80,10 @@ class EpisodeStep:
       tokens) included.
     max_turn_tokens: tokens the model may sample in one turn.
     tool_threads: environment steps running at once.
+    tasks: the batches `fit` reads (a `Lookahead`): an environment that
+      `PreparesAhead` is told the next batch's tasks as each step starts, so
+      their initial states (a warm pool's workspaces) are made while this
+      step plays and learns. None: nothing is read ahead.
 
   Raises:
     ValueError: when the engine's context leaves no room for a prompt.
@@ -87,7 +91,7 @@ class EpisodeStep:
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, env: Environment, fmt: TurnFormat, engine: EngineConfig,
-               max_turn_tokens: int, tool_threads: int = 16):
+               max_turn_tokens: int, tool_threads: int = 16, tasks: Lookahead | None = None):
     self._prompt_width = engine.max_seq_len - spec.max_new_tokens
     if self._prompt_width < 1:
       raise ValueError(f"EngineConfig.max_seq_len ({engine.max_seq_len}) must exceed max_new_tokens "
@@ -95,6 +99,7 @@ class EpisodeStep:
     self._spec, self._mesh, self._env, self._fmt = spec, mesh, env, fmt
     self._engine_config = engine_on_mesh(engine, mesh, spec.rules)
     self._max_turn_tokens, self._tool_threads = max_turn_tokens, tool_threads
+    self._tasks = tasks
 
     def learn_fn(state, rollouts, gen, rewards):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -110,6 +115,7 @@ class EpisodeStep:
     engine = RolloutEngine(spec.model, self._engine_config, sampling=spec.grpo.sampling, seed=step_keys(state)[0],
                            mesh=self._mesh, tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
     k = int(state.step)
+    expect_next(self._env, self._tasks, G)
     trajectories = play(engine, model_params(state, spec.lora), self._env, list(batch["task"]), self._fmt,
                         samples=G, max_turn_tokens=self._max_turn_tokens, max_episode_tokens=spec.max_new_tokens,
                         policy_version=k,
@@ -133,6 +139,17 @@ class EpisodeStep:
   def set_pipeline_state(self, saved: Any) -> None:
     """Raises: a checkpoint of this step holds no pipeline."""
     raise ValueError("a multi-turn GRPO checkpoint holds no pipeline; this one was written by another step kind")
+
+
+def expect_next(env: Environment, tasks: Lookahead | None, samples: int) -> None:
+  """Tells an environment that `PreparesAhead` the tasks of the batch after the one being played (G samples each)."""
+  if tasks is None or not isinstance(env, PreparesAhead):
+    return
+  try:
+    batch = tasks.peek(0)
+  except StopIteration:  # a finite stream's last batch is playing
+    return
+  env.expect(list(batch["task"]), samples)
 
 
 def episode_metrics(trajectories) -> dict[str, float]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from ptx.rl import sandbox
 
@@ -80,6 +80,15 @@ class Environment(Protocol):
 
   def reset(self, task: Mapping[str, Any]) -> Episode:
     """Starts an episode for `task`."""
+
+
+@runtime_checkable
+class PreparesAhead(Protocol):
+  """An environment that can prepare episodes' initial states before it is asked for them (`ShellEnv` with a
+  `ptx.rl.warm_pool.WarmPool`); a trainer tells it the next batch's tasks while the current one plays."""
+
+  def expect(self, tasks: Iterable[Mapping[str, Any]], samples: int = 1) -> None:
+    """Prepares `samples` episodes' initial states of each of `tasks` in the background."""
 
 
 def field(task: Mapping[str, Any], name: str, kind: type | tuple[type, ...], env: str) -> Any:
