@@ -492,10 +492,16 @@ class RolloutConfig:
   verify_cost: float = 1.5
   # Fast mode: the longest context suffix the n-gram drafter looks up.
   max_ngram: int = 3
+  # K/V pages of the rollout engine, either mode: "auto" (the compute dtype) or "int8" (a float32 scale per slot
+  # and head: about half of bfloat16's KV bytes; the sampler's log-probs are then the int8 cache's, so the loss
+  # rescores them as fast mode does).
+  kv_dtype: Literal["auto", "int8"] = "auto"
 
   def __post_init__(self):
     if self.mode not in ("standard", "fast"):
       raise ValueError(f"rollout.mode must be standard or fast, got {self.mode!r}")
+    if self.kv_dtype not in ("auto", "int8"):
+      raise ValueError(f"rollout.kv_dtype must be auto or int8, got {self.kv_dtype!r}")
     if self.drafts < 1 or self.max_ngram < 1 or self.verify_cost < 1.0:
       raise ValueError(f"rollout.drafts ({self.drafts}) and rollout.max_ngram ({self.max_ngram}) must be >= 1, "
                        f"rollout.verify_cost ({self.verify_cost}) >= 1")

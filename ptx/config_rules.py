@@ -72,11 +72,16 @@ def check_attention(model: ModelConfig, backend: str) -> None:
 
 
 def check_rollout_mode(cfg: Config) -> None:
-  """`rollout.mode="fast"` samples GRPO's rollouts on the engine, from int8 weights derived from plain parameters.
+  """`rollout.mode="fast"` samples GRPO's rollouts on the engine, from int8 weights derived from plain parameters;
+  `rollout.kv_dtype="int8"` stores the engine's pages in int8.
 
   Raises:
     ConfigError: naming rollout.mode and the field to set instead.
   """
+  if cfg.rollout.kv_dtype != "auto" and cfg.grpo.rollouts != "engine":
+    raise ConfigError(f"rollout.kv_dtype={cfg.rollout.kv_dtype} stores the rollout engine's pages: it needs "
+                      f"grpo.rollouts=engine (got {cfg.grpo.rollouts!r}) and host rewards; set rollout.kv_dtype=auto "
+                      "for the fused mode and static host rollouts")
   if cfg.rollout.mode != "fast":
     return
   if cfg.grpo.rollouts != "engine":

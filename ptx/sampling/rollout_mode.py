@@ -15,6 +15,9 @@ engine rollouts (`ptx.train.rl_engine`) and evaluations
   never tokens; int8 changes the distribution slightly, so the sampler's
   log-probs are not the policy's (`exact` is False): GRPO recomputes the
   policy's log-probs and weights the loss by the truncated importance ratio.
+- either, with `rollout.kv_dtype="int8"`: the engine's K/V pages in int8
+  (`EngineConfig.kv_dtype`), about half of bfloat16's KV bytes; not exact
+  either, so the loss rescores as in fast mode.
 
 What "fast" saves depends on the backend: TPU and GPU fuse the int8 read
 into the matmul, XLA:CPU materialises the dequantised weight (0.94x float's
@@ -48,19 +51,23 @@ class RolloutMode:
     speculative: the speculative engine's settings; None for the plain engine.
     drafter: the n-gram drafter of the speculative engine.
     int8: sample from `rollout_params`' int8 tree instead of the policy's arrays.
+    kv_int8: keep the engine's K/V pages in int8 (`EngineConfig.kv_dtype`).
   """
 
   speculative: SpeculativeConfig | None = None
   drafter: NgramDrafter = NgramDrafter()
   int8: bool = False
+  kv_int8: bool = False
 
   @classmethod
   def of(cls, cfg: RolloutConfig) -> "RolloutMode":
-    """The mode of a `rollout` config section: standard, or fast (int8 and n-gram speculation)."""
+    """The mode of a `rollout` config section: standard, or fast (int8 and n-gram speculation); int8 pages in
+    either with `rollout.kv_dtype=int8`."""
+    kv_int8 = cfg.kv_dtype == "int8"
     if cfg.mode == "standard":
-      return cls()
+      return cls(kv_int8=kv_int8)
     return cls(speculative=SpeculativeConfig(drafts=cfg.drafts, verify_cost=cfg.verify_cost),
-               drafter=NgramDrafter(max_ngram=cfg.max_ngram), int8=True)
+               drafter=NgramDrafter(max_ngram=cfg.max_ngram), int8=True, kv_int8=kv_int8)
 
   @property
   def standard(self) -> bool:
@@ -70,10 +77,12 @@ class RolloutMode:
   @property
   def exact(self) -> bool:
     """Whether the sampler's log-probs are the policy's (to float32 rounding): no importance correction needed."""
-    return not self.int8
+    return not (self.int8 or self.kv_int8)
 
   def engine(self, model: ModelConfig, config: EngineConfig, **engine_args) -> RolloutEngine:
     """The mode's engine over `config`'s shapes (`RolloutEngine`'s keyword arguments: sampling, seed, mesh, ...)."""
+    if self.kv_int8:
+      config = dataclasses.replace(config, kv_dtype="int8")
     if self.speculative is None:
       return RolloutEngine(model, config, **engine_args)
     return SpeculativeEngine(model, config, drafter=self.drafter, speculative=self.speculative, **engine_args)

@@ -181,9 +181,10 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
   """
   rules = _check(cfg, "grpo", tokenizer)
   g = cfg.grpo
-  if cfg.rollout.mode != "standard":
-    raise config_lib.ConfigError(f"rollout.mode={cfg.rollout.mode}: multi-turn episodes ({env.name}) are sampled "
-                                 "in rollout.mode=standard only; set it")
+  if cfg.rollout.mode != "standard" or cfg.rollout.kv_dtype != "auto":
+    raise config_lib.ConfigError(f"rollout.mode={cfg.rollout.mode}, rollout.kv_dtype={cfg.rollout.kv_dtype}: "
+                                 f"multi-turn episodes ({env.name}) are sampled exactly, in rollout.mode=standard "
+                                 "with rollout.kv_dtype=auto only; set them")
   if g.max_staleness != 0 or g.filter_groups == "refill":
     raise config_lib.ConfigError(f"multi-turn episodes ({env.name}) are played on-policy, all of a step's at "
                                  "once: set grpo.max_staleness=0 (got "

@@ -153,3 +153,16 @@ def test_multi_turn_greedy_eval_on_the_speculative_engine_equals_standard(tiny_c
   drafting = RolloutMode(speculative=SpeculativeConfig(verify_cost=1.0))
   speculative = dataclasses.replace(checkpoint_evals.build(section, TOK), mode=drafting).evaluate(params, cfg)
   assert _completions(speculative["calculator"]) == _completions(standard) and verifies  # the verify path ran
+
+
+def test_int8_pages_are_a_switch_of_either_mode_and_make_the_sampler_inexact(tiny_config):
+  for mode in ("standard", "fast"):
+    built = RolloutMode.of(RolloutConfig(mode=mode, kv_dtype="int8"))
+    assert built.kv_int8 and not built.exact and not built.standard
+    assert built.engine(tiny_config, ENGINE).config.kv_dtype == "int8"
+  assert RolloutMode.of(RolloutConfig()).engine(tiny_config, ENGINE).config.kv_dtype == "auto"
+  cfg = config_io.apply_overrides(presets.TOY["grpo"](), ["--rollout.kv_dtype=int8"])
+  with pytest.raises(ConfigError, match="rollout.kv_dtype=int8 stores the rollout engine's pages"):
+    job.grpo_job(cfg, TOK)
+  with pytest.raises(ValueError, match="rollout.kv_dtype must be auto or int8"):
+    RolloutConfig(kv_dtype="fp8")
