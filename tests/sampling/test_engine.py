@@ -123,21 +123,26 @@ def test_log_probs_equal_training_forward(tiny_config, tempered):
                                atol=ENGINE_VS_TRAINER_ATOL, rtol=0)
 
 
-def test_shared_prompt_pages_equal_copied_prompts_and_cost_one_prompt(tiny_config):
-  cfg = gemma_like(tiny_config)
-  params = _params(cfg)
-  prompt, G = PROMPTS[4], 4  # 39 cached prompt positions: 9 full pages of 4 shared, the 10th copied per sample
-  grouped = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=2)
-  grouped.submit(prompt, max_new_tokens=8, samples=G)
-  copied = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=2)
+def grouped_equals_copied(cfg, config, params, G):
+  """A group of G samples of PROMPTS[4] (shared prompt pages) == G copies of it submitted apart; their engines."""
+  grouped = RolloutEngine(cfg, config, sampling=SAMPLED, seed=2)
+  grouped.submit(PROMPTS[4], max_new_tokens=8, samples=G)
+  copied = RolloutEngine(cfg, config, sampling=SAMPLED, seed=2)
   for _ in range(G):
-    copied.submit(prompt, max_new_tokens=8)
+    copied.submit(PROMPTS[4], max_new_tokens=8)
   a, b = grouped.run(params), copied.run(params)
   assert sorted(a) == sorted(b) == list(range(G))
   for i in range(G):
     np.testing.assert_array_equal(a[i].tokens, b[i].tokens)
     np.testing.assert_allclose(a[i].log_probs, b[i].log_probs, atol=1e-6, rtol=0)  # the same programs' floats
   assert len({tuple(a[i].tokens) for i in range(G)}) > 1  # the samples differ
+  return grouped, copied
+
+
+def test_shared_prompt_pages_equal_copied_prompts_and_cost_one_prompt(tiny_config):
+  cfg = gemma_like(tiny_config)
+  # PROMPTS[4]: 39 cached prompt positions, 9 full pages of 4 shared, the 10th copied per sample.
+  grouped, copied = grouped_equals_copied(cfg, SMALL, _params(cfg), G=4)
   # Each sample needs ceil((39 + 8) / 4) = 12 pages; a group shares the 9 full prompt pages: 12 + 3 * 3.
   assert grouped.allocator.peak_in_use == 12 + 3 * 3
   assert copied.allocator.peak_in_use == 4 * 12

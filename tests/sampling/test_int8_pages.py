@@ -5,7 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from test_engine import PROMPTS, SAMPLED, SMALL, _run
+from test_engine import PROMPTS, SAMPLED, SMALL, _run, grouped_equals_copied
 from test_generate import _params
 
 from ptx.models.params import param_shardings
@@ -47,13 +47,4 @@ def test_int8_pages_on_a_mesh_and_shared_between_samples(tiny_config, mesh):
   for row in range(4):
     for a, b in zip(sharded[row], single[row]):
       np.testing.assert_array_equal(a.tokens, b.tokens)
-  prompt, G = PROMPTS[4], 3  # 39 cached positions: 9 full pages of 4 shared, the 10th copied per sample
-  grouped = RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=2)
-  grouped.submit(prompt, max_new_tokens=8, samples=G)
-  copied = RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=2)
-  for _ in range(G):
-    copied.submit(prompt, max_new_tokens=8)
-  x, y = grouped.run(params), copied.run(params)
-  for i in range(G):
-    np.testing.assert_array_equal(x[i].tokens, y[i].tokens)
-    np.testing.assert_allclose(x[i].log_probs, y[i].log_probs, atol=1e-6, rtol=0)  # the same programs' floats
+  grouped_equals_copied(cfg, INT8, params, G=3)  # 9 full prompt pages shared, the 10th copied per sample
