@@ -8,6 +8,9 @@ Methods, each on the same requests (prompts: BOS + 31 random ids):
   engine  `ptx.sampling.engine.RolloutEngine`: every request submitted with
           its own budget, run to the end; --max-seqs rows, a pool of pages no
           larger than the static batches' KV cache (`kv_bytes`)
+  engine_int8  the engine with int8 pages (`EngineConfig.kv_dtype`) in the same
+          KV bytes: more pages (int8 values and a float32 scale per slot and
+          head, against the compute dtype), the same --max-seqs rows
   tunix   (with --tunix-python) Tunix's Sampler, timed by its harness
           (`tunix_bench.py --parts sample`) on one batch of --static-rows rows
           at the workload's cap: its sampler takes one generation length per
@@ -153,14 +156,15 @@ def run_static(params, cfg, work: Workload, rows: int, sampling: SamplingConfig,
   return {"useful_tokens": total, "generated_tokens": generated, "kv_bytes": peak}
 
 
-def engine_config(cfg, work: Workload, args) -> EngineConfig:
-  """The engine's shapes: a pool no larger than the static batches' largest KV cache."""
+def engine_config(cfg, work: Workload, args, kv_dtype: str = "auto") -> EngineConfig:
+  """The engine's shapes: a pool no larger than the static batches' largest KV cache, in `kv_dtype` pages."""
   cap = max(work.budgets)
-  pool_slots = static_kv_bytes(cfg, args.static_rows, PROMPT_LEN, cap) // (
-      2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize)
+  slot_bytes = cfg.head_dim + 4 if kv_dtype == "int8" else cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
+  pool_bytes = static_kv_bytes(cfg, args.static_rows, PROMPT_LEN, cap)
+  pool_slots = pool_bytes // (2 * cfg.n_layers * cfg.n_kv_heads * slot_bytes)
   return EngineConfig(max_seqs=args.max_seqs, pages=pool_slots // args.page_size, page_size=args.page_size,
                       max_seq_len=PROMPT_LEN + cap, decode_steps=args.decode_steps, prefill_chunk=PROMPT_LEN,
-                      prefill_rows=args.prefill_rows)
+                      prefill_rows=args.prefill_rows, kv_dtype=kv_dtype)
 
 
 def run_engine(params, cfg, work: Workload, config: EngineConfig, sampling: SamplingConfig, seed: int) -> dict:
@@ -234,7 +238,7 @@ def main() -> None:
   for name in args.workloads.split(","):
     work = workload(name, cfg, args)
     params = train_stop_model(cfg, args) if name == "stops" else init_params(cfg, jax.random.key(args.seed))
-    config = engine_config(cfg, work, args)
+    config, int8_config = engine_config(cfg, work, args), engine_config(cfg, work, args, "int8")
     runs = {method: [] for method in methods}
     for round_ in range(args.rounds):
       for method in methods:
@@ -242,6 +246,8 @@ def main() -> None:
           record = timed(lambda: run_static(params, cfg, work, args.static_rows, sampling, args.seed))
         elif method == "engine":
           record = timed(lambda: run_engine(params, cfg, work, config, sampling, args.seed))
+        elif method == "engine_int8":
+          record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, args.seed))
         elif method == "tunix" and name != "stops":  # the trained model's weights live in ptx only
           record = run_tunix(args.config, work, args)
         else:
@@ -257,6 +263,8 @@ def main() -> None:
     for other in ("static", "tunix"):
       if "engine" in medians and other in medians:
         summary[f"engine_over_{other}"] = round(medians["engine"] / medians[other], 2)
+    if "engine" in medians and "engine_int8" in medians:
+      summary["engine_int8_over_engine"] = round(medians["engine_int8"] / medians["engine"], 2)
     print(json.dumps(summary), flush=True)
 
 
