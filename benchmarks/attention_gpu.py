@@ -78,6 +78,8 @@ TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-2}
 def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
   """Yields one row per case, dtype and kernel: max relative errors against the f32 reference, fwd and bwd.
 
+  `tiles` None checks the kernel's default tiles per dtype (`pk.default_tiles`), what a model runs.
+
   Every Pallas row comes before the cuDNN ones, so a cuDNN call that hangs (one did on the H200 on 12-04, the
   section's limit cutting the rest) costs no Pallas row; each check says on stderr what it starts.
   """
@@ -100,6 +102,9 @@ def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
       attention = _cudnn if name == "cudnn" else functools.partial(_pallas, tiles, interpret=interpret, **masks)
       row = dict(bench="attention_gpu_check", case=case, impl=name, dtype=dtype, batch=b,
                  seq_len=t, heads=h, kv_heads=kv, head_dim=d)
+      if name == "pallas_gpu":
+        used = tiles or pk.default_tiles("pallas_gpu", dtype)
+        row.update(block_q=used.block_q, block_kv=used.block_kv)
       try:
         grads, out = _fwd_bwd(attention)(q, k, v, dout)
         errs = [_rel_err(out, want)] + [_rel_err(g, w) for g, w in zip(grads, want_grads)]
@@ -207,14 +212,14 @@ def main():
   parser.add_argument("--seq-lens", type=int, nargs="+",
                       default=[2**i for i in range(13, 21)])
   parser.add_argument("--heads", type=int, default=8, help="q heads; kv = heads/8")
-  parser.add_argument("--block-q", type=int, default=128)
+  parser.add_argument("--block-q", type=int, default=128, help="timed tiles; the check runs the defaults")
   parser.add_argument("--block-kv", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
   _emit(bench="attention_gpu_device", device=str(jax.devices()[0]),
         jax=jax.__version__)
   tiles = pk.BlockSizes(args.block_q, args.block_kv)
-  for row in check(tiles):
+  for row in check(None):
     _emit(**row)
   for row in bench(args.seq_lens, args.heads, args.repeats, tiles):
     _emit(**row)

@@ -143,7 +143,7 @@ def kernels(smoke: bool):
   if smoke:
     yield from attention_gpu.check(pk.BlockSizes(32, 16), b=1, t=64, d=16, interpret=True, dtypes=("bfloat16",))
   else:
-    yield from attention_gpu.check(pk.BlockSizes(128, 64))
+    yield from attention_gpu.check(None)  # the kernel's default tiles per dtype, as models run it
 
 
 def attention(smoke: bool):

@@ -12,6 +12,7 @@ from ptx_kernels.block_sizes import BlockSizes
 from ptx_kernels.decode import decode_attention
 from ptx_kernels.dense import dense_attention
 from ptx_kernels.flash import flash_attention
+from ptx_kernels.implementation import default_tiles
 from ptx_kernels.lse import merge_lse
 from ptx_kernels.paged import paged_attention
 from ptx_kernels.reference import reference_attention
@@ -22,6 +23,7 @@ from ptx_kernels.ring import to_zigzag
 __all__ = [
     "BlockSizes",
     "decode_attention",
+    "default_tiles",
     "dense_attention",
     "flash_attention",
     "from_zigzag",

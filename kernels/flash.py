@@ -54,8 +54,8 @@ def flash_attention(
   mi = mask_lib.make_mask_inputs(
       b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, window=window)
-  st = kernel.static(block_sizes, t, s, d, causal=causal, softcap=softcap,
-                     scale=scale)
+  st = kernel.static(block_sizes, t, s, d, q.dtype, causal=causal,
+                     softcap=softcap, scale=scale)
   bq, bk = st.block_q, st.block_kv
   pq = lambda x: blockwise.pad_to_tiles(x, bq)
   pk = lambda x: blockwise.pad_to_tiles(x, bk)

@@ -33,11 +33,19 @@ _AUTO = {backend: name for name, backend in _BACKEND.items()}
 # Triton's tensor-core dots need tiles of at least 16 rows; TPU tiles are
 # (8, 128) vregs.
 _MIN_TILE = {"blockwise": 1, "pallas_gpu": 16, "pallas_tpu": 128}
-# Tiles when the caller names none. The GPU kernel keeps its q, k, v tiles and
-# accumulators in shared memory and registers, where BlockSizes()' 512 x 512
-# (sized for TPU VMEM) does not fit; 128 x 64 is what its benchmark runs
-# (benchmarks/attention_gpu.py).
-_DEFAULT_TILES = {"pallas_gpu": BlockSizes(128, 64)}
+# Tiles when the caller names none, by kernel and input width in bytes. The GPU
+# kernel keeps its q, k, v tiles and accumulators in shared memory and
+# registers, where BlockSizes()' 512 x 512 (sized for TPU VMEM) does not fit:
+# 16-bit inputs take 128 x 64 (what its benchmark times); float32 inputs take
+# 64 x 32, since at 128 x 64 Triton's compile of one float32 forward+backward
+# ran past a minute on the H200 (benchmarks/RESULTS.md, 12-04 third run).
+_DEFAULT_TILES = {("pallas_gpu", 2): BlockSizes(128, 64),
+                  ("pallas_gpu", 4): BlockSizes(64, 32)}
+
+
+def default_tiles(name: str, dtype) -> BlockSizes:
+  """The tiles kernel `name` runs on inputs of `dtype` when the caller names none."""
+  return _DEFAULT_TILES.get((name, jnp.dtype(dtype).itemsize), BlockSizes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +71,10 @@ class Kernel:
     return not (self.interpret and self.name == "pallas_gpu")
 
   def static(self, block_sizes: BlockSizes | None, q_len: int, kv_len: int,
-             head_dim: int, *, causal: bool, softcap, scale) -> blockwise.Static:
+             head_dim: int, dtype, *, causal: bool, softcap,
+             scale) -> blockwise.Static:
     """Compile-time settings; tiles fit the sequences and the kernel's minimum."""
-    tiles = (block_sizes or _DEFAULT_TILES.get(self.name, BlockSizes())).clamp(
+    tiles = (block_sizes or default_tiles(self.name, dtype)).clamp(
         q_len, kv_len, minimum=_MIN_TILE[self.name])
     return blockwise.Static(
         causal=causal, softcap=None if softcap is None else float(softcap),

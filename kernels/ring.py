@@ -293,7 +293,7 @@ def ring_attention(
   mi = mask_lib.make_mask_inputs(
       b, t, t, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, window=window)
-  st = kernel.static(block_sizes, t // n, t // n, d, causal=causal,
+  st = kernel.static(block_sizes, t // n, t // n, d, q.dtype, causal=causal,
                      softcap=softcap, scale=scale)
   bax = partition.present_axes(mesh, batch_axes)
   hax = partition.present_axes(mesh, head_axes)
