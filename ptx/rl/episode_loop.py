@@ -39,7 +39,8 @@ import numpy as np
 
 from ptx.rl.environments.base import Environment, Episode, Outcome, Step
 from ptx.rl.turn_format import TurnFormat
-from ptx.sampling.engine import Completion, RolloutEngine
+from ptx.sampling.engine import RolloutEngine
+from ptx.sampling.engine_sequences import Completion
 from ptx.sampling.generation import STOP
 
 Params = Any

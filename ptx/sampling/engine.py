@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import enum
 from typing import Literal, Sequence
 
 import jax
@@ -49,8 +48,10 @@ from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
 from ptx.sampling import buckets
+from ptx.sampling import engine_sequences
 from ptx.sampling.engine_programs import (DecodeRows, copy_program, decode_program, init_pool_program,
                                           prefill_program, reading_pairs)
+from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
 from ptx.sampling.page_allocator import PageAllocator
 from ptx.sampling.rules import SamplingConfig
 
@@ -91,63 +92,6 @@ class EngineConfig:
   def pages_per_seq(self) -> int:
     """Pages one sequence may hold: its page table's width."""
     return -(-self.max_seq_len // self.page_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """One finished turn of one sequence."""
-
-  seq_id: int
-  # int32 [n]: the tokens sampled in this turn, the stop token included.
-  tokens: np.ndarray
-  # float32 [n]: their log-probs (raw policy, or tempered: see `RolloutEngine`).
-  log_probs: np.ndarray
-  # int32 [n]: the `policy_version` of the `step` call that sampled each token.
-  policy_versions: np.ndarray
-  # STOP or LENGTH.
-  finish_reason: int
-  # Drafts proposed in this turn, and those the policy accepted (`SpeculativeEngine`; 0 without drafting).
-  drafted: int = 0
-  accepted: int = 0
-
-
-class _State(enum.Enum):
-  QUEUED = "queued"  # waiting for a slot and pages
-  PREFILL = "prefill"  # admitted; tokens still to write before it decodes
-  FOLLOWER = "follower"  # a group's sample waiting for its leader's prompt pages
-  LIVE = "live"  # decoding
-  HELD = "held"  # a turn finished; keeps its slot and pages for `extend`
-  EXTEND = "extend"  # held, with an `extend` waiting for pages
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-  """Host-side bookkeeping of one sequence (one sample of one request)."""
-
-  seq_id: int
-  max_new: int
-  stop_ids: tuple[int, ...]
-  keep: bool
-  feed: list[int]  # tokens to write before decoding: the prompt but its last token
-  pending: int  # the token the next decode step feeds
-  reserve: int = 0  # positions its pages cover from admission on (at least what its first turn needs)
-  cached: list[int] = dataclasses.field(default_factory=list)  # the tokens in the cache, in position order
-  state: _State = _State.QUEUED
-  block: int = -1
-  slot: int = -1
-  pages: list[int] = dataclasses.field(default_factory=list)
-  length: int = 0  # cached positions
-  sampled: int = 0  # tokens sampled over the sequence's life: its RNG counter
-  followers: list["_Sequence"] = dataclasses.field(default_factory=list)
-  leader: "_Sequence | None" = None
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  log_probs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-
-  @property
-  def remaining(self) -> int:
-    """Tokens this turn may still sample."""
-    return self.max_new - len(self.tokens)
 
 
 class RolloutEngine:
@@ -199,10 +143,10 @@ class RolloutEngine:
     self._slots_per_block = config.max_seqs // blocks
     self._free_slots = [list(range((b + 1) * self._slots_per_block - 1, b * self._slots_per_block - 1, -1))
                         for b in range(blocks)]
-    self._slots: list[_Sequence | None] = [None] * config.max_seqs
-    self._queue: collections.deque[list[_Sequence]] = collections.deque()  # groups, in submission order
-    self._extends: collections.deque[_Sequence] = collections.deque()
-    self._sequences: dict[int, _Sequence] = {}
+    self._slots: list[HostSequence | None] = [None] * config.max_seqs
+    self._queue: collections.deque[list[HostSequence]] = collections.deque()  # groups, in submission order
+    self._extends: collections.deque[HostSequence] = collections.deque()
+    self._sequences: dict[int, HostSequence] = {}
     self._next_id = 0
     self._version: int | None = None  # the policy_version of the last step: whose parameters the cache holds
     self._stalled = False
@@ -215,7 +159,7 @@ class RolloutEngine:
   @property
   def busy(self) -> bool:
     """Whether any request is queued or decoding (held sequences do not count)."""
-    return bool(self._queue or self._extends or any(s is not None and s.state is _State.LIVE for s in self._slots))
+    return bool(self._queue or self._extends or any(s is not None and s.state is SeqState.LIVE for s in self._slots))
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (), samples: int = 1,
              keep: bool = False, reserve: int = 0) -> list[int]:
@@ -256,7 +200,7 @@ class RolloutEngine:
     if need > self.allocator.capacity:
       raise ValueError(f"{request}: {samples} samples of {max_new_tokens} new tokens need {need} pages, more than "
                        f"the {self.allocator.capacity} of one device's block (EngineConfig.pages)")
-    group = [_Sequence(seq_id=self._next_id + g, max_new=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
+    group = [HostSequence(seq_id=self._next_id + g, max_new=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
                        keep=keep, feed=prompt[:-1], pending=prompt[-1], reserve=reserve) for g in range(samples)]
     for follower in group[1:]:
       follower.leader = group[0]
@@ -282,13 +226,13 @@ class RolloutEngine:
     # The cache lacks the token sampled last: it is fed with the new ones, and their last one becomes pending.
     seq.feed, seq.pending, seq.max_new = seq.feed + [seq.pending] + tokens[:-1], tokens[-1], max_new_tokens
     seq.stop_ids = seq.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
-    seq.state = _State.EXTEND
+    seq.state = SeqState.EXTEND
     self._extends.append(seq)
 
   def release(self, seq_id: int) -> None:
     """Frees a held or live sequence's slot and pages (a live one is dropped mid-turn)."""
     seq = self._sequences.get(seq_id)
-    if seq is None or seq.state not in (_State.HELD, _State.LIVE):
+    if seq is None or seq.state not in (SeqState.HELD, SeqState.LIVE):
       raise ValueError(f"sequence {seq_id} is not held or live: {None if seq is None else seq.state.value}")
     self._free(seq)
 
@@ -320,7 +264,7 @@ class RolloutEngine:
     with self._on_mesh():
       self._prefill(params)
       self._start_followers()
-      self._stalled = not any(s is not None and s.state is _State.LIVE for s in self._slots)
+      self._stalled = not any(s is not None and s.state is SeqState.LIVE for s in self._slots)
       if self._stalled:
         return []
       return self._decode(params, policy_version)
@@ -361,53 +305,21 @@ class RolloutEngine:
       ValueError: when a sequence is held for `extend` (multi-turn episodes
         are not saved yet).
     """
-    held = [s.seq_id for s in self._sequences.values() if s.state in (_State.HELD, _State.EXTEND)]
+    held = [s.seq_id for s in self._sequences.values() if s.state in (SeqState.HELD, SeqState.EXTEND)]
     if held:
       raise ValueError(f"cannot snapshot the engine: sequences {held} are held for extend (release them first)")
-    admitted = sorted((s for s in self._sequences.values() if s.state is not _State.QUEUED), key=lambda s: s.seq_id)
-    groups = [[s] for s in admitted] + [list(g) for g in self._queue]
-    seqs = [s for g in groups for s in g]
-    context = lambda s: (s.leader.cached + s.leader.feed) if s.state is _State.FOLLOWER else s.cached + s.feed
-    ragged = {"context": [context(s) for s in seqs], "stop_ids": [list(s.stop_ids) for s in seqs],
-              "tokens": [s.tokens for s in seqs], "log_probs": [s.log_probs for s in seqs],
-              "versions": [s.versions for s in seqs]}
-    out = {name: np.asarray([x for v in values for x in v], np.float32 if name == "log_probs" else np.int32)
-           for name, values in ragged.items()}
-    out.update({f"{name}_lengths": np.asarray([len(v) for v in values], np.int32) for name, values in ragged.items()})
-    fields = {"seq_id": lambda s: s.seq_id, "pending": lambda s: s.pending, "max_new": lambda s: s.max_new,
-              "keep": lambda s: s.keep, "sampled": lambda s: s.sampled, "reserve": lambda s: s.reserve}
-    out.update({name: np.asarray([get(s) for s in seqs], np.int32) for name, get in fields.items()})
-    out["group"] = np.asarray([i for i, g in enumerate(groups) for _ in g], np.int32)
-    out["next_id"] = np.asarray(self._next_id, np.int64)
-    out["version"] = np.asarray(-1 if self._version is None else self._version, np.int64)
-    return out
+    admitted = sorted((s for s in self._sequences.values() if s.state is not SeqState.QUEUED), key=lambda s: s.seq_id)
+    return engine_sequences.to_arrays([[s] for s in admitted] + [list(g) for g in self._queue], self._next_id,
+                                      self._version)
 
   def restore(self, saved: dict[str, np.ndarray]) -> None:
     """Queues the sequences of a `snapshot` on this engine, which must hold none yet."""
     if self._sequences:
       raise ValueError(f"restore needs an empty engine; this one holds {len(self._sequences)} sequences")
-    saved = {k: np.asarray(v) for k, v in saved.items()}
-    ragged = {}
-    for name in ("context", "stop_ids", "tokens", "log_probs", "versions"):
-      ends = np.cumsum(saved[f"{name}_lengths"])
-      ragged[name] = [x.tolist() for x in np.split(saved[name], ends[:-1])] if len(ends) else []
-    groups: dict[int, list[_Sequence]] = {}
-    for i, seq_id in enumerate(saved["seq_id"].tolist()):
-      context = ragged["context"][i]
-      seq = _Sequence(seq_id=seq_id, max_new=int(saved["max_new"][i]), stop_ids=tuple(ragged["stop_ids"][i]),
-                      keep=bool(saved["keep"][i]), feed=context, pending=int(saved["pending"][i]),
-                      reserve=int(saved["reserve"][i]) if "reserve" in saved else 0,
-                      sampled=int(saved["sampled"][i]), tokens=ragged["tokens"][i],
-                      log_probs=ragged["log_probs"][i], versions=ragged["versions"][i])
-      groups.setdefault(int(saved["group"][i]), []).append(seq)
-    for _, group in sorted(groups.items()):
-      for follower in group[1:]:
-        follower.leader = group[0]
-      group[0].followers = group[1:]
+    groups, self._next_id, self._version = engine_sequences.from_arrays(saved)
+    for group in groups:
       self._sequences.update((s.seq_id, s) for s in group)
       self._queue.append(group)
-    self._next_id = int(saved["next_id"])
-    self._version = None if int(saved["version"]) < 0 else int(saved["version"])
 
   # Host side.
 
@@ -427,9 +339,9 @@ class RolloutEngine:
     own = self._pages_for(reserve)
     return own + (samples - 1) * (own - cached // self.config.page_size)
 
-  def _held(self, seq_id: int, action: str) -> _Sequence:
+  def _held(self, seq_id: int, action: str) -> HostSequence:
     seq = self._sequences.get(seq_id)
-    if seq is None or seq.state is not _State.HELD:
+    if seq is None or seq.state is not SeqState.HELD:
       raise ValueError(f"cannot {action} sequence {seq_id}: it is not held "
                        f"({'unknown' if seq is None else seq.state.value}; submit with keep=True)")
     return seq
@@ -442,7 +354,7 @@ class RolloutEngine:
       if more > self.allocator.free_pages(seq.block):
         break
       seq.pages += self.allocator.allocate(seq.block, max(more, 0))
-      seq.state = _State.PREFILL
+      seq.state = SeqState.PREFILL
       self._extends.popleft()
     while self._queue:
       group = self._queue[0]
@@ -461,29 +373,29 @@ class RolloutEngine:
         seq.block, seq.slot = block, self._free_slots[block].pop()
         self._slots[seq.slot] = seq
       leader.pages = self.allocator.allocate(block, own)
-      leader.state = _State.PREFILL
+      leader.state = SeqState.PREFILL
       for seq in group[1:]:
         self.allocator.share(block, leader.pages[:shared])
         seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
-        seq.state, seq.feed = _State.FOLLOWER, []
+        seq.state, seq.feed = SeqState.FOLLOWER, []
 
   def _refresh(self) -> None:
     """Marks every admitted sequence's cached tokens to be prefilled again (under the next call's parameters)."""
     for seq in self._sequences.values():
       if seq.cached:
         seq.feed, seq.cached, seq.length = seq.cached + seq.feed, [], 0
-        if seq.state is _State.LIVE:
-          seq.state = _State.PREFILL
+        if seq.state is SeqState.LIVE:
+          seq.state = SeqState.PREFILL
 
   def _prefill(self, params: Params) -> None:
     """Writes every admitted sequence's feed: up to `prefill_rows` rows and `prefill_chunk` tokens per call."""
     C, most = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
     while True:
-      waiting = [s for s in self._slots if s is not None and s.state is _State.PREFILL]
+      waiting = [s for s in self._slots if s is not None and s.state is SeqState.PREFILL]
       taken, per_block = [], [0] * self.allocator.blocks
       for seq in waiting:
         if not seq.feed:
-          seq.state = _State.LIVE
+          seq.state = SeqState.LIVE
         elif per_block[seq.block] < most:
           taken.append(seq)
           per_block[seq.block] += 1
@@ -509,12 +421,12 @@ class RolloutEngine:
   def _start_followers(self) -> None:
     """Gives every group whose leader is prefilled its prompt: shared full pages, a copy of the partial one."""
     pairs: list[list[tuple[int, int]]] = [[] for _ in range(self.allocator.blocks)]
-    for leader in [s for s in self._slots if s is not None and s.state is _State.LIVE and s.followers]:
+    for leader in [s for s in self._slots if s is not None and s.state is SeqState.LIVE and s.followers]:
       shared = leader.length // self.config.page_size
       for seq in leader.followers:
         if leader.length % self.config.page_size:
           pairs[seq.block].append((leader.pages[shared], seq.pages[shared]))
-        seq.length, seq.state, seq.cached = leader.length, _State.LIVE, list(leader.cached)
+        seq.length, seq.state, seq.cached = leader.length, SeqState.LIVE, list(leader.cached)
       leader.followers = []
     if not any(pairs):
       return
@@ -529,7 +441,7 @@ class RolloutEngine:
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One decode call over the live sequences; returns the turns that finished and frees what they held."""
     steps = self.config.decode_steps
-    live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
+    live = [s for s in self._slots if s is not None and s.state is SeqState.LIVE]
     row_of, R = self._pack_rows(live, self._slots_per_block)
     n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
     table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
@@ -552,7 +464,7 @@ class RolloutEngine:
                        policy_version) for seq, r in ((seq, row_of[seq.seq_id]) for seq in live)]
     return [c for c in done if c is not None]
 
-  def _emit(self, seq: _Sequence, tokens: list[int], log_probs: list[float], finish: int,
+  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int,
             policy_version: int) -> Completion | None:
     """Appends a call's tokens (one or more) to `seq`; returns its turn when `finish` ends it, freeing what it held."""
     n = len(tokens)
@@ -568,12 +480,12 @@ class RolloutEngine:
                       policy_versions=np.asarray(seq.versions, np.int32), finish_reason=finish)
     seq.tokens, seq.log_probs, seq.versions = [], [], []
     if seq.keep:
-      seq.state = _State.HELD
+      seq.state = SeqState.HELD
     else:
       self._free(seq)
     return done
 
-  def _pack_rows(self, seqs: list[_Sequence], most: int) -> tuple[dict[int, int], int]:
+  def _pack_rows(self, seqs: list[HostSequence], most: int) -> tuple[dict[int, int], int]:
     """Rows for `seqs` in one call: each block's sequences packed into its own power-of-two run of rows.
 
     A call computes every row it is given, so rows are packed from the
@@ -581,7 +493,7 @@ class RolloutEngine:
     from all the slots; each block's rows stay in its own run, as its pages
     do. Returns ({seq_id: row}, the number of rows).
     """
-    by_block: list[list[_Sequence]] = [[] for _ in range(self.allocator.blocks)]
+    by_block: list[list[HostSequence]] = [[] for _ in range(self.allocator.blocks)]
     for seq in seqs:
       by_block[seq.block].append(seq)
     per_block = min(buckets.bucket(max(len(b) for b in by_block)), most)
@@ -589,7 +501,7 @@ class RolloutEngine:
             for i, seq in enumerate(block_seqs)}
     return rows, per_block * self.allocator.blocks
 
-  def _free(self, seq: _Sequence) -> None:
+  def _free(self, seq: HostSequence) -> None:
     self.allocator.release(seq.block, seq.pages)
     self._free_slots[seq.block].append(seq.slot)
     self._slots[seq.slot] = None

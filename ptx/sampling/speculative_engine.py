@@ -47,7 +47,8 @@ from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
 from ptx.sampling.drafting import Drafter, DraftModel
-from ptx.sampling.engine import Completion, EngineConfig, RolloutEngine, _Sequence, _State
+from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
 from ptx.sampling.engine_programs import VerifyRows, draft_verify_program, reading_pairs, verify_program
 from ptx.sampling.generation import LENGTH, STOP
 
@@ -108,14 +109,14 @@ class SpeculativeEngine(RolloutEngine):
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One verify call over the live sequences when drafting pays for it, else one decode call."""
-    live = [s for s in self._slots if s is not None and s.state is _State.LIVE]
+    live = [s for s in self._slots if s is not None and s.state is SeqState.LIVE]
     drafts = {s.seq_id: self._propose(s) for s in live}
     expected = sum(self._expected(s, len(drafts[s.seq_id])) for s in live)
     if not any(drafts.values()) or expected < self.speculative.verify_cost * len(live):
       return super()._decode(params, policy_version)
     return self._verify(params, policy_version, live, drafts)
 
-  def _propose(self, seq: _Sequence) -> list[int]:
+  def _propose(self, seq: HostSequence) -> list[int]:
     record = self._records.setdefault(seq.seq_id, _Record())
     k = min(self.speculative.drafts, seq.remaining - 1)
     if record.off or k < 1:
@@ -124,14 +125,14 @@ class SpeculativeEngine(RolloutEngine):
       return [0] * k  # placeholders for the k drafts the draft model samples on the device
     return [int(t) for t in self.drafter.propose(seq.cached + [seq.pending], k)[:k]]
 
-  def _expected(self, seq: _Sequence, k: int) -> float:
+  def _expected(self, seq: HostSequence, k: int) -> float:
     """Tokens a verify is expected to give `seq` with k drafts."""
     record = self._records[seq.seq_id]
     if not k:
       return 1.0
     return 1.0 + (k if record.verifies < self.speculative.min_verifies else record.accepted / record.verifies)
 
-  def _verify(self, params: Params, policy_version: int, live: list[_Sequence],
+  def _verify(self, params: Params, policy_version: int, live: list[HostSequence],
               drafts: dict[int, list[int]]) -> list[Completion]:
     """One verify call over the live sequences; returns the turns that finished."""
     row_of, R = self._pack_rows(live, self._slots_per_block)
@@ -167,7 +168,7 @@ class SpeculativeEngine(RolloutEngine):
       done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version))
     return [c for c in done if c is not None]
 
-  def _windows(self, live: list[_Sequence], row_of: dict[int, int], R: int) -> tuple[np.ndarray, np.ndarray]:
+  def _windows(self, live: list[HostSequence], row_of: dict[int, int], R: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's last `DraftModel.window` context tokens, left-aligned with room for its drafts, and their count."""
     W = self.drafter.window
     window, counts = np.zeros((R, W + self.speculative.drafts), np.int32), np.ones((R,), np.int32)
@@ -176,7 +177,7 @@ class SpeculativeEngine(RolloutEngine):
       window[row_of[seq.seq_id], :len(context)], counts[row_of[seq.seq_id]] = context, len(context)
     return window, counts
 
-  def _count(self, seq: _Sequence, drafted: int, accepted: int) -> None:
+  def _count(self, seq: HostSequence, drafted: int, accepted: int) -> None:
     """Records a verify in which `seq` drafted; turns its drafting off when its measured rate does not pay."""
     record = self._records[seq.seq_id]
     record.verifies, record.accepted = record.verifies + 1, record.accepted + accepted
@@ -184,7 +185,7 @@ class SpeculativeEngine(RolloutEngine):
     spec = self.speculative
     record.off = record.verifies >= spec.min_verifies and 1 + record.accepted / record.verifies < spec.verify_cost
 
-  def _emit(self, seq: _Sequence, tokens: list[int], log_probs: list[float], finish: int,
+  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int,
             policy_version: int) -> Completion | None:
     """The base engine's `_emit`, with the turn's drafted and accepted counts on its completion."""
     record = self._records.setdefault(seq.seq_id, _Record())
@@ -195,6 +196,6 @@ class SpeculativeEngine(RolloutEngine):
     record.turn_drafted = record.turn_accepted = 0
     return done
 
-  def _free(self, seq: _Sequence) -> None:
+  def _free(self, seq: HostSequence) -> None:
     super()._free(seq)
     self._records.pop(seq.seq_id, None)

@@ -60,7 +60,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx.data.global_batch import to_global
 from ptx.models import paged_kv_cache
-from ptx.sampling.engine import Completion, EngineConfig, RolloutEngine
+from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine_sequences import Completion
 from ptx.sampling.generation import Generation
 from ptx.sampling.rollout_mode import RolloutMode
 from ptx.train.rl_host import HostGRPOStep, HostReward, Lookahead, stale_spec
