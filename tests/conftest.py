@@ -8,8 +8,9 @@ import tempfile
 # LLVM at -O1 instead of XLA:CPU's default: the suite's time is mostly compilation, and -O1 cut
 # tests/models/test_decoder.py's CPU seconds by 18% (128 -> 105) while the learning tests reach the
 # same figures (test_episode_learning: 0.59 -> 0.91 held-out accuracy, as at the default). Not -O0:
-# it cut compilation by 45%, but SFT then left test_episode_learning's model at accuracy 0 (12-04;
-# benchmarks/RESULTS.md, "The test suite"). An XLA_FLAGS that names a level keeps its own.
+# it cut compilation by 45%, but rounds differently enough that test_episode_learning's SFT never
+# reached the step where its model learns to copy (12-04; benchmarks/RESULTS.md, "The test suite").
+# An XLA_FLAGS that names a level keeps its own.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _FLAGS:
   _FLAGS += " --xla_backend_optimization_level=1"
