@@ -35,8 +35,9 @@ install: $(STAMP)
 
 # Two workers, whole files each (a module's fixtures run once); XLA alone keeps 2 cores ~70% busy.
 # A crashed worker is replaced once: xdist re-runs the test that crashed it, so more would loop.
+# The 30 slowest tests close every run's log, so CI says where the suite's time goes.
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=1
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=1 --durations=30
 
 # The demo replaces its previous run in out/demo (a job refuses an earlier run unless told).
 demo: $(STAMP)
