@@ -22,7 +22,9 @@ def _sft(out, train_file, *extra):
 
 
 def _env(devices):
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  # The suite's XLA flags (its -O1), then this process's device count: XLA takes a flag's last value.
+  flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 def _losses(out):
