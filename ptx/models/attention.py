@@ -98,7 +98,7 @@ def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int,
   shards = sequence_shards(rules)
   if shards > 1 and q_len == kv_len and q_len % (2 * shards) == 0:  # the ring's blocks, in either layout
     return "ring"
-  platform = _platform_kernel()
+  platform = platform_kernel()
   if platform is not None:
     return "pallas" if platform.takes_head_dim(head_dim) else "xla"
   return "xla" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
@@ -111,7 +111,7 @@ def sequence_shards(rules: sharding.Rules) -> int:
   return mesh.shape[axis] if not mesh.empty and isinstance(axis, str) and axis in mesh.axis_names else 1
 
 
-def _platform_kernel() -> implementation.Kernel | None:
+def platform_kernel() -> implementation.Kernel | None:
   """The platform's Pallas kernel (the interpreted stand-in inside `interpret_pallas`); None on CPU."""
   if _INTERPRETED.value is not None:
     return implementation.Kernel(_INTERPRETED.value, interpret=True)
@@ -163,7 +163,7 @@ def attention(
                causal=True, window=window, softcap=softcap, scale=scale)
   if impl == "xla":
     return ptx_kernels.dense_attention(q, k, v, **masks)[0]
-  platform = _platform_kernel()
+  platform = platform_kernel()
   if impl == "pallas" and platform is None:
     raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {jax.default_backend()!r}; use 'blockwise' "
                      "or 'auto'")

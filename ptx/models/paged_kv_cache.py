@@ -26,6 +26,13 @@ caller lists each row's pages up to what the call fills, so a call costs the
 pages the rows hold, not R times the longest row. This pure-JAX path is
 XLA:CPU's and the reference of the Pallas kernel.
 
+Which kernel attends (`kernel_for`, read from `ModelConfig.attention_impl`
+once, by the rollout engine): this pure-JAX path, or with "pallas" the
+platform's Pallas paged kernel (`ptx_kernels.paged_pallas`: it reads pages in
+place where this path gathers them). "auto" keeps the pure-JAX path until the
+Pallas paged kernels have been checked compiled on a device (they have run
+interpreted only; `benchmarks/device_check.py`'s engine section compares the two).
+
 Int8 pages (`init_pool(..., int8=True)`) hold a quarter of float32's bytes
 (half of bfloat16's) plus 4 bytes a slot and head: a pool of the same memory
 holds about twice the sequences in bfloat16. Each token's K/V is quantised
@@ -49,9 +56,11 @@ import jax
 import jax.numpy as jnp
 import ptx_kernels
 from jax.sharding import PartitionSpec
+from ptx_kernels import implementation
 
 from ptx import sharding
 from ptx.config import ModelConfig
+from ptx.models.attention import platform_kernel
 from ptx.models.kv_cache import quantize
 
 POOL_NAMES = ("batch", "kv_heads", None, "head_dim")
@@ -88,6 +97,8 @@ class PagedKVCache:
   lengths: jax.Array
   new_tokens: jax.Array
   pairs: Pairs
+  # The Pallas paged kernel that attends (`kernel_for`); None: the pure-JAX path.
+  kernel: implementation.Kernel | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def attend(self, layer: int, q_RTHK: jax.Array, k_RTNK: jax.Array, v_RTNK: jax.Array, *, positions: jax.Array,
              window: jax.Array | int | None, softcap: float | None, scale: float,
@@ -111,7 +122,7 @@ class PagedKVCache:
     """
     mesh = jax.sharding.get_abstract_mesh()
     page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(self.k[layer], mesh, rules)
-    attend_local = lambda *args: _attend_local(*args, softcap=softcap, scale=scale)  # noqa: E731
+    attend_local = lambda *args: _attend_local(*args, softcap=softcap, scale=scale, kernel=self.kernel)  # noqa: E731
     args = (self.k[layer], self.v[layer], self.page_table, self.lengths, self.new_tokens, self.pairs, q_RTHK,
             k_RTNK, v_RTNK, positions, window)
     if page_axes is None:
@@ -130,6 +141,38 @@ class PagedKVCache:
     """The rows' lengths past the real tokens of the call just run (`n_tokens` is their padded count)."""
     del n_tokens
     return dataclasses.replace(self, lengths=self.lengths + self.new_tokens)
+
+
+def kernel_for(cfg: ModelConfig, page_size: int, int8: bool = False) -> implementation.Kernel | None:
+  """The kernel that attends over a pool of these pages, as `ModelConfig.attention_impl` asks (module docstring).
+
+  Args:
+    cfg: the model config.
+    page_size: token positions per page.
+    int8: whether the pool holds int8 pages.
+
+  Returns:
+    The platform's Pallas paged kernel for "pallas" (interpreted inside
+    `attention.interpret_pallas`), else None: the pure-JAX path.
+
+  Raises:
+    ValueError: naming the field, for "pallas" on a backend without a Pallas
+      kernel, over int8 pages, or with heads or pages the kernel cannot tile.
+  """
+  if cfg.attention_impl != "pallas":
+    return None
+  kernel = platform_kernel()
+  if kernel is None:
+    raise ValueError(f"ModelConfig.attention_impl='pallas': the paged attention has no Pallas kernel on "
+                     f"{jax.default_backend()!r}; use 'auto'")
+  if int8:
+    raise ValueError("ModelConfig.attention_impl='pallas' reads float pages only; EngineConfig.kv_dtype='int8' "
+                     "pages are read by the pure-JAX path ('auto')")
+  for name, n in (("head_dim", cfg.head_dim), ("EngineConfig.page_size", page_size)):
+    if not kernel.takes_head_dim(n):  # a page is the key tile of both dots: Triton tiles it as a head
+      raise ValueError(f"ModelConfig.attention_impl='pallas': {kernel.name} needs {name} a power of two >= 16, "
+                       f"got {n}")
+  return kernel
 
 
 def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) -> tuple[Arrays, Arrays]:
@@ -184,7 +227,7 @@ def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
 
 
 def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_RTNK, v_RTNK, positions_RT, window,
-                  *, softcap, scale):
+                  *, softcap, scale, kernel):
   """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
   R, T, N, K = k_RTNK.shape
   S = _values(k_pool).shape[2]
@@ -205,10 +248,11 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_R
 
   k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
   scales = lambda pool: pool.scales if isinstance(pool, Int8Pages) else None  # noqa: E731
+  impl = dict(impl="xla") if kernel is None else dict(impl=kernel.name, interpret=kernel.interpret)
   out, _ = ptx_kernels.paged_attention(q_RTHK, _values(k_pool), _values(v_pool), k_scales=scales(k_pool),
                                        v_scales=scales(v_pool), rows=pairs.rows, pages=pairs.pages,
                                        index=pairs.index, lengths=lengths_R + new_R, q_positions=positions_RT,
-                                       window=window, softcap=softcap, scale=scale)
+                                       window=window, softcap=softcap, scale=scale, **impl)
   return out, k_pool, v_pool
 
 

@@ -121,10 +121,12 @@ class RolloutEngine:
 
     Raises:
       ValueError: when the slots, prefill rows or pages do not split over
-        the mesh's batch axes.
+        the mesh's batch axes, or `cfg.attention_impl` asks for a Pallas
+        kernel that cannot read these pages (`paged_kv_cache.kernel_for`).
     """
     self.cfg, self.config, self.sampling, self.mesh, self.rules = cfg, config, sampling, mesh, rules
-    self._statics = dict(cfg=cfg, rules=rules)
+    int8 = config.kv_dtype == "int8"
+    self._statics = dict(cfg=cfg, rules=rules, kernel=paged_kv_cache.kernel_for(cfg, config.page_size, int8))
     self._decode_statics = dict(sampling=sampling, steps=config.decode_steps, tempered_log_probs=tempered_log_probs,
                                 pad_id=pad_id)
     blocks = paged_kv_cache.page_blocks(config.pages, mesh, rules)
@@ -133,7 +135,6 @@ class RolloutEngine:
         raise ValueError(f"EngineConfig.{name} = {getattr(config, name)} must be a multiple of the {blocks} devices "
                          "that split the batch")
     self.allocator = PageAllocator(config.pages, blocks)
-    int8 = config.kv_dtype == "int8"
     shardings = None if mesh is None else paged_kv_cache.pool_sharding(cfg, config.pages, config.page_size, mesh,
                                                                        rules, int8)
     with self._on_mesh():

@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ptx_kernels.implementation import Kernel
 
 from ptx import sharding
 from ptx.config import ModelConfig
@@ -81,10 +82,10 @@ def uniforms(key: jax.Array, seq_ids: jax.Array, first: jax.Array, n: int) -> ja
 
 def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
                   new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
-                  rules: sharding.Rules) -> tuple[tuple, tuple]:
+                  rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple]:
   """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
-                                      pairs=pairs)
+                                      pairs=pairs, kernel=kernel)
   positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
   return cache.k, cache.v
@@ -92,7 +93,7 @@ def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, len
 
 def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.Array, *, cfg: ModelConfig,
                  sampling: SamplingConfig, steps: int, tempered_log_probs: bool, pad_id: int,
-                 rules: sharding.Rules) -> tuple[tuple, tuple, Decoded]:
+                 rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Decoded]:
   """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
   params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
   R = rows.lengths.shape[0]
@@ -104,7 +105,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
   def step(carry):
     i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
     cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
-                                        new_tokens=live.astype(jnp.int32), pairs=rows.pairs)
+                                        new_tokens=live.astype(jnp.int32), pairs=rows.pairs, kernel=kernel)
     logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
     logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
     token = sample_tokens(logits_RV, uniforms_RS[:, i], sampling)
@@ -129,7 +130,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
 
 def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.Array, *, cfg: ModelConfig,
                  sampling: SamplingConfig, tempered_log_probs: bool,
-                 rules: sharding.Rules) -> tuple[tuple, tuple, Verified]:
+                 rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Verified]:
   """One forward over each row's pending token and drafts: the policy's token after each, and how many drafts hold.
 
   Row r's tokens go to positions lengths[r] .. lengths[r] + drafts[r], its
@@ -138,7 +139,7 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
   the emitted tokens are those decoding draws (`ptx.sampling.speculative`).
   """
   R, T = rows.tokens.shape
-  logits_RTV, cache = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules)
+  logits_RTV, cache = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules, kernel=kernel)
   V = logits_RTV.shape[-1]
   tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, rows.sampled, T).reshape(-1),
                            sampling).reshape(R, T)
@@ -149,7 +150,7 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
 def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, window_RW: jax.Array,
                        window_lengths_R: jax.Array, draft_params: Params, key: jax.Array, *, cfg: ModelConfig,
                        draft_cfg: ModelConfig, sampling: SamplingConfig, tempered_log_probs: bool,
-                       rules: sharding.Rules) -> tuple[tuple, tuple, Verified]:
+                       rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Verified]:
   """`verify_pages` with drafts that a draft model samples here, over each row's window, under the rejection rule.
 
   window_RW holds row r's last window_lengths_R[r] context tokens (its
@@ -175,7 +176,7 @@ def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, win
   window_RW, q_RKV = jax.lax.fori_loop(0, K, draft, (window_RW, q_RKV))
   drafts_RK = jnp.take_along_axis(window_RW, window_lengths_R[:, None] + jnp.arange(K)[None], axis=1)
   logits_RTV, cache = _policy_logits(params, k, v, rows, jnp.concatenate([rows.tokens[:, :1], drafts_RK], axis=1),
-                                     cfg=cfg, rules=rules)
+                                     cfg=cfg, rules=rules, kernel=kernel)
   V = logits_RTV.shape[-1]
   p_RTV = probabilities(logits_RTV.reshape(R * T, V), sampling).reshape(R, T, V)
   tokens_RT, accepted_R = rejection_sample(
@@ -186,10 +187,10 @@ def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, win
 
 
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
-                   rules: sharding.Rules) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
+                   rules: sharding.Rules, kernel: Kernel | None) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
   """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
-                                      new_tokens=rows.drafts + 1, pairs=rows.pairs)
+                                      new_tokens=rows.drafts + 1, pairs=rows.pairs, kernel=kernel)
   positions = rows.lengths[:, None] + jnp.arange(tokens_RT.shape[1], dtype=jnp.int32)[None]
   return forward_with_cache(params, tokens_RT, cfg, cache, positions=positions, rules=rules)
 
@@ -201,13 +202,13 @@ def _verified(logits_RTV: jax.Array, tokens_RT: jax.Array, accepted_R: jax.Array
   return Verified(tokens=tokens_RT, log_probs=log_probs_RT, accepted=accepted_R)
 
 
-prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules"), donate_argnums=(1, 2))
+prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules", "kernel"), donate_argnums=(1, 2))
 decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
-                                                     "rules"), donate_argnums=(1, 2))
-verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules"),
+                                                     "rules", "kernel"), donate_argnums=(1, 2))
+verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
                          donate_argnums=(1, 2))
 draft_verify_program = jax.jit(draft_verify_pages, static_argnames=("cfg", "draft_cfg", "sampling",
-                                                                   "tempered_log_probs", "rules"),
+                                                                   "tempered_log_probs", "rules", "kernel"),
                                donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
