@@ -114,6 +114,45 @@ def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
         yield dict(row, error=repr(e)[:500])
 
 
+def check_paged(t_new=(1, 16), rows=8, pages_per_row=16, page_size=16, d=64, interpret=False,
+                dtypes=tuple(TOLERANCES)):
+  """Yields one row per case, dtype and query count: the Pallas paged kernel's relative error against the pure-JAX
+  paged path in float32, forward (what the rollout engine runs with attention_impl="pallas").
+
+  Rows of ragged lengths (a quarter of a page up to all `pages_per_row` pages) read their pages, shuffled over the
+  pool, with t_new queries each at their last positions: 1 is a decode step, 16 a prefill chunk.
+  """
+  rng = np.random.default_rng(0)
+  pool = 1 + rows * pages_per_row
+  lengths = rng.integers(page_size // 4, pages_per_row * page_size + 1, rows).astype(np.int32)
+  order = rng.permutation(np.arange(1, pool)).reshape(rows, pages_per_row)
+  held = [order[r, :-(-int(n) // page_size)] for r, n in enumerate(lengths)]
+  pair_rows = np.repeat(np.arange(rows, dtype=np.int32), [len(p) for p in held])
+  pages = np.concatenate(held).astype(np.int32)
+  index = np.concatenate([np.arange(len(p), dtype=np.int32) for p in held])
+  for case, h, kv, masks in (("gqa", 8, 2, {}), ("mqa_window_softcap", 8, 1, dict(window=24, softcap=5.0))):
+    for t in t_new:
+      keys = jax.random.split(jax.random.key(t), 3)
+      q_positions = jnp.asarray(np.maximum(lengths[:, None] - t + np.arange(t)[None], 0), jnp.int32)
+      for dtype in dtypes:
+        print(f"check_paged: {case} t={t} {dtype}", file=sys.stderr, flush=True)
+        q = jax.random.normal(keys[0], (rows, t, h, d), dtype)
+        k = jax.random.normal(keys[1], (pool, kv, page_size, d), dtype)
+        v = jax.random.normal(keys[2], (pool, kv, page_size, d), dtype)
+        args = dict(rows=pair_rows, pages=pages, index=index, lengths=jnp.asarray(lengths), q_positions=q_positions,
+                    **masks)
+        row = dict(bench="paged_attention_check", case=case, impl="pallas_gpu", dtype=dtype, rows=rows, queries=t,
+                   heads=h, kv_heads=kv, head_dim=d, page_size=page_size, pairs=len(pages))
+        try:
+          want = pk.paged_attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="xla", **args)[0]
+          got = jax.jit(functools.partial(pk.paged_attention, impl="pallas_gpu", interpret=interpret, **args))(
+              q, k, v)[0]
+          err = _rel_err(got, want)
+          yield dict(row, rel_err_out=err, tolerance=TOLERANCES[dtype], ok=err < TOLERANCES[dtype])
+        except Exception as e:  # Report and carry on with the other checks.
+          yield dict(row, error=repr(e)[:500])
+
+
 def _best_seconds(program, args, repeats):
   """Best wall time of `repeats` runs after one warm-up."""
   jax.block_until_ready(program(*args))

@@ -13,7 +13,10 @@ runs. Sections, each reusing the benchmark that measures it:
   env        Python, JAX and the device, and whether each section's modules
              import (the GPU image has no grain or tensorboardX, which these
              sections never import); exit 3 when nothing else can run
-  kernels    the Pallas GPU kernel against the float32 reference, forward and
+  kernels    the Pallas GPU paged kernel against the pure-JAX paged path
+             (decode steps and prefill chunks over ragged rows, GQA, a window
+             with a soft-cap; attention_gpu.check_paged), then the Pallas GPU
+             flash kernel against the float32 reference, forward and
              backward, float32 and bfloat16: GQA, packed segments, a sliding
              window with a soft-cap (attention_gpu.check; tolerances there)
   attention  causal TFLOP/s of the Pallas kernel and of cuDNN through
@@ -30,7 +33,8 @@ runs. Sections, each reusing the benchmark that measures it:
   grpo       the fused GRPO step (sample, reward, update) of the same model
              through rl_step.make_grpo_step (grpo.ptx_round)
   fast       issue #29's rollout modes on the same model: greedy tokens/s of
-             the standard engine, n-gram and draft-model speculation, int8
+             the standard engine, of the engine reading its pages with the
+             Pallas paged kernel, n-gram and draft-model speculation, int8
              weights and int8 with n-gram speculation, on the code-editing
              and word-problem workloads, and the measured verify_cost
              (fast_mode.measure); rows print as they come, so a section cut
@@ -141,8 +145,12 @@ def kernels(smoke: bool):
   import attention_gpu
   import ptx_kernels as pk
   if smoke:
+    yield from attention_gpu.check_paged(t_new=(1,), rows=2, pages_per_row=2, d=16, interpret=True,
+                                         dtypes=("float32",))
     yield from attention_gpu.check(pk.BlockSizes(32, 16), b=1, t=64, d=16, interpret=True, dtypes=("bfloat16",))
   else:
+    # The paged kernel first: it has never run compiled (small shapes, quick to compile), then the flash kernel.
+    yield from attention_gpu.check_paged()
     yield from attention_gpu.check(None)  # the kernel's default tiles per dtype, as models run it
 
 
@@ -247,7 +255,7 @@ def fast(smoke: bool):
     # question, code editing first. draft_model is left out: with random weights its cut of the policy accepts
     # almost nothing (0.008 there), so its figure says nothing a trained draft would.
     argv = ["--config", "smollm2", "--compute-dtype", "bfloat16", "--requests", "16", "--new", "128",
-            "--modes", "standard,ngram,int8,int8_ngram"]
+            "--modes", "standard,pallas,ngram,int8,int8_ngram"]
   args = fast_mode.parser().parse_args(argv)
   yield from fast_mode.measure(*fast_mode.model(args), args)
 

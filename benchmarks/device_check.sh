@@ -24,9 +24,9 @@ TOTAL_S=${DEVICE_CHECK_TOTAL_S:-570}
 # runs some sections alone (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or
 # the GPU is missing. fast (#29's rollout modes) and agent (#26's) run after #27's sections, on what they leave.
 # The seconds follow the H200 runs of 12-04 (env ~10 s, attention ~35, sft ~25, memory ~15, grpo ~40; kernels ~110
-# with float32 at its 64 x 32 default tiles, the Pallas checks first; fast ~55 per mode and agent ~85 a method
-# compile most of theirs, so they get what the others leave).
-SECTIONS=${DEVICE_CHECK_SECTIONS:-env:20 kernels:130 attention:60 sft:60 memory:60 grpo:80 fast:110 agent:50}
+# with float32 at its 64 x 32 default tiles, the Pallas checks first, and ~20 more for the paged kernel's checks
+# (never run yet); fast ~55 per mode and agent ~85 a method compile most of theirs, so they get what the others leave).
+SECTIONS=${DEVICE_CHECK_SECTIONS:-env:20 kernels:150 attention:40 sft:60 memory:60 grpo:80 fast:110 agent:50}
 
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT

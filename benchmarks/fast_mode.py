@@ -19,6 +19,9 @@ from and builds the engine it runs):
                 standard's where the policy's top two logits nearly tie
   int8_ngram    `ngram_always`'s engine over the int8 tree
   int8_kv       `int8` with int8 KV pages as well (`EngineConfig.kv_dtype`)
+  pallas        `standard` with `attention_impl="pallas"`: the platform's Pallas
+                paged kernel reads the pages in place (a GPU or TPU; on a CPU
+                it refuses), where the other modes gather them
 
 Workloads (token ids; the weights are random, so a draft is accepted where
 the random policy's greedy tokens happen to repeat the context, as they do
@@ -109,6 +112,8 @@ MODES = {
     "int8_ngram": Mode("int8", lambda cfg, config, args: _ngram(cfg, config, args, verify_cost=1.0)),
     "int8_kv": Mode("int8", lambda cfg, config, args: RolloutEngine(
         cfg, dataclasses.replace(config, kv_dtype="int8"), sampling=GREEDY)),
+    "pallas": Mode("float", lambda cfg, config, args: RolloutEngine(
+        dataclasses.replace(cfg, attention_impl="pallas"), config, sampling=GREEDY)),
 }
 
 
@@ -220,7 +225,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--config", default="smollm2", choices=sorted(CONFIGS))
   p.add_argument("--compute-dtype", default=None, help="the model's compute dtype (default: the config's)")
   p.add_argument("--workloads", default="code_edit,arithmetic")
-  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--modes", default=",".join(m for m in MODES if m != "pallas" or jax.default_backend() != "cpu"),
+                 help="comma-separated; default: every mode this backend runs (pallas needs a GPU or TPU)")
   p.add_argument("--requests", type=int, default=8)
   p.add_argument("--new", type=int, default=64, help="tokens each request generates")
   p.add_argument("--drafts", type=int, default=4, help="SpeculativeConfig.drafts")

@@ -72,8 +72,11 @@ def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_line
   [env] = by["env"]
   assert env["imports"] == dict.fromkeys(SECTIONS[1:], "ok")
   assert all(env["versions"][name] is None for name in NOT_ON_THE_GPU_IMAGE), env["versions"]
-  assert {line["case"] for line in by["kernels"]} == {"gqa_causal", "gqa_packed", "mqa_window_softcap"}
-  assert all(line["ok"] for line in by["kernels"])
+  paged = [line for line in by["kernels"] if line["bench"] == "paged_attention_check"]
+  assert {line["case"] for line in paged} == {"gqa", "mqa_window_softcap"}
+  flash = [line for line in by["kernels"] if line["bench"] == "attention_gpu_check"]
+  assert {line["case"] for line in flash} == {"gqa_causal", "gqa_packed", "mqa_window_softcap"}
+  assert len(paged) + len(flash) == len(by["kernels"]) and all(line["ok"] for line in by["kernels"])
   [attention] = by["attention"]
   assert attention["cudnn"] == "skipped: no GPU" and attention["pallas_gpu_fwd_bwd_s"] > 0
   for name in ("sft", "grpo"):
