@@ -11,6 +11,12 @@ and may refuse the job there (naming it); it returns a zero-argument callable
 that the scheduler calls once per attempt, in the attempt's task, and awaits.
 What the attempt returns is the job's value; an `InfraError` it raises is an
 infrastructure fault (retried); anything else it raises is the job's crash.
+An attempt calls `job.fn(*job.args)`, each handle among the args resolved to
+its value where the attempt runs. A keeping job's `fn` returns `(value,
+kept)` and its attempt `(value, handle)`: the local executor's handle is
+`kept` itself; Ray's is an object reference, so `kept` stays in the cluster's
+object store (on the node that made it, when larger than Ray inlines) and
+the next job reads it there. `fetch(handle)` brings a value to the caller.
 `Resources` says what one attempt needs where it runs; an executor without a
 resource model (the local one) runs every attempt in its own process.
 """
@@ -18,6 +24,7 @@ resource model (the local one) runs every attempt in its own process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,17 +101,25 @@ class Executor(Protocol):
       TypeError: the job cannot run here (the message names its key).
     """
 
+  def fetch(self, handle: Any) -> Any:
+    """The value behind `handle` (the kept half of a keeping job's value), here in the caller's process."""
+
 
 class LocalExecutor:
   """Runs each attempt in the scheduler's own event loop and process (the default)."""
 
   def bind(self, job: Job) -> Attempt:
-    """`job.fn` itself: each attempt awaits it in the scheduler's loop.
+    """`job.fn` on `job.args`: each attempt awaits it in the scheduler's loop (a keeping job's kept value is its
+    own handle).
 
     Args:
       job: the submitted job.
 
     Returns:
-      `job.fn`.
+      `job.fn`, with `job.args` bound.
     """
-    return job.fn
+    return functools.partial(job.fn, *job.args) if job.args else job.fn
+
+  def fetch(self, handle: Any) -> Any:
+    """`handle` itself: here a kept value is its own handle."""
+    return handle

@@ -9,6 +9,16 @@ when Ray reports a lost worker, node or result (`INFRA_FAULTS`, raised as
 `InfraError`). What the job returns, or raises, comes back as it would locally,
 so a job ends with the same outcome on either executor.
 
+A job's `args` travel as the Ray task's own arguments, so the object
+references among them (what earlier keeping jobs kept) are resolved by Ray on
+the node, fetched from the node that holds them. A keeping job's task has two
+returns: the value, awaited by the trainer, and the kept part, left in the
+object store behind its reference. Ray inlines a return under 100 KiB into the
+trainer's memory (it travels, but it is small), and leaves a larger one on the
+node that made it: a large workspace snapshot then goes from node to node, not
+through the trainer, and is lost with that node (the next job that needs it
+fails as an infrastructure fault, `ObjectLostError`).
+
 Jobs travel by pickle (cloudpickle: closures and lambdas pickle, open files,
 locks, sockets and processes do not); `bind` pickles a job's `fn` once, at
 submit, and refuses one that does not pickle, naming its key. Its modules must
@@ -49,17 +59,20 @@ class _Raised:
   error: BaseException
 
 
-def _attempt_on_node(payload: bytes) -> Any:
-  """The Ray task: one attempt of the pickled job, run to its end in an event loop of its own."""
+def _attempt_on_node(payload: bytes, keeps: bool, *args: Any) -> Any:
+  """The Ray task: one attempt of the pickled job on `args`, run to its end in an event loop of its own.
+
+  A keeping job's task returns two objects, (value, kept); one that raised returns (_Raised, None).
+  """
   fn = cloudpickle.loads(payload)
 
   async def attempt():
-    return await fn()
+    return await fn(*args)
 
   try:
     return asyncio.run(attempt())
   except BaseException as e:  # noqa: BLE001  (SystemExit included: locally it is the job's crash, so here too)
-    return _Raised(e)
+    return (_Raised(e), None) if keeps else _Raised(e)
 
 
 class RayExecutor:
@@ -94,18 +107,23 @@ class RayExecutor:
       raise TypeError(f"Job {job.key!r} cannot run on Ray: its fn does not pickle ({e!r}); a job for Ray must "
                       "pickle (no open files, locks, sockets or processes in what it captures)") from e
     resources = job.resources if job.resources is not None else self.resources
-    return functools.partial(self._attempt, payload, _options(resources))
+    return functools.partial(self._attempt, payload, _options(resources), job.keeps, job.args)
 
-  async def _attempt(self, payload: bytes, options: dict[str, Any]) -> Any:
+  def fetch(self, handle: Any) -> Any:
+    """The value behind `handle`: an object reference's, fetched from the cluster (anything else is its own)."""
+    return ray.get(handle) if isinstance(handle, ray.ObjectRef) else handle
+
+  async def _attempt(self, payload: bytes, options: dict[str, Any], keeps: bool, args: tuple) -> Any:
     """One attempt: a Ray task of the pickled job; Ray's losses raised as InfraError, the job's own as it raised."""
-    ref = self._task().options(**options).remote(payload)
+    refs = self._task().options(num_returns=2 if keeps else 1, **options).remote(payload, keeps, *args)
+    ref = refs[0] if keeps else refs
     try:
       value = await scheduler.hold(asyncio.wrap_future(ref.future()), functools.partial(ray.cancel, ref, force=True))
-    except INFRA_FAULTS as e:
+    except INFRA_FAULTS as e:  # a lost worker or node, or an argument lost with the node that held it
       raise scheduler.InfraError(f"Ray lost the attempt: {e!r}") from e
     if isinstance(value, _Raised):
       raise value.error
-    return value
+    return (value, refs[1]) if keeps else value
 
   def _task(self) -> Any:
     """The Ray remote function, made once this process has joined the cluster."""

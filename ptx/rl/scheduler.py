@@ -80,13 +80,20 @@ class Retry:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One unit of work for `Scheduler.run`; for a remote executor (Ray) `fn` must pickle, with what it captures."""
+  """One unit of work for `Scheduler.run`; for a remote executor (Ray) `fn` must pickle, with what it captures.
 
-  fn: Callable[[], Awaitable[Any]]  # called once per attempt
+  A keeping job (`keeps`) leaves part of what it made where it ran: the executor hands back a handle of it
+  (`Executor.fetch` reads it), which a later job takes in its `args`. So state that goes from job to job (a
+  workspace's snapshot) need not travel through the caller each time; see `ptx.rl.executors`.
+  """
+
+  fn: Callable[..., Awaitable[Any]]  # called once per attempt, on `args`
   key: Hashable = None  # the caller's name for it, echoed in the result
   priority: int = 0  # higher starts first
   timeout_s: float | None = None  # per attempt, from its start; None: the scheduler's default
   resources: Resources | None = None  # what an attempt reserves where it runs; None: the executor's default
+  args: tuple = ()  # fn(*args) at each attempt: values, or handles a keeping job returned (resolved where it runs)
+  keeps: bool = False  # fn returns (value, kept); the job's value is (value, a handle of kept where it was made)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,13 +41,15 @@ to the host's disk (a set-up's disk is the sandbox's capped tmpfs), and
 On Ray (`WarmPool(executor=RayExecutor(...))`) preparations are Ray tasks on
 the CPU nodes under the scheduler's rules like any job: the set-up's CPU is
 spent on the nodes, not on the trainer's host, and a preparation lost with
-its node runs again elsewhere. Snapshots come back to the pool as bytes. Not
+its node runs again elsewhere. Snapshots come back to the pool as bytes (an
+episode's commands then keep theirs in Ray's object store: `ShellEnv`). Not
 an actor per node holding its workspaces: any node can start from a
 snapshot, so pinning one to the node that made it would need node-affine
 placement of episodes, which `RayExecutor` leaves to Ray's balancing, and a
 node's death would take its workspaces with it. The cost is moving each
-snapshot to the trainer and out again: small for source trees (kilobytes);
-set-ups that make large data would want snapshots kept in Ray's object store.
+prepared snapshot to the trainer and out again, once per episode: small for
+source trees (kilobytes); set-ups that make large data would want prepared
+snapshots kept in Ray's object store too.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from ptx.rl import sandbox, scheduler
+from ptx.rl import offload, sandbox, scheduler
 from ptx.rl.executors import Executor
 
 SETUP_LIMITS = sandbox.Limits(timeout_s=60.0, cpu_s=60)  # what one set-up run may use
@@ -153,11 +155,13 @@ class Lease:
     self._lock = threading.Lock()
 
   @classmethod
-  def inline(cls, state: InitialState, limits: sandbox.Limits = SETUP_LIMITS) -> Lease:
-    """A lease that prepares `state` itself when first opened (no pool)."""
+  def inline(cls, state: InitialState, limits: sandbox.Limits = SETUP_LIMITS,
+             calls: offload.Offload = offload.Offload()) -> Lease:
+    """A lease that prepares `state` itself when first opened (no pool): a set-up through `calls` (default: right
+    here); files alone need no run, so they are not sent anywhere."""
 
     def wait():
-      prepared = prepare(state, limits)
+      prepared = calls.call(prepare, state, limits) if state.setup else prepare(state, limits)
       return prepared, prepared.digest
 
     return cls(wait)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
+from rl import ray_cluster  # noqa: E402
 from stepping import run_steps  # noqa: E402
 from ptx import cli  # noqa: E402
 from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig  # noqa: E402
@@ -36,18 +36,7 @@ from ptx.train.state import init_state, state_shardings  # noqa: E402
 TOK = ByteTokenizer()
 
 
-@pytest.fixture(scope="module")
-def cluster():
-  # Small nodes: this machine has 2 cores; log_to_driver off keeps the workers' output out of pytest's.
-  cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-  cluster.add_node(num_cpus=1, resources={"sandbox": 1})
-  # The workers import this module (as pytest named it) from tests/, as the jobs' functions are pickled by name.
-  tests = str(pathlib.Path(__file__).resolve().parents[1])
-  ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": tests}})
-  cluster.wait_for_nodes()
-  yield cluster
-  ray.shutdown()
-  cluster.shutdown()
+cluster = ray_cluster.fixture()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +270,11 @@ def test_host_reward_grpo_trains_on_ray_with_the_local_executors_rewards(cluster
     (["--ray-address=auto", "{data}"], "--ray-address needs --executor=ray"),
     (["--score-concurrency=0", "{data}"], "--score-concurrency must be >= 1, got 0"),
     (["--executor=ray", "--score-timeout-s=-1", "{data}"], "--score-timeout-s must be > 0, got -1.0"),
+    (["--executor=ray", "--env=docqa"], "--env calculator or docqa run in this process"),
+    (["--warm-pool=2", "{data}"], "--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got "
+                                  "--env exact_answer"),
+    (["--env=terminal", "--warm-pool=-1"], "--warm-pool must be >= 0 (0: off), got -1"),
+    (["--env=terminal", "--executor=ray", "--score-concurrency=0"], "--score-concurrency must be >= 1, got 0"),
 ])
 def test_grpo_executor_flags_refuse_what_they_cannot_do_naming_the_flag(tmp_path, capsys, flags, message):
   data = tmp_path / "rl.jsonl"

@@ -1,6 +1,6 @@
 """ptx.rl.warm_pool on Ray: set-ups run as Ray tasks on the cluster's nodes and give the bytes they give here.
 
-One small cluster serves the module (a head and a worker node, one CPU slot each), as in test_ray_executor.py.
+One small cluster serves the module (`ray_cluster`: a head and a worker node, one CPU slot each).
 """
 
 import hashlib
@@ -8,8 +8,8 @@ import hashlib
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
+from rl import ray_cluster  # noqa: E402
 from ptx.rl import scheduler, warm_pool  # noqa: E402
 from ptx.rl.executors import Resources  # noqa: E402
 from ptx.rl.ray_executor import RayExecutor  # noqa: E402
@@ -17,15 +17,7 @@ from ptx.rl.ray_executor import RayExecutor  # noqa: E402
 SETUP = "seq 1 300 > data.txt && mkdir -p build && cat task.txt data.txt > build/all.txt"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-  cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-  cluster.add_node(num_cpus=1, resources={"sandbox": 1})
-  ray.init(address=cluster.address, log_to_driver=False)
-  cluster.wait_for_nodes()
-  yield cluster
-  ray.shutdown()
-  cluster.shutdown()
+cluster = ray_cluster.fixture()
 
 
 def test_workspaces_prepared_on_the_nodes_are_the_ones_prepared_here(cluster):
