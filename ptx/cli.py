@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                        "(unit tests in the sandbox); multi-turn episodes: calculator (word problems, a calculator "
                        "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check) or docqa "
                        "(questions about a long document, search and read tools)")
-      scoring = job.add_argument_group("host scoring (--env exact_answer or code on rl records)")
+      scoring = job.add_argument_group("host scoring and terminal episodes (--env exact_answer or code on rl "
+                                       "records; --env terminal)")
       scoring_flags.add_arguments(scoring)
   return parser
 
@@ -260,11 +261,16 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.rl.prompt_batches import JsonlTasks
   from ptx.train import job, presets, streams
 
-  if args.executor != "local" and (args.env in _EPISODES or not cfg.data.train_files):
+  in_process = args.env in ("calculator", "docqa") or (args.env not in _EPISODES and not cfg.data.train_files)
+  if args.executor != "local" and in_process:
     raise ValueError(f"--executor={args.executor} scores rl records on the host (--data.train_files with --env "
-                     "exact_answer or code); episodes and in-graph rewards run in this process")
+                     "exact_answer or code) and runs terminal episodes' commands (--env terminal); in-graph rewards "
+                     "and --env calculator or docqa run in this process")
+  if args.warm_pool and args.env != "terminal":
+    raise ValueError(f"--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got --env {args.env}")
   if args.env in _EPISODES:
-    env, builtin, fields = _episode_environment(args.env, tokenizer)
+    shell = scoring_flags.shell_options(args) if args.env == "terminal" else None
+    env, builtin, fields = _episode_environment(args.env, tokenizer, shell)
     built = job.grpo_episode_job(cfg, tokenizer, env)
     if cfg.data.train_files:
       tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
@@ -290,8 +296,9 @@ def _grpo(cfg, tokenizer, args, params):
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
 
 
-def _episode_environment(name: str, tokenizer):
-  """(environment, built-in tasks of a seed, the fields its records need) of `ptx grpo --env NAME` for episodes."""
+def _episode_environment(name: str, tokenizer, shell: dict | None = None):
+  """(environment, built-in tasks of a seed, the fields its records need) of `ptx grpo --env NAME` for episodes;
+  `shell`: the terminal's `ShellEnv` options (`scoring_flags.shell_options`: executor, warm pool)."""
   if name == "calculator":
     from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
 
@@ -300,7 +307,7 @@ def _episode_environment(name: str, tokenizer):
     from ptx.rl.environments.shell import ShellEnv
     from ptx.rl.environments.terminal import TerminalTasks
 
-    return ShellEnv(), TerminalTasks, ("files", "check")
+    return ShellEnv(**(shell or {})), TerminalTasks, ("files", "check")
   from ptx.rl.environments.docqa import DocQAEnv, DocQATasks
 
   return DocQAEnv(tokenizer), DocQATasks, ("document", "question", "answer")

@@ -18,6 +18,12 @@ every host with --distributed; sandboxes need bubblewrap on every host):
   python recipes/grpo_agent.py --preset full --out gs://bucket/runs/agent \
       --data.batch_size=32 --grpo.group_size=8 --train.steps=200
 
+Commands, checks and set-ups can run on a Ray cluster's CPU nodes instead
+of the TPU hosts, with workspaces prepared ahead, through `ptx grpo`'s flags
+(`ptx.rl.scoring_flags`): add `--executor=ray --ray-address=auto
+--ray-resources=num_cpus=1,sandbox=1 --warm-pool=64` (docs/DESIGN.md has the
+launch note for the node pool).
+
 Topology: all chips on `fsdp` (135M parameters need no tensor
 parallelism); the engine's slots and pages are spread over the same devices
 as the batch. The host runs every command in its own sandbox: give it cores
@@ -50,9 +56,12 @@ matched the update's within 6e-5.
 
 from __future__ import annotations
 
+import argparse
+
 import launch
 
 import ptx
+from ptx.rl import scoring_flags
 from ptx.rl.environments.shell import ShellEnv
 from ptx.rl.environments.terminal import TerminalTasks
 
@@ -81,10 +90,25 @@ PRESETS: launch.Presets = {
 }
 
 
+def shell_options(argv: list[str] | None) -> tuple[dict, list[str]]:
+  """`ShellEnv`'s executor and warm pool from `ptx grpo`'s flags (`scoring_flags`), and the other arguments.
+
+  Read before anything else, so that a bad value is refused (exit 2, naming the flag) before --out is touched.
+  """
+  parser = argparse.ArgumentParser(prog="grpo_agent.py", add_help=False, allow_abbrev=False)
+  scoring_flags.add_arguments(parser)
+  flags, rest = parser.parse_known_args(argv)
+  try:
+    return scoring_flags.shell_options(flags), rest
+  except ValueError as e:
+    parser.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
+  shell, argv = shell_options(argv)
   args, cfg, params, tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv)
-  job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset]))
+  job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset], **shell))
   tasks = ptx.grpo_prompts(cfg, tokenizer, TerminalTasks(TRAIN_SEED, "train"), in_graph=False)
   state, summary = ptx.fit(cfg, job, train_data=tasks, out=args.out, init_params=params, resume=args.resume,
                            overwrite=args.overwrite, evals=launch.evals(cfg, tokenizer),
