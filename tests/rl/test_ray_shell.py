@@ -132,6 +132,10 @@ def test_a_node_killed_mid_episode_retries_the_command_or_ends_it_as_an_infra_er
       _wait_until("shell_node", busy=False)  # the last command's worker gave its slot back
       running = thread.submit(small.step, f"sleep 3; {fix[0]}")
       _wait_until("shell_node", busy=True)
+      # The slot is taken when Ray leases it, a moment before the task reaches the worker; a kill in that moment
+      # would have Ray lease again by itself, unseen by the scheduler. Half a second later the task is running (its
+      # command sleeps 3 s), so the kill lands inside it.
+      time.sleep(0.5)
       cluster.remove_node(doomed, allow_graceful=False)
       # Not waited for: the command waits in Ray's queue until it joins (the cluster's own wait would count the
       # killed node until its health checks fail, some 15 s).
