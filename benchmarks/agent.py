@@ -223,9 +223,9 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda name, seconds, **_: _COMPILES.append(seconds) if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
-def workload(args) -> list[dict]:
-  """The tasks: --episodes / --samples of them."""
-  return [{"prompt": f"task {i}: run the tools"} for i in range(args.episodes // args.samples)]
+def workload(args, episodes: int | None = None) -> list[dict]:
+  """The tasks: `episodes` (default --episodes) / --samples of them, the first ones of the whole workload."""
+  return [{"prompt": f"task {i}: run the tools"} for i in range((episodes or args.episodes) // args.samples)]
 
 
 def measure(method: str, params, cfg, args) -> dict:
@@ -233,15 +233,18 @@ def measure(method: str, params, cfg, args) -> dict:
 
   Which shape buckets a run's engine calls take depends on when tools
   return, so one warm-up run may not meet them all; `compiles` counts the
-  programs compiled during the timed run anyway (0 when it ran warm).
+  programs compiled during the timed run anyway (0 when it ran warm). With
+  --warmup-episodes the untimed runs play only that many episodes (the
+  workload's first ones), all of them warm-ups, and one timed run of the
+  whole workload follows.
   """
   config = EngineConfig(max_seqs=args.concurrent, pages=args.concurrent * (args.context // args.page_size) + 1,
                         page_size=args.page_size, max_seq_len=args.context, decode_steps=args.decode_steps,
                         prefill_chunk=64, prefill_rows=16)
   fmt = TurnFormat(ByteTokenizer())
   run = {"overlap": run_overlap, "lockstep": run_lockstep}[method]
-  tasks, record, warmups = workload(args), {}, 0
-  while True:
+
+  def once(tasks: list[dict]) -> dict:
     engine = RolloutEngine(cfg, config, sampling=SamplingConfig(temperature=1.0), seed=args.seed)
     seconds = timed_engine(engine)
     env = SleepyEnv(args.turns, tool_times(args))
@@ -249,11 +252,18 @@ def measure(method: str, params, cfg, args) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     record = run(engine, params, env, tasks, fmt, args)
     wall = time.perf_counter() - start
-    record.update(wall_s=round(wall, 3), cpu_s=round(time.process_time() - cpu, 3),
-                  engine_s=round(sum(seconds), 3), engine_calls=len(seconds), compiles=len(_COMPILES) - compiled)
+    return dict(record, wall_s=round(wall, 3), cpu_s=round(time.process_time() - cpu, 3),
+                engine_s=round(sum(seconds), 3), engine_calls=len(seconds), compiles=len(_COMPILES) - compiled)
+
+  tasks, warmups = workload(args), 0
+  warm = workload(args, args.warmup_episodes) if args.warmup_episodes else tasks
+  while True:
+    record = once(warm)
     if warmups >= 1 and (record["compiles"] == 0 or warmups > args.max_warmups):
       break
     warmups += 1
+  if args.warmup_episodes:
+    warmups, record = warmups + 1, once(tasks)
   record.update(warmup_runs=warmups, load_avg_1m=round(os.getloadavg()[0], 2))
   record.update(episodes_per_s=round(record["episodes_done"] / record["wall_s"], 3),
                 device_busy_frac=round(record["engine_s"] / record["wall_s"], 3))
@@ -279,14 +289,16 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--methods", default="overlap,lockstep")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--max-warmups", type=int, default=4, help="untimed runs at most before the timed one")
+  p.add_argument("--warmup-episodes", type=int, default=0,
+                 help="episodes of each untimed run (a multiple of --samples); default: the whole workload")
   return p
 
 
 def rows(args):
   """Yields one row per run (the methods alternating over --rounds), then the summary row."""
-  if args.episodes % args.samples or args.concurrent % args.samples:
-    raise SystemExit(f"--episodes {args.episodes} and --concurrent {args.concurrent} must be multiples of "
-                     f"--samples {args.samples}")
+  if args.episodes % args.samples or args.concurrent % args.samples or args.warmup_episodes % args.samples:
+    raise SystemExit(f"--episodes {args.episodes}, --concurrent {args.concurrent} and --warmup-episodes "
+                     f"{args.warmup_episodes} must be multiples of --samples {args.samples}")
   cfg = MODELS[args.model]
   params = init_params(cfg, jax.random.key(args.seed))
   context = {"backend": jax.default_backend(),

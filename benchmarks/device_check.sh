@@ -22,11 +22,12 @@ TOTAL_S=${DEVICE_CHECK_TOTAL_S:-570}
 # name:seconds in running order. A section may use its own seconds plus whatever earlier ones left unused,
 # never the seconds reserved for the sections after it. GRPO runs last of #27's: it compiles the most. Another list
 # runs some sections alone (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or
-# the GPU is missing. fast (#29's rollout modes) and agent (#26's) run after #27's sections, on what they leave.
-# The seconds follow the H200 runs of 12-04 (env ~10 s, attention ~35, sft ~25, memory ~15, grpo ~40; kernels ~110
-# with float32 at its 64 x 32 default tiles, the Pallas checks first, and ~20 more for the paged kernel's checks
-# (never run yet); fast ~55 per mode and agent ~85 a method compile most of theirs, so they get what the others leave).
-SECTIONS=${DEVICE_CHECK_SECTIONS:-env:20 kernels:150 attention:40 sft:60 memory:60 grpo:80 fast:110 agent:50}
+# the GPU is missing. agent (#26's) and fast (#29's rollout modes) run after #27's sections, on what they leave:
+# agent first, as it needs a known time (1,024 episodes: ~100 s with its warm-ups), and fast last, as it prints a
+# row per mode and uses whatever is left. The seconds follow the H200 runs of 12-04 (env ~10 s, attention ~35, sft
+# ~25, memory ~15, grpo ~40; kernels ~110 with float32 at its 64 x 32 default tiles, the Pallas checks first, and
+# ~20 more for the paged kernel's checks, never run yet; fast ~55 per mode).
+SECTIONS=${DEVICE_CHECK_SECTIONS:-env:20 kernels:150 attention:40 sft:50 memory:40 grpo:60 agent:100 fast:110}
 
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
