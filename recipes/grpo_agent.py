@@ -56,12 +56,9 @@ matched the update's within 6e-5.
 
 from __future__ import annotations
 
-import argparse
-
 import launch
 
 import ptx
-from ptx.rl import scoring_flags
 from ptx.rl.environments.shell import ShellEnv
 from ptx.rl.environments.terminal import TerminalTasks
 
@@ -90,25 +87,11 @@ PRESETS: launch.Presets = {
 }
 
 
-def shell_options(argv: list[str] | None) -> tuple[dict, list[str]]:
-  """`ShellEnv`'s executor and warm pool from `ptx grpo`'s flags (`scoring_flags`), and the other arguments.
-
-  Read before anything else, so that a bad value is refused (exit 2, naming the flag) before --out is touched.
-  """
-  parser = argparse.ArgumentParser(prog="grpo_agent.py", add_help=False, allow_abbrev=False)
-  scoring_flags.add_arguments(parser)
-  flags, rest = parser.parse_known_args(argv)
-  try:
-    return scoring_flags.shell_options(flags), rest
-  except ValueError as e:
-    parser.error(str(e))
-
-
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  shell, argv = shell_options(argv)
-  args, cfg, params, tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv)
-  job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset], **shell))
+  # Commands on this host or a Ray cluster's nodes, with a warm pool or not (`ptx.rl.scoring_flags`).
+  args, cfg, params, tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv, scoring="shell")
+  job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset], **args.shell_options))
   tasks = ptx.grpo_prompts(cfg, tokenizer, TerminalTasks(TRAIN_SEED, "train"), in_graph=False)
   state, summary = ptx.fit(cfg, job, train_data=tasks, out=args.out, init_params=params, resume=args.resume,
                            overwrite=args.overwrite, evals=launch.evals(cfg, tokenizer),

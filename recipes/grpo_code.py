@@ -92,7 +92,7 @@ class CodeTasks:
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after on the held-out problems."""
-  args, overrides = launch.parse(__doc__, PRESETS, argv, scoring=True)
+  args, overrides = launch.parse(__doc__, PRESETS, argv, scoring="reward")
   launch.start(args)
   cfg, params, hf_tokenizer = launch.configure(args, PRESETS[args.preset](), overrides)
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from

@@ -105,7 +105,7 @@ def synthetic_problems(split: str, n: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
   args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512,
-                                                       scoring=True)
+                                                       scoring="reward")
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
     params = ptx.initial_params(cfg.model, cfg.train.seed)
   tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.ExactAnswerEnv()

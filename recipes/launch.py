@@ -36,8 +36,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def parse(doc: str, presets: Presets, argv: list[str] | None, *,
-          scoring: bool = False) -> tuple[argparse.Namespace, list[str]]:
-  """Parses the common recipe flags, and with `scoring` the host-reward ones; returns (flags, config overrides)."""
+          scoring: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+  """Parses the common recipe flags, and with `scoring` the host scoring ones; returns (flags, config overrides).
+
+  `scoring` "reward" sets `args.reward_options` (a host reward's executor, concurrency and timeout), "shell"
+  `args.shell_options` (the terminal environment's executor and warm pool), both from `ptx.rl.scoring_flags`.
+  """
   # No abbreviations: `--model=PRESET` is a config override, never short for --model-dir.
   parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,
                                    epilog="Config overrides: --train.steps=2, "
@@ -53,15 +57,17 @@ def parse(doc: str, presets: Presets, argv: list[str] | None, *,
                       "checkpoints, metrics and exports)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (TPU pods, SLURM)")
-  if scoring:  # where the samples are scored: here or on a Ray cluster's CPU nodes, as `ptx grpo` takes it
+  if scoring is not None:  # where the samples are scored: here or on a Ray cluster's CPU nodes, as `ptx grpo` takes it
     scoring_flags.add_arguments(parser.add_argument_group("host scoring"))
   args, overrides = parser.parse_known_args(argv)
   args.error, args.presets = parser.error, tuple(presets)
-  if scoring:  # EnvReward's executor, concurrency and timeout, checked before anything runs
-    try:
+  try:  # checked before anything runs
+    if scoring == "reward":
       args.reward_options = scoring_flags.reward_options(args)
-    except ValueError as e:
-      parser.error(str(e))
+    elif scoring == "shell":
+      args.shell_options = scoring_flags.shell_options(args)
+  except ValueError as e:
+    parser.error(str(e))
   return args, overrides
 
 
@@ -101,8 +107,9 @@ def configure(args: argparse.Namespace, base: ptx.Config, overrides: list[str], 
     args.error(str(e))
 
 
-def smollm2_recipe(doc: str, presets: Presets, argv: list[str] | None) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
-  """`parse`, `start` and `configure` for a recipe of the real SmolLM2-135M-Instruct (`smollm2_dir`).
+def smollm2_recipe(doc: str, presets: Presets, argv: list[str] | None, *,
+                   scoring: str | None = None) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+  """`parse` (with `scoring`), `start` and `configure` for a recipe of the real SmolLM2-135M-Instruct (`smollm2_dir`).
 
   The tiny preset keeps the first 2 of its 30 layers: the real tokenizer,
   template and weights at smoke-test cost.
@@ -110,7 +117,7 @@ def smollm2_recipe(doc: str, presets: Presets, argv: list[str] | None) -> tuple[
   Returns:
     (flags, config, starting parameters, the model's tokenizer).
   """
-  args, overrides = parse(doc, presets, argv)
+  args, overrides = parse(doc, presets, argv, scoring=scoring)
   start(args)
   args.model_dir = smollm2_dir(args)
   if args.preset == "tiny":
@@ -163,7 +170,7 @@ def chat_prompt(tokenizer, text: str, reply_start: str = "") -> str:
 
 
 def data_recipe(doc: str, presets: Presets, argv: list[str] | None, synthetic: Callable[[str, int], list[dict]],
-                n: int, *, scoring: bool = False) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
+                n: int, *, scoring: str | None = None) -> tuple[argparse.Namespace, ptx.Config, Any, Any]:
   """`parse`, `start` and `configure` for a recipe reading --data.train_files / eval_files.
 
   The tiny preset first writes `synthetic(split, count)` records (n of the

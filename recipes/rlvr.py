@@ -49,7 +49,7 @@ def train(args: argparse.Namespace, cfg: ptx.Config, params: Any, tokenizer, tas
           env: Environment) -> tuple[ptx.TrainState, dict]:
   """Runs `cfg.train.steps` host-reward GRPO steps on `tasks` (random access, endless) scored by `env`.
 
-  Where the samples are scored comes from the recipe's host scoring flags (`launch.parse(..., scoring=True)`).
+  Where the samples are scored comes from the recipe's host scoring flags (`launch.parse(..., scoring="reward")`).
   """
   reward = ptx.EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **args.reward_options)
   job = ptx.grpo_host_job(cfg, tokenizer, reward)

@@ -15,7 +15,7 @@ def recipes_importable(monkeypatch):
 
 def _parse(*flags):
   import launch
-  return launch.parse("doc", {"tiny": None}, ["--out", "/tmp/unused", *flags], scoring=True)[0]
+  return launch.parse("doc", {"tiny": None}, ["--out", "/tmp/unused", *flags], scoring="reward")[0]
 
 
 def test_the_flags_become_the_rewards_options():
