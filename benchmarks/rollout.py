@@ -29,8 +29,14 @@ Workloads:
 
 `useful_tokens` counts each request's tokens up to its own budget or stop;
 `useful_tokens_per_s` divides them by the timed run's wall seconds. Every
-method runs its workload twice, the first run compiling (`compile_s_wall` is
-the difference), and --rounds alternate the methods. `kv_bytes` is the KV
+program a timed run calls has compiled before it: each method runs its
+workload twice, the first run compiling (`compile_s_wall` is the
+difference), except static with `--static-warmup compile`, which first
+generates one token per batch in that batch's program (`generate(budget=...)`)
+and so halves a long workload's untimed time. The timed run then also pays
+first-run costs (on the uniform anchor, static's first full run is ~30%
+slower than its second); on a workload of minutes they are a rounding error.
+--rounds alternate the methods. `kv_bytes` is the KV
 memory a method holds at its peak: the static cache of its largest batch, or
 the engine's pool. One JSON line per run, then one summary per workload with
 each method's median over rounds and the ratios.
@@ -139,15 +145,26 @@ def useful(tokens: np.ndarray, budget: int, stop_id: int | None) -> int:
   return int(tokens.size)
 
 
-def run_static(params, cfg, work: Workload, rows: int, sampling: SamplingConfig, seed: int) -> dict:
-  """The workload in consecutive static batches of `rows` rows (prompts x samples), each to its largest budget."""
+def static_batches(work: Workload, rows: int) -> list[tuple[list, list[int]]]:
+  """The static method's batches: consecutive (prompts, budgets) of `rows` rows (prompts x samples)."""
   per_batch = max(1, rows // work.samples)
+  return [(work.prompts[s:s + per_batch], work.budgets[s:s + per_batch])
+          for s in range(0, len(work.prompts), per_batch)]
+
+
+def run_static(params, cfg, work: Workload, rows: int, sampling: SamplingConfig, seed: int,
+               warm_only: bool = False) -> dict:
+  """The workload in consecutive static batches, each to its largest budget.
+
+  With `warm_only`, each batch instead generates one token in the program of
+  its budget, so every program the workload needs compiles without its decoding.
+  """
   total, generated, peak = 0, 0, 0
   stop_ids = [] if work.stop_id is None else [work.stop_id]
-  for start in range(0, len(work.prompts), per_batch):
-    prompts, budgets = work.prompts[start:start + per_batch], work.budgets[start:start + per_batch]
-    out = generate(params, prompts, cfg=cfg, max_new_tokens=max(budgets), sampling=sampling,
-                   rng=jax.random.key(seed + start), stop_ids=stop_ids, group_size=work.samples)
+  for start, (prompts, budgets) in enumerate(static_batches(work, rows)):
+    out = generate(params, prompts, cfg=cfg, max_new_tokens=1 if warm_only else max(budgets), sampling=sampling,
+                   rng=jax.random.key(seed + start), stop_ids=stop_ids, group_size=work.samples,
+                   budget=max(budgets))
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     for row in range(tokens.shape[0]):
       total += useful(tokens[row, :lengths[row]], budgets[row // work.samples], work.stop_id)
@@ -181,27 +198,40 @@ def run_engine(params, cfg, work: Workload, config: EngineConfig, sampling: Samp
           "length_median": float(np.median(lengths)), "length_p99": float(np.percentile(lengths, 99))}
 
 
-def timed(fn) -> dict:
-  """Runs `fn` twice (the first compiles): the second run's figures, with wall and process CPU seconds."""
+def timed(fn, warm=None) -> dict:
+  """Times `fn` after a run of `warm` (default: `fn` itself) that compiles its programs.
+
+  Returns `fn`'s figures with wall and process CPU seconds; `compile_s_wall`
+  is the warm run's wall seconds less the timed run's when `warm` is `fn`, and
+  the warm run's whole wall time otherwise.
+  """
   start = time.perf_counter()
-  fn()
+  (warm or fn)()
   first = time.perf_counter() - start
   start, cpu = time.perf_counter(), time.process_time()
   record = fn()
   wall = time.perf_counter() - start
   return {**record, "wall_s": round(wall, 3), "cpu_s": round(time.process_time() - cpu, 3),
-          "useful_tokens_per_s": round(record["useful_tokens"] / wall, 1), "compile_s_wall": round(first - wall, 2)}
+          "useful_tokens_per_s": round(record["useful_tokens"] / wall, 1),
+          "compile_s_wall": round(first - (0 if warm else wall), 2)}
 
 
-def run_tunix(cfg_name: str, work: Workload, args) -> dict:
+def tunix_model_dims(cfg) -> str:
+  """`cfg` as the Tunix harness's --model-dims (layers,d_model,heads,kv_heads,ffn,vocab; head_dim = d_model/heads)."""
+  if cfg.d_model != cfg.n_heads * cfg.head_dim:
+    raise SystemExit(f"--tunix-python: the Tunix harness derives head_dim from d_model; this config's "
+                     f"head_dim {cfg.head_dim} is not d_model {cfg.d_model} / n_heads {cfg.n_heads}")
+  return f"{cfg.n_layers},{cfg.d_model},{cfg.n_heads},{cfg.n_kv_heads},{cfg.mlp_dim},{cfg.vocab_size}"
+
+
+def run_tunix(cfg, work: Workload, args) -> dict:
   """Tunix's Sampler on one batch of --static-rows at the cap, scaled to the workload's number of batches."""
-  if cfg_name != "tiny":
-    raise SystemExit("--tunix-python: the Tunix harness builds the tiny config only")
   cap = max(work.budgets)
   rows = args.static_rows
   line = subprocess.run([args.tunix_python, str(tunix_harness.path()), "--parts", "sample", "--sample-batch",
                          str(rows), "--prompt-len", str(PROMPT_LEN), "--gen-len", str(cap), "--warmup", "1",
-                         "--steps", "3"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+                         "--steps", str(args.tunix_calls), "--model-dims", tunix_model_dims(cfg)],
+                        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
   sample = json.loads(line)["sample"]
   calls = math.ceil(len(work.prompts) * work.samples / rows)
   useful_tokens = sum(min(b, cap) for b in work.budgets) * work.samples
@@ -209,7 +239,7 @@ def run_tunix(cfg_name: str, work: Workload, args) -> dict:
   return {"useful_tokens": useful_tokens, "generated_tokens": calls * rows * cap, "calls": calls,
           "call_s_median": sample["call_s_median"], "cpu_s": round(calls * sample["cpu_s_per_call"], 3),
           "wall_s": round(wall, 3), "useful_tokens_per_s": round(useful_tokens / wall, 1),
-          "kv_bytes": static_kv_bytes(CONFIGS[cfg_name], rows, PROMPT_LEN, cap)}
+          "timed_calls": args.tunix_calls, "kv_bytes": static_kv_bytes(cfg, rows, PROMPT_LEN, cap)}
 
 
 def main() -> None:
@@ -228,7 +258,11 @@ def main() -> None:
   p.add_argument("--prefill-rows", type=int, default=16)
   p.add_argument("--train-steps", type=int, default=150)
   p.add_argument("--rounds", type=int, default=1)
+  p.add_argument("--static-warmup", default="full", choices=("full", "compile"),
+                 help="static's untimed first run: the whole workload, or one token per batch in its program "
+                      "(for long workloads; the timed run then also pays first-run costs such as page faults)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--tunix-calls", type=int, default=3, help="Tunix's timed sampler calls (after one warm-up)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix (adds the tunix method)")
   args = p.parse_args()
   cfg = CONFIGS[args.config]
@@ -243,13 +277,15 @@ def main() -> None:
     for round_ in range(args.rounds):
       for method in methods:
         if method == "static":
-          record = timed(lambda: run_static(params, cfg, work, args.static_rows, sampling, args.seed))
+          static = functools.partial(run_static, params, cfg, work, args.static_rows, sampling, args.seed)
+          record = timed(static, warm=functools.partial(static, warm_only=True) if args.static_warmup == "compile"
+                         else None)
         elif method == "engine":
           record = timed(lambda: run_engine(params, cfg, work, config, sampling, args.seed))
         elif method == "engine_int8":
           record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, args.seed))
         elif method == "tunix" and name != "stops":  # the trained model's weights live in ptx only
-          record = run_tunix(args.config, work, args)
+          record = run_tunix(cfg, work, args)
         else:
           continue
         record = {**base, "workload": name, "method": method, "round": round_,

@@ -209,6 +209,7 @@ def generate(
     shared_prompts: bool | None = None,
     tempered_log_probs: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    budget: int | None = None,
 ) -> Generation:
   """Samples continuations of ragged prompts with one compiled program per shape bucket.
 
@@ -234,10 +235,19 @@ def generate(
     tempered_log_probs: return the log-probs of the policy at
       `sampling.temperature` instead of the raw policy's.
     rules: the sharding rules.
+    budget: the decode length the compiled program holds, rounded up to a
+      bucket (None: `max_new_tokens`'s). Calls with different
+      `max_new_tokens` under one budget share one program, and a call with
+      `max_new_tokens=1` compiles a longer call's program cheaply.
 
   Returns:
     A Generation of B * G rows and `max_new_tokens` columns.
+
+  Raises:
+    ValueError: `budget` below `max_new_tokens`.
   """
+  if budget is not None and budget < max_new_tokens:
+    raise ValueError(f"generate: budget={budget} is below max_new_tokens={max_new_tokens}")
   rows = buckets.bucket(len(prompts), 1 if mesh is None else _batch_devices(mesh, rules))
   tokens, lengths = buckets.left_pad(prompts, rows, buckets.bucket(max(len(p) for p in prompts), 8), pad_id)
   arrays = (tokens, lengths, buckets.stop_table(stop_ids, len(prompts), rows))
@@ -246,7 +256,7 @@ def generate(
     arrays = tuple(jax.device_put(x, _batch_sharding(x, mesh, rules)) for x in arrays)
   with context:
     out = _generate_jit(params, *arrays, rng, np.int32(max_new_tokens), cfg=cfg, sampling=sampling,
-                        budget=buckets.bucket(max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
+                        budget=buckets.bucket(budget or max_new_tokens, 8), group_size=group_size, kv_int8=kv_int8,
                         pad_id=pad_id, prefill_chunk=prefill_chunk, shared_prompts=shared_prompts,
                         tempered_log_probs=tempered_log_probs, rules=rules)
   n = len(prompts) * group_size

@@ -144,3 +144,22 @@ def test_bucketed_shapes_share_a_program(tiny_config):
     generate(params, [[1, 2, 3]] * n_prompts, cfg=tiny_config, max_new_tokens=n_new,
              rng=jax.random.key(0))
   assert generation_lib._generate_jit._cache_size() - before <= 2  # batch buckets 4 and 2, one budget bucket
+
+
+def test_budget_shares_one_program_and_keeps_the_tokens(tiny_config):
+  params = _params(tiny_config)
+  prompts = [[1, 2, 3], [7, 8]]
+  alone = generate(params, prompts, cfg=tiny_config, max_new_tokens=5, sampling=GREEDY, rng=jax.random.key(0))
+  before = generation_lib._generate_jit._cache_size()
+  warm = generate(params, prompts, cfg=tiny_config, max_new_tokens=1, sampling=GREEDY, rng=jax.random.key(0),
+                  budget=40)
+  after_warm = generation_lib._generate_jit._cache_size()
+  long = generate(params, prompts, cfg=tiny_config, max_new_tokens=33, sampling=GREEDY, rng=jax.random.key(0),
+                  budget=40)
+  assert after_warm - before == 1 and generation_lib._generate_jit._cache_size() == after_warm  # bucket 64 once
+  assert warm.tokens.shape == (2, 1) and long.tokens.shape == (2, 33)
+  # The same program shape decodes the same tokens (greedy, exact: see the module's note on comparisons).
+  np.testing.assert_array_equal(np.asarray(long.tokens[:, :5]), np.asarray(alone.tokens))
+  np.testing.assert_array_equal(np.asarray(warm.tokens), np.asarray(alone.tokens[:, :1]))
+  with pytest.raises(ValueError, match="budget=4 is below max_new_tokens=5"):
+    generate(params, prompts, cfg=tiny_config, max_new_tokens=5, rng=jax.random.key(0), budget=4)
