@@ -4,9 +4,10 @@ Modes (`MODES`: one entry each; an entry names the parameter tree it samples
 from and builds the engine it runs):
 
   standard      `RolloutEngine`: `decode_steps` tokens per call
-  ngram         `SpeculativeEngine` with the n-gram (prompt lookup) drafter and
-                the default cost model: drafting turns off per request when
-                its measured acceptance does not pay
+  ngram         `SpeculativeEngine` with the n-gram (prompt lookup) drafter,
+                which drafts on the device, --rounds verify rounds per call,
+                and the default cost model: drafting turns off per request
+                when its measured acceptance does not pay
   ngram_always  the same with verify_cost 1: every step with a draft verifies
   draft_model   `SpeculativeEngine` with a `DraftModel`: the policy's first
                 --draft-layers layers (its embeddings and final norm too),
@@ -97,7 +98,8 @@ class Mode:
 
 
 def _ngram(cfg, config, args, verify_cost=None):
-  speculative = SpeculativeConfig(drafts=args.drafts, **({} if verify_cost is None else {"verify_cost": verify_cost}))
+  speculative = SpeculativeConfig(drafts=args.drafts, rounds=args.rounds,
+                                  **({} if verify_cost is None else {"verify_cost": verify_cost}))
   return SpeculativeEngine(cfg, config, sampling=GREEDY, drafter=NgramDrafter(), speculative=speculative)
 
 
@@ -148,7 +150,7 @@ def _compiled() -> int:
   """Programs the engines' jitted functions have compiled so far (a timed run should add none)."""
   return sum(program._cache_size() for program in (
       engine_programs.prefill_program, engine_programs.decode_program, engine_programs.verify_program,
-      engine_programs.draft_verify_program, engine_programs.copy_program))
+      engine_programs.draft_verify_program, engine_programs.speculate_program, engine_programs.copy_program))
 
 
 def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:
@@ -200,7 +202,7 @@ def measure(cfg, params, args):
                for name in args.workloads.split(",")}
   config = engine_config([p for prompts in workloads.values() for p in prompts], args)
   common = {"config": args.config, "compute_dtype": cfg.compute_dtype, "requests": args.requests, "new": args.new,
-            "drafts": args.drafts}
+            "drafts": args.drafts, "rounds": args.rounds}
   for name, prompts in workloads.items():
     standard = None
     for mode in modes:
@@ -230,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--requests", type=int, default=8)
   p.add_argument("--new", type=int, default=64, help="tokens each request generates")
   p.add_argument("--drafts", type=int, default=4, help="SpeculativeConfig.drafts")
+  p.add_argument("--rounds", type=int, default=SpeculativeConfig.rounds,
+                 help="SpeculativeConfig.rounds: n-gram verify rounds per device call")
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--draft-layers", type=int, default=2, help="the draft model's layers (the policy's first ones)")

@@ -1,4 +1,4 @@
-"""The rollout engine's device programs: prefill, decode, verify and copy over a pool of pages, and the pairs they read.
+"""The rollout engine's device programs: prefill, decode, verify, speculate, copy over pages, and the pairs they read.
 
 Each is jitted once at module level and compiled once per shape bucket (the
 host side, `ptx.sampling.engine`, packs its rows into power-of-two buckets);
@@ -23,6 +23,7 @@ from ptx.models import paged_kv_cache
 from ptx.models.decoder import (Params, forward_with_cache, hidden_states, hidden_with_cache, tempered, token_log_probs,
                                 unembed, unstack_layers)
 from ptx.sampling import buckets
+from ptx.sampling.drafting import NgramDrafter
 from ptx.sampling.generation import LENGTH, STOP
 from ptx.sampling.rules import SamplingConfig, invert_cdf, probabilities, sample_tokens
 from ptx.sampling.speculative import accepted_drafts, rejection_sample
@@ -72,6 +73,33 @@ class Verified(NamedTuple):
   tokens: jax.Array  # int32 [R, K + 1]: the policy's token after each fed one
   log_probs: jax.Array  # float32 [R, K + 1]
   accepted: jax.Array  # int32 [R]: the leading drafts the policy's tokens equal
+
+
+class SpeculateRows(NamedTuple):
+  """Every input of a call of device-drafted verify rounds (R rows)."""
+
+  page_table: jax.Array  # int32 [R, M]
+  lengths: jax.Array  # int32 [R]: cached positions
+  context: jax.Array  # int32 [R, L]: the cached tokens, then the pending one (at lengths[r]), then room
+  live: jax.Array  # bool [R]
+  remaining: jax.Array  # int32 [R]: tokens the row may still sample
+  drafts: jax.Array  # int32 [R]: drafts per round at most (0: drafting off)
+  stop_ids: jax.Array  # int32 [R, S], padded with -1
+  seq_ids: jax.Array  # int32 [R]
+  sampled: jax.Array  # int32 [R]: tokens sampled so far (the RNG counter)
+  pairs: paged_kv_cache.Pairs  # the pages each row reads, up to what the call can fill
+
+
+class Speculated(NamedTuple):
+  """What a call of verify rounds sampled, and how its drafts fared."""
+
+  tokens: jax.Array  # int32 [R, rounds * (K + 1)]; pad after a row's emitted count
+  log_probs: jax.Array  # float32 [R, rounds * (K + 1)]
+  emitted: jax.Array  # int32 [R]
+  finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
+  drafted: jax.Array  # int32 [R]: drafts verified
+  accepted: jax.Array  # int32 [R]: drafts emitted
+  verifies: jax.Array  # int32 [R]: rounds in which the row could draft (drafting on, room for a draft)
 
 
 def uniforms(key: jax.Array, seq_ids: jax.Array, first: jax.Array, n: int) -> jax.Array:
@@ -186,6 +214,68 @@ def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, win
   return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
 
 
+def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, key: jax.Array, *, cfg: ModelConfig,
+                    drafter: NgramDrafter, drafts: int, rounds: int, sampling: SamplingConfig,
+                    tempered_log_probs: bool, pad_id: int, rules: sharding.Rules,
+                    kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
+  """Up to `rounds` verify rounds for every live row, drafting on the device: no host round trip between rounds.
+
+  Each round, row r drafts up to min(drafts[r], remaining - 1) tokens after
+  its context (`NgramDrafter.drafts`), one forward feeds its pending token
+  and drafts (`verify_pages`), and it emits the accepted drafts and one token
+  more, cut after a stop id; its context, length, budget and RNG counter
+  advance by what it emitted. The tokens are those decoding draws, as in
+  `verify_pages`.
+  """
+  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
+  R, L = rows.context.shape
+  K, T, N = drafts, drafts + 1, rounds * (drafts + 1)
+  at_T = jnp.arange(T, dtype=jnp.int32)[None]
+
+  def round_(carry):
+    i, k, v, lengths, context, live, remaining, sampled, finish, out = carry
+    could_R = live & (rows.drafts > 0) & (remaining > 1)
+    drafts_RK, n_R = drafter.drafts(context, lengths + 1, jnp.where(live, jnp.minimum(rows.drafts, remaining - 1), 0),
+                                    K)
+    pending_R = jnp.take_along_axis(context, lengths[:, None], axis=1)[:, 0]
+    fed = VerifyRows(page_table=rows.page_table, lengths=lengths,
+                     tokens=jnp.concatenate([pending_R[:, None], drafts_RK], axis=1),
+                     drafts=jnp.where(live, n_R, -1), seq_ids=rows.seq_ids, sampled=sampled, pairs=rows.pairs)
+    logits_RTV, cache = _policy_logits(params, k, v, fed, fed.tokens, cfg=cfg, rules=rules, kernel=kernel)
+    V = logits_RTV.shape[-1]
+    tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, sampled, T).reshape(-1),
+                             sampling).reshape(R, T)
+    accepted_R = accepted_drafts(tokens_RT, drafts_RK, n_R)
+    verified = _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
+    stop_RT = jnp.any(tokens_RT[..., None] == rows.stop_ids[:, None], axis=-1) & (at_T <= accepted_R[:, None])
+    stopped_R = live & jnp.any(stop_RT, axis=1)
+    emitted_R = jnp.where(live, jnp.where(stopped_R, jnp.argmax(stop_RT, axis=1) + 1, accepted_R + 1), 0)
+    exhausted_R = live & ~stopped_R & (emitted_R >= remaining)
+    # Each row's emitted tokens go to columns emitted .. of the output and after its pending token in its context;
+    # the rest to a column past the end, which the scatter drops.
+    keep_RT = at_T < emitted_R[:, None]
+    R1 = jnp.arange(R)[:, None]
+    out_cols = jnp.where(keep_RT, out.emitted[:, None] + at_T, N)
+    context_cols = jnp.where(keep_RT, lengths[:, None] + 1 + at_T, L)
+    out = Speculated(tokens=out.tokens.at[R1, out_cols].set(tokens_RT, mode="drop"),
+                     log_probs=out.log_probs.at[R1, out_cols].set(verified.log_probs, mode="drop"),
+                     emitted=out.emitted + emitted_R, finish=out.finish,
+                     drafted=out.drafted + jnp.where(live, n_R, 0),
+                     accepted=out.accepted + jnp.maximum(emitted_R - 1, 0), verifies=out.verifies + could_R)
+    finish = jnp.where(stopped_R, STOP, jnp.where(exhausted_R, LENGTH, finish))
+    return (i + 1, cache.k, cache.v, lengths + emitted_R, context.at[R1, context_cols].set(tokens_RT, mode="drop"),
+            live & ~stopped_R & ~exhausted_R, remaining - emitted_R, sampled + emitted_R, finish, out)
+
+  zeros_R = jnp.zeros((R,), jnp.int32)
+  out = Speculated(tokens=jnp.full((R, N), pad_id, jnp.int32), log_probs=jnp.zeros((R, N), jnp.float32),
+                   emitted=zeros_R, finish=zeros_R, drafted=zeros_R, accepted=zeros_R, verifies=zeros_R)
+  start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.context, rows.live, rows.remaining, rows.sampled,
+           zeros_R, out)
+  carry = jax.lax.while_loop(lambda c: (c[0] < rounds) & jnp.any(c[5]), round_, start)
+  _, k, v, *_, finish, out = carry
+  return k, v, out._replace(finish=finish)
+
+
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
                    rules: sharding.Rules, kernel: Kernel | None) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
   """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
@@ -210,6 +300,9 @@ verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "temp
 draft_verify_program = jax.jit(draft_verify_pages, static_argnames=("cfg", "draft_cfg", "sampling",
                                                                    "tempered_log_probs", "rules", "kernel"),
                                donate_argnums=(1, 2))
+speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
+                                                               "tempered_log_probs", "pad_id", "rules", "kernel"),
+                            donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
 

@@ -15,8 +15,15 @@ it, where attention (bounded by each row's length and each query's position)
 never reads and the next call writes first. Otherwise the step runs the
 plain decode program, `decode_steps` tokens per row.
 
-With a host `Drafter` the emitted tokens are those the standard engine
-samples with the same seed (the same uniform per token), so everything the
+An `NgramDrafter` drafts on the device, inside the call: one call runs up to
+`SpeculativeConfig.rounds` such verify rounds (`engine_programs.speculate_pages`),
+each drafting from the context the earlier rounds extended, so the host's
+round trip is paid once per up to rounds x (K + 1) tokens a row, not per
+verify. Its drafts follow the host rule `NgramDrafter.drafts` states.
+
+With a deterministic drafter (a host `Drafter`, `NgramDrafter`) the emitted
+tokens are those the standard engine samples with the same seed (the same
+uniform per token), so everything the
 engine promises (greedy equals `generate`, reproducibility whatever the
 shapes, log-probs from the policy's own logits) holds, drafting or not. A
 `DraftModel`'s drafts go through the rejection rule with uniforms of their
@@ -26,13 +33,16 @@ the same seed, submission order and engine shapes give the same tokens.
 Cost model: a verify call costs `verify_cost` decode steps whatever the
 drafts (it computes K + 1 positions per row) and gives each row its accepted
 drafts plus one token; a decode step gives one. A sequence's tokens per
-verify (1 + its accepted drafts per verify in which it drafted) is measured;
+verify (1 + its accepted drafts per verify in which it drafted, or, drafting
+on the device, in which it could draft: a round with no n-gram match counts,
+giving one token) is measured;
 once it has drafted in `min_verifies` verifies, its drafting is turned off
 for good while that rate is below `verify_cost`. A step verifies only when
 the live rows' expected tokens per verify (the measured rate, or 1 + k
 before `min_verifies`, for a row with k drafts; 1 for a row without) reach
 `verify_cost` per row; else decoding gives more tokens for the time. The
-host's time (drafting, one round trip per verify against one per
+host's time (drafting, one round trip per call: per verify with a host
+drafter, per `rounds` verifies with `NgramDrafter`, against one per
 `decode_steps` tokens) is outside the model.
 """
 
@@ -46,10 +56,12 @@ import numpy as np
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
-from ptx.sampling.drafting import Drafter, DraftModel
+from ptx.sampling import buckets
+from ptx.sampling.drafting import Drafter, DraftModel, NgramDrafter
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
-from ptx.sampling.engine_programs import VerifyRows, draft_verify_program, reading_pairs, verify_program
+from ptx.sampling.engine_programs import (SpeculateRows, VerifyRows, draft_verify_program, reading_pairs,
+                                         speculate_program, verify_program)
 from ptx.sampling.generation import LENGTH, STOP
 
 
@@ -66,11 +78,14 @@ class SpeculativeConfig:
   verify_cost: float = 1.5
   # Verifies a sequence drafts in before its measured acceptance may turn its drafting off.
   min_verifies: int = 4
+  # Verify rounds per device call with an `NgramDrafter` (it drafts on the device): one host round trip per up to
+  # rounds * (drafts + 1) tokens a row, as a decode call gives `decode_steps`.
+  rounds: int = 4
 
   def __post_init__(self):
-    if self.drafts < 1 or self.min_verifies < 1:
-      raise ValueError(f"SpeculativeConfig.drafts ({self.drafts}) and .min_verifies ({self.min_verifies}) must be "
-                       ">= 1")
+    for name in ("drafts", "min_verifies", "rounds"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"SpeculativeConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.verify_cost < 1.0:
       raise ValueError(f"SpeculativeConfig.verify_cost must be >= 1 (a verify computes a decode step and more), got "
                        f"{self.verify_cost}")
@@ -121,8 +136,8 @@ class SpeculativeEngine(RolloutEngine):
     k = min(self.speculative.drafts, seq.remaining - 1)
     if record.off or k < 1:
       return []
-    if isinstance(self.drafter, DraftModel):
-      return [0] * k  # placeholders for the k drafts the draft model samples on the device
+    if isinstance(self.drafter, (DraftModel, NgramDrafter)):
+      return [0] * k  # placeholders for the (up to) k drafts the device drafts
     return [int(t) for t in self.drafter.propose(seq.cached + [seq.pending], k)[:k]]
 
   def _expected(self, seq: HostSequence, k: int) -> float:
@@ -135,6 +150,8 @@ class SpeculativeEngine(RolloutEngine):
   def _verify(self, params: Params, policy_version: int, live: list[HostSequence],
               drafts: dict[int, list[int]]) -> list[Completion]:
     """One verify call over the live sequences; returns the turns that finished."""
+    if isinstance(self.drafter, NgramDrafter):
+      return self._speculate(params, policy_version, live)
     row_of, R = self._pack_rows(live, self._slots_per_block)
     table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
     reads: list[list[int]] = [[] for _ in range(R)]
@@ -164,8 +181,47 @@ class SpeculativeEngine(RolloutEngine):
       n = len(run) if stop is None else stop + 1
       finish = STOP if stop is not None else LENGTH if n == seq.remaining else 0
       if k:
-        self._count(seq, k, n - 1)
+        self._count(seq, 1, k, n - 1)
       done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version))
+    return [c for c in done if c is not None]
+
+  def _speculate(self, params: Params, policy_version: int, live: list[HostSequence]) -> list[Completion]:
+    """One call of up to `rounds` verify rounds over the live sequences, drafting on the device."""
+    spec = self.speculative
+    per_call = spec.rounds * (spec.drafts + 1)
+    row_of, R = self._pack_rows(live, self._slots_per_block)
+    n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
+    # Room for the call's tokens after the longest context, in few widths (programs).
+    width = buckets.bucket(max(s.length for s in live) + 1 + per_call, 64)
+    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
+    reads: list[list[int]] = [[] for _ in range(R)]
+    context, stops = np.zeros((R, width), np.int32), np.full((R, n_stops), -1, np.int32)
+    lengths, remaining, drafts, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
+    is_live = np.zeros((R,), bool)
+    for seq in live:
+      r = row_of[seq.seq_id]
+      table[r, :len(seq.pages)] = seq.pages
+      # A round writes positions up to its length + drafts <= length + remaining - 1, within the turn's pages.
+      reads[r] = seq.pages[:self._pages_for(seq.length + min(per_call, seq.remaining))]
+      context[r, :seq.length + 1] = seq.cached + [seq.pending]
+      lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
+                                                                      seq.sampled, True)
+      drafts[r] = 0 if self._records[seq.seq_id].off else spec.drafts
+      stops[r, :len(seq.stop_ids)] = seq.stop_ids
+    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
+    rows = SpeculateRows(*self._rows(table, lengths, context, is_live, remaining, drafts, stops, seq_ids, sampled),
+                         pairs)
+    statics = {name: value for name, value in self._decode_statics.items() if name != "steps"}
+    self._k, self._v, out = speculate_program(params, self._k, self._v, rows, self._key, **self._statics, **statics,
+                                              drafter=self.drafter, drafts=spec.drafts, rounds=spec.rounds)
+    tokens, log_probs, emitted, finish, drafted, accepted, verifies = jax.device_get(tuple(out))
+    done = []
+    for seq in live:
+      r = row_of[seq.seq_id]
+      if verifies[r]:
+        self._count(seq, int(verifies[r]), int(drafted[r]), int(accepted[r]))
+      done.append(self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(),
+                             int(finish[r]), policy_version))
     return [c for c in done if c is not None]
 
   def _windows(self, live: list[HostSequence], row_of: dict[int, int], R: int) -> tuple[np.ndarray, np.ndarray]:
@@ -177,10 +233,10 @@ class SpeculativeEngine(RolloutEngine):
       window[row_of[seq.seq_id], :len(context)], counts[row_of[seq.seq_id]] = context, len(context)
     return window, counts
 
-  def _count(self, seq: HostSequence, drafted: int, accepted: int) -> None:
-    """Records a verify in which `seq` drafted; turns its drafting off when its measured rate does not pay."""
+  def _count(self, seq: HostSequence, verifies: int, drafted: int, accepted: int) -> None:
+    """Records verifies in which `seq` could draft; turns its drafting off when its measured rate does not pay."""
     record = self._records[seq.seq_id]
-    record.verifies, record.accepted = record.verifies + 1, record.accepted + accepted
+    record.verifies, record.accepted = record.verifies + verifies, record.accepted + accepted
     record.turn_drafted, record.turn_accepted = record.turn_drafted + drafted, record.turn_accepted + accepted
     spec = self.speculative
     record.off = record.verifies >= spec.min_verifies and 1 + record.accepted / record.verifies < spec.verify_cost

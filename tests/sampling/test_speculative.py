@@ -173,6 +173,41 @@ def test_acceptance_counts_are_exact_on_a_scripted_drafter(tiny_config):
   assert (done.drafted, done.accepted) == (4 + 4 + 3, 2 + 4 + 3)
 
 
+def _replayed_ngram_counts(prompt, greedy, drafter, drafts):
+  """(drafted, accepted) of greedy n-gram speculation over `greedy`, replayed on the host round by round.
+
+  A verify round's counts do not depend on which device call it falls in, and with `verify_cost` 1 every step with
+  room for a draft verifies; the last token (no room) is decoded.
+  """
+  context, emitted, drafted, accepted = list(prompt), 0, 0, 0
+  while emitted < len(greedy) - 1:
+    k = min(drafts, len(greedy) - emitted - 1)
+    (proposal,) = _ngram(drafter, [context], [k], drafts)
+    a = next((i for i, (d, g) in enumerate(zip(proposal, greedy[emitted:])) if d != g), len(proposal))
+    context += greedy[emitted:emitted + a + 1]
+    emitted, drafted, accepted = emitted + a + 1, drafted + len(proposal), accepted + a
+  return drafted, accepted
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_device_ngram_counts_equal_a_replay_of_its_rounds(tiny_config, rounds):
+  """The device loop's tokens are greedy's and its counts those of the rule replayed, however rounds split calls."""
+  cfg = tiny_config
+  params = _params(cfg)
+  prompt, n_new = (PROMPTS[1] * 4)[:18], 30
+  greedy = np.asarray(generate(params, [prompt], cfg=cfg, max_new_tokens=n_new, sampling=GREEDY,
+                               rng=jax.random.key(0)).tokens[0]).tolist()
+  drafter = NgramDrafter(max_ngram=2)
+  engine = SpeculativeEngine(cfg, SMALL, sampling=GREEDY, drafter=drafter,
+                             speculative=SpeculativeConfig(drafts=3, verify_cost=1.0, rounds=rounds))
+  engine.submit(prompt, max_new_tokens=n_new)
+  (done,) = engine.run(params).values()
+  assert done.tokens.tolist() == greedy
+  drafted, accepted = _replayed_ngram_counts(prompt, greedy, drafter, 3)
+  assert 0 < accepted < drafted  # the case has both accepted and rejected drafts
+  assert (done.drafted, done.accepted) == (drafted, accepted)
+
+
 def test_drafting_turns_off_when_it_does_not_pay(tiny_config):
   """A drafter always wrong gives 1 token per verify; at a verify cost of 1.5 steps it drafts min_verifies times."""
   cfg, prompt = tiny_config, PROMPTS[1]
@@ -194,15 +229,25 @@ def test_accepted_drafts_counts_leading_matches_within_each_rows_drafts():
   assert accepted_drafts(tokens, drafts, n_drafts).tolist() == [2, 3, 0, 1]
 
 
+def _ngram(drafter, contexts, ks, K):
+  """`drafter.drafts` over ragged host contexts (padded with junk past each length): a list of each row's drafts."""
+  width = max(map(len, contexts)) + 3
+  padded = np.full((len(contexts), width), 9, np.int32)  # 9 past the length must never match
+  for row, c in enumerate(contexts):
+    padded[row, :len(c)] = c
+  drafts, counts = drafter.drafts(jnp.asarray(padded), jnp.asarray([len(c) for c in contexts]), jnp.asarray(ks), K)
+  return [d[:n] for d, n in zip(np.asarray(drafts).tolist(), np.asarray(counts).tolist())]
+
+
 def test_ngram_drafter_copies_what_followed_the_longest_repeated_suffix():
   context = [1, 2, 3, 9, 2, 3, 7, 1, 2, 3]
-  assert NgramDrafter(max_ngram=3).propose(context, 3) == [9, 2, 3]  # [1, 2, 3] at 0
-  assert NgramDrafter(max_ngram=1).propose(context, 3) == [7, 1, 2]  # the latest [3], at 5
-  assert NgramDrafter().propose(context, 0) == [] and NgramDrafter().propose([4, 5, 6], 2) == []
-  assert NgramDrafter(max_ngram=2).propose([7] * 6, 3) == [7] * 3  # the latest match that 3 tokens follow
-  assert NgramDrafter(max_ngram=2).propose([4, 4, 4], 5) == [4]  # the only match: one token follows it
-
-
+  assert _ngram(NgramDrafter(max_ngram=3), [context], [3], 3) == [[9, 2, 3]]  # [1, 2, 3] at 0
+  assert _ngram(NgramDrafter(max_ngram=1), [context], [3], 3) == [[7, 1, 2]]  # the latest [3], at 5
+  # Every row of one call by its own rule: no draft wanted, no match, the latest match that 3 tokens follow, the
+  # only match (one token follows it), fewer wanted than K (the latest [2, 3], at 4), a context shorter than n.
+  got = _ngram(NgramDrafter(max_ngram=2), [context, [4, 5, 6], [7] * 6, [4, 4, 4], context, [8]], [0, 2, 3, 4, 1, 2],
+               4)
+  assert got == [[], [], [7] * 3, [4], [7], []]
 def test_bad_settings_name_the_field():
   with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
     NgramDrafter(min_ngram=3, max_ngram=2)
