@@ -150,7 +150,7 @@ def _compiled() -> int:
   """Programs the engines' jitted functions have compiled so far (a timed run should add none)."""
   return sum(program._cache_size() for program in (
       engine_programs.prefill_program, engine_programs.decode_program, engine_programs.verify_program,
-      engine_programs.draft_verify_program, engine_programs.speculate_program, engine_programs.copy_program))
+      engine_programs.speculate_program, engine_programs.copy_program))
 
 
 def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:

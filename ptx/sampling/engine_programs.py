@@ -175,57 +175,22 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
   return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
 
 
-def draft_verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, window_RW: jax.Array,
-                       window_lengths_R: jax.Array, draft_params: Params, key: jax.Array, *, cfg: ModelConfig,
-                       draft_cfg: ModelConfig, sampling: SamplingConfig, tempered_log_probs: bool,
-                       rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Verified]:
-  """`verify_pages` with drafts that a draft model samples here, over each row's window, under the rejection rule.
-
-  window_RW holds row r's last window_lengths_R[r] context tokens (its
-  pending one last) left-aligned, then room for K drafts: the draft model
-  runs K full forwards over it (no cache of its own to keep in step with the
-  pages), sampling draft j from its distribution q_j under `sampling`.
-  """
-  R, T = rows.tokens.shape
-  K = T - 1
-  draft_u_RK = uniforms(jax.random.fold_in(key, DRAFT_STREAM), rows.seq_ids, rows.sampled, K)
-
-  def draft(j, carry):
-    window_RW, q_RKV = carry
-    # Only the last real position's logits: the vocabulary projection of every window position would cost more
-    # than the layers of a small draft model.
-    x_RWD = hidden_states(draft_params, window_RW, draft_cfg, rules=rules)
-    x_R1D = jnp.take_along_axis(x_RWD, (window_lengths_R + j - 1)[:, None, None], axis=1)
-    q_RV = probabilities(unembed(draft_params, x_R1D, draft_cfg, rules)[:, 0], sampling)
-    window_RW = window_RW.at[jnp.arange(R), window_lengths_R + j].set(invert_cdf(q_RV, draft_u_RK[:, j]))
-    return window_RW, q_RKV.at[:, j].set(q_RV)
-
-  q_RKV = jnp.zeros((R, K, draft_cfg.vocab_size), jnp.float32)
-  window_RW, q_RKV = jax.lax.fori_loop(0, K, draft, (window_RW, q_RKV))
-  drafts_RK = jnp.take_along_axis(window_RW, window_lengths_R[:, None] + jnp.arange(K)[None], axis=1)
-  logits_RTV, cache = _policy_logits(params, k, v, rows, jnp.concatenate([rows.tokens[:, :1], drafts_RK], axis=1),
-                                     cfg=cfg, rules=rules, kernel=kernel)
-  V = logits_RTV.shape[-1]
-  p_RTV = probabilities(logits_RTV.reshape(R * T, V), sampling).reshape(R, T, V)
-  tokens_RT, accepted_R = rejection_sample(
-      p_RTV, q_RKV, drafts_RK, jnp.maximum(rows.drafts, 0),
-      uniforms(jax.random.fold_in(key, ACCEPT_STREAM), rows.seq_ids, rows.sampled, K),
-      uniforms(key, rows.seq_ids, rows.sampled, T))
-  return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
-
-
-def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, key: jax.Array, *, cfg: ModelConfig,
-                    drafter: NgramDrafter, drafts: int, rounds: int, sampling: SamplingConfig,
-                    tempered_log_probs: bool, pad_id: int, rules: sharding.Rules,
-                    kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
+def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, draft_params: Params | None,
+                    key: jax.Array, *, cfg: ModelConfig, ngram: NgramDrafter | None, draft_cfg: ModelConfig | None,
+                    window: int, drafts: int, rounds: int, sampling: SamplingConfig, tempered_log_probs: bool,
+                    pad_id: int, rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
   """Up to `rounds` verify rounds for every live row, drafting on the device: no host round trip between rounds.
 
   Each round, row r drafts up to min(drafts[r], remaining - 1) tokens after
-  its context (`NgramDrafter.drafts`), one forward feeds its pending token
-  and drafts (`verify_pages`), and it emits the accepted drafts and one token
-  more, cut after a stop id; its context, length, budget and RNG counter
-  advance by what it emitted. The tokens are those decoding draws, as in
-  `verify_pages`.
+  its context: by `ngram`'s lookup, or sampled by the draft model
+  (`draft_params`, `draft_cfg`) from its last `window` context tokens. One
+  forward feeds its pending token and drafts (`verify_pages`); it emits the
+  accepted drafts and one token more, cut after a stop id, and its context,
+  length, budget and RNG counter advance by what it emitted. N-gram drafts
+  are deterministic, so the tokens are those decoding draws (`verify_pages`);
+  a draft model's go through the rejection rule with uniforms of their own
+  (`ptx.sampling.speculative`), drawn by token index as decoding's are, so
+  neither depends on how rounds fall into calls.
   """
   params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
   R, L = rows.context.shape
@@ -235,17 +200,28 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, key
   def round_(carry):
     i, k, v, lengths, context, live, remaining, sampled, finish, out = carry
     could_R = live & (rows.drafts > 0) & (remaining > 1)
-    drafts_RK, n_R = drafter.drafts(context, lengths + 1, jnp.where(live, jnp.minimum(rows.drafts, remaining - 1), 0),
-                                    K)
+    wanted_R = jnp.where(live, jnp.minimum(rows.drafts, remaining - 1), 0)
     pending_R = jnp.take_along_axis(context, lengths[:, None], axis=1)[:, 0]
+    if ngram is not None:
+      drafts_RK, n_R = ngram.drafts(context, lengths + 1, wanted_R, K)
+    else:
+      drafts_RK, q_RKV = _model_drafts(draft_params, context, lengths + 1, rows.seq_ids, sampled, key,
+                                       draft_cfg=draft_cfg, window=window, K=K, sampling=sampling, rules=rules)
+      n_R = wanted_R
     fed = VerifyRows(page_table=rows.page_table, lengths=lengths,
                      tokens=jnp.concatenate([pending_R[:, None], drafts_RK], axis=1),
                      drafts=jnp.where(live, n_R, -1), seq_ids=rows.seq_ids, sampled=sampled, pairs=rows.pairs)
     logits_RTV, cache = _policy_logits(params, k, v, fed, fed.tokens, cfg=cfg, rules=rules, kernel=kernel)
     V = logits_RTV.shape[-1]
-    tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, sampled, T).reshape(-1),
-                             sampling).reshape(R, T)
-    accepted_R = accepted_drafts(tokens_RT, drafts_RK, n_R)
+    if ngram is not None:
+      tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, sampled, T).reshape(-1),
+                               sampling).reshape(R, T)
+      accepted_R = accepted_drafts(tokens_RT, drafts_RK, n_R)
+    else:
+      tokens_RT, accepted_R = rejection_sample(
+          probabilities(logits_RTV.reshape(R * T, V), sampling).reshape(R, T, V), q_RKV, drafts_RK, n_R,
+          uniforms(jax.random.fold_in(key, ACCEPT_STREAM), rows.seq_ids, sampled, K),
+          uniforms(key, rows.seq_ids, sampled, T))
     verified = _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
     stop_RT = jnp.any(tokens_RT[..., None] == rows.stop_ids[:, None], axis=-1) & (at_T <= accepted_R[:, None])
     stopped_R = live & jnp.any(stop_RT, axis=1)
@@ -276,6 +252,41 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, key
   return k, v, out._replace(finish=finish)
 
 
+def _model_drafts(draft_params: Params, context_RL: jax.Array, lengths_R: jax.Array, seq_ids: jax.Array,
+                  sampled: jax.Array, key: jax.Array, *, draft_cfg: ModelConfig, window: int, K: int,
+                  sampling: SamplingConfig, rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
+  """K drafts per row sampled by a draft model from its last `window` context tokens, with their distributions.
+
+  The window (left-aligned, then room for the drafts) is read afresh each
+  round: the draft model runs K full forwards over it, with no cache of its
+  own to keep in step with the pages. Draft j of a row whose next token is
+  its sampled[r]-th uses that token's uniform of the draft stream.
+
+  Returns:
+    (int32 drafts [R, K], float32 q [R, K, V]: draft j's distribution).
+  """
+  R, L = context_RL.shape
+  used_R = jnp.minimum(lengths_R, window)
+  at_RW = jnp.arange(window + K)[None]
+  window_RW = jnp.take_along_axis(context_RL, jnp.clip(lengths_R[:, None] - used_R[:, None] + at_RW, 0, L - 1), axis=1)
+  window_RW = jnp.where(at_RW < used_R[:, None], window_RW, 0)
+  draft_u_RK = uniforms(jax.random.fold_in(key, DRAFT_STREAM), seq_ids, sampled, K)
+
+  def draft(j, carry):
+    window_RW, q_RKV = carry
+    # Only the last real position's logits: the vocabulary projection of every window position would cost more
+    # than the layers of a small draft model.
+    x_RWD = hidden_states(draft_params, window_RW, draft_cfg, rules=rules)
+    x_R1D = jnp.take_along_axis(x_RWD, (used_R + j - 1)[:, None, None], axis=1)
+    q_RV = probabilities(unembed(draft_params, x_R1D, draft_cfg, rules)[:, 0], sampling)
+    window_RW = window_RW.at[jnp.arange(R), used_R + j].set(invert_cdf(q_RV, draft_u_RK[:, j]))
+    return window_RW, q_RKV.at[:, j].set(q_RV)
+
+  q_RKV = jnp.zeros((R, K, draft_cfg.vocab_size), jnp.float32)
+  window_RW, q_RKV = jax.lax.fori_loop(0, K, draft, (window_RW, q_RKV))
+  return jnp.take_along_axis(window_RW, used_R[:, None] + jnp.arange(K)[None], axis=1), q_RKV
+
+
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
                    rules: sharding.Rules, kernel: Kernel | None) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
   """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
@@ -297,12 +308,9 @@ decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "step
                                                      "rules", "kernel"), donate_argnums=(1, 2))
 verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
                          donate_argnums=(1, 2))
-draft_verify_program = jax.jit(draft_verify_pages, static_argnames=("cfg", "draft_cfg", "sampling",
-                                                                   "tempered_log_probs", "rules", "kernel"),
-                               donate_argnums=(1, 2))
-speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
-                                                               "tempered_log_probs", "pad_id", "rules", "kernel"),
-                            donate_argnums=(1, 2))
+speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "ngram", "draft_cfg", "window", "drafts",
+                                                               "rounds", "sampling", "tempered_log_probs", "pad_id",
+                                                               "rules", "kernel"), donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
 

@@ -1,49 +1,46 @@
 """The speculative rollout engine: the rollout engine, with a drafter's tokens verified in one forward of the policy.
 
-Each step, every live sequence whose drafting is on asks its drafter for up
-to `SpeculativeConfig.drafts` tokens after its context (a `DraftModel`
-samples them on the device, in the verify call), never more than its turn's
-remaining tokens minus one: the verify forward then writes only
+A verify round: every live sequence whose drafting is on gets up to
+`SpeculativeConfig.drafts` drafted tokens after its context, never more than
+its turn's remaining tokens minus one: the verify forward then writes only
 positions its pages already cover (admission reserves nothing more) and a
-turn never emits more than its budget. When drafting pays for the step (the
-cost model below), one verify call feeds each live row its pending token and
-drafts at positions length .. length + k, samples the policy's token after
-each (`ptx.sampling.speculative`) and emits the accepted drafts and one token
-more; a stop id inside that run ends the turn there. The row's length
-advances by what it emitted, so the K/V written for rejected drafts lies past
-it, where attention (bounded by each row's length and each query's position)
-never reads and the next call writes first. Otherwise the step runs the
-plain decode program, `decode_steps` tokens per row.
+turn never emits more than its budget. One forward feeds each live row its
+pending token and drafts at positions length .. length + k, samples the
+policy's token after each (`ptx.sampling.speculative`) and emits the
+accepted drafts and one token more; a stop id inside that run ends the turn
+there. The row's length advances by what it emitted, so the K/V written for
+rejected drafts lies past it, where attention (bounded by each row's length
+and each query's position) never reads and the next round writes first.
 
-An `NgramDrafter` drafts on the device, inside the call: one call runs up to
-`SpeculativeConfig.rounds` such verify rounds (`engine_programs.speculate_pages`),
-each drafting from the context the earlier rounds extended, so the host's
-round trip is paid once per up to rounds x (K + 1) tokens a row, not per
-verify. Its drafts follow the host rule `NgramDrafter.drafts` states.
+Device drafters (`NgramDrafter`, `DraftModel`) draft inside the call, so one
+call runs up to `SpeculativeConfig.rounds` rounds
+(`engine_programs.speculate_pages`), each drafting from the context the
+earlier rounds extended: the host's round trip is paid once per up to
+rounds x (K + 1) tokens a row. A host `Drafter` proposes on the host, one
+round per call. When drafting does not pay for a step (the cost model
+below), the step runs the plain decode program, `decode_steps` tokens per row.
 
-With a deterministic drafter (a host `Drafter`, `NgramDrafter`) the emitted
+With a deterministic drafter (`NgramDrafter`, a host `Drafter`) the emitted
 tokens are those the standard engine samples with the same seed (the same
-uniform per token), so everything the
-engine promises (greedy equals `generate`, reproducibility whatever the
-shapes, log-probs from the policy's own logits) holds, drafting or not. A
-`DraftModel`'s drafts go through the rejection rule with uniforms of their
-own: the tokens follow the policy's distribution (greedy: its tokens), and
-the same seed, submission order and engine shapes give the same tokens.
+uniform per token), so everything the engine promises (greedy equals
+`generate`, reproducibility whatever the shapes, log-probs from the policy's
+own logits) holds, drafting or not. A `DraftModel`'s drafts go through the
+rejection rule with uniforms of their own: the tokens follow the policy's
+distribution (greedy: its tokens), and the same seed, submission order and
+engine shapes give the same tokens.
 
-Cost model: a verify call costs `verify_cost` decode steps whatever the
+Cost model: a verify round costs `verify_cost` decode steps whatever the
 drafts (it computes K + 1 positions per row) and gives each row its accepted
 drafts plus one token; a decode step gives one. A sequence's tokens per
-verify (1 + its accepted drafts per verify in which it drafted, or, drafting
-on the device, in which it could draft: a round with no n-gram match counts,
-giving one token) is measured;
-once it has drafted in `min_verifies` verifies, its drafting is turned off
-for good while that rate is below `verify_cost`. A step verifies only when
-the live rows' expected tokens per verify (the measured rate, or 1 + k
-before `min_verifies`, for a row with k drafts; 1 for a row without) reach
-`verify_cost` per row; else decoding gives more tokens for the time. The
-host's time (drafting, one round trip per call: per verify with a host
-drafter, per `rounds` verifies with `NgramDrafter`, against one per
-`decode_steps` tokens) is outside the model.
+round (1 + its accepted drafts per round in which it could draft: drafting
+on, room for a draft; a round in which the n-gram lookup finds nothing
+counts, giving one token) is measured; once it has drafted in
+`min_verifies` rounds, its drafting is turned off for good while that rate
+is below `verify_cost`. A step verifies only when the live rows' expected
+tokens per round (the measured rate, or 1 + k before `min_verifies`, for a
+row that may draft k; 1 for a row without) reach `verify_cost` per row;
+else decoding gives more tokens for the time. The host's time (one round
+trip per call, and a host drafter's proposals) is outside the model.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ from ptx.sampling import buckets
 from ptx.sampling.drafting import Drafter, DraftModel, NgramDrafter
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
-from ptx.sampling.engine_programs import (SpeculateRows, VerifyRows, draft_verify_program, reading_pairs,
-                                         speculate_program, verify_program)
+from ptx.sampling.engine_programs import SpeculateRows, VerifyRows, reading_pairs, speculate_program, verify_program
 from ptx.sampling.generation import LENGTH, STOP
 
 
@@ -150,7 +146,7 @@ class SpeculativeEngine(RolloutEngine):
   def _verify(self, params: Params, policy_version: int, live: list[HostSequence],
               drafts: dict[int, list[int]]) -> list[Completion]:
     """One verify call over the live sequences; returns the turns that finished."""
-    if isinstance(self.drafter, NgramDrafter):
+    if isinstance(self.drafter, (DraftModel, NgramDrafter)):
       return self._speculate(params, policy_version, live)
     row_of, R = self._pack_rows(live, self._slots_per_block)
     table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
@@ -166,12 +162,7 @@ class SpeculativeEngine(RolloutEngine):
     pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
     rows = VerifyRows(*self._rows(table, lengths, tokens, n_drafts, seq_ids, sampled), pairs)
     statics = dict(self._statics, sampling=self.sampling, tempered_log_probs=self._decode_statics["tempered_log_probs"])
-    if isinstance(self.drafter, DraftModel):
-      self._k, self._v, out = draft_verify_program(params, self._k, self._v, rows,
-                                                   *self._rows(*self._windows(live, row_of, R)), self.drafter.params,
-                                                   self._key, draft_cfg=self.drafter.cfg, **statics)
-    else:
-      self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **statics)
+    self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **statics)
     tokens, log_probs, accepted = jax.device_get(tuple(out))
     done = []
     for seq in live:
@@ -186,7 +177,7 @@ class SpeculativeEngine(RolloutEngine):
     return [c for c in done if c is not None]
 
   def _speculate(self, params: Params, policy_version: int, live: list[HostSequence]) -> list[Completion]:
-    """One call of up to `rounds` verify rounds over the live sequences, drafting on the device."""
+    """One call of up to `rounds` verify rounds over the live sequences, drafting on the device (n-gram or model)."""
     spec = self.speculative
     per_call = spec.rounds * (spec.drafts + 1)
     row_of, R = self._pack_rows(live, self._slots_per_block)
@@ -212,8 +203,11 @@ class SpeculativeEngine(RolloutEngine):
     rows = SpeculateRows(*self._rows(table, lengths, context, is_live, remaining, drafts, stops, seq_ids, sampled),
                          pairs)
     statics = {name: value for name, value in self._decode_statics.items() if name != "steps"}
-    self._k, self._v, out = speculate_program(params, self._k, self._v, rows, self._key, **self._statics, **statics,
-                                              drafter=self.drafter, drafts=spec.drafts, rounds=spec.rounds)
+    model = self.drafter if isinstance(self.drafter, DraftModel) else None
+    self._k, self._v, out = speculate_program(
+        params, self._k, self._v, rows, model and model.params, self._key, **self._statics, **statics,
+        ngram=None if model else self.drafter, draft_cfg=model and model.cfg, window=model.window if model else 0,
+        drafts=spec.drafts, rounds=spec.rounds)
     tokens, log_probs, emitted, finish, drafted, accepted, verifies = jax.device_get(tuple(out))
     done = []
     for seq in live:
@@ -223,15 +217,6 @@ class SpeculativeEngine(RolloutEngine):
       done.append(self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(),
                              int(finish[r]), policy_version))
     return [c for c in done if c is not None]
-
-  def _windows(self, live: list[HostSequence], row_of: dict[int, int], R: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's last `DraftModel.window` context tokens, left-aligned with room for its drafts, and their count."""
-    W = self.drafter.window
-    window, counts = np.zeros((R, W + self.speculative.drafts), np.int32), np.ones((R,), np.int32)
-    for seq in live:
-      context = (seq.cached + [seq.pending])[-W:]
-      window[row_of[seq.seq_id], :len(context)], counts[row_of[seq.seq_id]] = context, len(context)
-    return window, counts
 
   def _count(self, seq: HostSequence, verifies: int, drafted: int, accepted: int) -> None:
     """Records verifies in which `seq` could draft; turns its drafting off when its measured rate does not pay."""

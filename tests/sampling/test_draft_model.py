@@ -14,7 +14,7 @@ from ptx.sampling import SamplingConfig
 from ptx.sampling.drafting import DraftModel
 from ptx.sampling.engine import EngineConfig
 from ptx.sampling.speculative import rejection_sample
-from ptx.sampling.speculative_engine import SpeculativeEngine
+from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
 
 
 def _rule_samples(p_TV, q_KV, claimed_q_KV, n, seed=0):
@@ -84,6 +84,25 @@ def test_draft_model_samples_follow_the_policy(temperature=0.8):
   accepted, drafted = sum(c.accepted for c in done.values()), sum(c.drafted for c in done.values())
   assert min(accepted, drafted - accepted) > 500  # drafts were accepted and rejected many times
   assert _chi_square_p(counts, probs) > ALPHA
+
+
+def test_sampled_draft_model_tokens_do_not_depend_on_rounds_per_call(tiny_config):
+  """The draft stream's uniforms are drawn by token index, so splitting the rounds into calls changes nothing."""
+  cfg = tiny_config
+  params = _params(cfg)
+  drafter = DraftModel(_params(cfg, seed=3), cfg, window=8)
+  got = []
+  for rounds in (1, 3):
+    engine = SpeculativeEngine(cfg, SMALL, drafter=drafter, sampling=SamplingConfig(temperature=0.7, top_k=3),
+                               speculative=SpeculativeConfig(drafts=3, verify_cost=1.0, rounds=rounds), seed=5)
+    for prompt in PROMPTS[:4]:
+      engine.submit(prompt, max_new_tokens=14, samples=2)
+    got.append(engine.run(params))
+  assert sorted(got[0]) == sorted(got[1])
+  for seq_id, c in got[0].items():
+    np.testing.assert_array_equal(got[1][seq_id].tokens, c.tokens)
+    assert (got[1][seq_id].drafted, got[1][seq_id].accepted) == (c.drafted, c.accepted)
+  assert 0 < sum(c.accepted for c in got[0].values()) < sum(c.drafted for c in got[0].values())
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_config):
