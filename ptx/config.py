@@ -492,6 +492,9 @@ class RolloutConfig:
   verify_cost: float = 1.5
   # Fast mode: the longest context suffix the n-gram drafter looks up.
   max_ngram: int = 3
+  # Fast mode: verify rounds per device call (the drafter runs on the device): one host round trip per up to
+  # rounds x (drafts + 1) tokens a sequence.
+  rounds: int = 4
   # K/V pages of the rollout engine, either mode: "auto" (the compute dtype) or "int8" (a float32 scale per slot
   # and head: about half of bfloat16's KV bytes; the sampler's log-probs are then the int8 cache's, so the loss
   # rescores them as fast mode does).
@@ -502,9 +505,9 @@ class RolloutConfig:
       raise ValueError(f"rollout.mode must be standard or fast, got {self.mode!r}")
     if self.kv_dtype not in ("auto", "int8"):
       raise ValueError(f"rollout.kv_dtype must be auto or int8, got {self.kv_dtype!r}")
-    if self.drafts < 1 or self.max_ngram < 1 or self.verify_cost < 1.0:
-      raise ValueError(f"rollout.drafts ({self.drafts}) and rollout.max_ngram ({self.max_ngram}) must be >= 1, "
-                       f"rollout.verify_cost ({self.verify_cost}) >= 1")
+    if min(self.drafts, self.max_ngram, self.rounds) < 1 or self.verify_cost < 1.0:
+      raise ValueError(f"rollout.drafts ({self.drafts}), rollout.max_ngram ({self.max_ngram}) and rollout.rounds "
+                       f"({self.rounds}) must be >= 1, rollout.verify_cost ({self.verify_cost}) >= 1")
 
 
 # The spec's presets (section 5.9), selectable as --grpo=NAME.

@@ -66,7 +66,7 @@ class RolloutMode:
     kv_int8 = cfg.kv_dtype == "int8"
     if cfg.mode == "standard":
       return cls(kv_int8=kv_int8)
-    return cls(speculative=SpeculativeConfig(drafts=cfg.drafts, verify_cost=cfg.verify_cost),
+    return cls(speculative=SpeculativeConfig(drafts=cfg.drafts, verify_cost=cfg.verify_cost, rounds=cfg.rounds),
                drafter=NgramDrafter(max_ngram=cfg.max_ngram), int8=True, kv_int8=kv_int8)
 
   @property
