@@ -40,16 +40,19 @@ def _fast_grpo_config(**changes) -> Config:
 
 def test_the_switch_parses_and_builds_the_fast_engine_step():
   cfg = config_io.apply_overrides(presets.TOY["grpo"](), ["--rollout.mode=fast", "--grpo.rollouts=engine",
-                                                          "--rollout.drafts=3"])
+                                                          "--rollout.drafts=3", "--rollout.rounds=2"])
   built = job.grpo_host_job(cfg, TOK, _even_tokens_on_host)
   assert isinstance(built.step, EngineGRPOStep) and "rollout" in built.sections
   assert built.step.mode == RolloutMode.of(cfg.rollout)
   assert built.step.mode.int8 and built.step.mode.speculative.drafts == 3 and not built.step.mode.exact
+  assert built.step.mode.speculative.rounds == 2
   assert RolloutMode.of(RolloutConfig()).standard and RolloutMode.of(RolloutConfig()).exact
   with pytest.raises(ConfigError, match="rollout.mode"):
     config_io.apply_overrides(Config(), ["--rollout.mode=turbo"])
   with pytest.raises(ValueError, match="rollout.drafts"):
     RolloutConfig(drafts=0)
+  with pytest.raises(ValueError, match=r"rollout.rounds \(0\)"):
+    RolloutConfig(rounds=0)
 
 
 @pytest.mark.parametrize("build, changes, names", [
