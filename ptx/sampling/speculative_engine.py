@@ -74,8 +74,8 @@ class SpeculativeConfig:
   verify_cost: float = 1.5
   # Verifies a sequence drafts in before its measured acceptance may turn its drafting off.
   min_verifies: int = 4
-  # Verify rounds per device call with an `NgramDrafter` (it drafts on the device): one host round trip per up to
-  # rounds * (drafts + 1) tokens a row, as a decode call gives `decode_steps`.
+  # Verify rounds per device call with a drafter that drafts on the device (`NgramDrafter`, `DraftModel`): one host
+  # round trip per up to rounds * (drafts + 1) tokens a row, as a decode call gives `decode_steps`.
   rounds: int = 4
 
   def __post_init__(self):
