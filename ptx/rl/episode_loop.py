@@ -10,6 +10,15 @@ never rebuilt and the next turn starts where the reply ends. While some
 episodes wait on their tools, the engine decodes the others: the loop only
 waits on a tool when nothing else can run.
 
+That overlap makes the schedule depend on tool timing: which turns share an
+engine call, and so the order in which a row's float32 sums run. Tokens do
+not depend on it (below), but the log-probs move by an ulp or two. With
+`lockstep=True` every engine call first waits for the tools of all the turns
+before it and takes their replies in episode order, so each call, and every
+log-prob, is a function of the tokens alone: two runs, or a run and its
+resumption, play bitwise alike. Tools still run at once with one another;
+the engine idles while the slowest of a call's tools runs.
+
 An episode ends when the environment says done, at the environment's turn
 limit (`Environment.max_turns` steps), or when the context is full (the
 next turn would not fit `max_context`): then it is scored 0 with outcome
@@ -105,7 +114,7 @@ class _Live:
 def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequence[Mapping[str, Any]],
          fmt: TurnFormat, *, samples: int = 1, max_turn_tokens: int = 256, max_context: int | None = None,
          max_episode_tokens: int | None = None, policy_version: int = 0,
-         tool_threads: int = 16) -> list[Trajectory]:
+         tool_threads: int = 16, lockstep: bool = False) -> list[Trajectory]:
   """Plays `samples` episodes of every task to the end; returns them in task, then sample order.
 
   Args:
@@ -125,6 +134,9 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
       the context bounds it.
     policy_version: stamped on every sampled token.
     tool_threads: environment steps running at once.
+    lockstep: wait for every running tool before each engine call, so the
+      log-probs do not depend on tool timing (see the module docstring);
+      False: decode the other episodes while tools run.
 
   Returns:
     One `Trajectory` per episode.
@@ -161,7 +173,7 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
         live[seq_id] = _Live(index, sample, episode, seq_id, prompt, room,
                              messages=[{"role": "user", "content": episode.prompt}])
     _run(engine, params, env, fmt, live, done, max_turn_tokens=max_turn_tokens,
-         policy_version=policy_version, tool_threads=tool_threads)
+         policy_version=policy_version, tool_threads=tool_threads, lockstep=lockstep)
   finally:
     for state in live.values():
       state.episode.close()
@@ -170,7 +182,7 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
 
 def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnFormat, live: dict[int, _Live],
          done: dict[tuple[int, int], Trajectory], *, max_turn_tokens: int,
-         policy_version: int, tool_threads: int) -> None:
+         policy_version: int, tool_threads: int, lockstep: bool) -> None:
   """Steps the engine and the environment until every episode in `live` is done (moved to `done`)."""
   waiting: dict[concurrent.futures.Future, tuple[_Live, Completion]] = {}
 
@@ -197,10 +209,13 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
           raise RuntimeError("play: the engine can admit no more episodes and none is running: its pages or slots "
                              "are too few for one group's turn (EngineConfig.pages, max_seqs)")
         continue
-      # Wait on a tool only when the engine has nothing left to decode.
-      ready, _ = concurrent.futures.wait(list(waiting), timeout=None if engine.stalled or not engine.busy else 0,
-                                         return_when=concurrent.futures.FIRST_COMPLETED)
-      for future in ready:
+      if lockstep:
+        ready = concurrent.futures.wait(list(waiting)).done
+      else:  # wait on a tool only when the engine has nothing left to decode
+        ready, _ = concurrent.futures.wait(list(waiting), timeout=None if engine.stalled or not engine.busy else 0,
+                                           return_when=concurrent.futures.FIRST_COMPLETED)
+      # In episode order: the order of the replies decides the engine's rows.
+      for future in sorted(ready, key=lambda f: waiting[f][0].seq_id):
         state, completion = waiting.pop(future)
         step, seconds = future.result()
         state.tool_wait_s += seconds

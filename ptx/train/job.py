@@ -190,7 +190,7 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
                                  "once: set grpo.max_staleness=0 (got "
                                  f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
   step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat.of(tokenizer), _engine_config(cfg, ahead=0),
-                         g.turn_tokens)
+                         g.turn_tokens, g.episode_lockstep)
   return _job(cfg, "grpo_episodes", step, rules, with_reference=g.uses_reference, updates_per_step=g.updates_per_step)
 
 

@@ -46,12 +46,13 @@ from ptx.train.step import model_params
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeGRPOStep(GRPOStepKind):
-  """The multi-turn GRPO step of a Job: `spec`, the environment, the episodes' token form and the engine's shapes."""
+  """The multi-turn GRPO step of a Job: `spec`, the environment, the episodes' token form, the engine's shapes."""
 
   env: Environment
   fmt: TurnFormat
   engine: EngineConfig
   max_turn_tokens: int
+  lockstep: bool
 
   def stream(self, data: Any) -> Lookahead:
     """The task batches as `fit` reads them: a `Lookahead`, so the step can tell the environment the next batch."""
@@ -61,7 +62,8 @@ class EpisodeGRPOStep(GRPOStepKind):
             data: Any) -> "EpisodeStep":
     """The step object for `fit`, reading the next batch's tasks ahead of `data` (`stream`'s)."""
     return EpisodeStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings, env=self.env,
-                       fmt=self.fmt, engine=self.engine, max_turn_tokens=self.max_turn_tokens, tasks=data)
+                       fmt=self.fmt, engine=self.engine, max_turn_tokens=self.max_turn_tokens, lockstep=self.lockstep,
+                       tasks=data)
 
 
 class EpisodeStep:
@@ -80,6 +82,9 @@ class EpisodeStep:
       tokens) included.
     max_turn_tokens: tokens the model may sample in one turn.
     tool_threads: environment steps running at once.
+    lockstep: wait for every running tool before each engine call, so the
+      log-probs, and a resumed run, do not depend on tool timing
+      (`ptx.rl.episode_loop.play`).
     tasks: the batches `fit` reads (a `Lookahead`): an environment that
       `PreparesAhead` is told the next batch's tasks as each step starts, so
       their initial states (a warm pool's workspaces) are made while this
@@ -91,14 +96,14 @@ class EpisodeStep:
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, env: Environment, fmt: TurnFormat, engine: EngineConfig,
-               max_turn_tokens: int, tool_threads: int = 16, tasks: Lookahead | None = None):
+               max_turn_tokens: int, tool_threads: int = 16, lockstep: bool = True, tasks: Lookahead | None = None):
     self._prompt_width = engine.max_seq_len - spec.max_new_tokens
     if self._prompt_width < 1:
       raise ValueError(f"EngineConfig.max_seq_len ({engine.max_seq_len}) must exceed max_new_tokens "
                        f"({spec.max_new_tokens}): it holds the first prompt too")
     self._spec, self._mesh, self._env, self._fmt = spec, mesh, env, fmt
     self._engine_config = engine_on_mesh(engine, mesh, spec.rules)
-    self._max_turn_tokens, self._tool_threads = max_turn_tokens, tool_threads
+    self._max_turn_tokens, self._tool_threads, self._lockstep = max_turn_tokens, tool_threads, lockstep
     self._tasks = tasks
 
     def learn_fn(state, rollouts, gen, rewards):
@@ -118,8 +123,7 @@ class EpisodeStep:
     expect_next(self._env, self._tasks, G)
     trajectories = play(engine, model_params(state, spec.lora), self._env, list(batch["task"]), self._fmt,
                         samples=G, max_turn_tokens=self._max_turn_tokens, max_episode_tokens=spec.max_new_tokens,
-                        policy_version=k,
-                        tool_threads=self._tool_threads)
+                        policy_version=k, tool_threads=self._tool_threads, lockstep=self._lockstep)
     played = time.perf_counter()
     rows, gen, rewards = episode_rollouts(trajectories, G, prompt_width=self._prompt_width,
                                           width=spec.max_new_tokens, pad_id=spec.pad_id)

@@ -148,9 +148,15 @@ def test_the_same_seed_gives_the_same_trajectories_whatever_the_tools_timing(mod
   second = _play(model, ScriptedEnv(hook=jitter(1)), samples=2)
   for a, b in zip(first, second, strict=True):
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    # Tool timing changes which rows share a decode call, so the paged attention sums a row's pages in other
-    # blocks: log-probs move by an ulp or two (seen 4.8e-7), the sampled tokens not at all.
+    # Tool timing changes which rows share a decode call, so the call's row count and pairs of pages differ and
+    # a row's float32 sums run in another order: log-probs move by an ulp or two (seen 9.5e-7), tokens not at all.
     np.testing.assert_allclose(a.log_probs, b.log_probs, atol=2e-6, rtol=0)
+  # In lockstep every call is a function of the tokens alone: bitwise alike under any timing (the jitter above
+  # moves the log-probs of most episodes when the engine does not wait).
+  locked = [_play(model, ScriptedEnv(hook=jitter(seed)), samples=2, lockstep=True) for seed in (2, 3)]
+  for a, b, c in zip(*locked, first, strict=True):
+    np.testing.assert_array_equal(a.tokens, c.tokens)
+    np.testing.assert_array_equal(a.log_probs, b.log_probs)
   other = _play(model, ScriptedEnv(), seed=1, samples=2)
   assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(first, other))
 
