@@ -1,6 +1,6 @@
 """Multi-turn episodes with slow tools: the episode loop (tools overlap decoding) against lockstep turns.
 
-Both methods run the same episodes through the same engine, model and seed:
+Every method runs the same episodes through the same engine, model and seed:
 
   overlap   `ptx.rl.episode_loop.play`: an episode's reply goes back to the
             engine the moment its tool returns, and the engine decodes
@@ -8,6 +8,11 @@ Both methods run the same episodes through the same engine, model and seed:
   lockstep  one turn-batch at a time, as a loop that decodes every live
             episode's turn and then runs all their tools (concurrently) does:
             every turn waits for the slowest tool of the batch
+  play_lockstep  `play(..., lockstep=True)`, multi-turn training's default
+            (`grpo.episode_lockstep`): tools run while the engine decodes,
+            but replies join only when it can run nothing else, all at once,
+            so log-probs do not depend on tool timing; slots refill as
+            episodes end, where lockstep waves wait for the whole wave
 
 The environment's tool calls sleep for a duration drawn from [--tool-min,
 --tool-max] seconds, uniformly or log-uniformly (--tool-dist: most calls
@@ -107,8 +112,10 @@ def tool_floors(tasks: list[dict], args) -> dict:
   episodes = [sum(c) for c in calls.values()]  # task-major, as the loop submits them
   overlap = admitted_in_order(episodes, args.concurrent, args.samples)
   ideal = max(sum(episodes) / args.concurrent, max(episodes))
+  # Every episode takes --turns calls, so the episodes that drain together end together and free their slots as
+  # a wave: play_lockstep's floor is lockstep's.
   return {"tool_floor_s": {"overlap": round(overlap, 3), "lockstep": round(lockstep, 3),
-                           "overlap_ideal": round(ideal, 3)},
+                           "play_lockstep": round(lockstep, 3), "overlap_ideal": round(ideal, 3)},
           "tool_bound": round(lockstep / overlap, 3), "tool_bound_ideal": round(lockstep / ideal, 3)}
 
 
@@ -172,10 +179,10 @@ def timed_engine(engine: RolloutEngine) -> list[float]:
   return seconds
 
 
-def run_overlap(engine, params, env, tasks, fmt, args) -> dict:
+def run_play(engine, params, env, tasks, fmt, args, *, lockstep: bool = False) -> dict:
   """The episode loop."""
   out = play(engine, params, env, tasks, fmt, samples=args.samples, max_turn_tokens=args.turn_tokens,
-             tool_threads=args.concurrent)
+             tool_threads=args.concurrent, lockstep=lockstep)
   return {"episodes_done": len(out), "tool_calls": sum(t.turns for t in out)}
 
 
@@ -220,7 +227,8 @@ def _lockstep_wave(engine, params, env, tasks, fmt, args) -> int:
 
 _COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda name, seconds, **_: _COMPILES.append(seconds) if name == "/jax/core/compile/backend_compile_duration" else None)
+    lambda name, seconds, **_: _COMPILES.append(seconds)
+    if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
 def workload(args, episodes: int | None = None) -> list[dict]:
@@ -242,7 +250,8 @@ def measure(method: str, params, cfg, args) -> dict:
                         page_size=args.page_size, max_seq_len=args.context, decode_steps=args.decode_steps,
                         prefill_chunk=64, prefill_rows=16)
   fmt = TurnFormat(ByteTokenizer())
-  run = {"overlap": run_overlap, "lockstep": run_lockstep}[method]
+  run = {"overlap": run_play, "lockstep": run_lockstep,
+         "play_lockstep": lambda *a: run_play(*a, lockstep=True)}[method]
 
   def once(tasks: list[dict]) -> dict:
     engine = RolloutEngine(cfg, config, sampling=SamplingConfig(temperature=1.0), seed=args.seed)
@@ -314,9 +323,10 @@ def rows(args):
                  "device_busy_frac_median": statistics.median(x["device_busy_frac"] for x in rs),
                  "runs": [x["episodes_per_s"] for x in rs], "cpu_s": [x["cpu_s"] for x in rs]}
              for m, rs in runs.items() if rs}  # --rounds 0: the tool floors alone
-  if {"overlap", "lockstep"} <= set(summary):
-    summary["overlap_over_lockstep"] = round(summary["overlap"]["episodes_per_s_median"]
-                                             / summary["lockstep"]["episodes_per_s_median"], 2)
+  for other in ("lockstep", "play_lockstep"):
+    if {"overlap", other} <= set(summary):
+      summary[f"overlap_over_{other}"] = round(summary["overlap"]["episodes_per_s_median"]
+                                               / summary[other]["episodes_per_s_median"], 2)
   summary.update(tool_floors(workload(args), args))
   yield {"summary": summary, "load_avg_1m_end": round(os.getloadavg()[0], 2)}
 

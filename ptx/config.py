@@ -366,9 +366,9 @@ class GRPOConfig:
   # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
   # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
   turn_tokens: int = 64
-  # Multi-turn environments: every engine call waits for the tools of the turns before it, so a step's log-probs
-  # do not depend on tool timing and a resumed run trains bitwise alike. False: the engine decodes other episodes
-  # while tools run (faster with slow tools); tokens still reproduce, log-probs only to float rounding.
+  # Multi-turn environments: tools' replies join the engine only when it can run nothing else, all at once, so a
+  # step's log-probs do not depend on tool timing and a resumed run trains bitwise alike. False: each reply joins as
+  # its tool returns (faster with slow tools); tokens still reproduce, log-probs only to float rounding.
   episode_lockstep: bool = True
   # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
   mask_truncated: bool = False

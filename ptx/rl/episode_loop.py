@@ -10,14 +10,16 @@ never rebuilt and the next turn starts where the reply ends. While some
 episodes wait on their tools, the engine decodes the others: the loop only
 waits on a tool when nothing else can run.
 
-That overlap makes the schedule depend on tool timing: which turns share an
-engine call, and so the order in which a row's float32 sums run. Tokens do
-not depend on it (below), but the log-probs move by an ulp or two. With
-`lockstep=True` every engine call first waits for the tools of all the turns
-before it and takes their replies in episode order, so each call, and every
-log-prob, is a function of the tokens alone: two runs, or a run and its
-resumption, play bitwise alike. Tools still run at once with one another;
-the engine idles while the slowest of a call's tools runs.
+That makes the schedule depend on tool timing: which turns share an engine
+call, and so the order in which a row's float32 sums run. Tokens do not
+depend on it (below), but the log-probs move by an ulp or two. With
+`lockstep=True` replies join only when the engine can run nothing else (every
+live episode waits on its tool, or on a slot that one holds), and then all at
+once, in episode order: the points where they join follow from the tokens
+alone, so every call and every log-prob does too, and two runs, or a run and
+its resumption, play bitwise alike. Tools still run while the engine decodes
+the other episodes' turns, but a reply that comes back early waits for the
+slowest, as in turns taken in waves.
 
 An episode ends when the environment says done, at the environment's turn
 limit (`Environment.max_turns` steps), or when the context is full (the
@@ -134,9 +136,9 @@ def play(engine: RolloutEngine, params: Params, env: Environment, tasks: Sequenc
       the context bounds it.
     policy_version: stamped on every sampled token.
     tool_threads: environment steps running at once.
-    lockstep: wait for every running tool before each engine call, so the
-      log-probs do not depend on tool timing (see the module docstring);
-      False: decode the other episodes while tools run.
+    lockstep: take replies only when the engine can run nothing else, all
+      at once, so the log-probs do not depend on tool timing (see the module
+      docstring); False: each as soon as its tool returns.
 
   Returns:
     One `Trajectory` per episode.
@@ -210,6 +212,8 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
                              "are too few for one group's turn (EngineConfig.pages, max_seqs)")
         continue
       if lockstep:
+        if engine.busy and not engine.stalled:
+          continue  # replies join only once the engine can run nothing else
         ready = concurrent.futures.wait(list(waiting)).done
       else:  # wait on a tool only when the engine has nothing left to decode
         ready, _ = concurrent.futures.wait(list(waiting), timeout=None if engine.stalled or not engine.busy else 0,

@@ -82,9 +82,9 @@ class EpisodeStep:
       tokens) included.
     max_turn_tokens: tokens the model may sample in one turn.
     tool_threads: environment steps running at once.
-    lockstep: wait for every running tool before each engine call, so the
-      log-probs, and a resumed run, do not depend on tool timing
-      (`ptx.rl.episode_loop.play`).
+    lockstep: take the tools' replies only when the engine can run nothing
+      else, all at once, so the log-probs, and a resumed run, do not depend
+      on tool timing (`ptx.rl.episode_loop.play`).
     tasks: the batches `fit` reads (a `Lookahead`): an environment that
       `PreparesAhead` is told the next batch's tasks as each step starts, so
       their initial states (a warm pool's workspaces) are made while this

@@ -1,4 +1,4 @@
-"""benchmarks/agent.py runs both methods on the same episodes and prints its figures."""
+"""benchmarks/agent.py runs its methods on the same episodes and prints its figures."""
 
 import argparse
 import json
@@ -10,19 +10,21 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "agent.py"
 
 
 def test_both_methods_play_the_same_episodes_and_print_a_summary():
-  out = subprocess.run([sys.executable, str(SCRIPT), "--model", "toy", "--episodes", "8", "--concurrent", "4", "--samples", "2",
-                        "--rounds", "1", "--tool-min", "0.001", "--tool-max", "0.005", "--turn-tokens", "4",
-                        "--context", "256", "--max-warmups", "0", "--warmup-episodes", "4"],
+  out = subprocess.run([sys.executable, str(SCRIPT), "--model", "toy", "--episodes", "8", "--concurrent", "4",
+                        "--samples", "2", "--rounds", "1", "--tool-min", "0.001", "--tool-max", "0.005",
+                        "--turn-tokens", "4", "--context", "256", "--max-warmups", "0", "--warmup-episodes", "4",
+                        "--methods", "overlap,lockstep,play_lockstep"],
                        capture_output=True, text=True, check=True)
   lines = [json.loads(line) for line in out.stdout.splitlines()]
   runs = {line["method"]: line for line in lines if "method" in line}
-  assert set(runs) == {"overlap", "lockstep"}
+  assert set(runs) == {"overlap", "lockstep", "play_lockstep"}
   for run in runs.values():
     assert run["episodes_done"] == 8 and run["tool_calls"] == 8 * 3  # every episode took its three tool calls
     assert 0 < run["device_busy_frac"] <= 1 and run["episodes_per_s"] > 0 and run["cpu_s"] > 0
     assert run["warmup_runs"] >= 2  # on the first 4 episodes, then the timed run of all 8
   summary = lines[-1]["summary"]
-  assert summary["overlap_over_lockstep"] > 0 and len(summary["overlap"]["runs"]) == 1
+  assert summary["overlap_over_lockstep"] > 0 and summary["overlap_over_play_lockstep"] > 0
+  assert len(summary["overlap"]["runs"]) == 1
   # Decoding costs time, so neither method can beat its tool floor.
   for method, run in runs.items():
     assert run["wall_s"] >= summary["tool_floor_s"][method] > 0

@@ -134,6 +134,40 @@ def test_tools_run_while_the_engine_decodes_other_episodes(model):
   assert trajectories[0].tool_wait_s > 0
 
 
+def test_lockstep_runs_tools_while_the_engine_decodes_and_takes_replies_when_it_drains(model):
+  # The long prompt's context leaves its turn 2 tokens, the short one's 6: the long turn ends a decode call (4 steps)
+  # earlier, and its tool returns only once the engine has decoded again. A loop that waited for every tool before
+  # each call would never get there, and the call would give up (an infrastructure error).
+  cfg, params = model
+  fmt = TurnFormat(ByteTokenizer())
+  engine = RolloutEngine(cfg, CONFIG, sampling=SAMPLING, seed=0)
+  calls, decoded = [0], threading.Condition()
+  step = engine.step
+
+  def counting_step(*args, **kwargs):
+    completions = step(*args, **kwargs)
+    with decoded:
+      calls[0] += 1
+      decoded.notify_all()
+    return completions
+
+  def hook(task, n):
+    if task["prompt"].startswith("long"):
+      with decoded:
+        started = calls[0]
+        if not decoded.wait_for(lambda: calls[0] > started, timeout=60):
+          raise TimeoutError("the engine decoded nothing while this tool ran")
+
+  engine.step = counting_step
+  tasks = [{"prompt": "long " + "x" * 24, "turns": 2}, {"prompt": "short", "turns": 1}]
+  context = len(fmt.prompt(tasks[0]["prompt"])) + 2
+  assert context - len(fmt.prompt(tasks[1]["prompt"])) >= 6
+  long, short = play(engine, params, ScriptedEnv(hook=hook), tasks, fmt, max_turn_tokens=6, max_context=context,
+                     lockstep=True)
+  assert len(long.tokens) == context and long.outcome == Outcome.LIMIT  # no room for its reply: not INFRA_ERROR
+  assert short.outcome == Outcome.OK and short.loss_mask.sum() == 6
+
+
 def test_the_same_seed_gives_the_same_trajectories_whatever_the_tools_timing(model):
   def jitter(seed):
     rng, lock = random.Random(seed), threading.Lock()
