@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from typing import Literal, Sequence
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,21 @@ class EngineConfig:
   def pages_per_seq(self) -> int:
     """Pages one sequence may hold: its page table's width."""
     return -(-self.max_seq_len // self.page_size)
+
+
+class LiveRows(NamedTuple):
+  """Live sequences packed into a call's rows (`RolloutEngine._live_rows`): the rows, and what each row holds."""
+
+  row_of: dict[int, int]  # each sequence's row, by seq_id
+  n_rows: int  # R
+  page_table: np.ndarray  # int32 [R, pages_per_seq]: each sequence's pages, then (and in empty rows) the sink page
+  lengths: np.ndarray  # int32 [R]: cached positions
+  live: np.ndarray  # bool [R]: rows that hold a sequence
+  remaining: np.ndarray  # int32 [R]: tokens the row may still sample
+  stop_ids: np.ndarray  # int32 [R, S], padded with -1
+  seq_ids: np.ndarray  # int32 [R]
+  sampled: np.ndarray  # int32 [R]: tokens sampled so far (the RNG counter)
+  pairs: paged_kv_cache.Pairs  # placed: the pages each row reads, up to the positions the call may fill
 
 
 class RolloutEngine:
@@ -443,26 +458,17 @@ class RolloutEngine:
     """One decode call over the live sequences; returns the turns that finished and frees what they held."""
     steps = self.config.decode_steps
     live = [s for s in self._slots if s is not None and s.state is SeqState.LIVE]
-    row_of, R = self._pack_rows(live, self._slots_per_block)
-    n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
-    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
-    reads: list[list[int]] = [[] for _ in range(R)]
-    lengths, pending, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
-    is_live, stops = np.zeros((R,), bool), np.full((R, n_stops), -1, np.int32)
+    packed = self._live_rows(live, lambda seq: seq.length + min(steps, seq.remaining))
+    pending = np.zeros((packed.n_rows,), np.int32)
     for seq in live:
-      r = row_of[seq.seq_id]
-      table[r, :len(seq.pages)] = seq.pages
-      reads[r] = seq.pages[:self._pages_for(seq.length + min(steps, seq.remaining))]
-      lengths[r], pending[r], remaining[r] = seq.length, seq.pending, seq.remaining
-      seq_ids[r], sampled[r], is_live[r] = seq.seq_id, seq.sampled, True
-      stops[r, :len(seq.stop_ids)] = seq.stop_ids
-    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
-    rows = DecodeRows(*self._rows(table, lengths, pending, is_live, remaining, stops, seq_ids, sampled), pairs)
+      pending[packed.row_of[seq.seq_id]] = seq.pending
+    rows = DecodeRows(*self._rows(packed.page_table, packed.lengths, pending, packed.live, packed.remaining,
+                                  packed.stop_ids, packed.seq_ids, packed.sampled), packed.pairs)
     self._k, self._v, out = decode_program(params, self._k, self._v, rows, self._key, **self._statics,
                                         **self._decode_statics)
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
     done = [self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(), int(finish[r]),
-                       policy_version) for seq, r in ((seq, row_of[seq.seq_id]) for seq in live)]
+                       policy_version) for seq, r in ((seq, packed.row_of[seq.seq_id]) for seq in live)]
     return [c for c in done if c is not None]
 
   def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int,
@@ -501,6 +507,24 @@ class RolloutEngine:
     rows = {seq.seq_id: block * per_block + i for block, block_seqs in enumerate(by_block)
             for i, seq in enumerate(block_seqs)}
     return rows, per_block * self.allocator.blocks
+
+  def _live_rows(self, live: list[HostSequence], positions: Callable[[HostSequence], int]) -> LiveRows:
+    """`live` packed into rows (`_pack_rows`), each reading its pages up to the `positions(seq)` the call may fill."""
+    row_of, R = self._pack_rows(live, self._slots_per_block)
+    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
+    lengths, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(4))
+    is_live = np.zeros((R,), bool)
+    stops = np.full((R, buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))), -1, np.int32)
+    reads: list[list[int]] = [[] for _ in range(R)]
+    for seq in live:
+      r = row_of[seq.seq_id]
+      table[r, :len(seq.pages)] = seq.pages
+      reads[r] = seq.pages[:self._pages_for(positions(seq))]
+      lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
+                                                                      seq.sampled, True)
+      stops[r, :len(seq.stop_ids)] = seq.stop_ids
+    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
+    return LiveRows(row_of, R, table, lengths, is_live, remaining, stops, seq_ids, sampled, pairs)
 
   def _free(self, seq: HostSequence) -> None:
     self.allocator.release(seq.block, seq.pages)

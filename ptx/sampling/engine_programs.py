@@ -2,9 +2,12 @@
 
 Each is jitted once at module level and compiled once per shape bucket (the
 host side, `ptx.sampling.engine`, packs its rows into power-of-two buckets);
-every program donates the pool it writes. `init_pool_program` gives the
-pool's allocation, compiled once per shape and placement, however many
-engines are built (a multi-turn GRPO job builds one per step).
+every program donates the pool it writes. Speculate takes its drafting as one
+static `drafting.DeviceDrafter` (how rows draft, how their drafts are
+accepted), and a draft model's parameters as an argument beside it.
+`init_pool_program` gives the pool's allocation, compiled once per shape and
+placement, however many engines are built (a multi-turn GRPO job builds one
+per step).
 """
 
 from __future__ import annotations
@@ -20,16 +23,12 @@ from ptx_kernels.implementation import Kernel
 from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
-from ptx.models.decoder import (Params, forward_with_cache, hidden_states, hidden_with_cache, tempered, token_log_probs,
-                                unembed, unstack_layers)
+from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
 from ptx.sampling import buckets
-from ptx.sampling.drafting import NgramDrafter
+from ptx.sampling.drafting import DeviceDrafter
 from ptx.sampling.generation import LENGTH, STOP
-from ptx.sampling.rules import SamplingConfig, invert_cdf, probabilities, sample_tokens
-from ptx.sampling.speculative import accepted_drafts, rejection_sample
-
-# Streams of uniforms besides the tokens' own (key itself): a draft model's draws, and its drafts' tests.
-DRAFT_STREAM, ACCEPT_STREAM = 1, 2
+from ptx.sampling.rules import SamplingConfig, sample_tokens
+from ptx.sampling.speculative import accept_deterministic, uniforms
 
 
 class DecodeRows(NamedTuple):
@@ -102,12 +101,6 @@ class Speculated(NamedTuple):
   verifies: jax.Array  # int32 [R]: rounds in which the row could draft (drafting on, room for a draft)
 
 
-def uniforms(key: jax.Array, seq_ids: jax.Array, first: jax.Array, n: int) -> jax.Array:
-  """Uniforms [R, n]: row r's of its tokens first[r] .. first[r] + n - 1, each fold_in(fold_in(key, seq), token)."""
-  draw = lambda seq, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), t))  # noqa: E731
-  return jax.vmap(lambda seq, t0: jax.vmap(lambda i: draw(seq, t0 + i))(jnp.arange(n)))(seq_ids, first)
-
-
 def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
                   new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
                   rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple]:
@@ -166,31 +159,29 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
   uniform of token sampled[r] + j, the one a decode step would use there, so
   the emitted tokens are those decoding draws (`ptx.sampling.speculative`).
   """
-  R, T = rows.tokens.shape
   logits_RTV, cache = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules, kernel=kernel)
-  V = logits_RTV.shape[-1]
-  tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, rows.sampled, T).reshape(-1),
-                           sampling).reshape(R, T)
-  accepted_R = accepted_drafts(tokens_RT, rows.tokens[:, 1:], jnp.maximum(rows.drafts, 0))
+  tokens_RT, accepted_R = accept_deterministic(logits_RTV, rows.tokens[:, 1:], jnp.maximum(rows.drafts, 0),
+                                               uniforms(key, rows.seq_ids, rows.sampled, rows.tokens.shape[1]),
+                                               sampling)
   return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
 
 
 def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, draft_params: Params | None,
-                    key: jax.Array, *, cfg: ModelConfig, ngram: NgramDrafter | None, draft_cfg: ModelConfig | None,
-                    window: int, drafts: int, rounds: int, sampling: SamplingConfig, tempered_log_probs: bool,
-                    pad_id: int, rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
+                    key: jax.Array, *, cfg: ModelConfig, drafter: DeviceDrafter, drafts: int, rounds: int,
+                    sampling: SamplingConfig, tempered_log_probs: bool, pad_id: int, rules: sharding.Rules,
+                    kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
   """Up to `rounds` verify rounds for every live row, drafting on the device: no host round trip between rounds.
 
-  Each round, row r drafts up to min(drafts[r], remaining - 1) tokens after
-  its context: by `ngram`'s lookup, or sampled by the draft model
-  (`draft_params`, `draft_cfg`) from its last `window` context tokens. One
-  forward feeds its pending token and drafts (`verify_pages`); it emits the
-  accepted drafts and one token more, cut after a stop id, and its context,
-  length, budget and RNG counter advance by what it emitted. N-gram drafts
-  are deterministic, so the tokens are those decoding draws (`verify_pages`);
-  a draft model's go through the rejection rule with uniforms of their own
-  (`ptx.sampling.speculative`), drawn by token index as decoding's are, so
-  neither depends on how rounds fall into calls.
+  Each round, row r has `drafter` draft up to min(drafts[r], remaining - 1)
+  tokens after its context (a draft model's with `draft_params`, None for a
+  drafter without parameters). One forward feeds its pending token and
+  drafts (`verify_pages`), and `drafter` accepts from the policy's logits;
+  the row emits the accepted drafts and one token more, cut after a stop id,
+  and its context, length, budget and RNG counter advance by what it
+  emitted. Deterministic drafts give the tokens decoding draws
+  (`verify_pages`); a draft model's go through the rejection rule with
+  uniforms of their own (`ptx.sampling.speculative`), drawn by token index
+  as decoding's are, so neither depends on how rounds fall into calls.
   """
   params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
   R, L = rows.context.shape
@@ -202,26 +193,14 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
     could_R = live & (rows.drafts > 0) & (remaining > 1)
     wanted_R = jnp.where(live, jnp.minimum(rows.drafts, remaining - 1), 0)
     pending_R = jnp.take_along_axis(context, lengths[:, None], axis=1)[:, 0]
-    if ngram is not None:
-      drafts_RK, n_R = ngram.drafts(context, lengths + 1, wanted_R, K)
-    else:
-      drafts_RK, q_RKV = _model_drafts(draft_params, context, lengths + 1, rows.seq_ids, sampled, key,
-                                       draft_cfg=draft_cfg, window=window, K=K, sampling=sampling, rules=rules)
-      n_R = wanted_R
+    drafts_RK, n_R, q = drafter.draft(draft_params, context, lengths + 1, wanted_R, K, rows.seq_ids, sampled, key,
+                                      sampling=sampling, rules=rules)
     fed = VerifyRows(page_table=rows.page_table, lengths=lengths,
                      tokens=jnp.concatenate([pending_R[:, None], drafts_RK], axis=1),
                      drafts=jnp.where(live, n_R, -1), seq_ids=rows.seq_ids, sampled=sampled, pairs=rows.pairs)
     logits_RTV, cache = _policy_logits(params, k, v, fed, fed.tokens, cfg=cfg, rules=rules, kernel=kernel)
-    V = logits_RTV.shape[-1]
-    if ngram is not None:
-      tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms(key, rows.seq_ids, sampled, T).reshape(-1),
-                               sampling).reshape(R, T)
-      accepted_R = accepted_drafts(tokens_RT, drafts_RK, n_R)
-    else:
-      tokens_RT, accepted_R = rejection_sample(
-          probabilities(logits_RTV.reshape(R * T, V), sampling).reshape(R, T, V), q_RKV, drafts_RK, n_R,
-          uniforms(jax.random.fold_in(key, ACCEPT_STREAM), rows.seq_ids, sampled, K),
-          uniforms(key, rows.seq_ids, sampled, T))
+    tokens_RT, accepted_R = drafter.accept(logits_RTV, drafts_RK, n_R, q, rows.seq_ids, sampled, key,
+                                           sampling=sampling)
     verified = _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
     stop_RT = jnp.any(tokens_RT[..., None] == rows.stop_ids[:, None], axis=-1) & (at_T <= accepted_R[:, None])
     stopped_R = live & jnp.any(stop_RT, axis=1)
@@ -252,41 +231,6 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
   return k, v, out._replace(finish=finish)
 
 
-def _model_drafts(draft_params: Params, context_RL: jax.Array, lengths_R: jax.Array, seq_ids: jax.Array,
-                  sampled: jax.Array, key: jax.Array, *, draft_cfg: ModelConfig, window: int, K: int,
-                  sampling: SamplingConfig, rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
-  """K drafts per row sampled by a draft model from its last `window` context tokens, with their distributions.
-
-  The window (left-aligned, then room for the drafts) is read afresh each
-  round: the draft model runs K full forwards over it, with no cache of its
-  own to keep in step with the pages. Draft j of a row whose next token is
-  its sampled[r]-th uses that token's uniform of the draft stream.
-
-  Returns:
-    (int32 drafts [R, K], float32 q [R, K, V]: draft j's distribution).
-  """
-  R, L = context_RL.shape
-  used_R = jnp.minimum(lengths_R, window)
-  at_RW = jnp.arange(window + K)[None]
-  window_RW = jnp.take_along_axis(context_RL, jnp.clip(lengths_R[:, None] - used_R[:, None] + at_RW, 0, L - 1), axis=1)
-  window_RW = jnp.where(at_RW < used_R[:, None], window_RW, 0)
-  draft_u_RK = uniforms(jax.random.fold_in(key, DRAFT_STREAM), seq_ids, sampled, K)
-
-  def draft(j, carry):
-    window_RW, q_RKV = carry
-    # Only the last real position's logits: the vocabulary projection of every window position would cost more
-    # than the layers of a small draft model.
-    x_RWD = hidden_states(draft_params, window_RW, draft_cfg, rules=rules)
-    x_R1D = jnp.take_along_axis(x_RWD, (used_R + j - 1)[:, None, None], axis=1)
-    q_RV = probabilities(unembed(draft_params, x_R1D, draft_cfg, rules)[:, 0], sampling)
-    window_RW = window_RW.at[jnp.arange(R), used_R + j].set(invert_cdf(q_RV, draft_u_RK[:, j]))
-    return window_RW, q_RKV.at[:, j].set(q_RV)
-
-  q_RKV = jnp.zeros((R, K, draft_cfg.vocab_size), jnp.float32)
-  window_RW, q_RKV = jax.lax.fori_loop(0, K, draft, (window_RW, q_RKV))
-  return jnp.take_along_axis(window_RW, used_R[:, None] + jnp.arange(K)[None], axis=1), q_RKV
-
-
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
                    rules: sharding.Rules, kernel: Kernel | None) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
   """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
@@ -308,9 +252,9 @@ decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "step
                                                      "rules", "kernel"), donate_argnums=(1, 2))
 verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
                          donate_argnums=(1, 2))
-speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "ngram", "draft_cfg", "window", "drafts",
-                                                               "rounds", "sampling", "tempered_log_probs", "pad_id",
-                                                               "rules", "kernel"), donate_argnums=(1, 2))
+speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
+                                                               "tempered_log_probs", "pad_id", "rules", "kernel"),
+                            donate_argnums=(1, 2))
 copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
 
 

@@ -19,6 +19,11 @@ accept while the draft is the argmax, then emit the argmax).
 
 A drafter that samples (a draft model) gives a q of its own, so its drafts go
 through the rule itself (`rejection_sample`), with uniforms of their own.
+
+Every uniform is drawn by token index (`uniforms`): row r's token t takes
+fold_in(fold_in(key, seq), t), and a draft model's draws and tests take the
+same from the key folded with their own stream, so no draw depends on how a
+turn's tokens fall into calls.
 """
 
 from __future__ import annotations
@@ -26,7 +31,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ptx.sampling.rules import invert_cdf
+from ptx.sampling.rules import SamplingConfig, invert_cdf, sample_tokens
+
+# Streams of uniforms besides the tokens' own (key itself): a draft model's draws, and its drafts' tests.
+DRAFT_STREAM, ACCEPT_STREAM = 1, 2
+
+
+def uniforms(key: jax.Array, seq_ids: jax.Array, first: jax.Array, n: int) -> jax.Array:
+  """Uniforms [R, n]: row r's of its tokens first[r] .. first[r] + n - 1, each fold_in(fold_in(key, seq), token)."""
+  draw = lambda seq, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, seq), t))  # noqa: E731
+  return jax.vmap(lambda seq, t0: jax.vmap(lambda i: draw(seq, t0 + i))(jnp.arange(n)))(seq_ids, first)
+
+
+def accept_deterministic(logits_RTV: jax.Array, drafts_RK: jax.Array, n_drafts_R: jax.Array, uniforms_RT: jax.Array,
+                         sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+  """The rule for deterministic drafts: the policy's token after each fed one, and the leading drafts they equal.
+
+  Args:
+    logits_RTV: the policy's logits [R, K + 1, V] after the pending token and
+      after each draft.
+    drafts_RK: int32 [R, K]: the drafts, padded past n_drafts_R.
+    n_drafts_R: int32 [R]: each row's real drafts.
+    uniforms_RT: float32 [R, K + 1]: each sampled token's own uniform.
+    sampling: the sampling rules.
+
+  Returns:
+    (int32 tokens [R, K + 1], int32 accepted [R]); row r emits tokens[r, :a + 1].
+  """
+  R, T, V = logits_RTV.shape
+  tokens_RT = sample_tokens(logits_RTV.reshape(R * T, V), uniforms_RT.reshape(-1), sampling).reshape(R, T)
+  return tokens_RT, accepted_drafts(tokens_RT, drafts_RK, n_drafts_R)
 
 
 def accepted_drafts(tokens_RT: jax.Array, drafts_RK: jax.Array, n_drafts_R: jax.Array) -> jax.Array:

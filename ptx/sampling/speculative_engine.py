@@ -12,12 +12,14 @@ there. The row's length advances by what it emitted, so the K/V written for
 rejected drafts lies past it, where attention (bounded by each row's length
 and each query's position) never reads and the next round writes first.
 
-Device drafters (`NgramDrafter`, `DraftModel`) draft inside the call, so one
+Device drafters (`drafting.DeviceDrafter`: an `NgramDrafter`, or a
+`DraftModel`'s `device_drafter`) draft and accept inside the call, so one
 call runs up to `SpeculativeConfig.rounds` rounds
-(`engine_programs.speculate_pages`), each drafting from the context the
-earlier rounds extended: the host's round trip is paid once per up to
-rounds x (K + 1) tokens a row. A host `Drafter` proposes on the host, one
-round per call. When drafting does not pay for a step (the cost model
+(`engine_programs.speculate_pages`, which takes the device drafter as a
+static argument and a draft model's parameters beside it), each drafting
+from the context the earlier rounds extended: the host's round trip is paid
+once per up to rounds x (K + 1) tokens a row. A host `Drafter` proposes on
+the host, one round per call. When drafting does not pay for a step (the cost model
 below), the step runs the plain decode program, `decode_steps` tokens per row.
 
 With a deterministic drafter (`NgramDrafter`, a host `Drafter`) the emitted
@@ -51,13 +53,12 @@ import jax
 import numpy as np
 
 from ptx.config import ModelConfig
-from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
 from ptx.sampling import buckets
 from ptx.sampling.drafting import Drafter, DraftModel, NgramDrafter
 from ptx.sampling.engine import EngineConfig, RolloutEngine
 from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
-from ptx.sampling.engine_programs import SpeculateRows, VerifyRows, reading_pairs, speculate_program, verify_program
+from ptx.sampling.engine_programs import SpeculateRows, VerifyRows, speculate_program, verify_program
 from ptx.sampling.generation import LENGTH, STOP
 
 
@@ -148,25 +149,21 @@ class SpeculativeEngine(RolloutEngine):
     """One verify call over the live sequences; returns the turns that finished."""
     if isinstance(self.drafter, (DraftModel, NgramDrafter)):
       return self._speculate(params, policy_version, live)
-    row_of, R = self._pack_rows(live, self._slots_per_block)
-    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
-    reads: list[list[int]] = [[] for _ in range(R)]
-    lengths, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(3))
-    n_drafts, tokens = np.full((R,), -1, np.int32), np.zeros((R, self.speculative.drafts + 1), np.int32)
+    packed = self._live_rows(live, lambda seq: seq.length + 1 + len(drafts[seq.seq_id]))
+    n_drafts = np.full((packed.n_rows,), -1, np.int32)
+    tokens = np.zeros((packed.n_rows, self.speculative.drafts + 1), np.int32)
     for seq in live:
-      r, d = row_of[seq.seq_id], drafts[seq.seq_id]
-      table[r, :len(seq.pages)] = seq.pages
-      reads[r] = seq.pages[:self._pages_for(seq.length + 1 + len(d))]
-      lengths[r], n_drafts[r], seq_ids[r], sampled[r] = seq.length, len(d), seq.seq_id, seq.sampled
+      r, d = packed.row_of[seq.seq_id], drafts[seq.seq_id]
+      n_drafts[r] = len(d)
       tokens[r, :1 + len(d)] = [seq.pending] + d
-    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
-    rows = VerifyRows(*self._rows(table, lengths, tokens, n_drafts, seq_ids, sampled), pairs)
+    rows = VerifyRows(*self._rows(packed.page_table, packed.lengths, tokens, n_drafts, packed.seq_ids, packed.sampled),
+                      packed.pairs)
     statics = dict(self._statics, sampling=self.sampling, tempered_log_probs=self._decode_statics["tempered_log_probs"])
     self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **statics)
     tokens, log_probs, accepted = jax.device_get(tuple(out))
     done = []
     for seq in live:
-      r, k = row_of[seq.seq_id], len(drafts[seq.seq_id])
+      r, k = packed.row_of[seq.seq_id], len(drafts[seq.seq_id])
       run = tokens[r, :accepted[r] + 1].tolist()
       stop = next((i for i, t in enumerate(run) if t in seq.stop_ids), None)
       n = len(run) if stop is None else stop + 1
@@ -180,38 +177,26 @@ class SpeculativeEngine(RolloutEngine):
     """One call of up to `rounds` verify rounds over the live sequences, drafting on the device (n-gram or model)."""
     spec = self.speculative
     per_call = spec.rounds * (spec.drafts + 1)
-    row_of, R = self._pack_rows(live, self._slots_per_block)
-    n_stops = buckets.bucket(max([len(s.stop_ids) for s in live] + [1]))
+    # A round writes positions up to its length + drafts <= length + remaining - 1, within the turn's pages.
+    packed = self._live_rows(live, lambda seq: seq.length + min(per_call, seq.remaining))
     # Room for the call's tokens after the longest context, in few widths (programs).
     width = buckets.bucket(max(s.length for s in live) + 1 + per_call, 64)
-    table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
-    reads: list[list[int]] = [[] for _ in range(R)]
-    context, stops = np.zeros((R, width), np.int32), np.full((R, n_stops), -1, np.int32)
-    lengths, remaining, drafts, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(5))
-    is_live = np.zeros((R,), bool)
+    context, drafts = np.zeros((packed.n_rows, width), np.int32), np.zeros((packed.n_rows,), np.int32)
     for seq in live:
-      r = row_of[seq.seq_id]
-      table[r, :len(seq.pages)] = seq.pages
-      # A round writes positions up to its length + drafts <= length + remaining - 1, within the turn's pages.
-      reads[r] = seq.pages[:self._pages_for(seq.length + min(per_call, seq.remaining))]
+      r = packed.row_of[seq.seq_id]
       context[r, :seq.length + 1] = seq.cached + [seq.pending]
-      lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
-                                                                      seq.sampled, True)
       drafts[r] = 0 if self._records[seq.seq_id].off else spec.drafts
-      stops[r, :len(seq.stop_ids)] = seq.stop_ids
-    pairs = paged_kv_cache.Pairs(*self._rows(*reading_pairs(reads, self.allocator.blocks)))
-    rows = SpeculateRows(*self._rows(table, lengths, context, is_live, remaining, drafts, stops, seq_ids, sampled),
-                         pairs)
+    rows = SpeculateRows(*self._rows(packed.page_table, packed.lengths, context, packed.live, packed.remaining, drafts,
+                                     packed.stop_ids, packed.seq_ids, packed.sampled), packed.pairs)
     statics = {name: value for name, value in self._decode_statics.items() if name != "steps"}
     model = self.drafter if isinstance(self.drafter, DraftModel) else None
     self._k, self._v, out = speculate_program(
-        params, self._k, self._v, rows, model and model.params, self._key, **self._statics, **statics,
-        ngram=None if model else self.drafter, draft_cfg=model and model.cfg, window=model.window if model else 0,
-        drafts=spec.drafts, rounds=spec.rounds)
+        params, self._k, self._v, rows, model.params if model else None, self._key, **self._statics, **statics,
+        drafter=model.device_drafter if model else self.drafter, drafts=spec.drafts, rounds=spec.rounds)
     tokens, log_probs, emitted, finish, drafted, accepted, verifies = jax.device_get(tuple(out))
     done = []
     for seq in live:
-      r = row_of[seq.seq_id]
+      r = packed.row_of[seq.seq_id]
       if verifies[r]:
         self._count(seq, int(verifies[r]), int(drafted[r]), int(accepted[r]))
       done.append(self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(),

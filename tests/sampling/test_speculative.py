@@ -230,12 +230,12 @@ def test_accepted_drafts_counts_leading_matches_within_each_rows_drafts():
 
 
 def _ngram(drafter, contexts, ks, K):
-  """`drafter.drafts` over ragged host contexts (padded with junk past each length): a list of each row's drafts."""
+  """`drafter.lookup` over ragged host contexts (padded with junk past each length): a list of each row's drafts."""
   width = max(map(len, contexts)) + 3
   padded = np.full((len(contexts), width), 9, np.int32)  # 9 past the length must never match
   for row, c in enumerate(contexts):
     padded[row, :len(c)] = c
-  drafts, counts = drafter.drafts(jnp.asarray(padded), jnp.asarray([len(c) for c in contexts]), jnp.asarray(ks), K)
+  drafts, counts = drafter.lookup(jnp.asarray(padded), jnp.asarray([len(c) for c in contexts]), jnp.asarray(ks), K)
   return [d[:n] for d, n in zip(np.asarray(drafts).tolist(), np.asarray(counts).tolist())]
 
 
