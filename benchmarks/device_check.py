@@ -41,9 +41,10 @@ runs. Sections, each reusing the benchmark that measures it:
              off by its limit still gives the modes it finished
   agent      issue #26's benchmark: 1,024 multi-turn episodes (warm-ups of
              256), 64 at once, with log-uniform 0.1-1 s tools, through the
-             episode loop against lockstep turn-batches on the tiny anchor
-             model, and the ratio's bound from the tool times alone
-             (agent.rows)
+             episode loop overlapped against the loop in lockstep
+             (`play_lockstep`, multi-turn training's default) on the tiny
+             anchor model, and the ratio's bound from the tool times alone
+             (agent.rows; its lockstep turn-batches ran on the H200 12-04)
 
 The sections of issue #27 (all but fast and agent) take under 8 minutes together.
 
@@ -262,17 +263,18 @@ def fast(smoke: bool):
 
 
 def agent(smoke: bool):
-  """Yields benchmarks/agent.py's rows: multi-turn episodes with slow tools, overlapped against lockstep turns."""
+  """Yields benchmarks/agent.py's rows: multi-turn episodes with slow tools, overlapped against the loop in lockstep."""
   import agent as agent_bench
   if smoke:
     argv = ["--episodes", "8", "--concurrent", "4", "--turns", "1", "--tool-min", "0.01", "--tool-max", "0.02",
-            "--turn-tokens", "8", "--context", "128", "--rounds", "1", "--max-warmups", "1"]
+            "--turn-tokens", "8", "--context", "128", "--rounds", "1", "--max-warmups", "1",
+            "--methods", "overlap,play_lockstep"]
   else:
     # One round: warm-ups of 256 episodes, then 1,024 timed (16 per slot, where the tools allow 2.25x; 256 allow
     # only 1.91x, the tail of a short batch). A GPU decodes the anchor model far faster than the tools answer, so
     # the ratio shows how near the tool bound the loop gets. About 26 s of tool time overlapped, 47 in lockstep.
     argv = ["--tool-dist", "loguniform", "--episodes", "1024", "--warmup-episodes", "256", "--rounds", "1",
-            "--max-warmups", "1"]
+            "--max-warmups", "1", "--methods", "overlap,play_lockstep"]
   yield from agent_bench.rows(agent_bench.parser().parse_args(argv))
 
 

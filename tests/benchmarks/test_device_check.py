@@ -92,9 +92,9 @@ def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_line
   assert modes[1]["same_as_standard"] == 1.0 and modes[2]["params"] == "int8"
   assert by["fast"][-1]["workload"] == "calibrate" and by["fast"][-1]["verify_cost"] > 0
   *runs, summary = by["agent"]
-  assert sorted(line["method"] for line in runs) == ["lockstep", "overlap"]
+  assert sorted(line["method"] for line in runs) == ["overlap", "play_lockstep"]
   assert all(line["episodes_done"] == 8 for line in runs), runs
-  assert summary["summary"]["tool_bound"] >= 1 and summary["summary"]["overlap_over_lockstep"] > 0
+  assert summary["summary"]["tool_bound"] >= 1 and summary["summary"]["overlap_over_play_lockstep"] > 0
 
 
 def test_a_section_past_its_limit_or_crashing_gets_an_error_line_and_the_next_still_runs(tmp_path):
