@@ -25,7 +25,11 @@ Workloads:
             --p99, clipped to [1, --p99 ... the cap]); no stop id
   stops     --requests at the cap, ended by a stop id that a model trained here
             (--train-steps SFT steps on random text where the stop id follows
-            each token with probability 1 / --median) samples itself
+            each token with probability 1 / --median) samples itself; with
+            --stop-model FILE the model is read from FILE when it exists (made
+            by the same --config, --train-steps, --median and --seed), else
+            trained and written there, so a shape whose training takes most
+            of an hour trains once
 
 `useful_tokens` counts each request's tokens up to its own budget or stop;
 `useful_tokens_per_s` divides them by the timed run's wall seconds. Every
@@ -128,6 +132,38 @@ def train_stop_model(cfg, args) -> dict:
              "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()}
     state, _ = step(state, batch)
   return jax.device_get(state.params)
+
+
+def stop_model(cfg, args) -> dict:
+  """The `stops` model: read from --stop-model when that file exists, else trained (and written there if given)."""
+  recipe = {"config": args.config, "train_steps": args.train_steps, "median": args.median, "seed": args.seed}
+  path = args.stop_model
+  if path and os.path.exists(path):
+    return read_params(path, cfg, recipe)
+  params = train_stop_model(cfg, args)
+  if path:
+    leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, __recipe__=np.asarray(json.dumps(recipe, sort_keys=True)), **leaves)
+    os.replace(path + ".tmp", path)  # a run killed while writing leaves no file to be read as a model
+  return params
+
+
+def read_params(path: str, cfg, recipe: dict) -> dict:
+  """The parameters written by `stop_model` at `path`, checked against `recipe` and `cfg`'s shapes."""
+  with np.load(path) as saved:
+    made = json.loads(str(saved["__recipe__"]))
+    for name, value in recipe.items():
+      if made.get(name) != value:
+        raise SystemExit(f"--stop-model {path}: made with {name}={made.get(name)!r}, this run asks for {value!r}")
+    expected, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    leaves = []
+    for key, shape in expected:
+      name = jax.tree_util.keystr(key)
+      if name not in saved or saved[name].shape != shape.shape:
+        raise SystemExit(f"--stop-model {path}: {name} is missing or not of shape {shape.shape}")
+      leaves.append(saved[name])
+  return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def static_kv_bytes(cfg, rows: int, prompt_len: int, budget: int) -> int:
@@ -257,6 +293,7 @@ def main() -> None:
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--prefill-rows", type=int, default=16)
   p.add_argument("--train-steps", type=int, default=150)
+  p.add_argument("--stop-model", default="", help="npz file of the stops model: read if it exists, else written")
   p.add_argument("--rounds", type=int, default=1)
   p.add_argument("--static-warmup", default="full", choices=("full", "compile"),
                  help="static's untimed first run: the whole workload, or one token per batch in its program "
@@ -271,7 +308,7 @@ def main() -> None:
   base = {"framework": "ptx", "config": args.config, "backend": jax.default_backend()}
   for name in args.workloads.split(","):
     work = workload(name, cfg, args)
-    params = train_stop_model(cfg, args) if name == "stops" else init_params(cfg, jax.random.key(args.seed))
+    params = stop_model(cfg, args) if name == "stops" else init_params(cfg, jax.random.key(args.seed))
     config, int8_config = engine_config(cfg, work, args), engine_config(cfg, work, args, "int8")
     runs = {method: [] for method in methods}
     for round_ in range(args.rounds):
