@@ -22,17 +22,27 @@ prefilled up to p - 1, its first token is sampled by the first decode step,
 and the G samples of a prompt share its full pages (reference counts,
 `page_allocator`) with their own copy of the partly filled one.
 
-Admission never over-commits: a request is admitted only with the pages of
-its prompt plus its whole `max_new_tokens` in hand, so a running sequence
-never waits for a page and nothing is ever preempted; requests are admitted in
-submission order. Parameters are read where training placed them, never
-copied. Token t of sequence i is drawn with the uniform of
+Admission (`EngineConfig.admission`) comes in two kinds. "reserve" never
+over-commits: a request is admitted only with the pages of its prompt plus
+its whole `max_new_tokens` in hand, so a running sequence never waits for a
+page and nothing is ever preempted. "on_demand" admits a request with the
+pages of its prompt and its first call, and before every step gives each
+sequence the pages its next call may fill: when a device's block runs out,
+the sequences submitted last there are preempted (pages and slot freed, their
+context queued to be prefilled again, as after an update; their log-probs
+then differ from an uninterrupted run's by float rounding) until the older
+ones fit, so a workload whose rows mostly stop early runs many more rows in
+the same pool. Sequences submitted with `keep=True` (multi-turn episodes)
+reserve in both kinds. Requests are admitted in submission order, preempted
+ones first. Parameters are read where training placed them, never copied.
+Token t of sequence i is drawn with the uniform of
 fold_in(fold_in(key(seed), i), t), so the same seed and submission order give
-the same tokens whatever the slots, pages, page size or timing.
+the same tokens whatever the slots, pages, page size, preemptions or timing.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -77,6 +87,9 @@ class EngineConfig:
   # K/V page storage: "auto" (the model's compute dtype) or "int8" (per-slot, per-head scales; about half of
   # bfloat16's bytes, so about twice the sequences in the same memory; `ptx.models.paged_kv_cache`).
   kv_dtype: Literal["auto", "int8"] = "auto"
+  # Pages a request takes at admission: "reserve" (its whole budget; never preempted) or "on_demand" (its prompt
+  # and next call, growing call by call; the last submitted are preempted and recomputed when pages run out).
+  admission: Literal["reserve", "on_demand"] = "reserve"
 
   def __post_init__(self):
     for name in ("max_seqs", "pages", "page_size", "max_seq_len", "decode_steps", "prefill_chunk", "prefill_rows"):
@@ -84,6 +97,8 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.kv_dtype not in ("auto", "int8"):
       raise ValueError(f"EngineConfig.kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
+    if self.admission not in ("reserve", "on_demand"):
+      raise ValueError(f"EngineConfig.admission must be 'reserve' or 'on_demand', got {self.admission!r}")
     if self.page_size > 4096:
       raise ValueError(f"EngineConfig.page_size must be <= 4096 (int32 positions of padding pairs), got "
                        f"{self.page_size}")
@@ -162,6 +177,11 @@ class RolloutEngine:
     self._slots: list[HostSequence | None] = [None] * config.max_seqs
     self._queue: collections.deque[list[HostSequence]] = collections.deque()  # groups, in submission order
     self._extends: collections.deque[HostSequence] = collections.deque()
+    self._preempted: list[HostSequence] = []  # by seq_id: admitted before any queued group
+    # Positions a call may write past a sequence's cached ones, at most (a `SpeculativeEngine`'s verify rounds
+    # write more): what "on_demand" admission gives each sequence pages for before a step.
+    self._call_tokens = config.decode_steps
+    self.preemptions = 0  # sequences preempted so far ("on_demand" admission)
     self._sequences: dict[int, HostSequence] = {}
     self._next_id = 0
     self._version: int | None = None  # the policy_version of the last step: whose parameters the cache holds
@@ -175,7 +195,8 @@ class RolloutEngine:
   @property
   def busy(self) -> bool:
     """Whether any request is queued or decoding (held sequences do not count)."""
-    return bool(self._queue or self._extends or any(s is not None and s.state is SeqState.LIVE for s in self._slots))
+    return bool(self._queue or self._extends or self._preempted
+                or any(s is not None and s.state is SeqState.LIVE for s in self._slots))
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (), samples: int = 1,
              keep: bool = False, reserve: int = 0) -> list[int]:
@@ -276,6 +297,7 @@ class RolloutEngine:
     if self._version is not None and policy_version != self._version:
       self._refresh()
     self._version = policy_version
+    self._make_room()
     self._admit()
     with self._on_mesh():
       self._prefill(params)
@@ -301,7 +323,7 @@ class RolloutEngine:
     while self.busy:
       done.update((c.seq_id, c) for c in self.step(params, policy_version=policy_version))
       if self.stalled:
-        waiting = self._extends[0] if self._extends else self._queue[0][0]
+        waiting = (self._extends or self._preempted or self._queue[0])[0]
         raise RuntimeError(
             f"sequence {waiting.seq_id} cannot be admitted: {self.allocator.in_use} pages and "
             f"{sum(s is not None for s in self._slots)} slots are held by finished sequences (release them)")
@@ -325,8 +347,8 @@ class RolloutEngine:
     if held:
       raise ValueError(f"cannot snapshot the engine: sequences {held} are held for extend (release them first)")
     admitted = sorted((s for s in self._sequences.values() if s.state is not SeqState.QUEUED), key=lambda s: s.seq_id)
-    return engine_sequences.to_arrays([[s] for s in admitted] + [list(g) for g in self._queue], self._next_id,
-                                      self._version)
+    groups = [[s] for s in admitted] + [[s] for s in self._preempted] + [list(g) for g in self._queue]
+    return engine_sequences.to_arrays(groups, self._next_id, self._version)
 
   def restore(self, saved: dict[str, np.ndarray]) -> None:
     """Queues the sequences of a `snapshot` on this engine, which must hold none yet."""
@@ -351,7 +373,7 @@ class RolloutEngine:
     return -(-positions // self.config.page_size)
 
   def _group_pages(self, cached: int, reserve: int, samples: int) -> int:
-    """Pages a group needs: one sample's `reserve` positions, plus each other sample's beyond the shared prompt pages."""
+    """Pages a group needs: one sample's `reserve` positions, and each other sample's past the shared prompt pages."""
     own = self._pages_for(reserve)
     return own + (samples - 1) * (own - cached // self.config.page_size)
 
@@ -362,8 +384,12 @@ class RolloutEngine:
                        f"({'unknown' if seq is None else seq.state.value}; submit with keep=True)")
     return seq
 
+  def _grows(self, seq: HostSequence) -> bool:
+    """Whether `seq` takes its pages call by call ("on_demand" admission, not held for `extend`)."""
+    return self.config.admission == "on_demand" and not seq.keep
+
   def _admit(self) -> None:
-    """Starts queued extends, then queued groups, in order, while their slots and pages are free."""
+    """Starts queued extends, then preempted sequences, then queued groups, in order, while slots and pages are free."""
     while self._extends:
       seq = self._extends[0]
       more = self._pages_for(seq.length + len(seq.feed) + seq.remaining) - len(seq.pages)
@@ -372,28 +398,80 @@ class RolloutEngine:
       seq.pages += self.allocator.allocate(seq.block, max(more, 0))
       seq.state = SeqState.PREFILL
       self._extends.popleft()
-    while self._queue:
-      group = self._queue[0]
-      leader = group[0]
-      reserve = max(leader.reserve, len(leader.feed) + leader.remaining)
-      need = self._group_pages(len(leader.feed), reserve, len(group))
-      fits = [b for b in range(self.allocator.blocks)
-              if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need]
-      if not fits:
-        break
-      block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
+    while self._preempted and self._place([self._preempted[0]]):
+      self._preempted.pop(0)
+    while self._queue and self._place(self._queue[0]):
       self._queue.popleft()
-      own = self._pages_for(reserve)
-      shared = len(leader.feed) // self.config.page_size
-      for seq in group:
-        seq.block, seq.slot = block, self._free_slots[block].pop()
-        self._slots[seq.slot] = seq
-      leader.pages = self.allocator.allocate(block, own)
-      leader.state = SeqState.PREFILL
-      for seq in group[1:]:
-        self.allocator.share(block, leader.pages[:shared])
-        seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
-        seq.state, seq.feed = SeqState.FOLLOWER, []
+
+  def _place(self, group: list[HostSequence]) -> bool:
+    """Gives `group` slots and pages in the emptiest block that holds them; False (nothing taken) when none does.
+
+    The leader's pages cover its reserve ("reserve" admission, or held
+    sequences) or its feed and first call ("on_demand"); every other sample
+    shares the leader's full prompt pages and takes its own beyond them.
+    """
+    leader = group[0]
+    spare = [0] * self.allocator.blocks
+    if self._grows(leader):
+      positions = len(leader.feed) + min(self._call_tokens, leader.remaining)
+      # Room for every growing sequence's next call too: a sequence admitted into the last free pages would be
+      # preempted (its prefill wasted) as soon as the older ones grow.
+      for seq in self._slots:
+        if seq is not None and self._grows(seq):
+          spare[seq.block] += self._pages_for(self._call_tokens)
+    else:
+      positions = max(leader.reserve, len(leader.feed) + leader.remaining)
+    need = self._group_pages(len(leader.feed), positions, len(group))
+    fits = [b for b in range(self.allocator.blocks)
+            if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need + spare[b]]
+    if not fits:
+      return False
+    block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
+    own = self._pages_for(positions)
+    shared = len(leader.feed) // self.config.page_size
+    for seq in group:
+      seq.block, seq.slot = block, self._free_slots[block].pop()
+      self._slots[seq.slot] = seq
+    leader.pages = self.allocator.allocate(block, own)
+    leader.state = SeqState.PREFILL
+    for seq in group[1:]:
+      self.allocator.share(block, leader.pages[:shared])
+      seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
+      seq.state, seq.feed = SeqState.FOLLOWER, []
+    return True
+
+  def _make_room(self) -> None:
+    """Gives every admitted sequence that grows the pages its next call may fill, preempting where a block runs out.
+
+    Oldest first: a sequence that does not fit preempts the youngest growing
+    sequence of its block (possibly itself) until it does, so the oldest
+    always go on and every sequence finishes.
+    """
+    admitted = sorted((s for s in self._slots if s is not None and s.state in (SeqState.LIVE, SeqState.PREFILL)
+                       and self._grows(s)), key=lambda s: s.seq_id)
+    for seq in admitted:
+      if seq.state is SeqState.QUEUED:  # preempted by an older sequence of its block
+        continue
+      more = self._pages_for(seq.length + len(seq.feed) + min(self._call_tokens, seq.remaining)) - len(seq.pages)
+      while more > self.allocator.free_pages(seq.block):
+        victim = max((s for s in admitted if s.block == seq.block and s.state is not SeqState.QUEUED),
+                     key=lambda s: s.seq_id)
+        self._preempt(victim)
+        if victim is seq:
+          break
+      else:
+        if more > 0:
+          seq.pages += self.allocator.allocate(seq.block, more)
+
+  def _preempt(self, seq: HostSequence) -> None:
+    """Frees `seq`'s slot and pages and queues its context to be prefilled again; its turn so far and RNG stay."""
+    self.allocator.release(seq.block, seq.pages)
+    self._free_slots[seq.block].append(seq.slot)
+    self._slots[seq.slot] = None
+    seq.feed, seq.cached, seq.length = seq.cached + seq.feed, [], 0
+    seq.pages, seq.block, seq.slot, seq.state = [], -1, -1, SeqState.QUEUED
+    bisect.insort(self._preempted, seq, key=lambda s: s.seq_id)
+    self.preemptions += 1
 
   def _refresh(self) -> None:
     """Marks every admitted sequence's cached tokens to be prefilled again (under the next call's parameters)."""
@@ -520,6 +598,9 @@ class RolloutEngine:
       r = row_of[seq.seq_id]
       table[r, :len(seq.pages)] = seq.pages
       reads[r] = seq.pages[:self._pages_for(positions(seq))]
+      if len(reads[r]) < self._pages_for(positions(seq)):  # its writes would go to the sink: never silently
+        raise RuntimeError(f"sequence {seq.seq_id} holds {len(seq.pages)} pages; its call may fill "
+                           f"{positions(seq)} positions")
       lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
                                                                       seq.sampled, True)
       stops[r, :len(seq.stop_ids)] = seq.stop_ids

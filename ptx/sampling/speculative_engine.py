@@ -118,6 +118,7 @@ class SpeculativeEngine(RolloutEngine):
     super().__init__(cfg, config, **engine_args)
     self.drafter, self.speculative = drafter, speculative
     self._records: dict[int, _Record] = {}
+    self._call_tokens = max(config.decode_steps, speculative.rounds * (speculative.drafts + 1))
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One verify call over the live sequences when drafting pays for it, else one decode call."""

@@ -274,3 +274,76 @@ def test_bad_requests_name_what_is_wrong(tiny_config):
 def test_shapes_must_split_over_the_mesh(tiny_config, mesh):
   with pytest.raises(ValueError, match="max_seqs = 3 must be a multiple of the 2 devices"):
     RolloutEngine(tiny_config, dataclasses.replace(SMALL, max_seqs=3), mesh=mesh)
+
+
+
+# "on_demand" admission: short prompts with long budgets in a pool of 20 pages, where 4 sequences at 32 new tokens
+# need 36 to 40. Rows outgrow the pool call after call, so the last admitted are preempted and prefilled
+# again, many times; one compiled set of programs serves every test below.
+TIGHT = dataclasses.replace(SMALL, pages=21, admission="on_demand")
+SHORT = [prompt[:9] for prompt in PROMPTS]
+LONG_BUDGET = 32
+
+
+@functools.cache  # shared by the greedy on-demand tests here and in test_speculative (read only)
+def short_greedy_case(cfg):
+  """(params, `generate`'s greedy tokens [len(SHORT), LONG_BUDGET]) for SHORT."""
+  params = _params(cfg)
+  reference = generate(params, SHORT, cfg=cfg, max_new_tokens=LONG_BUDGET, sampling=GREEDY, rng=jax.random.key(0))
+  return params, np.asarray(reference.tokens)
+
+
+def check_on_demand_greedy(engine, cfg):
+  """Runs SHORT through `engine` (TIGHT, greedy): preemptions happen, and every request equals `generate`."""
+  params, reference = short_greedy_case(cfg)
+  ids = [engine.submit(prompt, max_new_tokens=LONG_BUDGET)[0] for prompt in SHORT]
+  done = engine.run(params)
+  assert engine.preemptions > 0 and engine.allocator.peak_in_use <= engine.allocator.capacity
+  assert engine.allocator.in_use == 0
+  for row, seq_id in enumerate(ids):
+    np.testing.assert_array_equal(done[seq_id].tokens, reference[row], err_msg=f"request {row}")
+    assert done[seq_id].finish_reason == LENGTH
+  return done
+
+
+def test_on_demand_admission_preempts_and_still_equals_generate(tiny_config):
+  check_on_demand_greedy(RolloutEngine(tiny_config, TIGHT, sampling=GREEDY), tiny_config)
+
+
+def _sampled_groups(cfg, params, config, steps_before_snapshot=None):
+  """Every SHORT prompt in groups of 2 at SAMPLED, seed 4: {seq_id: completion} (and the engine)."""
+  engine = RolloutEngine(cfg, config, sampling=SAMPLED, seed=4)
+  for prompt in SHORT:
+    engine.submit(prompt, max_new_tokens=LONG_BUDGET, samples=2)
+  done = {}
+  for _ in range(steps_before_snapshot or 0):
+    done.update((c.seq_id, c) for c in engine.step(params))
+  if steps_before_snapshot is None:
+    done = engine.run(params)
+  return done, engine
+
+
+def test_preempted_samples_draw_the_tokens_reserved_ones_do(tiny_config):
+  """A preempted sample (a group's leader or follower) goes on with its RNG counter, as if never stopped."""
+  params = _params(tiny_config)
+  reserved, _ = _sampled_groups(tiny_config, params, SMALL)
+  on_demand, engine = _sampled_groups(tiny_config, params, TIGHT)
+  assert engine.preemptions > 1
+  assert sorted(on_demand) == sorted(reserved)
+  for seq_id, want in reserved.items():
+    np.testing.assert_array_equal(on_demand[seq_id].tokens, want.tokens, err_msg=f"sequence {seq_id}")
+    # A preempted sample's context was prefilled again: the same float32 math in another program.
+    np.testing.assert_allclose(on_demand[seq_id].log_probs, want.log_probs, atol=ENGINE_VS_TRAINER_ATOL)
+
+
+def test_a_snapshot_with_preempted_sequences_restores_them(tiny_config):
+  params = _params(tiny_config)
+  want, _ = _sampled_groups(tiny_config, params, TIGHT)
+  got, engine = _sampled_groups(tiny_config, params, TIGHT, steps_before_snapshot=6)
+  assert engine._preempted, "the snapshot should catch preempted sequences"
+  restored = RolloutEngine(tiny_config, TIGHT, sampling=SAMPLED, seed=4)
+  restored.restore(jax.tree.map(np.asarray, engine.snapshot()))
+  got.update(restored.run(params))
+  assert sorted(got) == sorted(want)
+  for seq_id, c in want.items():
+    np.testing.assert_array_equal(got[seq_id].tokens, c.tokens, err_msg=f"sequence {seq_id}")

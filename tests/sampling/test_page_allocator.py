@@ -50,23 +50,26 @@ def _holdings(engine):
   return held
 
 
-def test_a_thousand_random_requests_stay_within_the_budget_and_leak_nothing():
+@pytest.mark.parametrize("admission", ["reserve", "on_demand"])
+def test_a_thousand_random_requests_stay_within_the_budget_and_leak_nothing(admission):
   cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=16,
                     rope_theta=10_000.0, init_std=0.5)
   params = init_params(cfg, jax.random.key(0))
   # The run's cost is compiling one program per shape bucket (about 2 s each; 600-1,100 compiled steps take ~2 s).
   # 4 slots and pages of 16 positions (at most 4 a sequence, so a call reads 8 or 16 pairs) compile 6 decode,
   # 2 prefill and 2 copy programs, where 16 slots and pages of 4 compiled 29. The pool still binds: its 12 pages
-  # hold three typical groups (a group of 3 needs up to 10, sharing a 16-token prompt page when the prompt is
-  # longer), so requests wait for pages, not only for slots; prompts over 16 tokens share a full page.
+  # hold about three groups (a group of 3 at the 64-position cap needs up to 12, sharing a 16-token prompt page
+  # when the prompt is longer), so requests wait for pages, not only for slots.
+  # With "on_demand" admission (the same programs) rows take pages call by call, and the last admitted are preempted
+  # when a call's pages run out.
   config = EngineConfig(max_seqs=4, pages=13, page_size=16, max_seq_len=64, decode_steps=8, prefill_chunk=16,
-                        prefill_rows=2)
+                        prefill_rows=2, admission=admission)
   engine = RolloutEngine(cfg, config, sampling=SamplingConfig(temperature=1.0), seed=0)
   rng = np.random.default_rng(0)
   requests, finished, extended = {}, collections.Counter(), 0
   for _ in range(1000):
     prompt = rng.integers(0, 32, rng.integers(1, 30)).tolist()
-    budget, stops = int(rng.integers(1, 24)), rng.integers(0, 32, rng.integers(0, 3)).tolist()
+    budget, stops = int(rng.integers(1, 66 - len(prompt))), rng.integers(0, 32, rng.integers(0, 3)).tolist()
     ids = engine.submit(prompt, max_new_tokens=budget, stop_ids=stops, samples=int(rng.integers(1, 4)),
                         keep=rng.random() < 0.1)
     requests.update((i, (budget, stops)) for i in ids)
@@ -104,3 +107,4 @@ def test_a_thousand_random_requests_stay_within_the_budget_and_leak_nothing():
   assert engine.allocator.peak_in_use <= engine.allocator.capacity
   assert set(finished) == set(requests)  # every sample of every request was served (or dropped on purpose)
   assert extended > 0
+  assert (engine.preemptions > 0) == (admission == "on_demand")

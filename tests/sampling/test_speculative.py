@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
-from test_engine import ENGINE_VS_TRAINER_ATOL, PROMPTS, SMALL, _greedy_case, _run
+from test_engine import ENGINE_VS_TRAINER_ATOL, PROMPTS, SMALL, TIGHT, _greedy_case, _run, check_on_demand_greedy
 from test_generate import GREEDY, _params
 
 from model_variants import gemma_like
@@ -56,6 +56,14 @@ def test_greedy_ngram_equals_generate_with_stops_and_budgets(tiny_config):
     assert completion.finish_reason == finish, row
   drafted, accepted = (sum(getattr(got[row][0], name) for row in got) for name in ("drafted", "accepted"))
   assert 0 < accepted < drafted  # drafts were both accepted and rejected
+
+
+def test_greedy_ngram_with_on_demand_admission_equals_generate(tiny_config):
+  """Verify rounds write up to rounds x (drafts + 1) positions a call: on-demand pages cover them, preempting."""
+  engine = SpeculativeEngine(tiny_config, TIGHT, drafter=NgramDrafter(), sampling=GREEDY,
+                             speculative=dataclasses.replace(ALWAYS, rounds=2))
+  done = check_on_demand_greedy(engine, tiny_config)
+  assert sum(c.drafted for c in done.values()) > 0
 
 
 def test_sharded_greedy_ngram_equals_generate(tiny_config, mesh):
