@@ -11,6 +11,10 @@ Methods, each on the same requests (prompts: BOS + 31 random ids):
   engine_int8  the engine with int8 pages (`EngineConfig.kv_dtype`) in the same
           KV bytes: more pages (int8 values and a float32 scale per slot and
           head, against the compute dtype), the same --max-seqs rows
+  engine_on_demand  the engine with `EngineConfig.admission="on_demand"` in
+          the same pool: a request takes pages as it grows rather than its
+          whole budget at admission, and the last submitted are preempted
+          (and recomputed) when the pool runs out; `preemptions` counts them
   tunix   (with --tunix-python) Tunix's Sampler, timed by its harness
           (`tunix_bench.py --parts sample`) on one batch of --static-rows rows
           at the workload's cap: its sampler takes one generation length per
@@ -209,7 +213,7 @@ def run_static(params, cfg, work: Workload, rows: int, sampling: SamplingConfig,
   return {"useful_tokens": total, "generated_tokens": generated, "kv_bytes": peak}
 
 
-def engine_config(cfg, work: Workload, args, kv_dtype: str = "auto") -> EngineConfig:
+def engine_config(cfg, work: Workload, args, kv_dtype: str = "auto", admission: str = "reserve") -> EngineConfig:
   """The engine's shapes: a pool no larger than the static batches' largest KV cache, in `kv_dtype` pages."""
   cap = max(work.budgets)
   slot_bytes = cfg.head_dim + 4 if kv_dtype == "int8" else cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
@@ -217,7 +221,7 @@ def engine_config(cfg, work: Workload, args, kv_dtype: str = "auto") -> EngineCo
   pool_slots = pool_bytes // (2 * cfg.n_layers * cfg.n_kv_heads * slot_bytes)
   return EngineConfig(max_seqs=args.max_seqs, pages=pool_slots // args.page_size, page_size=args.page_size,
                       max_seq_len=PROMPT_LEN + cap, decode_steps=args.decode_steps, prefill_chunk=PROMPT_LEN,
-                      prefill_rows=args.prefill_rows, kv_dtype=kv_dtype)
+                      prefill_rows=args.prefill_rows, kv_dtype=kv_dtype, admission=admission)
 
 
 def run_engine(params, cfg, work: Workload, config: EngineConfig, sampling: SamplingConfig, seed: int) -> dict:
@@ -230,7 +234,7 @@ def run_engine(params, cfg, work: Workload, config: EngineConfig, sampling: Samp
   total = sum(useful(done[i].tokens, budget, work.stop_id) for seq_ids, budget in ids for i in seq_ids)
   lengths = [len(done[i].tokens) for seq_ids, _ in ids for i in seq_ids]
   return {"useful_tokens": total, "generated_tokens": sum(lengths), "kv_bytes": engine.pool_bytes,
-          "peak_pages_in_use": engine.allocator.peak_in_use, "pages": config.pages,
+          "peak_pages_in_use": engine.allocator.peak_in_use, "pages": config.pages, "preemptions": engine.preemptions,
           "length_median": float(np.median(lengths)), "length_p99": float(np.percentile(lengths, 99))}
 
 
@@ -310,6 +314,7 @@ def main() -> None:
     work = workload(name, cfg, args)
     params = stop_model(cfg, args) if name == "stops" else init_params(cfg, jax.random.key(args.seed))
     config, int8_config = engine_config(cfg, work, args), engine_config(cfg, work, args, "int8")
+    on_demand_config = engine_config(cfg, work, args, admission="on_demand")
     runs = {method: [] for method in methods}
     for round_ in range(args.rounds):
       for method in methods:
@@ -321,6 +326,8 @@ def main() -> None:
           record = timed(lambda: run_engine(params, cfg, work, config, sampling, args.seed))
         elif method == "engine_int8":
           record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, args.seed))
+        elif method == "engine_on_demand":
+          record = timed(lambda: run_engine(params, cfg, work, on_demand_config, sampling, args.seed))
         elif method == "tunix" and name != "stops":  # the trained model's weights live in ptx only
           record = run_tunix(cfg, work, args)
         else:
@@ -336,8 +343,11 @@ def main() -> None:
     for other in ("static", "tunix"):
       if "engine" in medians and other in medians:
         summary[f"engine_over_{other}"] = round(medians["engine"] / medians[other], 2)
-    if "engine" in medians and "engine_int8" in medians:
-      summary["engine_int8_over_engine"] = round(medians["engine_int8"] / medians["engine"], 2)
+    for variant in ("engine_int8", "engine_on_demand"):
+      if "engine" in medians and variant in medians:
+        summary[f"{variant}_over_engine"] = round(medians[variant] / medians["engine"], 2)
+    if "static" in medians and "engine_on_demand" in medians:
+      summary["engine_on_demand_over_static"] = round(medians["engine_on_demand"] / medians["static"], 2)
     print(json.dumps(summary), flush=True)
 
 
