@@ -276,10 +276,9 @@ def test_shapes_must_split_over_the_mesh(tiny_config, mesh):
     RolloutEngine(tiny_config, dataclasses.replace(SMALL, max_seqs=3), mesh=mesh)
 
 
-
 # "on_demand" admission: short prompts with long budgets in a pool of 20 pages, where 4 sequences at 32 new tokens
-# need 36 to 40. Rows outgrow the pool call after call, so the last admitted are preempted and prefilled
-# again, many times; one compiled set of programs serves every test below.
+# need 36 to 40. Rows outgrow the pool call after call, so the last submitted are preempted and prefilled again;
+# one compiled set of programs serves every test below.
 TIGHT = dataclasses.replace(SMALL, pages=21, admission="on_demand")
 SHORT = [prompt[:9] for prompt in PROMPTS]
 LONG_BUDGET = 32
