@@ -37,7 +37,9 @@ reserve in both kinds. Requests are admitted in submission order, preempted
 ones first. Parameters are read where training placed them, never copied.
 Token t of sequence i is drawn with the uniform of
 fold_in(fold_in(key(seed), i), t), so the same seed and submission order give
-the same tokens whatever the slots, pages, page size, preemptions or timing.
+the same tokens whatever the slots, pages, page size, preemptions or timing,
+up to float rounding: the rows a call packs set the order of its float32 sums,
+which over long rollouts can flip a near-tie (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
