@@ -13,7 +13,9 @@ weighted values per row). Rows of very different lengths cost
 what their own pages do, not the longest row's: the flat list is as long as
 the pages actually held, where a dense [B, S_max] view costs B times the
 longest. Pairs are sorted by row; padding pairs name a position past every
-row's length (index >= ceil(max length / S)), so they are masked out.
+row's length (index >= ceil(max length / S)), so they are masked out, and
+the loop skips the blocks after the last pair below its row's length: padding
+at the end of the list (a bucketed pair count) costs nothing.
 
 Key slot s of pair i has position index[i] * S + s and is visible to query t
 of row r = rows[i] iff it is below lengths[r] and, as in `mask.py`, causal
@@ -155,7 +157,12 @@ def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, k_s
       carry = fold(i, carry)
     m, l, acc = carry
   else:
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, fold, init)
+    # The loop stops after the last block holding a pair with a key below its row's length: every score of a later
+    # block is masked, so it would change nothing (its max is -inf, its decay 1, its sums 0). A pair list padded to
+    # a power-of-two bucket then costs its real pairs, not up to twice as many.
+    seen = index * s < lengths[rows]
+    live_blocks = jnp.max(jnp.where(seen, jnp.arange(n_blocks * block, dtype=jnp.int32), -1)) // block + 1
+    m, l, acc = jax.lax.fori_loop(0, live_blocks, fold, init)
   safe = jnp.where(l > 0, l, 1.0)
   out = (acc / safe[..., None]).transpose(0, 3, 1, 2, 4).reshape(r, t, h, -1)
   lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf).reshape(r, h, t)

@@ -58,14 +58,22 @@ def test_matches_the_reference_over_gathered_pages(t, kw):
   assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
 
 
-def test_padding_pairs_and_page_order_change_nothing():
+# block_pairs=2 runs the loop, which stops after the last block with a pair below its row's length: the padding
+# blocks after it are skipped, and a last row's real pair after padding pairs (rows stay sorted) is still read.
+@pytest.mark.parametrize("block_pairs", [None, 2])
+def test_padding_pairs_and_page_order_change_nothing(block_pairs):
   rng, k_pages, v_pages, tables, lengths = _case(1)
   q = rng.normal(size=(4, 1, H, D)).astype(np.float32)
   q_positions = np.maximum(lengths - 1, 0)[:, None].astype(np.int32)
-  args = dict(lengths=lengths, q_positions=q_positions)
+  args = dict(lengths=lengths, q_positions=q_positions, block_pairs=block_pairs)
   a = pk.paged_attention(q, k_pages, v_pages, **dict(zip(("rows", "pages", "index"), _pairs(tables, 0))), **args)
   b = pk.paged_attention(q, k_pages, v_pages, **dict(zip(("rows", "pages", "index"), _pairs(tables, 17))), **args)
   np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), atol=ATOL, rtol=0)
+  rows, pages, index = (np.concatenate([x[:-1], np.full(9, pad, np.int32), x[-1:]])
+                        for x, pad in zip(_pairs(tables, 0), (3, 0, 10 ** 6)))
+  c = pk.paged_attention(q, k_pages, v_pages, rows=rows, pages=pages, index=index, **args)
+  np.testing.assert_allclose(np.asarray(a[0]), np.asarray(c[0]), atol=ATOL, rtol=0)
+  assert np.any(np.asarray(c[0])[3] != 0)  # the last row's one page, after the padding, was read
 
 
 def test_mismatched_shapes_are_named():
