@@ -44,8 +44,6 @@ which over long rollouts can flip a near-tie (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import dataclasses
 from typing import Callable, Literal, NamedTuple, Sequence
@@ -61,6 +59,7 @@ from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
 from ptx.sampling import buckets
 from ptx.sampling import engine_sequences
+from ptx.sampling.engine_admission import Admission
 from ptx.sampling.engine_programs import (DecodeRows, copy_program, decode_program, init_pool_program,
                                           prefill_program, reading_pairs)
 from ptx.sampling.engine_sequences import Completion, HostSequence, SeqState
@@ -166,24 +165,13 @@ class RolloutEngine:
       if getattr(config, name) % blocks:
         raise ValueError(f"EngineConfig.{name} = {getattr(config, name)} must be a multiple of the {blocks} devices "
                          "that split the batch")
-    self.allocator = PageAllocator(config.pages, blocks)
+    self._admission = Admission(config, blocks)
     shardings = None if mesh is None else paged_kv_cache.pool_sharding(cfg, config.pages, config.page_size, mesh,
                                                                        rules, int8)
     with self._on_mesh():
       pool = init_pool_program(cfg, config.pages, config.page_size, shardings, int8)()
     self._k, self._v = pool
     self._key = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
-    self._slots_per_block = config.max_seqs // blocks
-    self._free_slots = [list(range((b + 1) * self._slots_per_block - 1, b * self._slots_per_block - 1, -1))
-                        for b in range(blocks)]
-    self._slots: list[HostSequence | None] = [None] * config.max_seqs
-    self._queue: collections.deque[list[HostSequence]] = collections.deque()  # groups, in submission order
-    self._extends: collections.deque[HostSequence] = collections.deque()
-    self._preempted: list[HostSequence] = []  # by seq_id: admitted before any queued group
-    # Positions a call may write past a sequence's cached ones, at most (a `SpeculativeEngine`'s verify rounds
-    # write more): what "on_demand" admission gives each sequence pages for before a step.
-    self._call_tokens = config.decode_steps
-    self.preemptions = 0  # sequences preempted so far ("on_demand" admission)
     self._sequences: dict[int, HostSequence] = {}
     self._next_id = 0
     self._version: int | None = None  # the policy_version of the last step: whose parameters the cache holds
@@ -195,10 +183,19 @@ class RolloutEngine:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self._k, self._v)))
 
   @property
+  def allocator(self) -> PageAllocator:
+    """The pool's pages: which are free, in use, shared, and the peak in use."""
+    return self._admission.allocator
+
+  @property
+  def preemptions(self) -> int:
+    """Sequences preempted so far ("on_demand" admission)."""
+    return self._admission.preemptions
+
+  @property
   def busy(self) -> bool:
     """Whether any request is queued or decoding (held sequences do not count)."""
-    return bool(self._queue or self._extends or self._preempted
-                or any(s is not None and s.state is SeqState.LIVE for s in self._slots))
+    return self._admission.waiting or bool(self._admission.admitted(SeqState.LIVE))
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int] = (), samples: int = 1,
              keep: bool = False, reserve: int = 0) -> list[int]:
@@ -232,10 +229,10 @@ class RolloutEngine:
       raise ValueError(f"{request}: max_new_tokens ({max_new_tokens}) and samples ({samples}) must be >= 1")
     reserve = max(reserve, len(prompt) - 1 + max_new_tokens)
     self._check_room(request, reserve)
-    if samples > self._slots_per_block:
+    if samples > self._admission.slots_per_block:
       raise ValueError(f"{request}: {samples} samples share pages on one device, which has "
-                       f"{self._slots_per_block} slots")
-    need = self._group_pages(len(prompt) - 1, reserve, samples)
+                       f"{self._admission.slots_per_block} slots")
+    need = self._admission.group_pages(len(prompt) - 1, reserve, samples)
     if need > self.allocator.capacity:
       raise ValueError(f"{request}: {samples} samples of {max_new_tokens} new tokens need {need} pages, more than "
                        f"the {self.allocator.capacity} of one device's block (EngineConfig.pages)")
@@ -246,7 +243,7 @@ class RolloutEngine:
     group[0].followers = group[1:]
     self._next_id += samples
     self._sequences.update((s.seq_id, s) for s in group)
-    self._queue.append(group)
+    self._admission.queue.append(group)
     return [s.seq_id for s in group]
 
   def extend(self, seq_id: int, tokens: Sequence[int], *, max_new_tokens: int,
@@ -266,7 +263,7 @@ class RolloutEngine:
     seq.feed, seq.pending, seq.max_new = seq.feed + [seq.pending] + tokens[:-1], tokens[-1], max_new_tokens
     seq.stop_ids = seq.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
     seq.state = SeqState.EXTEND
-    self._extends.append(seq)
+    self._admission.extends.append(seq)
 
   def release(self, seq_id: int) -> None:
     """Frees a held or live sequence's slot and pages (a live one is dropped mid-turn)."""
@@ -299,12 +296,12 @@ class RolloutEngine:
     if self._version is not None and policy_version != self._version:
       self._refresh()
     self._version = policy_version
-    self._make_room()
-    self._admit()
+    self._admission.make_room(self._call_tokens())
+    self._admission.admit(self._call_tokens())
     with self._on_mesh():
       self._prefill(params)
       self._start_followers()
-      self._stalled = not any(s is not None and s.state is SeqState.LIVE for s in self._slots)
+      self._stalled = not self._admission.admitted(SeqState.LIVE)
       if self._stalled:
         return []
       return self._decode(params, policy_version)
@@ -325,10 +322,10 @@ class RolloutEngine:
     while self.busy:
       done.update((c.seq_id, c) for c in self.step(params, policy_version=policy_version))
       if self.stalled:
-        waiting = (self._extends or self._preempted or self._queue[0])[0]
         raise RuntimeError(
-            f"sequence {waiting.seq_id} cannot be admitted: {self.allocator.in_use} pages and "
-            f"{sum(s is not None for s in self._slots)} slots are held by finished sequences (release them)")
+            f"sequence {self._admission.first_waiting().seq_id} cannot be admitted: {self.allocator.in_use} pages "
+            f"and {sum(s is not None for s in self._admission.slots)} slots are held by finished sequences (release "
+            "them)")
     return done
 
   def snapshot(self) -> dict[str, np.ndarray]:
@@ -349,7 +346,8 @@ class RolloutEngine:
     if held:
       raise ValueError(f"cannot snapshot the engine: sequences {held} are held for extend (release them first)")
     admitted = sorted((s for s in self._sequences.values() if s.state is not SeqState.QUEUED), key=lambda s: s.seq_id)
-    groups = [[s] for s in admitted] + [[s] for s in self._preempted] + [list(g) for g in self._queue]
+    groups = ([[s] for s in admitted] + [[s] for s in self._admission.preempted]
+              + [list(g) for g in self._admission.queue])
     return engine_sequences.to_arrays(groups, self._next_id, self._version)
 
   def restore(self, saved: dict[str, np.ndarray]) -> None:
@@ -359,7 +357,7 @@ class RolloutEngine:
     groups, self._next_id, self._version = engine_sequences.from_arrays(saved)
     for group in groups:
       self._sequences.update((s.seq_id, s) for s in group)
-      self._queue.append(group)
+      self._admission.queue.append(group)
 
   # Host side.
 
@@ -371,14 +369,6 @@ class RolloutEngine:
       raise ValueError(f"{what}: needs {positions} cached positions; EngineConfig.max_seq_len is "
                        f"{self.config.max_seq_len}")
 
-  def _pages_for(self, positions: int) -> int:
-    return -(-positions // self.config.page_size)
-
-  def _group_pages(self, cached: int, reserve: int, samples: int) -> int:
-    """Pages a group needs: one sample's `reserve` positions, and each other sample's past the shared prompt pages."""
-    own = self._pages_for(reserve)
-    return own + (samples - 1) * (own - cached // self.config.page_size)
-
   def _held(self, seq_id: int, action: str) -> HostSequence:
     seq = self._sequences.get(seq_id)
     if seq is None or seq.state is not SeqState.HELD:
@@ -386,100 +376,15 @@ class RolloutEngine:
                        f"({'unknown' if seq is None else seq.state.value}; submit with keep=True)")
     return seq
 
-  def _grows(self, seq: HostSequence) -> bool:
-    """Whether `seq` takes its pages call by call ("on_demand" admission, not held for `extend`)."""
-    return self.config.admission == "on_demand" and not seq.keep
-
-  def _admit(self) -> None:
-    """Starts queued extends, then preempted sequences, then queued groups, in order, while slots and pages are free."""
-    while self._extends:
-      seq = self._extends[0]
-      more = self._pages_for(seq.length + len(seq.feed) + seq.remaining) - len(seq.pages)
-      if more > self.allocator.free_pages(seq.block):
-        break
-      seq.pages += self.allocator.allocate(seq.block, max(more, 0))
-      seq.state = SeqState.PREFILL
-      self._extends.popleft()
-    while self._preempted and self._place([self._preempted[0]]):
-      self._preempted.pop(0)
-    while self._queue and self._place(self._queue[0]):
-      self._queue.popleft()
-
-  def _place(self, group: list[HostSequence]) -> bool:
-    """Gives `group` slots and pages in the emptiest block that holds them; False (nothing taken) when none does.
-
-    The leader's pages cover its reserve ("reserve" admission, or held
-    sequences) or its feed and first call ("on_demand"); every other sample
-    shares the leader's full prompt pages and takes its own beyond them.
-    """
-    leader = group[0]
-    spare = [0] * self.allocator.blocks
-    if self._grows(leader):
-      positions = len(leader.feed) + min(self._call_tokens, leader.remaining)
-      # Room for every growing sequence's next call too: a sequence admitted into the last free pages would be
-      # preempted (its prefill wasted) as soon as the older ones grow.
-      for seq in self._slots:
-        if seq is not None and self._grows(seq):
-          spare[seq.block] += self._pages_for(self._call_tokens)
-    else:
-      positions = max(leader.reserve, len(leader.feed) + leader.remaining)
-    need = self._group_pages(len(leader.feed), positions, len(group))
-    fits = [b for b in range(self.allocator.blocks)
-            if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need + spare[b]]
-    if not fits:
-      return False
-    block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
-    own = self._pages_for(positions)
-    shared = len(leader.feed) // self.config.page_size
-    for seq in group:
-      seq.block, seq.slot = block, self._free_slots[block].pop()
-      self._slots[seq.slot] = seq
-    leader.pages = self.allocator.allocate(block, own)
-    leader.state = SeqState.PREFILL
-    for seq in group[1:]:
-      self.allocator.share(block, leader.pages[:shared])
-      seq.pages = leader.pages[:shared] + self.allocator.allocate(block, own - shared)
-      seq.state, seq.feed = SeqState.FOLLOWER, []
-    return True
-
-  def _make_room(self) -> None:
-    """Gives every admitted sequence that grows the pages its next call may fill, preempting where a block runs out.
-
-    Oldest first: a sequence that does not fit preempts the youngest growing
-    sequence of its block (possibly itself) until it does, so the oldest
-    always go on and every sequence finishes.
-    """
-    admitted = sorted((s for s in self._slots if s is not None and s.state in (SeqState.LIVE, SeqState.PREFILL)
-                       and self._grows(s)), key=lambda s: s.seq_id)
-    for seq in admitted:
-      if seq.state is SeqState.QUEUED:  # preempted by an older sequence of its block
-        continue
-      more = self._pages_for(seq.length + len(seq.feed) + min(self._call_tokens, seq.remaining)) - len(seq.pages)
-      while more > self.allocator.free_pages(seq.block):
-        victim = max((s for s in admitted if s.block == seq.block and s.state is not SeqState.QUEUED),
-                     key=lambda s: s.seq_id)
-        self._preempt(victim)
-        if victim is seq:
-          break
-      else:
-        if more > 0:
-          seq.pages += self.allocator.allocate(seq.block, more)
-
-  def _preempt(self, seq: HostSequence) -> None:
-    """Frees `seq`'s slot and pages and queues its context to be prefilled again; its turn so far and RNG stay."""
-    self.allocator.release(seq.block, seq.pages)
-    self._free_slots[seq.block].append(seq.slot)
-    self._slots[seq.slot] = None
-    seq.feed, seq.cached, seq.length = seq.cached + seq.feed, [], 0
-    seq.pages, seq.block, seq.slot, seq.state = [], -1, -1, SeqState.QUEUED
-    bisect.insort(self._preempted, seq, key=lambda s: s.seq_id)
-    self.preemptions += 1
+  def _call_tokens(self) -> int:
+    """Positions a call may write past a sequence's cached ones, at most: the pages "on_demand" gives it first."""
+    return self.config.decode_steps
 
   def _refresh(self) -> None:
     """Marks every admitted sequence's cached tokens to be prefilled again (under the next call's parameters)."""
     for seq in self._sequences.values():
       if seq.cached:
-        seq.feed, seq.cached, seq.length = seq.cached + seq.feed, [], 0
+        seq.uncache()
         if seq.state is SeqState.LIVE:
           seq.state = SeqState.PREFILL
 
@@ -487,7 +392,7 @@ class RolloutEngine:
     """Writes every admitted sequence's feed: up to `prefill_rows` rows and `prefill_chunk` tokens per call."""
     C, most = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
     while True:
-      waiting = [s for s in self._slots if s is not None and s.state is SeqState.PREFILL]
+      waiting = self._admission.admitted(SeqState.PREFILL)
       taken, per_block = [], [0] * self.allocator.blocks
       for seq in waiting:
         if not seq.feed:
@@ -508,7 +413,7 @@ class RolloutEngine:
         table[row, :len(seq.pages)] = seq.pages
         seq.feed, seq.length = seq.feed[C:], seq.length + len(chunk)
         seq.cached += chunk
-        reads[row] = seq.pages[:self._pages_for(seq.length)]
+        reads[row] = seq.pages[:self._admission.pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
       self._k, self._v = prefill_program(params, self._k, self._v, *self._rows(table, lengths, new),
                                       paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
@@ -517,7 +422,7 @@ class RolloutEngine:
   def _start_followers(self) -> None:
     """Gives every group whose leader is prefilled its prompt: shared full pages, a copy of the partial one."""
     pairs: list[list[tuple[int, int]]] = [[] for _ in range(self.allocator.blocks)]
-    for leader in [s for s in self._slots if s is not None and s.state is SeqState.LIVE and s.followers]:
+    for leader in [s for s in self._admission.admitted(SeqState.LIVE) if s.followers]:
       shared = leader.length // self.config.page_size
       for seq in leader.followers:
         if leader.length % self.config.page_size:
@@ -537,7 +442,7 @@ class RolloutEngine:
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One decode call over the live sequences; returns the turns that finished and frees what they held."""
     steps = self.config.decode_steps
-    live = [s for s in self._slots if s is not None and s.state is SeqState.LIVE]
+    live = self._admission.admitted(SeqState.LIVE)
     packed = self._live_rows(live, lambda seq: seq.length + min(steps, seq.remaining))
     pending = np.zeros((packed.n_rows,), np.int32)
     for seq in live:
@@ -590,7 +495,7 @@ class RolloutEngine:
 
   def _live_rows(self, live: list[HostSequence], positions: Callable[[HostSequence], int]) -> LiveRows:
     """`live` packed into rows (`_pack_rows`), each reading its pages up to the `positions(seq)` the call may fill."""
-    row_of, R = self._pack_rows(live, self._slots_per_block)
+    row_of, R = self._pack_rows(live, self._admission.slots_per_block)
     table = np.full((R, self.config.pages_per_seq), paged_kv_cache.SINK_PAGE, np.int32)
     lengths, remaining, seq_ids, sampled = (np.zeros((R,), np.int32) for _ in range(4))
     is_live = np.zeros((R,), bool)
@@ -599,8 +504,8 @@ class RolloutEngine:
     for seq in live:
       r = row_of[seq.seq_id]
       table[r, :len(seq.pages)] = seq.pages
-      reads[r] = seq.pages[:self._pages_for(positions(seq))]
-      if len(reads[r]) < self._pages_for(positions(seq)):  # its writes would go to the sink: never silently
+      reads[r] = seq.pages[:self._admission.pages_for(positions(seq))]
+      if len(reads[r]) < self._admission.pages_for(positions(seq)):  # its writes would go to the sink: never silently
         raise RuntimeError(f"sequence {seq.seq_id} holds {len(seq.pages)} pages; its call may fill "
                            f"{positions(seq)} positions")
       lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
@@ -610,10 +515,7 @@ class RolloutEngine:
     return LiveRows(row_of, R, table, lengths, is_live, remaining, stops, seq_ids, sampled, pairs)
 
   def _free(self, seq: HostSequence) -> None:
-    self.allocator.release(seq.block, seq.pages)
-    self._free_slots[seq.block].append(seq.slot)
-    self._slots[seq.slot] = None
-    seq.pages = []
+    self._admission.free(seq)
     del self._sequences[seq.seq_id]
 
   def _rows(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:

@@ -74,6 +74,10 @@ class HostSequence:
     """Tokens this turn may still sample."""
     return self.max_new - len(self.tokens)
 
+  def uncache(self) -> None:
+    """Moves the cached tokens back to the feed: its cache is to be written again (new parameters, or preempted)."""
+    self.feed, self.cached, self.length = self.cached + self.feed, [], 0
+
 
 _RAGGED = ("context", "stop_ids", "tokens", "log_probs", "versions")
 

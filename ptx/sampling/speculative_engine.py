@@ -118,11 +118,14 @@ class SpeculativeEngine(RolloutEngine):
     super().__init__(cfg, config, **engine_args)
     self.drafter, self.speculative = drafter, speculative
     self._records: dict[int, _Record] = {}
-    self._call_tokens = max(config.decode_steps, speculative.rounds * (speculative.drafts + 1))
+
+  def _call_tokens(self) -> int:
+    """A call's decode steps, or its verify rounds' positions when they write more."""
+    return max(self.config.decode_steps, self.speculative.rounds * (self.speculative.drafts + 1))
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One verify call over the live sequences when drafting pays for it, else one decode call."""
-    live = [s for s in self._slots if s is not None and s.state is SeqState.LIVE]
+    live = self._admission.admitted(SeqState.LIVE)
     drafts = {s.seq_id: self._propose(s) for s in live}
     expected = sum(self._expected(s, len(drafts[s.seq_id])) for s in live)
     if not any(drafts.values()) or expected < self.speculative.verify_cost * len(live):

@@ -75,7 +75,8 @@ def _run(engine, params, order, stops, samples=1):
 def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, variant, page_size, order):
   cfg, params, stops, expected = _greedy_case(_variant(tiny_config, variant))
   rows = list(range(len(PROMPTS)))
-  rows = {"submitted": rows, "reversed": rows[::-1], "shuffled": list(np.random.default_rng(3).permutation(rows))}[order]
+  shuffled = list(np.random.default_rng(3).permutation(rows))
+  rows = {"submitted": rows, "reversed": rows[::-1], "shuffled": shuffled}[order]
   # Pages for 4 sequences of max_seq_len; at SMALL's page size, SMALL itself (four of these requests take at most 32
   # of its 63 pages), whose programs the other greedy tests of the llama config compile too.
   config = SMALL if page_size == SMALL.page_size else dataclasses.replace(
@@ -339,7 +340,7 @@ def test_a_snapshot_with_preempted_sequences_restores_them(tiny_config):
   params = _params(tiny_config)
   want, _ = _sampled_groups(tiny_config, params, TIGHT)
   got, engine = _sampled_groups(tiny_config, params, TIGHT, steps_before_snapshot=6)
-  assert engine._preempted, "the snapshot should catch preempted sequences"
+  assert engine._admission.preempted, "the snapshot should catch preempted sequences"
   restored = RolloutEngine(tiny_config, TIGHT, sampling=SAMPLED, seed=4)
   restored.restore(jax.tree.map(np.asarray, engine.snapshot()))
   got.update(restored.run(params))
