@@ -58,11 +58,13 @@ _LAZY = {
 
 __all__ = [
     "ArithmeticTask", "ByteTokenizer", "Config", "DEFAULT_RULES", "DPOConfig", "DataConfig", "Decoder", "EnvReward",
-    "EvalConfig", "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig", "MemorySource",
+    "EvalConfig", "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig",
+    "MemorySource",
     "MeshConfig", "ModelConfig", "OptimizerConfig", "PythonTestsEnv", "RopeScaling", "Rules", "SamplingConfig", "TOY",
     "TextSampler", "Tokenizer", "TrainConfig", "TrainState", "advantages", "apply_overrides", "attention",
     "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate", "export_hf", "fit", "forward", "generate",
-    "grpo", "grpo_episode_job", "grpo_host_job", "grpo_job", "grpo_prompts", "init_params", "init_state", "initial_params", "load_hf",
+    "grpo", "grpo_episode_job", "grpo_host_job", "grpo_job", "grpo_prompts", "init_params", "init_state",
+    "initial_params", "load_hf",
     "load_tokenizer", "make_mesh", "make_optimizer", "make_pipeline", "make_train_step", "merge_lora", "models",
     "presets", "save_hf", "save_peft", "sft", "sft_job", "state_shardings", "supervised_data", "train_grpo",
 ]

@@ -64,14 +64,15 @@ def _parser() -> argparse.ArgumentParser:
                       "--threshold (2: bad arguments or reports). --rollout.mode=fast samples int8 weights with n-gram "
                       "speculative decoding, as ptx grpo's fast rollouts do (the rollout section's other fields: "
                       "--rollout.drafts, --rollout.verify_cost, --rollout.max_ngram).")
-  ev.add_argument("--model", type=paths.argument, help="Hugging Face model directory (weights and tokenizer; local or gs://)")
+  ev.add_argument("--model", type=paths.argument,
+                  help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
                   "retrieval), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
                   "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
                   "about a long document through search tools), shell (your records)")
   ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
-                  help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when --task "
-                  "names one file suite; repeat for several")
+                  help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when "
+                  "--task names one file suite; repeat for several")
   ev.add_argument("--n", type=int, default=100, help="number of tasks")
   ev.add_argument("--k", type=int, default=8, help="samples per task")
   ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens a completion may sample (each turn of a "

@@ -363,6 +363,11 @@ class GRPOConfig:
   engine_page_size: int = 16
   # Engine rollouts: tokens per decode call; groups are scored and sequences admitted between calls.
   engine_decode_steps: int = 16
+  # Engine rollouts: pages a sequence takes at admission. "reserve": its prompt and whole budget. "on_demand": its
+  # prompt and next call, growing call by call, the last submitted preempted and recomputed when a grpo.engine_pages
+  # pool runs out, so rows that stop early fill the pool (`EngineConfig.admission`). Either resumes exactly with
+  # grpo.engine_pages 0, where nothing waits for pages; with a smaller pool, log-probs resume to float rounding.
+  engine_admission: Literal["reserve", "on_demand"] = "reserve"
   # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
   # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
   turn_tokens: int = 64

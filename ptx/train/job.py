@@ -208,7 +208,7 @@ def _engine_config(cfg: Config, *, ahead: int) -> EngineConfig:
   seq_len = cfg.data.seq_len + g.max_response_tokens
   pages = g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1  # + the sink page
   return EngineConfig(max_seqs=seqs, pages=pages, page_size=g.engine_page_size, max_seq_len=seq_len,
-                      decode_steps=g.engine_decode_steps, prefill_rows=min(seqs, 8))
+                      decode_steps=g.engine_decode_steps, prefill_rows=min(seqs, 8), admission=g.engine_admission)
 
 
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:

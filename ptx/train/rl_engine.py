@@ -40,7 +40,8 @@ the static mode's only.
 Metrics add `timing_s/step`, `timing_s/generate` (decoding until batch k
 finished), `timing_s/reward` (waiting for its last scores after that),
 `rollout/staleness` (the oldest token's age in updates),
-`rollout/staleness_mean` (per token) and `rollout/engine_pages_peak`; with
+`rollout/staleness_mean` (per token), `rollout/engine_pages_peak` and
+`rollout/engine_preemptions` (sequences preempted in the step); with
 speculation, `rollout/drafted` (drafts per response token) and
 `rollout/draft_acceptance` (the fraction of drafts the policy accepted).
 """
@@ -176,7 +177,7 @@ class EngineRewardStep:
     self._submit(k, batch)
     current = self._batches[0]
     params = self._rollout_params(model_params(state, self._spec.lora))  # once per update
-    peak = 0
+    peak, preempted = 0, self._engine.preemptions
     while not current.complete():
       if not self._engine.busy:
         raise RuntimeError(f"the engine stopped with batch {current.index} unfinished")
@@ -196,7 +197,9 @@ class EngineRewardStep:
     metrics = {**metrics, **(take() if take is not None else {}), "timing_s/step": wall,
                "timing_s/generate": decoded - start, "timing_s/reward": scored - decoded,
                "rollout/staleness": float(age.max(initial=0)), "rollout/staleness_mean": float(age.mean()),
-               "rollout/engine_pages_peak": float(peak), **self._draft_metrics(current)}
+               "rollout/engine_pages_peak": float(peak),
+               "rollout/engine_preemptions": float(self._engine.preemptions - preempted),
+               **self._draft_metrics(current)}
     return state, metrics
 
   def _draft_metrics(self, b: _Batch) -> dict[str, float]:
@@ -320,7 +323,7 @@ class EngineRewardStep:
     return jax.tree.map(lambda *x: np.concatenate(x), *groups)
 
   def _assemble(self, b: _Batch) -> tuple[dict[str, jax.Array], Generation, np.ndarray]:
-    """The batch's training rows and Generation, placed on the mesh, and every token's policy version [R, N] (-1: pad)."""
+    """The batch's training rows and Generation, placed on the mesh, and each token's policy version [R, N] (-1 pad)."""
     G, N, R = self._spec.grpo.group_size, self._spec.max_new_tokens, b.prompts.shape[0] * self._spec.grpo.group_size
     tokens, log_probs = np.full((R, N), self._spec.pad_id, np.int32), np.zeros((R, N), np.float32)
     versions, lengths, finish = np.full((R, N), -1, np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)

@@ -132,6 +132,10 @@ def test_engine_rollouts_hold_the_batch_and_those_ahead_at_their_worst_case():
   # 8 prompts x 2 samples x (1 + 1 batch ahead) slots; each holds 8 prompt columns + 4 new tokens in 3 pages of 4.
   assert step.engine == EngineConfig(max_seqs=32, pages=32 * 3 + 1, page_size=4, max_seq_len=12, decode_steps=3,
                                      prefill_rows=8)
+  on_demand = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, engine_pages=41,
+                                                                engine_admission="on_demand"))
+  assert grpo_host_job(on_demand, TOK, step.reward).step.engine == dataclasses.replace(step.engine, pages=41,
+                                                                                       admission="on_demand")
   with pytest.raises(ConfigError, match="grpo.rollouts='engine' needs host rewards"):
     grpo_job(cfg, TOK)
 

@@ -27,6 +27,10 @@ ENGINE = EngineConfig(max_seqs=32, pages=32 * 2 + 1, page_size=8, max_seq_len=8 
 STOPS = tuple(range(3, 264, 5))
 # Slots for 1.5 batches: batch k + 1 waits for batch k's slots, so part of it decodes after k's update.
 STALE = dataclasses.replace(ENGINE, max_seqs=24)
+# Pages of one position, 20 of them (one device's block, the sink apart): a group of 2 of the longest prompts takes
+# 18 at its longest, so a batch's 8 groups are admitted a few at a time and those admitted last are preempted when
+# the first grow (2 of them in the first step here).
+ON_DEMAND = dataclasses.replace(ENGINE, page_size=1, pages=21, admission="on_demand")
 
 
 class _RecordingReward:
@@ -54,12 +58,16 @@ def _setup(cfg, grpo_cfg, reward, engine=ENGINE):
   return state, data, step
 
 
-def test_on_policy_engine_rollouts_train_as_sampled(tiny_config):
+@pytest.mark.parametrize("engine", [ENGINE, ON_DEMAND], ids=["reserve", "on_demand"])
+def test_on_policy_engine_rollouts_train_as_sampled(tiny_config, engine):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   reward = _RecordingReward()
-  state, data, step = _setup(cfg, GRPOConfig(group_size=2, beta=0.04, max_staleness=0), reward)
+  state, data, step = _setup(cfg, GRPOConfig(group_size=2, beta=0.04, max_staleness=0), reward, engine)
   state, history = run_steps(step, state, data, 2)
   assert int(state.step) == 2
+  # A preempted sequence's context is prefilled again under the same parameters: its tokens and log-probs are
+  # still the policy's, within the bound below.
+  assert (sum(m["rollout/engine_preemptions"] for m in history) > 0) == (engine.admission == "on_demand")
   for m in history:
     assert m["rollout/staleness"] == 0.0 and m["rollout/staleness_mean"] == 0.0
     # The engine's log-probs against the update's forward over the assembled rows, both float32 at the sampling
