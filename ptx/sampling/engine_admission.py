@@ -139,8 +139,9 @@ class Admission:
 
     The leader's pages cover its reserve ("reserve" admission, or held
     sequences) or its feed and first call ("on_demand", leaving `spare[b]`
-    pages of block b free; the group's own room is added there); every other
-    sample shares the leader's full prompt pages and takes its own beyond them.
+    pages of block b free, to which the group adds its own next call); every
+    other sample shares the leader's full prompt pages and takes its own
+    beyond them.
     """
     leader = group[0]
     grows = self._grows(leader)
@@ -149,8 +150,8 @@ class Admission:
     else:
       positions = max(leader.reserve, len(leader.feed) + leader.remaining)
     need = self.group_pages(len(leader.feed), positions, len(group))
-    fits = [b for b in range(self.allocator.blocks)
-            if len(self._free_slots[b]) >= len(group) and self.allocator.free_pages(b) >= need + spare[b]]
+    fits = [b for b in range(self.allocator.blocks) if len(self._free_slots[b]) >= len(group)
+            and self.allocator.free_pages(b) >= need + (spare[b] if grows else 0)]
     if not fits:
       return False
     block = max(fits, key=self.allocator.free_pages)  # the emptiest block: keeps the devices balanced
