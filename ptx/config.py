@@ -365,8 +365,9 @@ class GRPOConfig:
   engine_decode_steps: int = 16
   # Engine rollouts: pages a sequence takes at admission. "reserve": its prompt and whole budget. "on_demand": its
   # prompt and next call, growing call by call, the last submitted preempted and recomputed when a grpo.engine_pages
-  # pool runs out, so rows that stop early fill the pool (`EngineConfig.admission`). Either resumes exactly with
-  # grpo.engine_pages 0, where nothing waits for pages; with a smaller pool, log-probs resume to float rounding.
+  # pool runs out, so rows that stop early fill the pool (`EngineConfig.admission`). With grpo.engine_pages 0 nothing
+  # waits for pages and either resumes exactly; in a smaller pool a resumed run may admit and preempt otherwise, so
+  # it reproduces to float rounding (which can flip a near-tie token).
   engine_admission: Literal["reserve", "on_demand"] = "reserve"
   # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
   # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
