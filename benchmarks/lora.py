@@ -107,7 +107,8 @@ def convergence(lora: LoRAConfig, steps: int, margin: float) -> dict:
   evaluate = jax.jit(lambda p, b: sft.loss(p, b, None, model=model)[1]["loss"])
   held_out = list(_batches(3, 1, 8, batch, seq))
   held_out_loss = lambda p: float(np.mean([evaluate(p, b) for b in held_out]))
-  out = {"bench": "lora_convergence", "task": "tiny preset: base SFT on 2-digit addition, fine-tuned on 3-digit addition",
+  out = {"bench": "lora_convergence",
+         "task": "tiny preset: base SFT on 2-digit addition, fine-tuned on 3-digit addition",
          "steps": steps, "batch": batch, "rank": lora.rank, "alpha": lora.alpha,
          "base_loss": held_out_loss(base)}
   runs = {"full": (None, OptimizerConfig(lr=3e-3, warmup_steps=20, weight_decay=0.01)),

@@ -38,7 +38,8 @@ PROGRAMS = {
     "cpu_1s": ["python3", "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"],
 }
 LIMITS = sandbox.Limits(timeout_s=120.0, cpu_s=30, memory_bytes=512 << 20)
-TASK = {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+TASK = {"prompt": "Write add(a, b).",
+        "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
 ANSWER = "```python\ndef add(a, b):\n    return a + b\n```"
 
 

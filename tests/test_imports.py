@@ -74,4 +74,5 @@ def test_imports_flow_downward(module, path):
     if module.startswith("ptx_kernels"):
       assert name.startswith("ptx_kernels"), f"{path}:{line}: ptx_kernels imports {name} from ptx"
       continue
-    assert _layer(name) <= _layer(module), f"{path}:{line}: {module} (layer {_layer(module)}) imports {name} (layer {_layer(name)})"
+    assert _layer(name) <= _layer(module), (
+        f"{path}:{line}: {module} (layer {_layer(module)}) imports {name} (layer {_layer(name)})")

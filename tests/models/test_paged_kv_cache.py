@@ -1,4 +1,4 @@
-"""Paged attention == the reference over each row's contiguous keys, whatever pages hold them; the sink is never read."""
+"""Paged attention equals the reference over each row's contiguous keys, whatever pages hold them; no sink read."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""The calculator environment: exact arithmetic, held-out problems disjoint by construction, and the hacks it refuses."""
+"""The calculator environment: exact arithmetic, held-out problems disjoint by construction, the hacks it refuses."""
 
 import pytest
 

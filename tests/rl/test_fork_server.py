@@ -40,7 +40,8 @@ def main():
   elif command == b"print":
     sys.stdout.write("x" * int(rest))
   elif command == b"host":
-    print(os.getuid(), os.path.exists(rest.decode()), sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]))
+    interfaces = sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:])
+    print(os.getuid(), os.path.exists(rest.decode()), interfaces)
   elif command == b"kill-server":
     os.kill(os.getppid(), 9)
     time.sleep(30)

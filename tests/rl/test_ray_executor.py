@@ -252,8 +252,9 @@ def test_host_reward_grpo_trains_on_ray_with_the_local_executors_rewards(cluster
                 stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
   data = Lookahead(PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=None))
   reward = _ScoredBothWays()
-  step = HostRewardStep(spec=spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings(cfg, optimizer, mesh),
-                        reward=reward, prompts=data)
+  shardings = state_shardings(cfg, optimizer, mesh)
+  step = HostRewardStep(spec=spec, optimizer=optimizer, mesh=mesh, state_shardings=shardings, reward=reward,
+                        prompts=data)
   _, history = run_steps(step, init_state(cfg, optimizer, 0, mesh), data, 2)
   # The same completions (one seed, one run) get the same rewards on either executor, exactly: one Python function.
   for on_ray, local in reward.batches:

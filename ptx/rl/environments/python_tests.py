@@ -26,8 +26,9 @@ exit status the solution controls. A grader that gives no verdict is an
 INFRA_ERROR.
 
 Threat model. The solution is adversarial; the tests, the grader and the
-sandbox are trusted (so gradings may share the grading server's sandbox). Defended: exiting early (`os._exit(0)`, SystemExit at
-import or in a call) or crashing: the requests fail, so the tests fail;
+sandbox are trusted (so gradings may share the grading server's sandbox).
+Defended: exiting early (`os._exit(0)`, SystemExit at import or in a call)
+or crashing: the requests fail, so the tests fail;
 objects with a planted `__eq__`, `__bool__` or `__getattr__`, subclasses of
 builtins, mocks: they are not plain data, so they stay behind as handles
 whose equality is identity; patching builtins, AssertionError, sys hooks or
@@ -164,8 +165,8 @@ def _script(name: str) -> str:
 @functools.cache
 def _grader(python: str) -> fork_server.ForkServer:
   """The process's grader: one long-lived sandbox per interpreter, a fork of it per solution graded."""
-  return fork_server.ForkServer("grader.py", {"grader.py": _script("grader.py"), "plain_data.py": _script("plain_data.py")},
-                                python=python)
+  scripts = {"grader.py": _script("grader.py"), "plain_data.py": _script("plain_data.py")}
+  return fork_server.ForkServer("grader.py", scripts, python=python)
 
 
 @dataclasses.dataclass(frozen=True)
