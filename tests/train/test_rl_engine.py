@@ -93,22 +93,26 @@ def test_stale_engine_rollouts_span_updates_within_the_bound(tiny_config):
   assert data.get_state() == {"next_batch": 3}
 
 
-def test_engine_pipeline_resumes_exactly(tiny_config):
+# On-demand admission in a pool that holds every in-flight sequence at its longest: sequences hold only the pages
+# they have grown into when the pipeline is saved, and nothing waits for pages, so the resume is still exact.
+@pytest.mark.parametrize("engine", [STALE, dataclasses.replace(STALE, admission="on_demand")],
+                         ids=["reserve", "on_demand"])
+def test_engine_pipeline_resumes_exactly(tiny_config, engine):
   cfg = dataclasses.replace(tiny_config, n_layers=1)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1,
                         sampling=SamplingConfig(temperature=1.5))
   full_reward, first_reward, resumed_reward = _RecordingReward(), _RecordingReward(), _RecordingReward()
-  state, data, step = _setup(cfg, grpo_cfg, full_reward, STALE)
+  state, data, step = _setup(cfg, grpo_cfg, full_reward, engine)
   full, full_history = run_steps(step, state, data, 3)
 
-  state, data, step = _setup(cfg, grpo_cfg, first_reward, STALE)
+  state, data, step = _setup(cfg, grpo_cfg, first_reward, engine)
   state, first = run_steps(step, state, data, 1)
   saved = jax.tree.map(np.asarray, step.pipeline_state())  # as a checkpoint holds it: host arrays
   # Batch 1 is in flight: sequences mid-rollout (tokens sampled, their cache to recompute) and finished groups.
   # (Each saved array carries one padding row, for orbax.)
   assert saved["engine"]["tokens_lengths"].max() > 0 and len(saved["batches"]["0"]["done"]) > 1
   position = data.get_state()
-  _, data, resumed = _setup(cfg, grpo_cfg, resumed_reward, STALE)
+  _, data, resumed = _setup(cfg, grpo_cfg, resumed_reward, engine)
   data.set_state(position)
   resumed.set_pipeline_state(saved)
   state, rest = run_steps(resumed, state, data, 2)
