@@ -296,8 +296,9 @@ class RolloutEngine:
     if self._version is not None and policy_version != self._version:
       self._refresh()
     self._version = policy_version
-    self._admission.make_room(self._call_tokens())
-    self._admission.admit(self._call_tokens())
+    call_tokens = self._call_tokens()
+    self._admission.make_room(call_tokens)
+    self._admission.admit(call_tokens)
     with self._on_mesh():
       self._prefill(params)
       self._start_followers()
@@ -504,8 +505,9 @@ class RolloutEngine:
     for seq in live:
       r = row_of[seq.seq_id]
       table[r, :len(seq.pages)] = seq.pages
-      reads[r] = seq.pages[:self._admission.pages_for(positions(seq))]
-      if len(reads[r]) < self._admission.pages_for(positions(seq)):  # its writes would go to the sink: never silently
+      needed = self._admission.pages_for(positions(seq))
+      reads[r] = seq.pages[:needed]
+      if len(reads[r]) < needed:  # its writes would go to the sink: never silently
         raise RuntimeError(f"sequence {seq.seq_id} holds {len(seq.pages)} pages; its call may fill "
                            f"{positions(seq)} positions")
       lengths[r], remaining[r], seq_ids[r], sampled[r], is_live[r] = (seq.length, seq.remaining, seq.seq_id,
