@@ -39,6 +39,12 @@ runs. Sections, each reusing the benchmark that measures it:
              and word-problem workloads, and the measured verify_cost
              (fast_mode.measure); rows print as they come, so a section cut
              off by its limit still gives the modes it finished
+  rollout    issue #25's uniform anchor (4 prompts x 4 samples, 64 new tokens,
+             the tiny anchor model in float32): static `generate` against the
+             engine with the pure-JAX paged path and with the Pallas paged
+             kernel, 3 rounds alternated (rollout.rows); on the CPU the engine
+             made 0.64-0.81x static, the gather of its pages costing what
+             the Pallas kernel's in-place reads should not
   agent      issue #26's benchmark: 1,024 multi-turn episodes (warm-ups of
              256), 64 at once, with log-uniform 0.1-1 s tools, through the
              episode loop overlapped against the loop in lockstep
@@ -46,7 +52,7 @@ runs. Sections, each reusing the benchmark that measures it:
              anchor model, and the ratio's bound from the tool times alone
              (agent.rows; its lockstep turn-batches ran on the H200 12-04)
 
-The sections of issue #27 (all but fast and agent) take under 8 minutes together.
+The sections of issue #27 (all but rollout, fast and agent) take under 8 minutes together.
 
 The GPU image has JAX, Flax, Optax and Orbax but not qwix (a ptx dependency
 that int8 rollouts need; ptx.models imports it): carry its wheel and install
@@ -90,7 +96,8 @@ REPORTED, STOP = 2, 3
 # themselves, so that a module that fails to import fails its sections alone, and env runs without JAX.
 MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
            "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo"),
-           "fast": ("ptx.sampling.speculative_engine", "fast_mode"), "agent": ("ptx.rl.episode_loop", "agent")}
+           "rollout": ("ptx.sampling.engine", "rollout"), "fast": ("ptx.sampling.speculative_engine", "fast_mode"),
+           "agent": ("ptx.rl.episode_loop", "agent")}
 
 
 def _context() -> dict:
@@ -246,6 +253,16 @@ def grpo(smoke: bool):
   yield from _first_working(_impls(smoke, "xla"), measure)
 
 
+def rollout(smoke: bool):
+  """Yields rollout.py's rows on the uniform anchor: each run of each method, then the summary with the ratios."""
+  import rollout as rollout_bench
+  # The engine compiles a prefill and a decode program per (rows, pairs) bucket: four buckets here, where the
+  # long-tailed workloads take dozens (68 s of compiling on the CPU), so they stay off the device's clock.
+  argv = ["--config", "tiny", "--workloads", "uniform", "--rounds", "1" if smoke else "3",
+          "--methods", "static,engine" if smoke else "static,engine,engine_pallas"]
+  yield from rollout_bench.rows(rollout_bench.parser().parse_args(argv))
+
+
 def fast(smoke: bool):
   """Yields fast_mode's rows: tokens/s per (workload, mode), then the calibration row."""
   import fast_mode
@@ -279,7 +296,7 @@ def agent(smoke: bool):
 
 
 SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo,
-            "fast": fast, "agent": agent}
+            "rollout": rollout, "fast": fast, "agent": agent}
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot accelerator check (issues #26, #27 and #29): every section of benchmarks/device_check.py in a process of
+# One-shot accelerator check (issues #25, #26, #27 and #29): every section of benchmarks/device_check.py in a process of
 # its own, each under a hard time limit, all of them within DEVICE_CHECK_TOTAL_S (570 s: the whole run stays
 # under 10 minutes, one device call, #27's sections under 8). Prints JSON lines to stdout and, when $OUT is set, also to
 # $OUT/device_check.jsonl. Exits 0 whatever the sections do: a failure is a JSON line with an "error" field, and
@@ -22,12 +22,14 @@ TOTAL_S=${DEVICE_CHECK_TOTAL_S:-570}
 # name:seconds in running order. A section may use its own seconds plus whatever earlier ones left unused,
 # never the seconds reserved for the sections after it. GRPO runs last of #27's: it compiles the most. Another list
 # runs some sections alone (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or
-# the GPU is missing. agent (#26's) and fast (#29's rollout modes) run after #27's sections, on what they leave:
-# agent first, as it needs a known time (1,024 episodes: ~100 s with its warm-ups), and fast last, as it prints a
-# row per mode and uses whatever is left. The seconds follow the H200 runs of 12-04 (env ~10 s, attention ~35, sft
-# ~25, memory ~15, grpo ~40; kernels ~110 with float32 at its 64 x 32 default tiles, the Pallas checks first, and
-# ~20 more for the paged kernel's checks, never run yet; fast ~55 per mode).
-SECTIONS=${DEVICE_CHECK_SECTIONS:-env:20 kernels:150 attention:40 sft:50 memory:40 grpo:60 agent:100 fast:110}
+# the GPU is missing. rollout (#25's uniform anchor), agent (#26's) and fast (#29's rollout modes) run after #27's
+# sections, on what they leave: rollout and agent first, as they need a known time (rollout: the tiny model's
+# static and engine programs, never run on a device, guessed at ~40 s; agent: 1,024 episodes, ~100 s with its
+# warm-ups), and fast last, as it prints a row per mode and uses whatever is left. The seconds follow the H200 runs
+# of 12-04 (env ~10 s, attention ~35, sft ~25, memory ~15, grpo ~40; kernels ~110 with float32 at its 64 x 32
+# default tiles, the Pallas checks first, and ~20 more for the paged kernel's checks, never run yet; fast ~55 per
+# mode), each with 10 s or more to spare.
+SECTIONS=${DEVICE_CHECK_SECTIONS:-env:15 kernels:140 attention:45 sft:40 memory:30 grpo:50 rollout:60 agent:100 fast:90}
 
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT

@@ -15,6 +15,8 @@ Methods, each on the same requests (prompts: BOS + 31 random ids):
           the same pool: a request takes pages as it grows rather than its
           whole budget at admission, and the last submitted are preempted
           (and recomputed) when the pool runs out; `preemptions` counts them
+  engine_pallas  the engine with `attention_impl="pallas"`: the platform's
+          Pallas paged kernel reads the pages in place (GPU or TPU only)
   tunix   (with --tunix-python) Tunix's Sampler, timed by its harness
           (`tunix_bench.py --parts sample`) on one batch of --static-rows rows
           at the workload's cap: its sampler takes one generation length per
@@ -85,6 +87,8 @@ import tunix_harness
 CONFIGS = {"tiny": sampling_bench.CFG, "smollm2": smollm2_135m()}
 PROMPT_LEN = 32
 STOP_ID = 2  # trained into the `stops` model; never a prompt id (prompts draw from [3, V))
+# What --methods names; Tunix runs with --tunix-python.
+METHODS = ("static", "engine", "engine_int8", "engine_on_demand", "engine_pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +286,8 @@ def run_tunix(cfg, work: Workload, args) -> dict:
           "timed_calls": args.tunix_calls, "kv_bytes": static_kv_bytes(cfg, rows, PROMPT_LEN, cap)}
 
 
-def main() -> None:
-  """Runs every method on every workload, alternating over rounds; one JSON line per run, then summaries."""
+def parser() -> argparse.ArgumentParser:
+  """The command line (`benchmarks/device_check.py` builds its `rollout` section's arguments with it)."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
   p.add_argument("--workloads", default="uniform,longtail,stops")
@@ -305,9 +309,18 @@ def main() -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--tunix-calls", type=int, default=3, help="Tunix's timed sampler calls (after one warm-up)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix (adds the tunix method)")
-  args = p.parse_args()
+  return p
+
+
+def rows(args):
+  """Yields one record per run, every method on every workload alternating over rounds, then a summary per workload."""
   cfg = CONFIGS[args.config]
-  methods = args.methods.split(",") + (["tunix"] if args.tunix_python else [])
+  methods = args.methods.split(",")
+  unknown = sorted(set(methods) - set(METHODS))
+  if unknown or "tunix" in methods:
+    raise SystemExit(f"--methods: unknown {', '.join(unknown or ['tunix'])}; known: {', '.join(METHODS)} (Tunix "
+                     "runs with --tunix-python)")
+  methods += ["tunix"] if args.tunix_python else []
   sampling = SamplingConfig()
   base = {"framework": "ptx", "config": args.config, "backend": jax.default_backend()}
   for name in args.workloads.split(","):
@@ -328,6 +341,9 @@ def main() -> None:
           record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, args.seed))
         elif method == "engine_on_demand":
           record = timed(lambda: run_engine(params, cfg, work, on_demand_config, sampling, args.seed))
+        elif method == "engine_pallas":
+          record = timed(lambda: run_engine(params, dataclasses.replace(cfg, attention_impl="pallas"), work, config,
+                                            sampling, args.seed))
         elif method == "tunix" and name != "stops":  # the trained model's weights live in ptx only
           record = run_tunix(cfg, work, args)
         else:
@@ -335,7 +351,7 @@ def main() -> None:
         record = {**base, "workload": name, "method": method, "round": round_,
                   "requests": len(work.prompts) * work.samples, "loadavg_1m": round(os.getloadavg()[0], 2), **record}
         runs[method].append(record)
-        print(json.dumps(record), flush=True)
+        yield record
     medians = {m: statistics.median(r["useful_tokens_per_s"] for r in rs) for m, rs in runs.items() if rs}
     summary = {**base, "workload": name, "summary": True, "useful_tokens_per_s_median": medians,
                "kv_bytes": {m: rs[0]["kv_bytes"] for m, rs in runs.items() if rs},
@@ -343,12 +359,19 @@ def main() -> None:
     for other in ("static", "tunix"):
       if "engine" in medians and other in medians:
         summary[f"engine_over_{other}"] = round(medians["engine"] / medians[other], 2)
-    for variant in ("engine_int8", "engine_on_demand"):
+    for variant in ("engine_int8", "engine_on_demand", "engine_pallas"):
       if "engine" in medians and variant in medians:
         summary[f"{variant}_over_engine"] = round(medians[variant] / medians["engine"], 2)
-    if "static" in medians and "engine_on_demand" in medians:
-      summary["engine_on_demand_over_static"] = round(medians["engine_on_demand"] / medians["static"], 2)
-    print(json.dumps(summary), flush=True)
+    for variant in ("engine_on_demand", "engine_pallas"):
+      if "static" in medians and variant in medians:
+        summary[f"{variant}_over_static"] = round(medians[variant] / medians["static"], 2)
+    yield summary
+
+
+def main() -> None:
+  """Runs every method on every workload, alternating over rounds; one JSON line per run, then summaries."""
+  for row in rows(parser().parse_args()):
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
-SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "fast", "agent")
+SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "rollout", "fast", "agent")
 # ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
 NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
@@ -85,6 +85,11 @@ def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_line
   [memory] = by["memory"]
   # The floor counts only what a training step cannot avoid holding, so the compiled step is at least that.
   assert memory["per_device_mib"] >= memory["floor_mib"]["total"] > 0
+  *runs, summary = by["rollout"]
+  assert [line["method"] for line in runs] == ["static", "engine"] and summary["summary"] is True
+  # 4 prompts x 4 samples x 64 tokens, all useful: no stop id, every budget 64.
+  assert all(line["workload"] == "uniform" and line["useful_tokens"] == 1024 for line in runs), runs
+  assert summary["engine_over_static"] > 0
   modes = [line for line in by["fast"] if line["workload"] == "code_edit"]
   assert [line["mode"] for line in modes] == ["standard", "ngram_always", "int8_ngram"]
   assert all(line["tokens"] == 2 * 8 and line["tokens_per_s"] > 0 for line in modes), modes

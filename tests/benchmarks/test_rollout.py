@@ -1,4 +1,7 @@
-"""benchmarks/rollout.py's `stops` model: trained once, written, read back only by a run that asks for the same."""
+"""benchmarks/rollout.py: the `stops` model it trains once, and the methods it refuses before any work.
+
+The model is written once and read back only by a run that asks for the same recipe and shapes.
+"""
 
 import argparse
 import dataclasses
@@ -35,3 +38,10 @@ def test_the_stop_model_is_written_once_and_read_back_exactly(rollout, tmp_path)
     rollout.stop_model(cfg, argparse.Namespace(**{**vars(args), "train_steps": 3}))
   with pytest.raises(SystemExit, match=r"stop.npz: \['embed'\]\S* is missing or not of shape"):
     rollout.stop_model(dataclasses.replace(cfg, vocab_size=cfg.vocab_size * 2), args)
+
+
+@pytest.mark.parametrize("methods, named", [("static,engin", "engin"), ("static,tunix", "tunix")])
+def test_an_unknown_method_is_refused_before_any_work(rollout, methods, named):
+  args = rollout.parser().parse_args(["--methods", methods, "--workloads", "uniform"])
+  with pytest.raises(SystemExit, match=f"--methods: unknown {named}; known: static, engine,"):
+    next(rollout.rows(args))
