@@ -43,8 +43,8 @@ runs. Sections, each reusing the benchmark that measures it:
              the tiny anchor model in float32): static `generate` against the
              engine with the pure-JAX paged path and with the Pallas paged
              kernel, 3 rounds alternated (rollout.rows); on the CPU the engine
-             made 0.64-0.81x static, the gather of its pages costing what
-             the Pallas kernel's in-place reads should not
+             made 0.59-0.81x static, most of the gap its page gathers, which
+             the Pallas kernel's in-place reads avoid
   agent      issue #26's benchmark: 1,024 multi-turn episodes (warm-ups of
              256), 64 at once, with log-uniform 0.1-1 s tools, through the
              episode loop overlapped against the loop in lockstep
