@@ -389,7 +389,8 @@ async def to_thread(fn: Callable[..., Any], /, *args: Any, executor: Any = None,
   attempt awaiting it times out or is cancelled, the call goes on (a thread cannot be stopped)
   and keeps the attempt's slot until it has returned; a call whose result nobody awaits any more
   by the time a thread is free for it is not started. `abandoned()`, inside the call, says when
-  its result is no longer wanted.
+  its result is no longer wanted. When no thread can be started for the call (a passing thread or memory
+  limit), that is an infrastructure fault: it raises InfraError, so the scheduler retries the attempt.
 
   Args:
     fn: the blocking call.
@@ -399,6 +400,9 @@ async def to_thread(fn: Callable[..., Any], /, *args: Any, executor: Any = None,
 
   Returns:
     What `fn` returns.
+
+  Raises:
+    InfraError: no thread could be started for the call.
   """
   loop = asyncio.get_running_loop()
   abandoned = threading.Event()
@@ -410,7 +414,13 @@ async def to_thread(fn: Callable[..., Any], /, *args: Any, executor: Any = None,
       return None  # its attempt is over: do not start work no one will read
     return context.run(fn, *args, **kwargs)
 
-  return await hold(loop.run_in_executor(executor, call), abandoned.set)
+  try:
+    future = loop.run_in_executor(executor, call)
+  except RuntimeError as e:  # the pool could not start a thread (a thread or memory limit), or is shut down
+    # A ThreadPoolExecutor queues the call before it starts a thread: a later thread must not run it.
+    abandoned.set()
+    raise InfraError(f"no thread for the blocking call: {e}") from e
+  return await hold(future, abandoned.set)
 
 
 async def hold(future: asyncio.Future, abandon: Callable[[], None]) -> Any:

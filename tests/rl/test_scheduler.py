@@ -2,7 +2,9 @@
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 
@@ -456,3 +458,32 @@ def test_a_hanging_job_still_times_out_when_the_loop_stalls_across_its_deadline(
 
   result = asyncio.run(main())
   assert result.outcome == "timeout" and "0.2 s" in result.error
+
+
+class _FirstThreadFails(concurrent.futures.ThreadPoolExecutor):
+  """A pool whose first submit fails to start a thread, as a thread limit makes it: the call stays queued for the
+  thread a later submit starts."""
+
+  def __init__(self):
+    super().__init__(2)
+    self.stranded = None
+
+  def submit(self, fn, /, *args, **kwargs):
+    if self.stranded is None:
+      self.stranded = functools.partial(fn, *args, **kwargs)
+      raise RuntimeError("can't start new thread")
+    super().submit(self.stranded)  # queued first, so it runs first
+    return super().submit(fn, *args, **kwargs)
+
+
+def test_a_call_no_thread_could_start_for_is_retried_and_runs_once():
+  calls = []
+
+  async def main():
+    with _FirstThreadFails() as pool:
+      async with sched.Scheduler(1, retry=sched.Retry(base_s=0.0)) as s:
+        return await s.submit(sched.Job(lambda: sched.to_thread(calls.append, "ran", executor=pool), key="k"))
+
+  result = asyncio.run(main())
+  assert (result.outcome, result.attempts, result.error) == ("ok", 2, "")
+  assert calls == ["ran"]  # the call the failed submit had queued was dropped, not run a second time
