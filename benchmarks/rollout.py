@@ -46,10 +46,16 @@ generates one token per batch in that batch's program (`generate(budget=...)`)
 and so halves a long workload's untimed time. The timed run then also pays
 first-run costs (on the uniform anchor, static's first full run is ~30%
 slower than its second); on a workload of minutes they are a rounding error.
---rounds alternate the methods. `kv_bytes` is the KV
-memory a method holds at its peak: the static cache of its largest batch, or
-the engine's pool. One JSON line per run, then one summary per workload with
-each method's median over rounds and the ratios.
+--rounds alternate the methods. With --reseed, round r samples with seed
+--seed + r * 1000 (prompts, budgets and the stop model stay --seed's): on a
+workload ended by sampled stops each round then draws other lengths, so the
+rounds measure the draw as well as the machine (without it every round
+repeats one draw). Static batches and the engine use a seed's key in
+different ways, so one seed does not give the two methods the same lengths.
+`kv_bytes` is the KV memory a method holds at its peak: the static cache of
+its largest batch, or the engine's pool. One JSON line per run, then one
+summary per workload: each method's median over rounds, the ratios of those
+medians, and each round's ratios (`..._per_round`).
 
     .venv/bin/python benchmarks/rollout.py --config tiny --workloads uniform,longtail,stops \
         --tunix-python /tmp/tunix-venv/bin/python
@@ -88,6 +94,7 @@ CONFIGS = {"tiny": sampling_bench.CFG, "smollm2": smollm2_135m()}
 PROMPT_LEN = 32
 STOP_ID = 2  # trained into the `stops` model; never a prompt id (prompts draw from [3, V))
 # What --methods names; Tunix runs with --tunix-python.
+RESEED_STRIDE = 1000  # static's batch b of a round samples with key seed + b: rounds' seeds must not meet
 METHODS = ("static", "engine", "engine_int8", "engine_on_demand", "engine_pallas")
 
 
@@ -307,6 +314,7 @@ def parser() -> argparse.ArgumentParser:
                  help="static's untimed first run: the whole workload, or one token per batch in its program "
                       "(for long workloads; the timed run then also pays first-run costs such as page faults)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--reseed", action="store_true", help="round r samples with seed --seed + r * 1000 (see above)")
   p.add_argument("--tunix-calls", type=int, default=3, help="Tunix's timed sampler calls (after one warm-up)")
   p.add_argument("--tunix-python", default="", help="interpreter of a venv with google-tunix (adds the tunix method)")
   return p
@@ -330,25 +338,26 @@ def rows(args):
     on_demand_config = engine_config(cfg, work, args, admission="on_demand")
     runs = {method: [] for method in methods}
     for round_ in range(args.rounds):
+      seed = args.seed + RESEED_STRIDE * round_ if args.reseed else args.seed
       for method in methods:
         if method == "static":
-          static = functools.partial(run_static, params, cfg, work, args.static_rows, sampling, args.seed)
+          static = functools.partial(run_static, params, cfg, work, args.static_rows, sampling, seed)
           record = timed(static, warm=functools.partial(static, warm_only=True) if args.static_warmup == "compile"
                          else None)
         elif method == "engine":
-          record = timed(lambda: run_engine(params, cfg, work, config, sampling, args.seed))
+          record = timed(lambda: run_engine(params, cfg, work, config, sampling, seed))
         elif method == "engine_int8":
-          record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, args.seed))
+          record = timed(lambda: run_engine(params, cfg, work, int8_config, sampling, seed))
         elif method == "engine_on_demand":
-          record = timed(lambda: run_engine(params, cfg, work, on_demand_config, sampling, args.seed))
+          record = timed(lambda: run_engine(params, cfg, work, on_demand_config, sampling, seed))
         elif method == "engine_pallas":
           record = timed(lambda: run_engine(params, dataclasses.replace(cfg, attention_impl="pallas"), work, config,
-                                            sampling, args.seed))
+                                            sampling, seed))
         elif method == "tunix" and name != "stops":  # the trained model's weights live in ptx only
           record = run_tunix(cfg, work, args)
         else:
           continue
-        record = {**base, "workload": name, "method": method, "round": round_,
+        record = {**base, "workload": name, "method": method, "round": round_, "sampling_seed": seed,
                   "requests": len(work.prompts) * work.samples, "loadavg_1m": round(os.getloadavg()[0], 2), **record}
         runs[method].append(record)
         yield record
@@ -356,15 +365,14 @@ def rows(args):
     summary = {**base, "workload": name, "summary": True, "useful_tokens_per_s_median": medians,
                "kv_bytes": {m: rs[0]["kv_bytes"] for m, rs in runs.items() if rs},
                "per_run": {m: [r["useful_tokens_per_s"] for r in rs] for m, rs in runs.items() if rs}}
-    for other in ("static", "tunix"):
-      if "engine" in medians and other in medians:
-        summary[f"engine_over_{other}"] = round(medians["engine"] / medians[other], 2)
-    for variant in ("engine_int8", "engine_on_demand", "engine_pallas"):
-      if "engine" in medians and variant in medians:
-        summary[f"{variant}_over_engine"] = round(medians[variant] / medians["engine"], 2)
-    for variant in ("engine_on_demand", "engine_pallas"):
-      if "static" in medians and variant in medians:
-        summary[f"{variant}_over_static"] = round(medians[variant] / medians["static"], 2)
+    pairs = [("engine", other) for other in ("static", "tunix")]
+    pairs += [(variant, "engine") for variant in ("engine_int8", "engine_on_demand", "engine_pallas")]
+    pairs += [(variant, "static") for variant in ("engine_on_demand", "engine_pallas")]
+    for method, other in pairs:
+      if method in medians and other in medians:
+        summary[f"{method}_over_{other}"] = round(medians[method] / medians[other], 2)
+        summary[f"{method}_over_{other}_per_round"] = [
+            round(a["useful_tokens_per_s"] / b["useful_tokens_per_s"], 2) for a, b in zip(runs[method], runs[other])]
     yield summary
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/rollout.py: the `stops` model it trains once, and the methods it refuses before any work.
+"""benchmarks/rollout.py: the `stops` model it trains once, the methods it refuses, and its reseeded rounds.
 
 The model is written once and read back only by a run that asks for the same recipe and shapes.
 """
@@ -45,3 +45,35 @@ def test_an_unknown_method_is_refused_before_any_work(rollout, methods, named):
   args = rollout.parser().parse_args(["--methods", methods, "--workloads", "uniform"])
   with pytest.raises(SystemExit, match=f"--methods: unknown {named}; known: static, engine,"):
     next(rollout.rows(args))
+
+
+def test_reseeded_rounds_sample_with_their_own_seed_and_the_summary_gives_each_rounds_ratio(rollout, monkeypatch):
+  seen = []
+
+  def fake(method):
+    def run(*args, warm_only=False):
+      seed = args[-1]
+      if not warm_only:
+        seen.append((method, seed))
+      return {"useful_tokens": 1000 + seed if method == "static" else 3000 + seed, "kv_bytes": 1}
+    return run
+
+  monkeypatch.setattr(rollout, "run_static", fake("static"))
+  monkeypatch.setattr(rollout, "run_engine", fake("engine"))
+
+  def timed(fn, warm=None):
+    record = fn()
+    return {**record, "useful_tokens_per_s": record["useful_tokens"]}
+
+  monkeypatch.setattr(rollout, "timed", timed)
+  args = rollout.parser().parse_args(["--workloads", "uniform", "--rounds", "3", "--reseed", "--seed", "5"])
+  *records, summary = rollout.rows(args)
+  assert [(r["method"], r["sampling_seed"]) for r in records] == [
+      ("static", 5), ("engine", 5), ("static", 1005), ("engine", 1005), ("static", 2005), ("engine", 2005)]
+  assert seen == [(r["method"], r["sampling_seed"]) for r in records]  # the seed reached the sampling, not a label
+  assert summary["engine_over_static_per_round"] == [round(3005 / 1005, 2), round(4005 / 2005, 2),
+                                                     round(5005 / 3005, 2)]
+  assert summary["engine_over_static"] == round(4005 / 2005, 2)  # the medians' ratio
+
+  unseeded = rollout.parser().parse_args(["--workloads", "uniform", "--rounds", "2", "--seed", "5"])
+  assert {r["sampling_seed"] for r in rollout.rows(unseeded) if "summary" not in r} == {5}
