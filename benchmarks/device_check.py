@@ -45,6 +45,14 @@ runs. Sections, each reusing the benchmark that measures it:
              kernel, 3 rounds alternated (rollout.rows); on the CPU the engine
              made 0.59-0.81x static, most of the gap its page gathers, which
              the Pallas kernel's in-place reads avoid
+  stops      (not in the default run: DEVICE_CHECK_SECTIONS="env:15
+             stops:400") issue #25's stops workload on the tiny anchor
+             model: 256 requests at the 2,048 cap, ended by the stop id of a
+             model trained here (150 SFT steps), static `generate` in batches
+             of 16 against the on-demand engine (64 rows, the same KV bytes),
+             3 rounds, each its own sampling seed (rollout.rows, --reseed).
+             On the CPU the engine made 2.27x static (12-05), bound by its
+             page gathers; #25 asks 2.5x
   agent      issue #26's benchmark: 1,024 multi-turn episodes (warm-ups of
              256), 64 at once, with log-uniform 0.1-1 s tools, through the
              episode loop overlapped against the loop in lockstep
@@ -97,7 +105,7 @@ REPORTED, STOP = 2, 3
 MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
            "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo"),
            "rollout": ("ptx.sampling.engine", "rollout"), "fast": ("ptx.sampling.speculative_engine", "fast_mode"),
-           "agent": ("ptx.rl.episode_loop", "agent")}
+           "stops": ("ptx.sampling.engine", "rollout"), "agent": ("ptx.rl.episode_loop", "agent")}
 
 
 def _context() -> dict:
@@ -263,6 +271,18 @@ def rollout(smoke: bool):
   yield from rollout_bench.rows(rollout_bench.parser().parse_args(argv))
 
 
+def stops(smoke: bool):
+  """Yields rollout.py's rows on the stops workload: each run of static and the on-demand engine, then the summary."""
+  import rollout as rollout_bench
+  argv = ["--config", "tiny", "--workloads", "stops", "--methods", "static,engine_on_demand", "--reseed",
+          "--static-warmup", "compile"]
+  if smoke:  # 8 requests to a cap of 64, a stop model of 2 steps
+    argv += ["--requests", "8", "--p99", "64", "--median", "16", "--train-steps", "2", "--rounds", "1"]
+  else:
+    argv += ["--rounds", "3"]
+  yield from rollout_bench.rows(rollout_bench.parser().parse_args(argv))
+
+
 def fast(smoke: bool):
   """Yields fast_mode's rows: tokens/s per (workload, mode), then the calibration row."""
   import fast_mode
@@ -296,7 +316,7 @@ def agent(smoke: bool):
 
 
 SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo,
-            "rollout": rollout, "fast": fast, "agent": agent}
+            "rollout": rollout, "stops": stops, "fast": fast, "agent": agent}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "rollout", "fast", "agent")
+OPT_IN = ("stops",)  # sections a call names in DEVICE_CHECK_SECTIONS; the default run leaves them out
 # ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
 NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
@@ -70,7 +71,7 @@ def test_every_section_prints_its_figures_without_an_error(smoke_lines):
 def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_lines):
   by = {name: [line for line in smoke_lines if line["section"] == name] for name in SECTIONS}
   [env] = by["env"]
-  assert env["imports"] == dict.fromkeys(SECTIONS[1:], "ok")
+  assert env["imports"] == dict.fromkeys(SECTIONS[1:] + OPT_IN, "ok")
   assert all(env["versions"][name] is None for name in NOT_ON_THE_GPU_IMAGE), env["versions"]
   paged = [line for line in by["kernels"] if line["bench"] == "paged_attention_check"]
   assert {line["case"] for line in paged} == {"gqa", "mqa_window_softcap"}
@@ -120,3 +121,13 @@ def test_without_jax_one_line_says_so_and_nothing_else_runs(tmp_path):
   _, lines = _run(tmp_path, sys.executable, PYTHONPATH=str(fake.parent))
   [line] = lines
   assert line["section"] == "env" and line["missing"] == ["jax"] and "no jax on this machine" in line["error"]
+
+
+@pytest.mark.slow
+def test_the_opt_in_stops_section_compares_static_and_the_engine_on_stop_ended_requests(tmp_path):
+  _, lines = _run(tmp_path, sys.executable, "--smoke", DEVICE_CHECK_SECTIONS="stops:300", DEVICE_CHECK_TOTAL_S="300")
+  *runs, summary = lines
+  assert not [line for line in lines if "error" in line], lines
+  assert [(line["section"], line["method"]) for line in runs] == [("stops", "static"), ("stops", "engine_on_demand")]
+  assert all(line["workload"] == "stops" and 0 < line["useful_tokens"] <= 8 * 64 for line in runs), runs
+  assert summary["summary"] is True and summary["engine_on_demand_over_static_per_round"][0] > 0
