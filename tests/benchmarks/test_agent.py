@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "agent.py"
 
 
@@ -32,14 +34,12 @@ def test_both_methods_play_the_same_episodes_and_print_a_summary():
   assert summary["tool_bound_ideal"] >= summary["tool_bound"]  # the loop's tail can only lower it
 
 
-def _agent():
-  sys.path.insert(0, str(SCRIPT.parent))
-  import agent
-  return agent
+@pytest.fixture(scope="module")
+def agent(import_benchmark):
+  return import_benchmark("agent")
 
 
-def test_the_ideal_tool_bound_is_the_expected_maximum_over_the_mean_for_many_uniform_draws():
-  agent = _agent()
+def test_the_ideal_tool_bound_is_the_expected_maximum_over_the_mean_for_many_uniform_draws(agent):
   args = argparse.Namespace(concurrent=64, samples=4, turns=3, tool_min=0.1, tool_max=1.0, tool_dist="uniform")
   tasks = [{"prompt": f"task {i}"} for i in range(64)]
   # 4 waves of 64 draws per turn: E[max of 64 draws of U(0.1, 1)] / E[draw] = (0.1 + 0.9 * 64 / 65) / 0.55 = 1.79;
@@ -53,8 +53,8 @@ def test_the_ideal_tool_bound_is_the_expected_maximum_over_the_mean_for_many_uni
   assert floors["tool_floor_s"]["overlap"] > 1.2 * floors["tool_floor_s"]["overlap_ideal"]
 
 
-def test_episodes_start_in_order_as_their_groups_slots_come_free():
-  admitted_in_order = _agent().admitted_in_order
+def test_episodes_start_in_order_as_their_groups_slots_come_free(agent):
+  admitted_in_order = agent.admitted_in_order
   assert admitted_in_order([1, 1, 1, 1], slots=2, group=1) == 2
   # One at a time, the short ones fill the second slot while the long one runs: 3.
   assert admitted_in_order([3, 1, 1, 1], slots=2, group=1) == 3

@@ -1,20 +1,14 @@
 """benchmarks/engine_ops.py: a profile's operations summed by kind, loops' spans left out so nothing counts twice."""
 
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-SCRIPT_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def engine_ops():
-  sys.path.insert(0, str(SCRIPT_DIR))
-  import engine_ops
-  return engine_ops
+def engine_ops(import_benchmark):
+  return import_benchmark("engine_ops")
 
 
 def test_operations_inside_a_loop_count_once_each_and_the_loop_itself_not_at_all(engine_ops, tmp_path):

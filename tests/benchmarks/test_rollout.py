@@ -6,20 +6,15 @@ The model is written once and read back only by a run that asks for the same rec
 import argparse
 import dataclasses
 import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-SCRIPT_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def rollout():
-  sys.path.insert(0, str(SCRIPT_DIR))
-  import rollout
-  return rollout
+def rollout(import_benchmark):
+  return import_benchmark("rollout")
 
 
 def test_the_stop_model_is_written_once_and_read_back_exactly(rollout, tmp_path):
