@@ -93,8 +93,8 @@ import tunix_harness
 CONFIGS = {"tiny": sampling_bench.CFG, "smollm2": smollm2_135m()}
 PROMPT_LEN = 32
 STOP_ID = 2  # trained into the `stops` model; never a prompt id (prompts draw from [3, V))
-# What --methods names; Tunix runs with --tunix-python.
 RESEED_STRIDE = 1000  # static's batch b of a round samples with key seed + b: rounds' seeds must not meet
+# What --methods names; Tunix runs with --tunix-python.
 METHODS = ("static", "engine", "engine_int8", "engine_on_demand", "engine_pallas")
 
 
@@ -357,7 +357,8 @@ def rows(args):
           record = run_tunix(cfg, work, args)
         else:
           continue
-        record = {**base, "workload": name, "method": method, "round": round_, "sampling_seed": seed,
+        seeded = {} if method == "tunix" else {"sampling_seed": seed}  # Tunix's harness draws with its own
+        record = {**base, "workload": name, "method": method, "round": round_, **seeded,
                   "requests": len(work.prompts) * work.samples, "loadavg_1m": round(os.getloadavg()[0], 2), **record}
         runs[method].append(record)
         yield record
