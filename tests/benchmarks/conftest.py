@@ -11,8 +11,11 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="session")
 def import_benchmark():
-  """A function that imports a script of benchmarks/ by name (the scripts import each other by name, so their
-  folder goes first on sys.path, as it is when one runs)."""
+  """A function that imports a script of benchmarks/ by name.
+
+  The scripts import each other by name, so their folder goes first on
+  sys.path, as it is when one of them runs.
+  """
 
   def load(name: str):
     if str(BENCHMARKS) not in sys.path:

@@ -1,6 +1,5 @@
 """benchmarks/engine_ops.py: a profile's operations summed by kind, loops' spans left out so nothing counts twice."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
