@@ -91,9 +91,8 @@ def main() -> None:
   def filled() -> RolloutEngine:
     """An engine whose rows (no stop ids: all decode every step) have cached PROMPT_LEN - 1 + calls_before * steps."""
     engine = RolloutEngine(cfg, config)
-    rng = np.random.default_rng(0)
-    for _ in range(args.rows):
-      engine.submit([1] + rng.integers(3, cfg.vocab_size, PROMPT_LEN - 1).tolist(), max_new_tokens=budget)
+    for prompt in rollout.random_prompts(args.rows, vocab_size=cfg.vocab_size, rng=np.random.default_rng(0)):
+      engine.submit(prompt, max_new_tokens=budget)
     for _ in range(calls_before):
       engine.step(params)
     return engine

@@ -116,10 +116,15 @@ def longtail_budgets(n: int, median: int, p99: int, seed: int) -> list[int]:
   return np.clip(np.round(draws), 1, p99).astype(int).tolist()
 
 
+def random_prompts(n: int, *, vocab_size: int, rng: np.random.Generator) -> list[list[int]]:
+  """n prompts of PROMPT_LEN tokens: BOS, then ids drawn from [3, vocab_size) (never STOP_ID)."""
+  return [[1] + rng.integers(3, vocab_size, PROMPT_LEN - 1).tolist() for _ in range(n)]
+
+
 def workload(name: str, cfg, args) -> Workload:
   """The requests of workload `name` for model `cfg`."""
   rng = np.random.default_rng(args.seed)
-  prompts = lambda n: [[1] + rng.integers(3, cfg.vocab_size, PROMPT_LEN - 1).tolist() for _ in range(n)]  # noqa
+  prompts = functools.partial(random_prompts, vocab_size=cfg.vocab_size, rng=rng)
   if name == "uniform":
     return Workload(name, prompts(4), 4, [64] * 4, None)
   if name == "longtail":
