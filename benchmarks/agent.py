@@ -2,7 +2,7 @@
 
 Every method runs the same episodes through the same engine, model and seed:
 
-  overlap   `ptx.rl.episode_loop.play`: an episode's reply goes back to the
+  overlap   `ptx.episodes.loop.play`: an episode's reply goes back to the
             engine the moment its tool returns, and the engine decodes
             whichever episodes are not waiting on a tool
   lockstep  one turn-batch at a time, as a loop that decodes every live
@@ -66,11 +66,12 @@ import jax
 from ptx.config import ModelConfig
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import init_params
-from ptx.rl.environments.base import Outcome, Step
-from ptx.rl.episode_loop import play
-from ptx.rl.turn_format import TurnFormat
+from ptx.envs.base import Outcome, Step
+from ptx.episodes.loop import play
+from ptx.episodes.turn_format import TurnFormat
 from ptx.sampling import SamplingConfig
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.generation import STOP
 
 import sampling as sampling_bench  # benchmarks/ is the script's folder, first on sys.path

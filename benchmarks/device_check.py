@@ -103,9 +103,10 @@ REPORTED, STOP = 2, 3
 # The modules each section imports (benchmarks/ is this script's folder, first on sys.path). Sections import them
 # themselves, so that a module that fails to import fails its sections alone, and env runs without JAX.
 MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kernels", "attention_gpu"),
-           "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.rl_step", "grpo"),
-           "rollout": ("ptx.sampling.engine", "rollout"), "fast": ("ptx.sampling.speculative_engine", "fast_mode"),
-           "stops": ("ptx.sampling.engine", "rollout"), "agent": ("ptx.rl.episode_loop", "agent")}
+           "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.grpo.update", "grpo"),
+           "rollout": ("ptx.sampling.engine.engine", "rollout"),
+           "fast": ("ptx.sampling.engine.speculative", "fast_mode"),
+           "stops": ("ptx.sampling.engine.engine", "rollout"), "agent": ("ptx.episodes.loop", "agent")}
 
 
 def _context() -> dict:

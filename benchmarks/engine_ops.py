@@ -1,6 +1,6 @@
 """Where one decode call of the rollout engine spends its time, by kind of compiled operation.
 
-An engine (`ptx.sampling.engine`, random weights) is filled with --rows
+An engine (`ptx.sampling.engine.engine`, random weights) is filled with --rows
 sequences and decoded until their cached lengths reach --length (rounded up
 to whole calls); the next --calls decode calls run under `jax.profiler`
 (after the same calls on an identical engine, which compile their
@@ -34,7 +34,8 @@ import numpy as np
 from jax.profiler import ProfileData
 
 from ptx.models import init_params
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
 
 import rollout  # benchmarks/ is the script's folder, first on sys.path
 

@@ -70,10 +70,12 @@ from ptx.config import MeshConfig
 from ptx.models import init_params
 from ptx.models.llama import smollm2_135m
 from ptx.models.rollout_params import rollout_params
-from ptx.sampling import SamplingConfig, engine_programs
-from ptx.sampling.drafting import DraftModel, NgramDrafter
-from ptx.sampling.engine import EngineConfig, RolloutEngine
-from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+from ptx.sampling import SamplingConfig
+from ptx.sampling.engine import programs
+from ptx.sampling.engine.drafters import DraftModel, NgramDrafter
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
 from ptx.sharding import make_mesh
 from ptx.train import draft_distillation
 
@@ -149,8 +151,8 @@ def engine_config(prompts: list[list[int]], args) -> EngineConfig:
 def _compiled() -> int:
   """Programs the engines' jitted functions have compiled so far (a timed run should add none)."""
   return sum(program._cache_size() for program in (
-      engine_programs.prefill_program, engine_programs.decode_program, engine_programs.verify_program,
-      engine_programs.speculate_program, engine_programs.copy_program))
+      programs.prefill_program, programs.decode_program, programs.verify_program,
+      programs.speculate_program, programs.copy_program))
 
 
 def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:

@@ -11,10 +11,10 @@ run unrolled (`scan_layers=False`), as Tunix runs its layers.
 
 `step` is ptx's fused step (sample -> reward -> advantages -> update, one
 executable), blocked per step. The phase split times the same pieces as
-separate programs, each blocked: `sample` (rl_step.sample), `reward`,
+separate programs, each blocked: `sample` (update.sample), `reward`,
 `logps` (the reference log-probs of the 16 x 96 tokens; on-policy the old
 log-probs are the sampler's, so there is no other log-prob pass) and
-`update` (rl_step.learn minus `logps`, which it also computes). One JSON line
+`update` (update.learn minus `logps`, which it also computes). One JSON line
 per round; with --tunix-python, rounds alternate with the anchor run by that
 interpreter (an odd --steps), and a closing line gives every round's median
 step, the median of the per-round medians on each side and their ratio
@@ -37,7 +37,7 @@ import numpy as np
 
 from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig
 from ptx.sharding import make_mesh
-from ptx.train import rl_step
+from ptx.train.grpo import fused, update
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import model_params, reference_params
@@ -85,8 +85,8 @@ def ptx_round(steps: int, warmup: int, cfg: ModelConfig = CFG, prompts: int = PR
   grpo_cfg = GRPOConfig(group_size=group, beta=BETA, max_response_tokens=new)
   shardings = state_shardings(cfg, optimizer, mesh, with_reference=True)
   state = init_state(cfg, optimizer, 0, mesh, with_reference=True)
-  spec = rl_step.RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=new, stop_ids=(cfg.vocab_size,))
-  step = rl_step.make_grpo_step(spec, _even_ids, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
+  spec = update.RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=new, stop_ids=(cfg.vocab_size,))
+  step = fused.make_grpo_step(spec, _even_ids, optimizer=optimizer, mesh=mesh, state_shardings=shardings)
   rng = np.random.default_rng(0)
 
   def batch():
@@ -117,11 +117,11 @@ def ptx_round(steps: int, warmup: int, cfg: ModelConfig = CFG, prompts: int = PR
 def _phases(state, batch, spec, optimizer, mesh, group: int, steps: int, warmup: int) -> dict[str, float]:
   """Median seconds of sample, reward, logps and update, each a separate blocked program."""
   under_mesh = lambda f: lambda *a: _with_mesh(mesh, f, *a)
-  sample = jax.jit(under_mesh(lambda s, p, l, k: rl_step.sample(model_params(s, None), p, l, k, spec)))
-  rollout = jax.jit(under_mesh(lambda p, l, g: rl_step.rollout_batch(p, l, g, group)))
+  sample = jax.jit(under_mesh(lambda s, p, l, k: update.sample(model_params(s, None), p, l, k, spec)))
+  rollout = jax.jit(under_mesh(lambda p, l, g: update.rollout_batch(p, l, g, group)))
   reward = jax.jit(lambda g: _even_ids(g, None))
-  logps = jax.jit(under_mesh(lambda s, b: rl_step.batch_logps(reference_params(s), b, spec)))
-  learn = jax.jit(under_mesh(lambda s, b, g, r: rl_step.learn(s, b, g, r, jax.random.key(1), spec, optimizer)),
+  logps = jax.jit(under_mesh(lambda s, b: update.batch_logps(reference_params(s), b, spec)))
+  learn = jax.jit(under_mesh(lambda s, b, g, r: update.learn(s, b, g, r, jax.random.key(1), spec, optimizer)),
                   donate_argnums=0)
   phases = {k: [] for k in ("sample", "reward", "logps", "learn")}
   for i in range(warmup + steps):

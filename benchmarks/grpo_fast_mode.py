@@ -63,12 +63,12 @@ def one_run(mode: str, out: pathlib.Path, steps: int, prompts: int, verify_cost:
   from ptx.config import RolloutConfig
   from ptx.data.tokenizer import ByteTokenizer
   from ptx.data.global_batch import to_global
-  from ptx.rl.environments.exact_answer import ExactAnswerEnv
+  from ptx.envs.exact_answer import ExactAnswerEnv
   from ptx.sharding import make_mesh
   from ptx.train import job, streams
   from ptx.train.loop import fit
   from ptx.train.plots import read_metrics
-  from ptx.train.rl_host import EnvReward
+  from ptx.episodes.scoring import EnvReward
 
   sft_cfg, params = sft_params(out)
   cfg = demo.grpo_config(sft_cfg, steps)

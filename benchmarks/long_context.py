@@ -40,7 +40,7 @@ from ptx.models.params import weight_decay_mask  # noqa: E402
 from ptx.sampling.generation import LENGTH, Generation  # noqa: E402
 from ptx.sharding import batch_sharding, make_mesh, rules_of  # noqa: E402
 from ptx.train.optimizer import make_optimizer  # noqa: E402
-from ptx.train.rl_step import RLSpec  # noqa: E402
+from ptx.train.grpo.update import RLSpec  # noqa: E402
 from ptx.train.state import init_state, state_shardings  # noqa: E402
 from ptx.train.step import make_train_step  # noqa: E402
 
@@ -146,7 +146,7 @@ def _grpo_learner(cfg: ModelConfig, mesh_cfg: MeshConfig, t: int):
   """
   # Imported here: rl_host needs grain, which the GPU image lacks, and device_check's memory section (SFT only)
   # imports this module there.
-  from ptx.train.rl_host import HostRewardStep
+  from ptx.train.grpo.host import HostRewardStep
   mesh, rules = make_mesh(mesh_cfg), rules_of(mesh_cfg)
   grpo_cfg = GRPOConfig(group_size=GRPO_ROWS, max_response_tokens=t // 2)
   optimizer = make_optimizer(OptimizerConfig(), 10, weight_decay_mask(cfg))

@@ -8,7 +8,7 @@ decodes its whole budget) through a fresh `RolloutEngine` per run, the first run
 the generated tokens over a timed run's wall seconds (--rounds of them per tree, the trees alternating; the
 summary gives each tree's median and best round). Sampling draws the same uniforms for both trees (same seed).
 For the int8 tree, the float policy rescores the sampled tokens (`forward`, as GRPO recomputes its old
-log-probs) and `ptx.train.rollout_gap.logprob_gap` gives the gap; `same_prefix_tokens` is how many tokens a
+log-probs) and `ptx.train.grpo.metrics.logprob_gap` gives the gap; `same_prefix_tokens` is how many tokens a
 row samples before it first departs from the float tree's. `param_bytes` is the tree's size. One JSON line
 per tree and round, then a summary.
 
@@ -31,8 +31,9 @@ from ptx.models.decoder import forward, token_log_probs
 from ptx.models.llama import smollm2_135m, tiny
 from ptx.models.rollout_params import rollout_params
 from ptx.sampling import SamplingConfig
-from ptx.sampling.engine import EngineConfig, RolloutEngine
-from ptx.train.rollout_gap import logprob_gap
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
+from ptx.train.grpo.metrics import logprob_gap
 
 CONFIGS = {"tiny": tiny, "smollm2": smollm2_135m}
 PARAMS = ("float", "int8")

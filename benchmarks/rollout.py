@@ -5,7 +5,7 @@ Methods, each on the same requests (prompts: BOS + 31 random ids):
   static  `ptx.sampling.generate` over consecutive batches of --static-rows
           requests in submission order, each batch run to its largest budget
           (a row cannot stop at its own budget, only at a stop id)
-  engine  `ptx.sampling.engine.RolloutEngine`: every request submitted with
+  engine  `ptx.sampling.engine.engine.RolloutEngine`: every request submitted with
           its own budget, run to the end; --max-seqs rows, a pool of pages no
           larger than the static batches' KV cache (`kv_bytes`)
   engine_int8  the engine with int8 pages (`EngineConfig.kv_dtype`) in the same
@@ -81,7 +81,8 @@ from ptx.config import MeshConfig, OptimizerConfig
 from ptx.models import init_params
 from ptx.models.llama import smollm2_135m
 from ptx.sampling import SamplingConfig, buckets, generate
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings

@@ -29,8 +29,8 @@ import os
 import resource
 import time
 
-from ptx.rl import sandbox
-from ptx.rl.environments.python_tests import PythonTestsEnv
+from ptx.sandbox import run as sandbox
+from ptx.envs.python_tests import PythonTestsEnv
 
 PROGRAMS = {
     "true": ["true"],

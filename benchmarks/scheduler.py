@@ -4,7 +4,7 @@
 
 Each job sleeps its duration (`asyncio.sleep`, on a Ray worker in that
 worker's own loop) and returns. For each executor, duration and concurrency
-(2, 16, 256), a `ptx.rl.scheduler.Scheduler` of that concurrency runs the jobs
+(2, 16, 256), a `ptx.scheduling.scheduler.Scheduler` of that concurrency runs the jobs
 and one JSON line gives `jobs_per_s` (jobs over the cell's wall time) and the
 p50/p99 of each attempt's latency: from the moment the scheduler starts the
 attempt (for Ray: hands it to Ray) to its result, so queueing in the
@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-from ptx.rl import scheduler as sched
-from ptx.rl.executors import LocalExecutor
+from ptx.scheduling import scheduler as sched
+from ptx.scheduling.executors import LocalExecutor
 
 DURATIONS_S = (0.001, 0.1, 1.0)
 CONCURRENCIES = (2, 16, 256)
@@ -68,7 +68,7 @@ def _cell(executor, name: str, duration_s: float, concurrency: int, n: int, ray_
 
   async def main():
     async with sched.Scheduler(concurrency, executor=timed) as s:
-      results = await s.run(sched.Job(functools.partial(asyncio.sleep, duration_s), key=i) for i in range(n))
+      results = await s.run(sched.Work(functools.partial(asyncio.sleep, duration_s), key=i) for i in range(n))
     return s, results
 
   cpu, start = time.process_time(), time.perf_counter()
@@ -101,7 +101,7 @@ def main() -> None:
     elif name == "ray":
       import ray
 
-      from ptx.rl.ray_executor import RayExecutor
+      from ptx.scheduling.ray_executor import RayExecutor
 
       ray.init(address="local", num_cpus=args.ray_slots, include_dashboard=False, log_to_driver=False)
       executors[name] = (RayExecutor(), args.ray_slots)

@@ -44,9 +44,11 @@ import time
 
 import numpy as np
 
-from ptx.rl import sandbox, warm_pool
-from ptx.rl.environments.shell import ShellEnv
-from ptx.rl.environments.terminal import TerminalTasks, reference_fix
+from ptx.sandbox import run as sandbox
+
+from ptx.envs import warm_pool
+from ptx.envs.shell import ShellEnv
+from ptx.envs.terminal import TerminalTasks, reference_fix
 
 REPO_SETUP = ("export GIT_AUTHOR_DATE='@0 +0000' GIT_COMMITTER_DATE='@0 +0000' GIT_AUTHOR_NAME=ptx "
               "GIT_COMMITTER_NAME=ptx GIT_AUTHOR_EMAIL=ptx@localhost GIT_COMMITTER_EMAIL=ptx@localhost && "

@@ -32,9 +32,9 @@ from ptx.models import Decoder, attention, count_params, forward, init_params, l
 from ptx.models.gguf import convert_gguf
 from ptx.models.lora import merge as merge_lora
 from ptx.models.peft_export import save_peft
-from ptx.rl.environments.exact_answer import ExactAnswerEnv
-from ptx.rl.environments.python_tests import PythonTestsEnv
-from ptx.rl.evaluation import evaluate
+from ptx.envs.exact_answer import ExactAnswerEnv
+from ptx.envs.python_tests import PythonTestsEnv
+from ptx.episodes.evaluation import evaluate
 from ptx.sampling import SamplingConfig, generate
 from ptx.sampling.text import TextSampler
 from ptx.sharding import DEFAULT_RULES, Rules, make_mesh
@@ -52,7 +52,7 @@ _LAZY = {
     "grpo_job": ("ptx.train.job", "grpo_job"), "grpo_host_job": ("ptx.train.job", "grpo_host_job"),
     "grpo_episode_job": ("ptx.train.job", "grpo_episode_job"),
     "fit": ("ptx.train.loop", "fit"), "train_grpo": ("ptx.train.reward_functions", "train_grpo"),
-    "EnvReward": ("ptx.train.rl_host", "EnvReward"), "grpo_prompts": ("ptx.train.streams", "grpo_prompts"),
+    "EnvReward": ("ptx.episodes.scoring", "EnvReward"), "grpo_prompts": ("ptx.train.streams", "grpo_prompts"),
     "supervised_data": ("ptx.train.streams", "supervised"),
 }
 

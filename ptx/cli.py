@@ -21,7 +21,7 @@ import sys
 
 import ptx
 from ptx import paths
-from ptx.rl import scoring_flags
+from ptx import scoring_flags
 
 _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
@@ -259,7 +259,7 @@ def _supervised(cfg, tokenizer, args, params):
 
 def _grpo(cfg, tokenizer, args, params):
   """The fused job on built-in arithmetic, or the host-reward job on rl records scored by --env."""
-  from ptx.rl.prompt_batches import JsonlTasks
+  from ptx.train.grpo.prompts import JsonlTasks
   from ptx.train import job, presets, streams
 
   in_process = args.env in ("calculator", "docqa") or (args.env not in _EPISODES and not cfg.data.train_files)
@@ -288,7 +288,7 @@ def _grpo(cfg, tokenizer, args, params):
           f"(ArithmeticTask seed {presets.GRPO_SEED}), reward computed in-graph", flush=True)
     tasks = ArithmeticTask(presets.GRPO_SEED, presets.DIGITS)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=True), None
-  from ptx.train.rl_host import EnvReward
+  from ptx.episodes.scoring import EnvReward
 
   env, fields = _environment(args.env)
   reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
@@ -301,23 +301,23 @@ def _episode_environment(name: str, tokenizer, shell: dict | None = None):
   """(environment, built-in tasks of a seed, the fields its records need) of `ptx grpo --env NAME` for episodes;
   `shell`: the terminal's `ShellEnv` options (`scoring_flags.shell_options`: executor, warm pool)."""
   if name == "calculator":
-    from ptx.rl.environments.calculator import CalculatorEnv, CalculatorTasks
+    from ptx.envs.calculator import CalculatorEnv, CalculatorTasks
 
     return CalculatorEnv(), CalculatorTasks, ("answer",)
   if name == "terminal":
-    from ptx.rl.environments.shell import ShellEnv
-    from ptx.rl.environments.terminal import TerminalTasks
+    from ptx.envs.shell import ShellEnv
+    from ptx.envs.terminal import TerminalTasks
 
     return ShellEnv(**(shell or {})), TerminalTasks, ("files", "check")
-  from ptx.rl.environments.docqa import DocQAEnv, DocQATasks
+  from ptx.envs.docqa import DocQAEnv, DocQATasks
 
   return DocQAEnv(tokenizer), DocQATasks, ("document", "question", "answer")
 
 
 def _environment(name: str):
   """(environment, the fields its records need) of `ptx grpo --env NAME`."""
-  from ptx.rl.environments.exact_answer import ExactAnswerEnv
-  from ptx.rl.environments.python_tests import PythonTestsEnv
+  from ptx.envs.exact_answer import ExactAnswerEnv
+  from ptx.envs.python_tests import PythonTestsEnv
 
   return {"exact_answer": (ExactAnswerEnv(), ("answer",)), "code": (PythonTestsEnv(), ("tests",))}[name]
 
@@ -333,7 +333,7 @@ def _evaluate(args, overrides: list[str], error) -> int:
   """
   from ptx import config_io
   from ptx.config import Config, ConfigError
-  from ptx.rl import evaluation
+  from ptx.episodes import evaluation
 
   other = [o for o in overrides if not o.startswith("--rollout.")]
   if other or (overrides and args.compare):
@@ -374,7 +374,7 @@ def _evaluate(args, overrides: list[str], error) -> int:
 
 def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:
   """`--tasks-file` entries as `eval.files`: SUITE=PATH kept, a bare PATH given to the one file suite named."""
-  from ptx.rl import suites
+  from ptx.envs import suites
 
   file_suites = [name for name in names if name in suites.FILE_SUITES]
   entries = []
@@ -390,8 +390,8 @@ def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:
 
 
 def _compare(pair, threshold: float, error) -> int:
-  """`ptx eval --compare A B`: prints B against A; 1 when a suite regressed (`ptx.rl.evaluation.regressed`), else 0."""
-  from ptx.rl import evaluation
+  """`ptx eval --compare A B`: prints B against A; 1 when a suite regressed (`evaluation.regressed`), else 0."""
+  from ptx.episodes import evaluation
 
   a, b = pair
   try:

@@ -301,6 +301,10 @@ class SamplingConfig:
       raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
 
 
+# The cap of the importance weight for stale (or int8-sampled) rollouts when `grpo.tis_cap` is unset.
+STALE_TIS_CAP = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
   """The GRPO loss family (docs/grpo-loss.md); `GRPO_PRESETS` names the standard mixes."""
@@ -355,20 +359,8 @@ class GRPOConfig:
   # Host-reward mode: batches the sampler may run ahead of the update (0: on-policy, as the fused mode).
   max_staleness: int = 1
   # Host-reward mode's sampler: "static" (`generate` on each batch) or "engine" (`ptx.sampling.engine`: continuous
-  # batching over paged KV, groups scored as they finish, partial rollouts across updates; `ptx.train.rl_engine`).
+  # batching over paged KV, groups scored as they finish, partial rollouts across updates; `ptx.train.grpo.engine`).
   rollouts: Literal["static", "engine"] = "static"
-  # Engine rollouts: KV pages in its pool (0: every in-flight sequence at its worst case, which resumes exactly).
-  engine_pages: int = 0
-  # Engine rollouts: token positions per KV page.
-  engine_page_size: int = 16
-  # Engine rollouts: tokens per decode call; groups are scored and sequences admitted between calls.
-  engine_decode_steps: int = 16
-  # Engine rollouts: pages a sequence takes at admission. "reserve": its prompt and whole budget. "on_demand": its
-  # prompt and next call, growing call by call, the last submitted preempted and recomputed when a grpo.engine_pages
-  # pool runs out, so rows that stop early fill the pool (`EngineConfig.admission`). With grpo.engine_pages 0 nothing
-  # waits for pages and either resumes exactly; in a smaller pool a resumed run may admit and preempt otherwise, so
-  # it reproduces to float rounding (which can flip a near-tie token).
-  engine_admission: Literal["reserve", "on_demand"] = "reserve"
   # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
   # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
   turn_tokens: int = 64
@@ -415,6 +407,26 @@ class GRPOConfig:
       raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
 
   @property
+  def refill_rounds(self) -> int:
+    """Rounds of B prompts one fused step may sample: 1, plus `max_refill_rounds` under `filter_groups="refill"`."""
+    return 1 + (self.max_refill_rounds if self.filter_groups == "refill" else 0)
+
+  @property
+  def kl_in_loss(self) -> bool:
+    """Whether the loss carries a KL penalty to the reference (`kl_placement="loss"`, beta > 0)."""
+    return self.kl_placement == "loss" and self.beta > 0
+
+  @property
+  def kl_in_reward(self) -> bool:
+    """Whether the reward is shaped by a KL penalty to the reference (`kl_placement="reward"`, beta > 0)."""
+    return self.kl_placement == "reward" and self.beta > 0
+
+  @property
+  def shapes_reward(self) -> bool:
+    """Whether rewards are shaped before the advantages: DAPO's overlong punishment, or a KL-in-reward penalty."""
+    return self.overlong_buffer > 0 or self.kl_in_reward
+
+  @property
   def uses_reference(self) -> bool:
     """Whether the loss reads a reference policy: a KL term with a positive coefficient."""
     return self.beta > 0 and self.kl_placement != "none"
@@ -423,6 +435,11 @@ class GRPOConfig:
   def updates_per_step(self) -> int:
     """Optimizer updates per RL step: the learning-rate schedule spans steps times this."""
     return self.epochs * self.minibatches
+
+  def tis_cap_for(self, proximal: bool) -> float | None:
+    """The importance weight's cap for rollouts of a proximal policy (stale, or sampled by int8 weights) or not:
+    `tis_cap` when set, else `STALE_TIS_CAP` for proximal rollouts and none for on-policy ones."""
+    return STALE_TIS_CAP if proximal and self.tis_cap is None else self.tis_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,7 +465,7 @@ class LoRAConfig:
 class EvalConfig:
   """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
 
-  # Suites of `ptx.rl.suites` (arithmetic, countdown, needle, and the multi-turn calculator, terminal and docqa;
+  # Suites of `ptx.envs.suites` (arithmetic, countdown, needle, and the multi-turn calculator, terminal and docqa;
   # math, code, shell read `files`); empty: none.
   suites: tuple[str, ...] = ()
   # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
@@ -489,7 +506,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """How rollouts and evaluations sample: exactly, or fast (`ptx.sampling.rollout_mode`)."""
+  """How rollouts and evaluations sample: exactly or fast (`ptx.sampling.engine.mode`), and the engine's pool."""
 
   # "standard": the policy's float weights, one token per decode step. "fast": int8 weight-only copies of the
   # matrices, derived from the training weights once per update, and n-gram (prompt lookup) speculative decoding;
@@ -509,8 +526,25 @@ class RolloutConfig:
   # and head: about half of bfloat16's KV bytes; the sampler's log-probs are then the int8 cache's, so the loss
   # rescores them as fast mode does).
   kv_dtype: Literal["auto", "int8"] = "auto"
+  # The engine's KV pages in its pool (0: every in-flight sequence at its worst case, which resumes exactly).
+  pages: int = 0
+  # Token positions per KV page.
+  page_size: int = 16
+  # Tokens per decode call; groups are scored and sequences admitted between calls.
+  decode_steps: int = 16
+  # Pages a sequence takes at admission. "reserve": its prompt and whole budget. "on_demand": its prompt and next
+  # call, growing call by call, the last submitted preempted and recomputed when a rollout.pages pool runs out, so
+  # rows that stop early fill the pool (`EngineConfig.admission`). With rollout.pages 0 nothing waits for pages and
+  # either resumes exactly; in a smaller pool a resumed run may admit and preempt otherwise, so it reproduces to
+  # float rounding (which can flip a near-tie token).
+  admission: Literal["reserve", "on_demand"] = "reserve"
 
   def __post_init__(self):
+    if self.pages < 0 or self.page_size < 1 or self.decode_steps < 1:
+      raise ValueError(f"rollout.pages must be >= 0, rollout.page_size and rollout.decode_steps >= 1; got "
+                       f"{self.pages}, {self.page_size} and {self.decode_steps}")
+    if self.admission not in ("reserve", "on_demand"):
+      raise ValueError(f"rollout.admission must be reserve or on_demand, got {self.admission!r}")
     if self.mode not in ("standard", "fast"):
       raise ValueError(f"rollout.mode must be standard or fast, got {self.mode!r}")
     if self.kv_dtype not in ("auto", "int8"):

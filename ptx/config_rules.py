@@ -13,15 +13,19 @@ from ptx_kernels import pallas_gpu
 
 from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig, ModelConfig
 
-# The record kind each algorithm reads.
-RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl"}
+# The record kind each job kind reads (`Job.algorithm`: the fused, host-reward and episode GRPO jobs apart).
+RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl", "grpo_host": "rl", "grpo_episodes": "rl"}
 
 
-def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
+def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo", "grpo_host", "grpo_episodes"]) -> None:
   """Every cross-field rule of a job's config, checked before anything compiles.
 
   The Job builders (`ptx.train.job`) call it first; a single field's range is
   checked by its class (`__post_init__`).
+
+  Args:
+    cfg: the job's config.
+    algorithm: the job kind, as `Job.algorithm` names it.
 
   Raises:
     ConfigError: naming the fields of the first broken rule.
@@ -41,7 +45,7 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
   if data.kind != kind:
     raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
                       + ("" if kind == "sft" else " --data.pack=false"))
-  if algorithm == "grpo":
+  if kind == "rl":
     check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
     groups = data.batch_size // cfg.grpo.minibatches
     if data.batch_size % cfg.grpo.minibatches:
@@ -51,8 +55,25 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo"]) -> None:
       raise ConfigError(f"train.grad_accum={train.grad_accum} must divide the {groups * cfg.grpo.group_size} "
                         "rollouts of an update (data.batch_size / grpo.minibatches x grpo.group_size)")
     check_rollout_mode(cfg)
+    _check_grpo_kind(cfg, algorithm)
   elif data.batch_size % train.grad_accum:
     raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
+
+
+def _check_grpo_kind(cfg: Config, algorithm: str) -> None:
+  """What one GRPO job kind cannot do: the fused step samples in-graph, episodes are played exactly and on-policy."""
+  g, rollout = cfg.grpo, cfg.rollout
+  if algorithm == "grpo" and g.rollouts != "static":
+    # The fused mode samples inside its one program; only the host-reward mode can draw from the engine.
+    raise ConfigError(f"grpo.rollouts={g.rollouts!r} needs host rewards (an environment or reward functions on rl "
+                      "records); the fused in-graph mode samples with 'static' only")
+  if algorithm == "grpo_episodes":
+    if rollout.mode != "standard" or rollout.kv_dtype != "auto":
+      raise ConfigError(f"rollout.mode={rollout.mode}, rollout.kv_dtype={rollout.kv_dtype}: multi-turn episodes are "
+                        "sampled exactly, in rollout.mode=standard with rollout.kv_dtype=auto only; set them")
+    if g.max_staleness != 0 or g.filter_groups == "refill":
+      raise ConfigError(f"multi-turn episodes are played on-policy, all of a step's at once: set "
+                        f"grpo.max_staleness=0 (got {g.max_staleness}) and a grpo.filter_groups other than 'refill'")
 
 
 def check_attention(model: ModelConfig, backend: str) -> None:
@@ -117,13 +138,20 @@ def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
                       f"{cfg.entropy_coef_delta}, {cfg.entropy_coef_min}, {cfg.entropy_coef}, {cfg.entropy_coef_max}")
   if cfg.max_staleness < 0:
     raise ConfigError(f"grpo.max_staleness must be >= 0, got {cfg.max_staleness}")
-  if cfg.rollouts == "engine" and cfg.filter_groups == "refill":
-    raise ConfigError('grpo.filter_groups="refill" samples further batches on demand, which engine rollouts do not: '
-                      'use grpo.rollouts="static", or grpo.filter_groups="mask"')
+  if cfg.rollouts == "engine":
+    check_engine_rollouts(cfg)
   if cfg.turn_tokens < 1:
     raise ConfigError(f"grpo.turn_tokens must be >= 1, got {cfg.turn_tokens}")
-  for name in ("engine_pages", "engine_page_size", "engine_decode_steps"):
-    if getattr(cfg, name) < (0 if name == "engine_pages" else 1):
-      raise ConfigError(f"grpo.{name} must be >= {0 if name == 'engine_pages' else 1}, got {getattr(cfg, name)}")
   if cfg.max_response_tokens < 1:
     raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
+
+
+def check_engine_rollouts(cfg: GRPOConfig) -> None:
+  """The GRPO options engine rollouts cannot serve (read by `check_grpo` and by the engine step itself).
+
+  Raises:
+    ConfigError: naming the fields.
+  """
+  if cfg.filter_groups == "refill":
+    raise ConfigError('grpo.filter_groups="refill" samples further batches on demand, which engine rollouts do not: '
+                      'use grpo.rollouts="static", or grpo.filter_groups="mask"')

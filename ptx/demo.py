@@ -37,8 +37,8 @@ from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import MemorySource
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import forward
-from ptx.rl import evaluation
-from ptx.rl.environments.exact_answer import ExactAnswerEnv
+from ptx.episodes import evaluation
+from ptx.envs.exact_answer import ExactAnswerEnv
 from ptx.sampling.text import TextSampler
 from ptx.sharding import make_mesh
 from ptx.train import plots, presets, run_dir, streams

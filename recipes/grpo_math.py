@@ -3,7 +3,7 @@
 Bring the data (GSM8K's train.jsonl / test.jsonl have this format; no pip
 package ships them). Each question becomes a user turn of the model's chat
 template asking for reasoning that ends in "#### <answer>"; the host scores
-every sampled solution with `ptx.rl.environments.exact_answer` (final answer
+every sampled solution with `ptx.envs.exact_answer` (final answer
 from \\boxed{}, "####" or the last number; equivalence by the math verifier),
 while the device samples the next batch (GRPO host-reward mode).
 

@@ -6,7 +6,7 @@ converted once into a float32 HF directory under OUT/smollm2 (or pass
 Each prompt is a chat turn "What is a + b?" (the model's own template) with
 the reply opened as "a + b = "; the reward, computed in-graph, is 1 when the
 model writes exactly the sum and then ends its turn. Sampling, reward,
-advantages and the update are one jitted program (ptx.train.rl_step).
+advantages and the update are one jitted program (ptx.train.grpo.update).
 
 Launch (a TPU v5e-8, one host, 8 chips; on a pod slice the same command on
 every host with --distributed):
@@ -57,7 +57,7 @@ import jax
 import launch
 
 import ptx
-from ptx.rl import evaluation
+from ptx.episodes import evaluation
 from ptx.train.checkpoint_evals import EVALS
 
 SYSTEM = "You are a calculator. Reply with the number only."

@@ -27,7 +27,7 @@ import jax
 import ptx
 from ptx import config as config_lib
 from ptx import paths
-from ptx.rl import scoring_flags
+from ptx import scoring_flags
 from ptx.train import checkpoint_evals, pretrained, run_dir
 
 Presets = dict[str, Callable[[], ptx.Config]]
@@ -40,7 +40,7 @@ def parse(doc: str, presets: Presets, argv: list[str] | None, *,
   """Parses the common recipe flags, and with `scoring` the host scoring ones; returns (flags, config overrides).
 
   `scoring` "reward" sets `args.reward_options` (a host reward's executor, concurrency and timeout), "shell"
-  `args.shell_options` (the terminal environment's executor and warm pool), both from `ptx.rl.scoring_flags`.
+  `args.shell_options` (the terminal environment's executor and warm pool), both from `ptx.scoring_flags`.
   """
   # No abbreviations: `--model=PRESET` is a config override, never short for --model-dir.
   parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,

@@ -43,7 +43,7 @@ import dataclasses
 
 import launch
 import ptx
-from ptx.rl.environments.needle import NeedleTask
+from ptx.envs.needle import NeedleTask
 
 _SEQ_PARALLEL = dict(attention_impl="ring", seq_layout="zigzag", remat="full")
 PRESETS: launch.Presets = {

@@ -1,7 +1,7 @@
 """Host-reward GRPO for the recipes whose reward runs on the host, and greedy pass@1 before and after.
 
 The math verifier and sandboxed unit tests are Python on the host, so these
-recipes run GRPO's host-reward mode (`ptx.train.rl_host`): the device samples
+recipes run GRPO's host-reward mode (`ptx.train.grpo.host`): the device samples
 batch k + 1 while the host scores batch k (`--grpo.max_staleness=0` for
 strictly on-policy steps). Task records carry a rendered "prompt" string
 plus the fields their environment reads ("answer", "tests").
@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import ptx
-from ptx.rl.environments.base import Environment
+from ptx.envs.base import Environment
 
 import launch
 

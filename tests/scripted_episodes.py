@@ -1,8 +1,8 @@
 """A scripted multi-turn environment for episode tests: numbered observations, done after the task's turns."""
 
 from ptx.config import ModelConfig
-from ptx.rl.environments.base import Outcome, Step
-from ptx.sampling.engine import EngineConfig
+from ptx.envs.base import Outcome, Step
+from ptx.sampling.engine.config import EngineConfig
 
 # The model and engine of the episode tests (conftest's tiny_config): shared, so the files' compiled programs are one
 # set in the run's compilation cache. Small pages and decode calls: turns end mid-call, episodes queue for slots.

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from ptx import cli
-from ptx.rl import evaluation, sandbox
+from ptx.episodes import evaluation
+from ptx.sandbox import run as sandbox
 
 SMALL = ["--n", "2", "--k", "2", "--max-new-tokens", "4"]
 

@@ -94,7 +94,7 @@ def test_grpo_with_engine_rollouts_resumes_exactly(tmp_path, capsys):
   data = tmp_path / "rl.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
   records = _resumes_exactly(tmp_path, capsys, *COMMON, f"--data.train_files=[\"{data}\"]", "--grpo.rollouts=engine",
-                             "--grpo.max_staleness=1", "--grpo.max_response_tokens=6", "--grpo.engine_decode_steps=2")
+                             "--grpo.max_staleness=1", "--grpo.max_response_tokens=6", "--rollout.decode_steps=2")
   assert {"timing_s/reward", "rollout/staleness", "rollout/staleness_mean", "rollout/engine_pages_peak"} <= set(
       records[STEPS])
   assert all(records[k]["rollout/staleness"] <= 1.0 for k in records)

@@ -173,7 +173,7 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   metrics["actor/entropy"] = mean(entropy)
   if "sampler_logps" in batch:  # before the first update of a step, this is the sampler-trainer mismatch
     metrics["rollout/logp_diff_max"] = jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask)
-  if grpo.kl_placement == "loss" and grpo.beta > 0:
+  if grpo.kl_in_loss:
     kl = kl_estimate(logps, batch["ref_logps"], grpo.kl_estimator)
     per_token = per_token + grpo.beta * kl
     metrics["actor/kl_loss"] = mean(kl)

@@ -18,7 +18,7 @@ A row's position p lives at slot p % S of page page_table[r, p // S]: there is
 no left padding, the position is the index. Page 0 (of each shard, below) is
 the sink: padding tokens and idle rows write there and no row's table names it
 for a position below its length, so it is never read as data. The host side
-(`ptx.sampling.page_allocator`) owns which pages a row holds; a page may sit in
+(`ptx.sampling.engine.pages`) owns which pages a row holds; a page may sit in
 several rows' tables (the G samples of a prompt share its full pages).
 
 Attention (`ptx_kernels.paged_attention`) reads the pages the pairs name: the

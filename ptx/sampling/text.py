@@ -3,9 +3,9 @@
 `TextSampler(prompts, k)` tokenizes each prompt (plainly, or as a user turn
 through the tokenizer's chat template), samples k continuations per prompt
 with `ptx.sampling.generate` (each prompt prefilled once for its k samples),
-or on a rollout engine when given one (`ptx.sampling.rollout_mode`'s fast
+or on a rollout engine when given one (`ptx.sampling.engine.mode`'s fast
 mode), and decodes them up to, not including, the stop token. It is the
-`generate(prompts, k)` callable of `ptx.rl.evaluation.evaluate`.
+`generate(prompts, k)` callable of `ptx.episodes.evaluation.evaluate`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ptx import sharding
 from ptx.config import ModelConfig
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import Tokenizer, check_fits
-from ptx.sampling.engine import RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.generation import generate
 from ptx.sampling.rules import SamplingConfig
 

@@ -3,7 +3,7 @@
 `build(cfg.eval, tokenizer)` turns a job's `eval` section
 (`ptx.config.EvalConfig`) into `SuiteEvals`, once, before anything
 compiles: each named suite's environment and task records
-(`ptx.rl.suites`) and the sampler's settings. An unknown suite, a file
+(`ptx.envs.suites`) and the sampler's settings. An unknown suite, a file
 suite without its file or a file without its suite is a `ConfigError`
 naming the field. `ptx eval` evaluates a model through the same object.
 
@@ -18,7 +18,7 @@ naming the field. `ptx eval` evaluates a model through the same object.
 - each evaluation logs `eval/<suite>/pass@1`, `eval/<suite>/pass@k` (k =
   `eval.k`), `eval/<suite>/mean@k` and `eval/<suite>/regressed` (1.0 when
   pass@1 fell more than `eval.regression` below the baseline,
-  `ptx.rl.evaluation.regressed`); a regression is also a warning naming
+  `ptx.episodes.evaluation.regressed`); a regression is also a warning naming
   the suite, the step and both values, and an entry of `regressions`.
 
 Evaluation reads the state's parameter arrays in place (`model_params`:
@@ -29,7 +29,7 @@ training data: a run trains exactly as it would without it. Every process
 samples (generation is one SPMD program) and scores; only process 0
 writes reports and warns.
 
-The sampler follows `rollout.mode` (`ptx.sampling.rollout_mode`): standard
+The sampler follows `rollout.mode` (`ptx.sampling.engine.mode`): standard
 samples the parameters as they are; fast samples their int8 derivation
 (made once per evaluation) on a speculative engine with n-gram drafts.
 
@@ -37,7 +37,7 @@ A single-turn suite is sampled by a `TextSampler` (`eval.max_new_tokens`
 per completion) with `generate` in standard mode, on the mode's engine
 (sized as a multi-turn suite's) in fast mode. A multi-turn suite
 (`Environment.max_turns` > 1) is played by
-`ptx.rl.evaluation.evaluate_episodes` on the mode's engine over the same
+`ptx.episodes.evaluation.evaluate_episodes` on the mode's engine over the same
 arrays, on the same mesh, token in, token out as training plays episodes,
 always through the chat template (the tokenizer's, else ChatML), whatever
 `eval.chat`: a reply is a turn of the conversation. Its sizes:
@@ -62,11 +62,12 @@ from ptx import paths, sharding
 from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig, RolloutConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models import paged_kv_cache
-from ptx.rl import evaluation, suites
-from ptx.rl.environments.base import Environment
-from ptx.rl.turn_format import TurnFormat
-from ptx.sampling.engine import EngineConfig
-from ptx.sampling.rollout_mode import RolloutMode
+from ptx.episodes import evaluation
+from ptx.envs import suites
+from ptx.envs.base import Environment
+from ptx.episodes.turn_format import TurnFormat
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.mode import RolloutMode
 from ptx.sampling.text import TextSampler
 from ptx.train.metrics import MetricsWriter
 from ptx.train.run_dir import RunDirError
@@ -114,7 +115,7 @@ class SuiteEvals:
       rules: the sharding rules `params` were placed by.
 
     Returns:
-      {suite: its report (`ptx.rl.evaluation`'s, labelled by `ptx.rl.suites.label`)}.
+      {suite: its report (`ptx.episodes.evaluation`'s, labelled by `ptx.envs.suites.label`)}.
     """
     section, reports = self.source, {}
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
@@ -177,11 +178,10 @@ def episode_engine(context: int, k: int, tasks: int, mesh: Mesh | None,
   # The mesh's size is a multiple of every product of its axes: the batch axes all divide it.
   blocks = paged_kv_cache.page_blocks(1 if mesh is None else mesh.devices.size, mesh, rules)
   groups = max(1, min(-(-tasks // blocks), _EPISODES_AT_ONCE // (k * blocks)))  # per block
-  slots, page_size = groups * k, EngineConfig.page_size
+  slots = groups * k
   context = -(-context // _CONTEXT_STEP) * _CONTEXT_STEP
-  pages = slots * -(-context // page_size) + 1
-  return EngineConfig(max_seqs=blocks * slots, pages=blocks * pages, max_seq_len=context,
-                      prefill_rows=blocks * min(slots, -(-8 // blocks)))
+  rows = blocks * min(slots, -(-8 // blocks))
+  return EngineConfig.sized(blocks * slots, context, prefill_rows=rows).on_blocks(blocks)
 
 
 def _prompts(env: Environment, tasks: Sequence[dict[str, Any]]) -> list[str]:

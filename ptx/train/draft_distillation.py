@@ -30,7 +30,8 @@ from ptx.algorithms import sft
 from ptx.config import ModelConfig, OptimizerConfig, SamplingConfig
 from ptx.models.decoder import Params
 from ptx.models.params import weight_decay_mask
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
 from ptx.sharding import batch_sharding
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
@@ -87,8 +88,8 @@ def policy_rows(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int
     raise ValueError("distill: every prompt needs at least one token, and there must be prompts")
   longest = max(map(len, prompts)) + d.max_new_tokens
   rows = len(prompts) * d.samples
-  config = EngineConfig(max_seqs=rows, pages=rows * -(-longest // page_size) + 1, page_size=page_size,
-                        max_seq_len=longest, prefill_chunk=max(map(len, prompts)), prefill_rows=min(rows, 8))
+  config = EngineConfig.sized(rows, longest, page_size=page_size, prefill_chunk=max(map(len, prompts)),
+                              prefill_rows=min(rows, 8))
   engine = RolloutEngine(cfg, config, sampling=d.sampling, seed=d.seed)
   ids = [(prompt, i) for prompt in prompts
          for i in engine.submit(list(prompt), max_new_tokens=d.max_new_tokens, samples=d.samples)]

@@ -9,11 +9,11 @@ the config again:
   dpo_job        DPO family: `ptx.algorithms.dpo` with a frozen reference, a
                  precomputed one (`ptx.train.streams`) or none (SimPO)
   grpo_job       GRPO family, fused: sample, in-graph reward, update in one
-                 program (`ptx.train.rl_step`)
+                 program (`ptx.train.grpo.update`)
   grpo_host_job  GRPO family, host reward: the device samples ahead while the
-                 host scores (`ptx.train.rl_host`)
+                 host scores (`ptx.train.grpo.host`)
   grpo_episode_job  GRPO family over multi-turn episodes in an environment
-                 (`ptx.train.rl_episodes`)
+                 (`ptx.train.grpo.episodes`)
 
 Each builder first runs `ptx.config.check` (every cross-field rule, naming
 the fields) and the tokenizer check, so a bad combination fails before
@@ -40,16 +40,18 @@ from ptx.algorithms import dpo, sft
 from ptx.config import Config, ModelConfig, OptimizerConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models.params import weight_decay_mask
-from ptx.rl import token_rewards
-from ptx.rl.environments.base import Environment
-from ptx.rl.turn_format import TurnFormat
+from ptx.train.grpo import token_rewards
+from ptx.envs.base import Environment
+from ptx.episodes.turn_format import TurnFormat
 from ptx.train.optimizer import learning_rate_schedule, make_optimizer
-from ptx.sampling.engine import EngineConfig
-from ptx.sampling.rollout_mode import RolloutMode
-from ptx.train.rl_engine import EngineGRPOStep
-from ptx.train.rl_episodes import EpisodeGRPOStep
-from ptx.train.rl_host import HostGRPOStep, HostReward
-from ptx.train.rl_step import FusedGRPOStep, RewardFn, RLSpec
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.mode import RolloutMode
+from ptx.train.grpo.engine import EngineGRPOStep
+from ptx.train.grpo.episodes import EpisodeGRPOStep
+from ptx.episodes.scoring import HostReward
+from ptx.train.grpo.host import HostGRPOStep
+from ptx.train.grpo.fused import FusedGRPOStep, RewardFn
+from ptx.train.grpo.update import RLSpec
 from ptx.train.step import Bound, SupervisedStep
 
 Algorithm = Literal["sft", "dpo", "grpo", "grpo_host", "grpo_episodes"]
@@ -141,10 +143,6 @@ def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewa
       with `in_graph=True`).
   """
   rules = _check(cfg, "grpo", tokenizer)
-  if cfg.grpo.rollouts != "static":
-    # The fused mode samples inside its one program; only the host-reward mode can draw from the engine.
-    raise config_lib.ConfigError(f"grpo.rollouts={cfg.grpo.rollouts!r} needs host rewards (an environment or reward "
-                                 "functions on rl records); the fused in-graph mode samples with 'static' only")
   return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn), rules,
               with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
 
@@ -155,10 +153,10 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
   Args:
     cfg: the job config (`grpo.max_staleness` batches sampled ahead).
     tokenizer: its eos ends a completion, its pad fills prompts.
-    reward: the host reward, e.g. `ptx.train.rl_host.EnvReward` of an
+    reward: the host reward, e.g. `ptx.episodes.scoring.EnvReward` of an
       environment, or `ptx.train.reward_functions.RewardFunctions`.
   """
-  rules = _check(cfg, "grpo", tokenizer)
+  rules = _check(cfg, "grpo_host", tokenizer)
   spec = _rl_spec(cfg, tokenizer, rules)
   step = (HostGRPOStep(spec, reward) if cfg.grpo.rollouts == "static"
           else EngineGRPOStep(spec, reward, _engine_config(cfg, ahead=cfg.grpo.max_staleness),
@@ -179,16 +177,8 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
   Raises:
     ConfigError: for settings episodes do not have (they are played on-policy, on the engine).
   """
-  rules = _check(cfg, "grpo", tokenizer)
+  rules = _check(cfg, "grpo_episodes", tokenizer)
   g = cfg.grpo
-  if cfg.rollout.mode != "standard" or cfg.rollout.kv_dtype != "auto":
-    raise config_lib.ConfigError(f"rollout.mode={cfg.rollout.mode}, rollout.kv_dtype={cfg.rollout.kv_dtype}: "
-                                 f"multi-turn episodes ({env.name}) are sampled exactly, in rollout.mode=standard "
-                                 "with rollout.kv_dtype=auto only; set them")
-  if g.max_staleness != 0 or g.filter_groups == "refill":
-    raise config_lib.ConfigError(f"multi-turn episodes ({env.name}) are played on-policy, all of a step's at "
-                                 "once: set grpo.max_staleness=0 (got "
-                                 f"{g.max_staleness}) and a grpo.filter_groups other than 'refill'")
   step = EpisodeGRPOStep(_rl_spec(cfg, tokenizer, rules), env, TurnFormat.of(tokenizer), _engine_config(cfg, ahead=0),
                          g.turn_tokens, g.episode_lockstep)
   return _job(cfg, "grpo_episodes", step, rules, with_reference=g.uses_reference, updates_per_step=g.updates_per_step)
@@ -197,18 +187,16 @@ def grpo_episode_job(cfg: Config, tokenizer: Tokenizer, env: Environment) -> Job
 def _engine_config(cfg: Config, *, ahead: int) -> EngineConfig:
   """The rollout engine of a host-reward or episode job: slots for the batch and the `ahead` ones sampled ahead.
 
-  With `grpo.engine_pages` 0 the pool holds every slot's sequence at its
+  With `rollout.pages` 0 the pool holds every slot's sequence at its
   worst case (prompt width plus budget) without sharing a group's prompt
   pages, so admission waits only for slots: a resumed engine, which
   re-admits its sequences one by one, admits them exactly as the
   uninterrupted one did.
   """
-  g = cfg.grpo
+  g, r = cfg.grpo, cfg.rollout
   seqs = cfg.data.batch_size * g.group_size * (1 + ahead)
-  seq_len = cfg.data.seq_len + g.max_response_tokens
-  pages = g.engine_pages or seqs * -(-seq_len // g.engine_page_size) + 1  # + the sink page
-  return EngineConfig(max_seqs=seqs, pages=pages, page_size=g.engine_page_size, max_seq_len=seq_len,
-                      decode_steps=g.engine_decode_steps, prefill_rows=min(seqs, 8), admission=g.engine_admission)
+  return EngineConfig.sized(seqs, cfg.data.seq_len + g.max_response_tokens, pages=r.pages, page_size=r.page_size,
+                            decode_steps=r.decode_steps, prefill_rows=min(seqs, 8), admission=r.admission)
 
 
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:

@@ -12,7 +12,7 @@ Other fields of the task records reach a function as keyword lists of the
 same length (`answer=[...]`), when it declares them or takes `**fields`.
 Several functions are named reward components (`grpo.reward_combine`,
 `grpo.reward_weights` in sorted-name order). They run on the host while the
-device samples the next batch (GRPO's host-reward mode, `ptx.train.rl_host`).
+device samples the next batch (GRPO's host-reward mode, `ptx.train.grpo.host`).
 
 `train_grpo(cfg, tasks=..., rewards=[...], tokenizer=..., out=...)` is the
 whole run: the job, the prompt stream over `tasks` and `fit`.
@@ -32,7 +32,7 @@ from ptx.data.tokenizer import Tokenizer
 from ptx.train import streams
 from ptx.train.job import grpo_host_job
 from ptx.train.loop import fit
-from ptx.train.rl_host import decode_completions
+from ptx.episodes.scoring import decode_completions
 from ptx.train.state import TrainState
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -40,7 +40,7 @@ RewardFunction = Callable[..., Sequence[float | None]]
 
 @dataclasses.dataclass(frozen=True)
 class RewardFunctions:
-  """A HostReward (`ptx.train.rl_host`) of plain Python reward functions.
+  """A HostReward (`ptx.train.grpo.host`) of plain Python reward functions.
 
   Attributes:
     fns: the reward functions; one gives a scalar reward, several give

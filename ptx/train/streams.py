@@ -27,7 +27,7 @@ from ptx.config import Config, ConfigError
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource, NoDataError
 from ptx.data.tokenizer import Tokenizer
-from ptx.rl.prompt_batches import PromptBatches
+from ptx.train.grpo.prompts import PromptBatches
 from ptx.train.reference_pass import with_reference_table
 
 
@@ -87,6 +87,6 @@ def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: boo
       reads its extra rounds' prompts in the same batch; else "task" is the
       records, for a host reward.
   """
-  rounds = 1 + (cfg.grpo.max_refill_rounds if in_graph and cfg.grpo.filter_groups == "refill" else 0)
+  rounds = cfg.grpo.refill_rounds if in_graph else 1
   return PromptBatches(tasks, tokenizer, batch_size=cfg.data.batch_size * rounds, prompt_len=cfg.data.seq_len,
                        answer_width=cfg.grpo.max_response_tokens if in_graph else None)

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from rl import ray_cluster
+import ray_cluster
 
 ray = pytest.importorskip("ray")
 
 from ptx import cli  # noqa: E402
-from ptx.rl.ray_executor import RayExecutor  # noqa: E402
+from ptx.scheduling.ray_executor import RayExecutor  # noqa: E402
 
 cluster = ray_cluster.fixture()
 

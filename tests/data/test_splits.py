@@ -7,9 +7,9 @@ from problems import arithmetic as arithmetic_identity
 
 from ptx.data import splits
 from ptx.data.arithmetic import ArithmeticTask, identity
-from ptx.rl import suites
-from ptx.rl.environments.countdown import CountdownTask
-from ptx.rl.environments.needle import NeedleTask
+from ptx.envs import suites
+from ptx.envs.countdown import CountdownTask
+from ptx.envs.needle import NeedleTask
 
 
 def test_the_split_is_a_fixed_function_of_the_identity():

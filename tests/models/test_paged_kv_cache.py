@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import ptx_kernels as pk
 from ptx.config import ModelConfig
 from ptx.models import paged_kv_cache
-from ptx.sampling.engine_programs import reading_pairs
+from ptx.sampling.engine.programs import reading_pairs
 
 R, T, H, N, K, S, PAGES, M = 4, 3, 8, 2, 16, 4, 32, 6
 # Cached positions per row before the call; row 3 is idle (no real tokens), row 2 a partial chunk.

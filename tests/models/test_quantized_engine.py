@@ -11,8 +11,9 @@ from ptx.models.decoder import forward, token_log_probs
 from ptx.models.params import init_params
 from ptx.models.rollout_params import rollout_params
 from ptx.sampling import SamplingConfig
-from ptx.sampling.engine import EngineConfig, RolloutEngine
-from ptx.train.rollout_gap import logprob_gap
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
+from ptx.train.grpo.metrics import logprob_gap
 
 _forward = jax.jit(forward, static_argnames="cfg")
 PROMPTS = [[5, 17, 3], [40, 2, 9, 31, 7, 12], [100]]

@@ -1,4 +1,4 @@
-"""The host-reward recipes take `ptx grpo`'s scoring flags (`ptx.rl.scoring_flags`): local or on a Ray cluster."""
+"""The host-reward recipes take `ptx grpo`'s scoring flags (`ptx.scoring_flags`): local or on a Ray cluster."""
 
 import pathlib
 import runpy
@@ -23,7 +23,7 @@ def test_the_flags_become_the_rewards_options():
   assert _parse("--score-concurrency=4", "--score-timeout-s=30").reward_options == {"concurrency": 4,
                                                                                     "timeout_s": 30.0}
   pytest.importorskip("ray")  # the ray extra (`make test` installs it)
-  from ptx.rl.ray_executor import RayExecutor
+  from ptx.scheduling.ray_executor import RayExecutor
   options = _parse("--executor=ray", "--ray-address=HEAD:6379", "--ray-resources=num_cpus=1,sandbox=1").reward_options
   executor = options.pop("executor")
   # Nothing connects before the first job: the address and resources are what each task will ask for.
@@ -50,7 +50,7 @@ def test_a_recipe_refuses_bad_scoring_flags_by_name_before_it_runs(recipe, flags
 def _shell_options(*flags):
   import argparse
 
-  from ptx.rl import scoring_flags
+  from ptx import scoring_flags
 
   parser = argparse.ArgumentParser()
   scoring_flags.add_arguments(parser)

@@ -11,10 +11,10 @@ from test_generate import GREEDY, _params
 from test_speculative import ALPHA, ALWAYS, CHI_CFG, CHI_NEW, CHI_PROMPT, _chi_square_p, _exact_joint
 
 from ptx.sampling import SamplingConfig
-from ptx.sampling.drafting import DraftModel
-from ptx.sampling.engine import EngineConfig
-from ptx.sampling.speculative import rejection_sample
-from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+from ptx.sampling.engine.drafters import DraftModel
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.acceptance import rejection_sample
+from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
 
 def _rule_samples(p_TV, q_KV, claimed_q_KV, n, seed=0):

@@ -13,7 +13,8 @@ from model_variants import gemma_like
 from ptx.models.decoder import forward, token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
 
 forward_jit = jax.jit(forward, static_argnames=("cfg",))
 # Prompt lengths from 1 (nothing to prefill: the first decode step feeds the prompt's only token) past two chunks.

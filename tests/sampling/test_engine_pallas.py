@@ -16,9 +16,10 @@ from test_generate import GREEDY, _params
 from model_variants import gemma_like
 from ptx.models import paged_kv_cache
 from ptx.models.attention import interpret_pallas
-from ptx.sampling.engine import EngineConfig, RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
 
 # The GPU kernel tiles a page as it tiles a head: both powers of two >= 16. Few slots, so requests queue; prompts of
+from ptx.sampling.engine.config import EngineConfig
 # up to 40 tokens take several prefill chunks of 16 and pages of 16; the pages split over a mesh's 2 data devices.
 CONFIG = EngineConfig(max_seqs=4, pages=34, page_size=16, max_seq_len=64, decode_steps=5, prefill_chunk=16,
                       prefill_rows=2)

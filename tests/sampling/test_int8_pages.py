@@ -9,7 +9,7 @@ from test_engine import PROMPTS, SAMPLED, SMALL, _run, grouped_equals_copied
 from test_generate import _params
 
 from ptx.models.params import param_shardings
-from ptx.sampling.engine import RolloutEngine
+from ptx.sampling.engine.engine import RolloutEngine
 
 INT8 = dataclasses.replace(SMALL, kv_dtype="int8")
 # Int8 K/V round each element by up to half a step (absmax / 254 of its slot and head): on this model the log-probs

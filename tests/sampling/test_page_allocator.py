@@ -9,8 +9,9 @@ import pytest
 from ptx.config import ModelConfig
 from ptx.models import init_params
 from ptx.sampling import LENGTH, STOP, SamplingConfig
-from ptx.sampling.engine import EngineConfig, RolloutEngine
-from ptx.sampling.page_allocator import PageAllocator
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.pages import PageAllocator
 
 
 def test_shared_pages_return_when_their_last_holder_releases_them():

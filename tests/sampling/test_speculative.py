@@ -17,10 +17,11 @@ from ptx.config import ModelConfig
 from ptx.models.decoder import forward, tempered
 from ptx.models.params import param_shardings
 from ptx.sampling import SamplingConfig, generate
-from ptx.sampling.drafting import NgramDrafter
-from ptx.sampling.engine import EngineConfig, RolloutEngine
-from ptx.sampling.speculative import accepted_drafts
-from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+from ptx.sampling.engine.drafters import NgramDrafter
+from ptx.sampling.engine.engine import RolloutEngine
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.acceptance import accepted_drafts
+from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
 forward_jit = jax.jit(forward, static_argnames=("cfg",))
 # Drafting always pays: every step with a draft verifies, so the tests exercise the verify path.

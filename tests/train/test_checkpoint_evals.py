@@ -15,8 +15,8 @@ from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import MemorySource
 from ptx.data.tokenizer import ByteTokenizer
-from ptx.rl import evaluation
-from ptx.sampling.engine import RolloutEngine
+from ptx.episodes import evaluation
+from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sharding import make_mesh
 from ptx.train import checkpoint_evals
 from ptx.train.job import sft_job

@@ -8,9 +8,9 @@ from ptx.config import MeshConfig
 from ptx.models import init_params
 from ptx.models.llama import tiny
 from ptx.sampling import SamplingConfig
-from ptx.sampling.drafting import DraftModel
-from ptx.sampling.engine import EngineConfig
-from ptx.sampling.speculative_engine import SpeculativeConfig, SpeculativeEngine
+from ptx.sampling.engine.drafters import DraftModel
+from ptx.sampling.engine.config import EngineConfig
+from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
 from ptx.sharding import make_mesh
 from ptx.train.draft_distillation import Distillation, cut, distill, policy_rows
 

@@ -1,9 +1,9 @@
 """Multi-turn GRPO tells an environment that prepares ahead (a warm pool's ShellEnv) the next batch's tasks."""
 
-from ptx.rl.environments.base import PreparesAhead
-from ptx.rl.environments.shell import ShellEnv
-from ptx.train.rl_episodes import EpisodeGRPOStep, expect_next
-from ptx.train.rl_host import Lookahead
+from ptx.envs.base import PreparesAhead
+from ptx.envs.shell import ShellEnv
+from ptx.train.grpo.episodes import EpisodeGRPOStep, expect_next
+from ptx.data.lookahead import Lookahead
 
 
 class _Batches:

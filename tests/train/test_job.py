@@ -14,16 +14,16 @@ from ptx import config_io
 from ptx import config_rules
 from ptx import sharding
 from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
-                        OptimizerConfig, TrainConfig)
+                        OptimizerConfig, RolloutConfig, TrainConfig)
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.train import streams
 from ptx.train.job import dpo_job, grpo_host_job, grpo_job, sft_job
 from ptx.train.loop import fit
-from ptx.rl.environments.exact_answer import ExactAnswerEnv
-from ptx.sampling.engine import EngineConfig
-from ptx.train.rl_engine import EngineGRPOStep
-from ptx.train.rl_host import EnvReward
+from ptx.envs.exact_answer import ExactAnswerEnv
+from ptx.sampling.engine.config import EngineConfig
+from ptx.train.grpo.engine import EngineGRPOStep
+from ptx.episodes.scoring import EnvReward
 
 TOK = ByteTokenizer()
 
@@ -125,19 +125,21 @@ def test_jobs_compare_by_value_and_decide_the_reference_once():
 
 
 def test_engine_rollouts_hold_the_batch_and_those_ahead_at_their_worst_case():
-  cfg = _grpo_cfg(rollouts="engine", max_staleness=1, engine_page_size=4, engine_decode_steps=3)
+  cfg = dataclasses.replace(_grpo_cfg(rollouts="engine", max_staleness=1),
+                            rollout=RolloutConfig(page_size=4, decode_steps=3))
   step = grpo_host_job(cfg, TOK, EnvReward(ExactAnswerEnv(), TOK, (TOK.eos_id,), 2)).step
   assert isinstance(step, EngineGRPOStep) and not isinstance(grpo_host_job(_grpo_cfg(), TOK, step.reward).step,
                                                              EngineGRPOStep)
   # 8 prompts x 2 samples x (1 + 1 batch ahead) slots; each holds 8 prompt columns + 4 new tokens in 3 pages of 4.
   assert step.engine == EngineConfig(max_seqs=32, pages=32 * 3 + 1, page_size=4, max_seq_len=12, decode_steps=3,
                                      prefill_rows=8)
-  on_demand = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, engine_pages=41,
-                                                                engine_admission="on_demand"))
+  on_demand = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, pages=41, admission="on_demand"))
   assert grpo_host_job(on_demand, TOK, step.reward).step.engine == dataclasses.replace(step.engine, pages=41,
                                                                                        admission="on_demand")
   with pytest.raises(ConfigError, match="grpo.rollouts='engine' needs host rewards"):
     grpo_job(cfg, TOK)
+  with pytest.raises(ValueError, match="rollout.page_size and rollout.decode_steps >= 1; got 0, 0 and 16"):
+    RolloutConfig(page_size=0)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -150,7 +152,6 @@ def test_engine_rollouts_hold_the_batch_and_those_ahead_at_their_worst_case():
      "grpo.ref_sync_every: under LoRA"),
     (dict(model=ModelConfig(vocab_size=100)), "tokenizer vocab 259 > model vocab_size 100"),
     (dict(grpo=GRPOConfig(rollouts="engine", filter_groups="refill")), 'filter_groups="refill" samples further'),
-    (dict(grpo=GRPOConfig(rollouts="engine", engine_page_size=0)), "grpo.engine_page_size must be >= 1, got 0"),
 ])
 def test_cross_field_rules_fail_before_compiling_naming_the_fields(change, message):
   cfg = dataclasses.replace(_grpo_cfg(), **change)

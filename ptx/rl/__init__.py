@@ -1,1 +1,0 @@
-"""Host-side RL: sandbox, scheduler, environments and verifiers, host rewards, evaluation."""

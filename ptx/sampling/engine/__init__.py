@@ -1,0 +1,1 @@
+"""The rollout engine: continuous batching over a paged KV cache, admission, speculative decoding, the fast mode."""

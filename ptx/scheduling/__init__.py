@@ -1,0 +1,1 @@
+"""Runs host work concurrently: the scheduler (limits, priorities, timeouts, retries), executors; no other ptx."""

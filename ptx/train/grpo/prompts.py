@@ -1,0 +1,87 @@
+"""Prompt batches for GRPO: left-padded prompts plus the batch's tasks (in-graph targets or host records).
+
+Batch s holds tasks s * B .. (s + 1) * B - 1 of a random-access task source
+(e.g. `ArithmeticTask`, or `JsonlTasks` over a file of "rl" records, read
+in order and repeated), so the iterator's state is one integer and a
+checkpoint resumes the prompt stream exactly. Prompts are tokenized as
+`ptx.data.records` tokenizes an "rl" record (bos + text, or a chat prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from ptx.data import records
+from ptx.data.sources import JsonlSource
+from ptx.data.tokenizer import Tokenizer
+from ptx.train.grpo.token_rewards import encode_targets
+
+
+class JsonlTasks:
+  """Task records of JSONL files as a random-access, endlessly repeating source.
+
+  Args:
+    paths: the JSONL files, read in order as one sequence.
+    task_fields: fields each record must carry (e.g. ("answer",)).
+  """
+
+  def __init__(self, paths: str | Sequence[str], task_fields: Sequence[str] = ()):
+    self._source = JsonlSource(paths)  # a NoDataError for files without records
+    self._fields = tuple(task_fields)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    raw = self._source[index % len(self._source)]
+    record = records.decode(raw)
+    missing = [f for f in ("prompt", *self._fields) if f not in record]
+    if missing:
+      raise records.RecordError(raw.where, f"missing field {missing[0]!r}")
+    return {**record, "where": raw.where}
+
+
+class PromptBatches(grain.DatasetIterator):
+  """Yields {"prompts" [B, P], "prompt_lengths" [B] (numpy int32), "task": ...}.
+
+  Args:
+    tasks: random-access records with a "prompt" (string or chat messages).
+    tokenizer: encodes prompts (and answers, for in-graph targets).
+    batch_size: prompts per batch (B).
+    prompt_len: P; a longer prompt is an error naming the task.
+    answer_width: A: "task" is {"targets" [B, A]}, each record's "answer"
+      then eos (`ptx.train.grpo.token_rewards`), for an in-graph reward; None:
+      "task" is the list of the B records, for a host reward.
+  """
+
+  def __init__(self, tasks: Callable[[int], Mapping[str, Any]] | Any, tokenizer: Tokenizer, *, batch_size: int,
+               prompt_len: int, answer_width: int | None):
+    super().__init__()
+    self._tasks, self._tokenizer = tasks, tokenizer
+    self._batch_size, self._prompt_len, self._answer_width = batch_size, prompt_len, answer_width
+    self._next = 0
+
+  def __next__(self) -> dict[str, Any]:
+    first = self._next * self._batch_size
+    rows = [dict(self._tasks[first + i]) for i in range(self._batch_size)]
+    self._next += 1
+    prompts = np.full((self._batch_size, self._prompt_len), self._tokenizer.pad_id, np.int32)
+    lengths = np.zeros(self._batch_size, np.int32)
+    for i, row in enumerate(rows):
+      where = row.pop("where", f"task {first + i}")
+      ids = records.encode("rl", self._tokenizer, row, where)["tokens"]
+      if len(ids) > self._prompt_len:
+        raise ValueError(f"{where}: prompt of {len(ids)} tokens exceeds prompt_len={self._prompt_len}")
+      prompts[i, self._prompt_len - len(ids):] = ids
+      lengths[i] = len(ids)
+    if self._answer_width is None:
+      task: Any = rows
+    else:
+      task = {"targets": encode_targets(self._tokenizer, [str(r["answer"]) for r in rows], self._answer_width)}
+    return {"prompts": prompts, "prompt_lengths": lengths, "task": task}
+
+  def get_state(self) -> dict[str, Any]:
+    return {"next_batch": self._next}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._next = int(state["next_batch"])

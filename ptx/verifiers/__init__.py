@@ -1,0 +1,1 @@
+"""Answer checkers: math answers (extraction, symbolic equality) and the code grader's programs; no other ptx."""

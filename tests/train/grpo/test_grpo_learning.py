@@ -1,0 +1,76 @@
+"""GRPO learns: a tiny model taught 1-digit addition by SFT raises its sampled exact-match reward under GRPO."""
+
+import functools
+
+import jax
+import pytest
+
+from ptx.algorithms import sft
+from ptx.config import MODEL_PRESETS, GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.data.arithmetic import ArithmeticTask
+from ptx.data.batch import pad_batch, sft_example
+from ptx.data.tokenizer import ByteTokenizer
+from ptx.train.grpo import token_rewards
+from ptx.train.grpo.prompts import PromptBatches
+from ptx.sharding import make_mesh
+from ptx.train.grpo import fused, update
+from ptx.train.optimizer import make_optimizer
+from ptx.train.state import init_state, state_shardings
+from ptx.train.step import make_train_step
+
+TOK = ByteTokenizer()
+# "9+9=" then "18" and eos. 60 GRPO steps: on the 74 train-side prompts (ptx.data.splits), 30 moved the reward
+# 0.244 -> 0.279, within sampling noise of the 0.04 asked for.
+SFT_STEPS, RL_STEPS, PROMPTS, WIDTH = 60, 60, 32, 3
+GRPO = GRPOConfig(group_size=8, beta=0.0, kl_placement="none", max_response_tokens=WIDTH)
+
+
+def _sft_batches(seed):
+  task = ArithmeticTask(seed, 1)
+  for step in range(SFT_STEPS):
+    rows = [task[step * 64 + i] for i in range(64)]
+    yield pad_batch([sft_example(TOK, r["prompt"], r["answer"]) for r in rows], 8, TOK.pad_id)
+
+
+def _reward(params, cfg, mesh, spec):
+  """Mean exact match of 8 samples of each of 128 prompts of another seed (a fixed key).
+
+  The prompts are training problems: one-digit addition's train side has 74, and GRPO trains on them all.
+  """
+  batch = next(PromptBatches(ArithmeticTask(1, 1), TOK, batch_size=128, prompt_len=6, answer_width=WIDTH))
+
+  @jax.jit
+  def score(params, batch):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      gen = update.sample(params, batch["prompts"], batch["prompt_lengths"], jax.random.key(7), spec)
+      targets = jax.numpy.repeat(batch["task"]["targets"], spec.grpo.group_size, axis=0)
+      return token_rewards.target_reward(gen, {"targets": targets}).mean()
+
+  return float(score(params, batch))
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_exact_match_reward_of_an_sft_model():
+  cfg = MODEL_PRESETS["tiny"]()
+  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+  sft_optim = make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=5, weight_decay=0.01), SFT_STEPS)
+  state = init_state(cfg, sft_optim, 0, mesh)
+  step = make_train_step(functools.partial(sft.loss, model=cfg), sft_optim, mesh=mesh,
+                         state_shardings=state_shardings(cfg, sft_optim, mesh))
+  for batch in _sft_batches(0):
+    state, _ = step(state, batch)
+  rl_optim = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0), RL_STEPS)
+  params = state.params
+  state = init_state(cfg, rl_optim, 0, mesh, params=params)
+  spec = update.RLSpec(model=cfg, grpo=GRPO, max_new_tokens=WIDTH, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
+  before = _reward(params, cfg, mesh, spec)
+  step = fused.make_grpo_step(spec, token_rewards.target_reward, optimizer=rl_optim, mesh=mesh,
+                                state_shardings=state_shardings(cfg, rl_optim, mesh))
+  prompts = PromptBatches(ArithmeticTask(2, 1), TOK, batch_size=PROMPTS, prompt_len=6, answer_width=WIDTH)
+  for _ in range(RL_STEPS):
+    state, metrics = step(state, next(prompts))
+  after = _reward(state.params, cfg, mesh, spec)
+  print(f"sampled exact match: {before:.3f} after SFT, {after:.3f} after GRPO")
+  assert 0.05 < before < 0.8, f"SFT left the model at {before:.3f}: nothing for GRPO to show"
+  # Observed with this seed: 0.244 -> 0.410.
+  assert after > before + 0.04, f"GRPO moved exact match from {before:.3f} to {after:.3f}"
