@@ -105,7 +105,7 @@ PACKAGES = {m for m, p in MODULES if p.name == "__init__.py"}
 
 
 def _ptx_imports(path: pathlib.Path):
-  return [(n, line) for n, line in _imports(path.read_text()) if n == "ptx" or _matches(n, "ptx") or _matches(n, "ptx_kernels")]
+  return [(n, line) for n, line in _imports(path.read_text()) if _matches(n, "ptx") or _matches(n, "ptx_kernels")]
 
 
 def _violations(module: str, path: pathlib.Path, source: str | None = None) -> list[str]:

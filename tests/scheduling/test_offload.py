@@ -1,4 +1,4 @@
-"""ptx.scheduling.offload: blocking calls in the calling thread or as scheduled work; what did not return: InfraError."""
+"""ptx.scheduling.offload: blocking calls in the calling thread or as scheduled work; a lost one: InfraError."""
 
 import functools
 import pickle

@@ -212,7 +212,7 @@ def test_a_job_that_does_not_pickle_is_refused_at_submit_naming_it(cluster):
     async with sched.Scheduler(1, executor=RayExecutor()) as s:
       s.submit(sched.Work(holds_a_lock, key="task-7"))
 
-  with pytest.raises(TypeError, match=r"Job 'task-7' cannot run on Ray: its fn does not pickle"):
+  with pytest.raises(TypeError, match=r"Work 'task-7' cannot run on Ray: its fn does not pickle"):
     asyncio.run(main())
 
 
