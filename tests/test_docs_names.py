@@ -4,10 +4,10 @@ A name resolves when the longest importable prefix of it is a module and each
 remaining part is an attribute of what comes before (a class, a function, a
 dataclass field), or a name of the facade `ptx` (its lazy `__getattr__`
 included). A trailing call, `ptx.config_rules.check(cfg, algorithm)`, is
-dropped. Code spans count; fenced blocks do not (they show code, not names).
+dropped. Code spans count, and so does code in fenced blocks: each dotted
+`ptx.` reference there and each name of a `from ptx... import a, b` line.
 """
 
-import dataclasses
 import importlib
 import pathlib
 import re
@@ -20,17 +20,25 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^ *```.*?^ *```[^\n]*$", re.M | re.S)
 SPAN = re.compile(r"`([^`]+)`")
 NAME = re.compile(r"ptx(?:\.[A-Za-z_]\w*)+")
+CODE_NAME = re.compile(r"(?<![\w./-])ptx(?:\.[A-Za-z_]\w*)+")  # not part of a path or of a longer name
+FROM_IMPORT = re.compile(r"^[ \t]*from (ptx(?:\.\w+)*) import ([\w, \t]+)$", re.M)
 
 
 def names_in(text: str) -> list[tuple[int, str]]:
-  """(line, dotted name) for each code span of `text` that starts with `ptx.`, call arguments dropped."""
-  text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # blank the fenced blocks, keep line numbers
+  """(line, dotted name), in order, for each `ptx.` name in the code spans and fenced blocks of `text`."""
+  prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # fenced blocks blanked, lines kept
   found = []
-  for span in SPAN.finditer(text):
-    name = NAME.match(span.group(1).strip())
+  for span in SPAN.finditer(prose):
+    name = NAME.match(span.group(1).strip())  # `ptx.x.y(...)`: the call is dropped
     if name:
-      found.append((text.count("\n", 0, span.start()) + 1, name.group(0)))
-  return found
+      found.append((prose.count("\n", 0, span.start()) + 1, name.group(0)))
+  for fence in FENCE.finditer(text):
+    first = text.count("\n", 0, fence.start()) + 1
+    code = fence.group(0)
+    found += [(first + code.count("\n", 0, m.start()), m.group(0)) for m in CODE_NAME.finditer(code)]
+    for m in FROM_IMPORT.finditer(code):
+      found += [(first + code.count("\n", 0, m.start()), f"{m.group(1)}.{n.strip()}") for n in m.group(2).split(",")]
+  return sorted(found)
 
 
 def _module_prefix(parts: list[str]):
@@ -83,6 +91,7 @@ def _failures(path: pathlib.Path, text: str | None = None) -> list[str]:
 
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
 def test_every_ptx_name_in_the_docs_resolves(path):
+  """Each `ptx.` name the document gives resolves; a failure names the file, the line and the name."""
   failures = _failures(path)
   assert not failures, "\n".join(failures)
 
@@ -94,12 +103,18 @@ def test_the_docs_name_ptx_modules():
 
 
 def test_a_planted_bad_name_is_reported_with_its_file_and_line():
-  planted = ("# A doc\n\nGood: `ptx.config_rules.check(cfg, algorithm)`, `ptx.train_grpo`, `ptx.Config.grpo.rollouts`.\n"
-             "```text\n`ptx.not_a_module.fenced`\n```\n"
+  """Bad names in prose and in a fenced block fail, naming the file, line and name; the good ones pass."""
+  planted = ("# A doc\n\n"
+             "Good: `ptx.config_rules.check(cfg, algorithm)`, `ptx.train_grpo`, `ptx.Config.grpo.rollouts`.\n"
+             "```text\nfrom ptx.sampling.engine.config import EngineConfig, no_such_config\n"
+             "job = ptx.sft_job(cfg, tok)  # ~/.cache/ptx.d is a path\n```\n"
              "Bad: `ptx.not_a_module.thing` and `ptx.config.no_such_name()`.\n")
-  assert names_in(planted) == [(3, "ptx.config_rules.check"), (3, "ptx.train_grpo"), (3, "ptx.Config.grpo.rollouts"),
-                               (7, "ptx.not_a_module.thing"), (7, "ptx.config.no_such_name")]
+  assert names_in(planted) == [
+      (3, "ptx.Config.grpo.rollouts"), (3, "ptx.config_rules.check"), (3, "ptx.train_grpo"),
+      (5, "ptx.sampling.engine.config"), (5, "ptx.sampling.engine.config.EngineConfig"),
+      (5, "ptx.sampling.engine.config.no_such_config"), (6, "ptx.sft_job"),
+      (8, "ptx.config.no_such_name"), (8, "ptx.not_a_module.thing")]
   failures = _failures(ROOT / "docs" / "planted.md", planted)
-  assert len(failures) == 2, failures
-  assert failures[0].startswith("docs/planted.md:7: `ptx.not_a_module.thing` does not resolve"), failures
-  assert failures[1].startswith("docs/planted.md:7: `ptx.config.no_such_name` does not resolve"), failures
+  assert [f.split(" does not resolve")[0] for f in failures] == [
+      "docs/planted.md:5: `ptx.sampling.engine.config.no_such_config`", "docs/planted.md:8: `ptx.config.no_such_name`",
+      "docs/planted.md:8: `ptx.not_a_module.thing`"], failures

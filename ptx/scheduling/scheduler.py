@@ -84,10 +84,10 @@ class _Attempt:
       abandon()
 
 
-_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("ptx_rl_scheduler_attempt",
+_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("ptx_scheduler_attempt",
                                                                             default=None)
 _ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
-    "ptx_rl_scheduler_abandoned", default=None)
+    "ptx_scheduler_abandoned", default=None)
 
 
 @dataclasses.dataclass(eq=False)
