@@ -151,7 +151,11 @@ class CalculatorEpisode:
       return Step(observation="No tool call and no `Answer: <integer>` found: call the calculator or answer.")
     if len(answers) > 1:
       return Step.final(Outcome.WRONG, f"{len(answers)} answers in one turn; exactly one counts")
-    got = int(answers[0].replace(",", ""))
+    text = answers[0].replace(",", "")
+    digits = text.lstrip("-").lstrip("0") or "0"
+    if len(digits) > len(str(abs(self.answer))):  # wrong without int(), which refuses over 4,300 digits
+      return Step.final(Outcome.WRONG, f"an answer of {len(digits)} digits is not {self.answer}")
+    got = -int(digits) if text.startswith("-") else int(digits)
     if got == self.answer:
       return Step.final(Outcome.OK, f"{got} is right")
     return Step.final(Outcome.WRONG, f"{got} is not {self.answer}")

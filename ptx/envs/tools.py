@@ -28,6 +28,10 @@ Formats (`FORMATS`):
   gemma   a fenced ```tool_code block holding `name(arg=value, ...)` with
           literal values (Gemma's function-calling prompts)
 
+Calls are found in one pass over the turn, and a call past a parser's
+limits (an integer over 4,300 digits, nesting too deep) is an unparsable
+call like any other.
+
 Tools should be idempotent: a turn that is retried, or a call the model
 repeats, must give the same answer.
 """
@@ -37,7 +41,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,8 +48,6 @@ from typing import Any
 from ptx.sandbox import run as sandbox
 
 FORMATS = ("hermes", "llama3", "gemma")
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_GEMMA = re.compile(r"```tool_code\s*\n(.*?)```", re.DOTALL)
 _TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "array": list, "object": dict}
 
 
@@ -151,13 +152,13 @@ def parse_calls(text: str, fmt: str) -> list[Call]:
     The calls; [] when the turn calls no tool.
   """
   if fmt == "hermes":
-    return [_json_call(body, "arguments") for body in _HERMES.findall(text)]
+    return [_json_call(body, "arguments") for body in _spans(text, "<tool_call>", "</tool_call>")]
   if fmt == "llama3":
     body = text.split("<|python_tag|>", 1)[-1].strip()
     return [_json_call(body, "parameters")] if body.startswith("{") else []
   if fmt == "gemma":
-    return [_python_call(line) for block in _GEMMA.findall(text) for line in block.strip().splitlines()
-            if line.strip()]
+    return [_python_call(line) for block in _spans(text, "```tool_code", "```", own_line=True)
+            for line in block.strip().splitlines() if line.strip()]
   raise ValueError(f"tool call format must be one of {FORMATS}, got {fmt!r}")
 
 
@@ -252,12 +253,34 @@ class ToolRegistry:
       return f"error: {call.name} failed: {type(e).__name__}: {e}", False
 
 
+def _spans(text: str, opening: str, closing: str, *, own_line: bool = False) -> list[str]:
+  """The texts between each `opening` and the first `closing` after it, in order, found in one pass over `text`.
+
+  A lazy regex (`opening(.*?)closing`) would try every unclosed opening against the rest of the text: quadratic.
+  With `own_line`, an opening counts only where a line break follows it before any other text (a fence's first line).
+  """
+  out, at = [], 0
+  while (start := text.find(opening, at)) >= 0:
+    end = text.find(closing, start + len(opening))
+    if end < 0:  # no closing after this opening, so none after a later one either
+      break
+    body = text[start + len(opening):end]
+    if own_line and "\n" not in body[:len(body) - len(body.lstrip())]:
+      at = end  # not an opening; the next may begin at this closing
+      continue
+    out.append(body)
+    at = end + len(closing)
+  return out
+
+
 def _json_call(body: str, arguments_key: str) -> Call:
   """A call written as a JSON object with "name" and `arguments_key`."""
   try:
     value = json.loads(body)
   except json.JSONDecodeError as e:
     return Call(error=f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+  except (ValueError, RecursionError):  # JSON past the parser's limits: an integer over 4,300 digits, deep nesting
+    return Call(error="the tool call's JSON nests too deep or holds an integer over 4,300 digits")
   if not isinstance(value, dict) or not isinstance(value.get("name"), str):
     return Call(error='a tool call must be a JSON object with a "name"')
   return Call(name=value["name"], arguments=value.get(arguments_key, {}))
@@ -269,10 +292,13 @@ def _python_call(line: str) -> Call:
     node = ast.parse(line.strip(), mode="eval").body
   except SyntaxError as e:
     return Call(error=f"the tool call is not a Python call ({e.msg})")
+  # Nesting past the parser's limits (MemoryError: its own stack overflowed), or a lone surrogate (ValueError).
+  except (ValueError, RecursionError, MemoryError):
+    return Call(error="the tool call is not a Python call (it nests too deep or is not valid text)")
   if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
     return Call(error="a tool call must be name(argument=value, ...) with keyword arguments only")
   try:
     arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-  except ValueError:
+  except (ValueError, TypeError, RecursionError):  # TypeError: a set or dict key that is a list (`{[1]}`)
     return Call(error="tool call arguments must be literal values")
   return Call(name=node.func.id, arguments=arguments)

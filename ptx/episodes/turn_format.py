@@ -23,8 +23,10 @@ Families (tests/episodes/test_turn_format_families.py renders each):
       ones in one turn. A reply is one tool message, so a turn's
       several results come as one observation, in one block. Qwen 3 keeps the
       `<think>` block of a turn after the user's query when it holds
-      reasoning; an empty one it writes only while the turn is the last, so
-      no reply can follow such a turn (ValueError: the template rewrites it).
+      reasoning; an empty one (or none) it writes only while the turn is the
+      last: a reply still follows such a turn as sampled, but the template
+      rewrites the turn once others follow, so the trajectory is not the
+      rendering of its conversation (`render_check` raises ValueError).
       Results as user turns would be new queries, dropping all reasoning.
   Llama 3.1+  results under `<|start_header_id|>ipython<|end_header_id|>`,
       JSON-quoted; `<|eot_id|>` ends every turn (`<|eom_id|>`, which the
@@ -130,12 +132,22 @@ class TurnFormat:
     """
     if not messages or messages[-1]["role"] != "assistant":
       raise ValueError("TurnFormat.reply: the conversation must end with the model's turn")
-    segments = self.chat_template.segments([*messages, {"role": self.reply_role, "content": observation}],
-                                           add_generation_prompt=True)
-    last = max(i for i, (_, is_target) in enumerate(segments) if is_target)
-    tail = "".join(text for text, _ in segments[last + 1:])
-    if not closed or len(self.tokenizer.encode(self.end_of_turn)) != 1:
-      tail = self.end_of_turn + tail
+    # The whole rendering, not its segments: a template may rewrite earlier turns (Qwen 3 drops an empty <think>
+    # block once a turn is not the last), which changes nothing after the model's turn. The turn is a probe, to be
+    # found whatever the template makes of its text.
+    probe = _PROBE
+    while probe in observation:
+      probe += "\x00"
+    conversation = [*messages[:-1], {"role": "assistant", "content": probe},
+                    {"role": self.reply_role, "content": observation}]
+    render = getattr(self.chat_template, "render", None)  # a Jinja template; the built-in ChatML rewrites nothing
+    text = (render(conversation, add_generation_prompt=True) if render is not None else
+            "".join(piece for piece, _ in self.chat_template.segments(conversation, add_generation_prompt=True)))
+    tail = text[text.rindex(probe) + len(probe):]
+    if not tail.startswith(self.end_of_turn):
+      raise ValueError(f"chat template: a turn followed by a reply does not end with {self.end_of_turn!r}")
+    if closed and len(self.tokenizer.encode(self.end_of_turn)) == 1:  # the model sampled the marker itself
+      tail = tail[len(self.end_of_turn):]
     return self.tokenizer.encode(tail)
 
   def render_check(self, messages: Sequence[Message], tokens: Sequence[int], *, one_text: bool = False) -> int | None:

@@ -105,3 +105,32 @@ def test_without_instructions_the_prompt_is_the_problem_alone():
   assert CalculatorEnv(instructions=False).reset(task).prompt == task["prompt"]
   assert CalculatorEnv(instructions=False).demonstration(task)[0]["content"] == task["prompt"]
 
+
+DIGITS = "1" * 5000  # past Python's 4,300-digit limit on converting text to int
+# Per format: calls the standard library's parsers refuse with other than a syntax error (an integer too long, nesting
+# too deep, a literal that does not evaluate, a parser stack overflow).
+UNREADABLE = {
+    "hermes": ['<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>' % DIGITS,
+               "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"],
+    "llama3": ['{"name": "calculator", "parameters": {"expression": %s}}' % DIGITS,
+               '{"name": "calculator", "parameters": ' + "[" * 1000 + "]" * 1000 + "}"],
+    "gemma": ["```tool_code\ncalculator(expression={[1]})\n```",
+              "```tool_code\ncalculator(expression=" + "-" * 100_000 + "1)\n```"],
+}
+
+
+@pytest.mark.parametrize("tool_format", FORMATS)
+def test_a_policys_unreadable_output_costs_it_the_turn_or_the_answer_never_the_environment(tool_format):
+  task = CalculatorTasks()[2]
+  env = CalculatorEnv(tool_format=tool_format)
+  for call in UNREADABLE[tool_format]:
+    step = env.reset(task).step(call)
+    assert not step.done and step.observation.startswith("error: ") and (step.tool_calls, step.tool_errors) == (1, 1)
+  # An answer too long to convert is wrong (it is longer than the task's); leading zeros do not make a right one so.
+  huge = env.reset(task).step(f"Answer: {DIGITS}")
+  assert huge.done and huge.outcome == Outcome.WRONG and huge.reward == 0.0
+  padded = env.reset(task).step(f"Answer: {'0' * 5000}{task['answer']}")
+  assert padded.outcome == Outcome.OK and padded.reward == 1.0
+  # Thousands of unclosed call openings are no call: the turn gets the reminder.
+  opening = {"hermes": "<tool_call>", "llama3": "<|python_tag|>", "gemma": "```tool_code\n"}[tool_format]
+  assert "no `Answer: <integer>` found" in env.reset(task).step(opening * 8000).observation

@@ -1,12 +1,14 @@
 """Tool calls: the families' formats parse, and every bad call is answered with an error that names what is wrong."""
 
+import random
+import re
 import time
 
 import pytest
 
 from ptx.sandbox import run as sandbox
 from ptx.sandbox.result import Outcome, SandboxResult, Usage
-from ptx.envs.tools import Call, Tool, ToolRegistry, ToolUnavailable, parse_calls
+from ptx.envs.tools import Call, Tool, ToolRegistry, ToolUnavailable, _json_call, _python_call, parse_calls
 
 ADD = Tool("add", "Adds two integers.", {"type": "object", "properties": {"a": {"type": "integer"},
                                                                           "b": {"type": "integer"}},
@@ -122,3 +124,73 @@ def test_a_tool_that_cannot_run_fails_the_step_instead_of_answering_the_model(mo
   monkeypatch.setattr(sandbox, "run", lambda *a, **k: infra)
   with pytest.raises(ToolUnavailable, match="tool t: no sandbox"):
     ToolRegistry([tool]).run('<tool_call>{"name": "t"}</tool_call>')
+
+
+# Calls a policy can write that the standard library's parsers refuse with something other than a syntax error: an
+# integer past Python's 4,300-digit conversion limit, nesting past the recursion limit, a parser stack overflow, an
+# AST too deep to build, literals that do not evaluate, text that is not UTF-8.
+DIGITS = "1" * 5000
+PATHOLOGICAL = {
+    "hermes-int-of-5000-digits": ("hermes", '<tool_call>{"name": "add", "arguments": {"a": %s}}</tool_call>' % DIGITS),
+    "hermes-nested-1000-deep": ("hermes", "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"),
+    "hermes-nested-100000-deep": ("hermes", "<tool_call>" + '{"a": ' * 100_000 + "</tool_call>"),
+    "llama3-int-of-5000-digits": ("llama3", '{"name": "add", "parameters": {"a": %s, "b": 1}}' % DIGITS),
+    "llama3-nested-1000-deep": ("llama3", '{"name": "add", "parameters": ' + "[" * 1000 + "]" * 1000 + "}"),
+    "gemma-set-of-a-list": ("gemma", "```tool_code\nadd(a={[1]}, b=1)\n```"),
+    "gemma-dict-keyed-by-a-list": ("gemma", "```tool_code\nadd(a={[1]: 2}, b=1)\n```"),
+    "gemma-int-of-5000-digits": ("gemma", f"```tool_code\nadd(a={DIGITS}, b=1)\n```"),
+    "gemma-100000-minus-signs": ("gemma", "```tool_code\nadd(a=" + "-" * 100_000 + "1, b=1)\n```"),
+    "gemma-100000-additions": ("gemma", "```tool_code\nadd(a=1" + "+1" * 100_000 + ", b=1)\n```"),
+    "gemma-100000-attributes": ("gemma", "```tool_code\nadd" + ".x" * 100_000 + "(a=1, b=1)\n```"),
+    "gemma-lone-surrogate": ("gemma", "```tool_code\nadd(a='\ud800', b=1)\n```"),
+}
+
+
+@pytest.mark.parametrize("fmt, text", PATHOLOGICAL.values(), ids=PATHOLOGICAL)
+def test_a_call_the_parsers_cannot_read_is_the_models_malformed_call_never_an_exception(fmt, text):
+  ((call, answer, ok),) = ToolRegistry([ADD], fmt).run(text)
+  assert call.error and answer == f"error: {call.error}" and not ok
+
+
+class Counted(str):
+  """A text that counts the characters its searches read (`find`, `split`): the parser's work, with no clock."""
+
+  def __new__(cls, text):
+    self = super().__new__(cls, text)
+    self.read = 0
+    return self
+
+  def find(self, sub, start=0, end=None):
+    at = super().find(sub, start, end)
+    self.read += (at + len(sub) if at >= 0 else len(self)) - start
+    return at
+
+  def split(self, sep=None, maxsplit=-1):
+    self.read += len(self)
+    return super().split(sep, maxsplit)
+
+
+@pytest.mark.parametrize("fmt, unit", [
+    ("hermes", "<tool_call>"), ("hermes", "<tool_call>{}</tool_call>"), ("hermes", "</tool_call><tool_call>x"),
+    ("llama3", "<|python_tag|>"), ("llama3", '{"a": '),
+    ("gemma", "```tool_code\n"), ("gemma", "```tool_code x"), ("gemma", "\n")])
+def test_finding_the_calls_reads_the_text_once_whatever_the_model_writes(fmt, unit):
+  # 8,000 unclosed <tool_call> tags took seconds with a lazy regex, which tries each opening against the rest of the
+  # text; a fence opening followed by 8,000 line breaks, likewise. Each character is read once, none more than twice.
+  text = Counted(("```tool_code" if unit == "\n" else "") + unit * 8000)
+  calls = ToolRegistry([ADD], fmt).run(text)
+  assert len(text) <= text.read <= 2 * len(text)
+  assert all(not ok for _, _, ok in calls)
+
+
+def test_the_one_pass_search_finds_what_the_formats_regexes_find():
+  # The patterns the formats were first read with (each quadratic on unclosed openings), as the reference.
+  hermes = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+  gemma = re.compile(r"```tool_code\s*\n(.*?)```", re.DOTALL)
+  pieces = ["<tool_call>", "</tool_call>", "```tool_code", "```", "`", "\n", "\r\n", " ", "\u2003", "x", "f(a=1)"]
+  rng = random.Random(0)
+  for _ in range(20_000):
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+    assert parse_calls(text, "hermes") == [_json_call(body, "arguments") for body in hermes.findall(text)], text
+    assert parse_calls(text, "gemma") == [_python_call(line) for block in gemma.findall(text)
+                                          for line in block.strip().splitlines() if line.strip()], text

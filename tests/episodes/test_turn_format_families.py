@@ -252,15 +252,26 @@ def test_qwen_renders_two_results_as_two_tool_responses_where_one_reply_writes_t
   assert fmt.render_check(apart, tokens) == first + len(fmt.tokenizer.encode(CHATML_REPLY.split("5")[0] + "5\n"))
 
 
-def test_qwen3_keeps_a_turns_reasoning_but_no_reply_follows_a_turn_without_it(request):
+def test_qwen3_keeps_a_turns_reasoning_and_a_reply_follows_a_turn_without_it(request):
   fmt = _format("qwen3", request)
   # Reasoning is kept in every turn after the user's query, so each reply follows the turn as sampled.
   messages, tokens = _play("qwen3", fmt, _turns("qwen3"))
   assert fmt.chat_template.render(messages).count("<think>") == 3 and fmt.render_check(messages, tokens) is None
-  # An empty <think> block is written while its turn is the last and dropped once it is not: the template
-  # rewrites the turn the model sampled, so no reply can follow it token for token, and TurnFormat says so.
+  # An empty <think> block (or none) is written while its turn is the last and dropped once it is not: the template
+  # rewrites the turn the model sampled. The replies still follow each turn as sampled, after an earlier such turn
+  # too, and are the family's own; only the whole rendering differs from the trajectory.
+  empty = "<think>\n\n</think>\n\n"
+  turns = [empty + _call("hermes", 2, 3), _call("hermes", 5, 4), empty + "9"]
+  messages, tokens = _play("qwen3", fmt, turns)
+  assert [m["content"] for m in messages[2:5:2]] == ["5", "9"]
+  reply = fmt.tokenizer.encode(CHATML_REPLY)
+  first = len(fmt.prompt("Add 2, 3 and 4.")) + len(fmt.tokenizer.encode(turns[0])) + 1
+  second = first + len(reply) + len(fmt.tokenizer.encode(turns[1])) + 1
+  assert tokens[first:first + len(reply)] == reply
+  assert tokens[second:second + len(reply)] == fmt.tokenizer.encode(CHATML_REPLY.replace("5", "9"))
+  assert tokens[second + len(reply):] == fmt.tokenizer.encode(turns[2]) + list(fmt.stop_ids)
   with pytest.raises(ValueError, match="rewrites earlier turns"):
-    _play("qwen3", fmt, ["<think>\n\n</think>\n\n" + _call("hermes", 2, 3), "5"])
+    fmt.render_check(messages, tokens)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma"])
