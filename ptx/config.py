@@ -12,6 +12,7 @@ ptx, and model families register their presets into `MODEL_PRESETS`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Literal
 
 
@@ -122,6 +123,9 @@ class ModelConfig:
   logits_chunk: int = 1024
 
   def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
 
@@ -182,6 +186,19 @@ class OptimizerConfig:
   weight_decay: float = 0.0
   # Clip gradients to this global norm (0: no clipping).
   clip_norm: float = 1.0
+
+  def __post_init__(self):
+    if not (math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"optim.lr must be finite and > 0, got {self.lr}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+      raise ValueError(f"optim.b1 and optim.b2 must be in [0, 1), got {self.b1} and {self.b2}")
+    for name in ("eps", "weight_decay", "clip_norm"):
+      if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+        raise ValueError(f"optim.{name} must be finite and >= 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
