@@ -35,6 +35,9 @@ What the model cannot reach:
   workspace while the model acts. The check runs in a separate sandbox on a
   copy of the final workspace, with them under a directory whose random name
   is in `$CHECK_DIR`: the model could not have guessed it to plant a link.
+  A task whose check names a file of `files` (a word of the command, "./"
+  aside: `sh check.sh`) is refused at reset, since the model could rewrite
+  that file; it belongs in `check_files`.
 - The check sees the workspace without the model's links that point outside
   it (to /dev/stdin, /proc, a guessed path): a link `out.txt -> /dev/stdin`
   would otherwise make `cmp - out.txt` compare its input with itself.
@@ -71,6 +74,7 @@ _FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.D
 _INSTRUCTIONS = ("\n\nYou are in a shell. Reply with one command per turn (a ```bash block or plain text); "
                  "you will see its exit status and output. Reply DONE when the task is complete.")
 _OBSERVATION_CHARS = 2000  # of each command's output shown to the model
+_WORD = re.compile(r"[^\s;&|()<>=`'\"]+")  # a word of a shell command, near enough to find the files it names
 # Start-up a check must not take from the workspace (Python 3.11 reads both).
 _CHECK_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
 
@@ -98,9 +102,12 @@ def run_command(command: str, limits: sandbox.Limits, snapshot: bytes) -> tuple[
   Raises:
     scheduler.InfraError: the sandbox failed (not the command).
   """
+  argv = ["sh", "-c", command]
+  if problem := sandbox.argv_problem(argv):  # what the model wrote cannot be a command: its failure, not ours
+    return Ran(None, f"the command was not run: it {problem}", stopped=True), snapshot
   workspace = sandbox.Workspace()
   workspace.snapshot = snapshot
-  result = sandbox.run(["sh", "-c", command], limits=limits, workspace=workspace)
+  result = sandbox.run(argv, limits=limits, workspace=workspace)
   if result.outcome == sandbox.Outcome.INFRA_ERROR:
     raise scheduler.InfraError(result.reason)
   # A command that exits nonzero ran; one the sandbox stopped (time, a signal, a limit) counts as a tool error.
@@ -238,6 +245,10 @@ class ShellEnv:
     check_files = task.get("check_files", {})
     if not isinstance(check_files, dict):
       raise ValueError(f"{self.name} task field 'check_files' must be a dict, got {type(check_files).__name__}")
+    words = {word.removeprefix("./") for word in _WORD.findall(check)}
+    if named := sorted(words & set(field(task, "files", dict, self.name))):
+      raise ValueError(f"{self.name} task field 'check' names {named[0]!r}, which 'files' puts in the workspace, where "
+                       f"the model can rewrite it: move it to 'check_files' and name it \"$CHECK_DIR/{named[0]}\"")
     turns = int(task.get("max_turns", self.max_turns))
     if not 1 <= turns <= self.max_turns:
       raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns}")

@@ -25,8 +25,11 @@ _LIMIT_MESSAGES = (b"MemoryError", b"[Errno 12] Cannot allocate memory", b"[Errn
                    b"[Errno 11] Resource temporarily unavailable", b"[Errno 24] Too many open files",
                    b"[Errno 28] No space left on device")
 _DRAIN_S = 0.5  # how long to wait for pipe EOF after the program exits
+# Packing's time past the run's limit, which counts unpacking too: a program that used all its time still keeps
+# its workspace when packing is quick, and no workspace stretches a run past its limit plus this.
+PACK_S = 2.0
 # The host's own deadline past the run's: PID 1 inside enforces the timeout and
-# then packs the workspace; this only catches a sandbox that stopped answering.
+# then packs the workspace (within PACK_S); this only catches a sandbox that stopped answering.
 BACKSTOP_S = 10.0
 
 

@@ -28,11 +28,11 @@ class Backend(enum.StrEnum):
 class Limits:
   """What one run may use."""
 
-  timeout_s: float = 10.0  # wall clock; then every process of the run is killed
+  timeout_s: float = 10.0  # wall clock, unpacking the workspace included; then every process of the run is killed
   cpu_s: int = 10  # CPU seconds per process (SIGXCPU, then SIGKILL a second later)
   memory_bytes: int = 1 << 30  # address space per process; under bwrap also the resident memory of the run
   file_bytes: int = 16 << 20  # largest file it may write
-  disk_bytes: int = 64 << 20  # under bwrap: the size of /work and of /tmp, each, and of a kept workspace
+  disk_bytes: int = 64 << 20  # under bwrap the size of /work and of /tmp, each; the most a kept snapshot stores
   processes: int = 64  # processes of the run (of the caller's uid under rlimits without root)
   open_files: int = 64  # open file descriptors per process
   output_bytes: int = 1 << 16  # captured per stream; printing more kills the run

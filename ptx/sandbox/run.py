@@ -26,7 +26,9 @@ kills the whole run, and caps on captured output (a run that prints past its
 cap is killed). A `Workspace` lives between runs as bytes
 (`ptx.sandbox.inside.workspace`), never as a directory the program could leave
 booby-trapped: each run starts from its snapshot and, when kept, saves a new
-one.
+one. Unpacking and packing it are part of the run's time (packing may take
+`PACK_S` past the limit), and every byte of a snapshot, names and headers
+included, counts against `Limits.disk_bytes`.
 
 Threat model. Contained under bwrap, with and without root: reading or
 writing host files outside the read-only system directories; the network;
@@ -71,10 +73,13 @@ from collections.abc import Mapping, Sequence
 from ptx.sandbox import bwrap, seccomp, strays
 
 from ptx.sandbox.inside import workspace
-from ptx.sandbox.capture import BACKSTOP_S, Capture
+from ptx.sandbox.capture import BACKSTOP_S, PACK_S, Capture
 from ptx.sandbox.result import Backend, Limits, Outcome, SandboxResult, Usage
 
 MODE_VARIABLE = "PTX_SANDBOX"  # names the backend for a whole run: "bwrap" or "rlimits"
+# The most argv may take, marshalled: it travels hex-encoded, with the rest of a run's configuration, in one argument
+# of the launcher's command line, which Linux caps at 128 KiB (MAX_ARG_STRLEN).
+MAX_ARGV_BYTES = 48 << 10
 _CHILD = str(pathlib.Path(__file__).with_name("inside") / "child.py")
 _BASE_ENV = {"PATH": bwrap.PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
@@ -252,13 +257,16 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
     The SandboxResult.
 
   Raises:
-    ValueError: argv is not a non-empty list of str, or a file name leaves the workspace.
+    ValueError: argv is not a non-empty list of str, or no program could receive it (`argv_problem`), or a
+      file name leaves the workspace.
     SandboxUnavailable: no backend works here (see `backend`).
   """
   passed = _Passed(pass_fds)
   try:
     if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
       raise ValueError(f"run: argv must be a non-empty list of str (the program and its arguments), got {argv!r}")
+    if problem := argv_problem(argv):
+      raise ValueError(f"run: argv {problem}")
     chosen = backend()
     keep = workspace is not None
     workspace = workspace if keep else Workspace()
@@ -267,6 +275,28 @@ def run(argv: Sequence[str], *, limits: Limits = Limits(), files: Mapping[str, s
     return launch(list(argv), workspace, keep, limits, stdin, env, cut_network, passed)
   finally:
     passed.close()
+
+
+def argv_problem(argv: Sequence[str]) -> str:
+  """Why no program could receive `argv` as its arguments, or "" when one can.
+
+  Args:
+    argv: the program and its arguments (str).
+
+  Returns:
+    "holds a NUL byte", "holds a character the file system encoding cannot write", "takes more than
+    MAX_ARGV_BYTES bytes", or "".
+  """
+  if any("\0" in a for a in argv):
+    return "holds a NUL byte"
+  try:
+    for a in argv:
+      os.fsencode(a)
+  except UnicodeEncodeError:
+    return "holds a character the file system encoding cannot write"
+  if len(marshal.dumps(list(argv), 4)) > MAX_ARGV_BYTES:
+    return f"takes more than {MAX_ARGV_BYTES} bytes"
+  return ""
 
 
 class _Passed:
@@ -362,7 +392,7 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
             "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
                        "run_memory_bytes": limits.memory_bytes if limits.memory_bytes < host_memory_bytes() else None,
                        "file_bytes": limits.file_bytes,
-                       "processes": limits.processes, "open_files": limits.open_files},
+                       "processes": limits.processes, "open_files": limits.open_files, "pack_s": PACK_S},
             "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
             "workspace_bytes": limits.disk_bytes, "pass_fds": list(passed.fds)}
   info_r, info_w = os.pipe()  # bwrap writes the host pid of the sandbox's PID 1 there
@@ -405,6 +435,7 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
   except OSError as e:
     return _infra(f"could not make the workspace: {e}", ws.uid, Backend.RLIMITS)
   status = memory_file("status")
+  started = time.monotonic()  # unpacking counts against the run's time, as under bwrap
   try:
     workspace.unpack(ws.snapshot, path)
     if ws.uid is not None:
@@ -414,7 +445,6 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
     config = {"argv": argv, "uid": ws.uid, "status_fd": status, "cut_network": cut_network,
               "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
               "processes": limits.processes, "open_files": limits.open_files}
-    started = time.monotonic()
     try:
       proc = subprocess.Popen(
           [sys.executable, "-I", "-S", _CHILD, marshal.dumps(config, 4).hex()], cwd=path,
@@ -431,7 +461,7 @@ def _run_rlimits(argv: list[str], ws: Workspace, keep: bool, limits: Limits, std
     report = _reports(status)
     if keep and "exec_error" not in report:
       try:
-        ws.snapshot = workspace.pack(path, limits.disk_bytes)
+        ws.snapshot = workspace.pack(path, limits.disk_bytes, started + limits.timeout_s + PACK_S)
       except workspace.TooLarge as e:
         report["pack_error"] = str(e)
   finally:

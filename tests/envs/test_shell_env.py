@@ -1,5 +1,6 @@
 """ShellEnv: multi-turn shell tasks in a sandbox workspace."""
 
+import dataclasses
 import os
 import pathlib
 import secrets
@@ -80,3 +81,33 @@ def test_shell_commands_leave_no_processes_behind():
 def test_shell_task_turns_cannot_exceed_the_environment():
   with pytest.raises(ValueError, match="'max_turns' must be in 1..8"):
     shell.ShellEnv().reset({**SHELL_TASK, "max_turns": 9})
+
+
+@pytest.mark.parametrize("command", ["echo a\0b > sorted.txt", "echo " + "x" * 70_000 + " > sorted.txt", "echo \ud800"],
+                         ids=["a NUL byte", "over 64 KiB", "a lone surrogate"])
+def test_a_command_no_shell_could_receive_is_the_policys_failure(command):
+  """What the model wrote cannot be an argument of `sh -c`: a failed command it is shown, and a reward of 0."""
+  episode = SHELL_ENV.reset({**SHELL_TASK, "max_turns": 2})
+  try:
+    step = episode.step(command)
+    assert not step.done and step.tool_errors == 1 and "was not run" in step.observation, step
+    final = episode.step(command)  # the last turn: the check decides
+  finally:
+    episode.close()
+  assert final.done and final.outcome == "wrong" and final.reward == 0.0, final
+
+
+# Empty files under 250-byte names 16 levels deep: about 8 MB of snapshot in no page of the workspace's tmpfs.
+_LONG_NAMES = "d=$(printf %0250d 0); for i in $(seq 16); do mkdir $d; cd $d; done; seq 2000 | xargs touch"
+
+
+def test_a_command_that_takes_the_workspace_past_its_cap_is_the_policys_failure():
+  env = shell.ShellEnv(limits=dataclasses.replace(FAST, disk_bytes=2 << 20))
+  episode = env.reset(SHELL_TASK)
+  try:
+    step = episode.step(_LONG_NAMES)
+    assert not step.done and step.tool_errors == 1, step
+    assert len(episode.workspace.snapshot) <= 2 << 20  # what the episode holds stays under the cap
+    assert episode.workspace.files() == {"data.txt": b"3\n10\n2\n"}
+  finally:
+    episode.close()

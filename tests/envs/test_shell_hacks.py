@@ -140,3 +140,22 @@ def test_the_check_does_not_change_the_episode_workspace():
     assert episode.workspace.files() == before  # the check files went into a copy
   finally:
     episode.close()
+
+
+def test_a_check_shipped_in_files_is_refused():
+  """The model could rewrite a check that sits in its workspace: `printf 'exit 0' > check.sh` would score 1."""
+  task = {"prompt": "Sort the numbers in data.txt numerically into sorted.txt.",
+          "files": {"data.txt": "3\n10\n2\n", "check.sh": "sort -n data.txt | cmp - sorted.txt\n"},
+          "check": "sh check.sh", "max_turns": 4}
+  hack = ["printf 'exit 0\\n' > check.sh"]
+  assert _naive_judge(task, hack), "the hack should fool a naive judge, so this test can fail"
+  with pytest.raises(ValueError, match="'check' names 'check.sh'.*'check_files'"):
+    step = _play(task, hack)
+    pytest.fail(f"the task ran: {step}")
+  for check in ("sh ./check.sh", "cd . && sh 'check.sh' > /dev/null"):  # other spellings of the same path
+    with pytest.raises(ValueError, match="'check_files'"):
+      ENV.reset({**task, "check": check})
+  moved = {**task, "files": {"data.txt": "3\n10\n2\n"}, "check_files": {"check.sh": task["files"]["check.sh"]},
+           "check": "sh \"$CHECK_DIR/check.sh\""}
+  assert _play(moved, hack).reward == 0.0
+  assert _play(moved, ["sort -n data.txt > sorted.txt"]).reward == 1.0

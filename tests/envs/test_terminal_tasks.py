@@ -197,3 +197,16 @@ def test_the_check_and_hidden_inputs_are_out_of_reach_while_the_model_acts():
   fixed_line = next(line for line in terminal.reference_fix(record)[0].splitlines() if "os.path.join" in line)
   assert "task.json" not in seen and ".check-" not in seen and fixed_line not in seen, seen
   assert all(text not in seen for _, files in task["cases"] for text in files.values()), seen
+
+
+def test_a_command_no_shell_could_receive_is_the_policys_failure():
+  """A NUL byte in the command (a random model wrote one) scores 0 like any failed command, not an infra error."""
+  record = RECORDS["skip_first"]
+  episode = ENV.reset(record)
+  try:
+    step = episode.step(f"{_visible(record)[0]}\0")
+    assert not step.done and step.tool_errors == 1, step
+    final = episode.step("DONE")
+  finally:
+    episode.close()
+  assert final.done and final.outcome == "wrong" and final.reward == 0.0, final

@@ -30,6 +30,7 @@ import time
 import pytest
 
 from ptx.sandbox import run as sandbox, capture, strays
+from ptx.sandbox.inside import workspace as workspace_format
 
 # The wall clock is generous so a loaded machine cannot turn a limit into a
 # timeout; the attacks that only a timeout stops set a short one themselves.
@@ -205,6 +206,16 @@ def test_attack_a_string_argv_is_refused():
   for argv in ("python3 -c 1", b"python3 -c 1", ["python3", b"-c", "1"]):
     with pytest.raises(ValueError, match="argv"):
       sandbox.run(argv, limits=LIMITS)
+
+
+def test_attack_an_argv_no_program_could_receive_is_refused():
+  """A NUL byte, a string the file system encoding cannot hold, or more than fits a command line: the caller's
+  error (ValueError), never a run that ends as an infrastructure error."""
+  for argv in (["sh", "-c", "echo a\0b"], ["echo", "\ud800"], ["sh", "-c", ":" * (sandbox.MAX_ARGV_BYTES + 1)]):
+    with pytest.raises(ValueError, match="argv"):
+      sandbox.run(argv, limits=LIMITS)
+  longest = ["sh", "-c", ": " + "x" * (sandbox.MAX_ARGV_BYTES - 64)]
+  assert sandbox.run(longest, limits=LIMITS).outcome == sandbox.Outcome.OK
 
 
 # Processes and signals.
@@ -547,6 +558,33 @@ def test_attack_sparse_files_in_a_kept_workspace_cannot_make_the_next_run_an_inf
   with sandbox.Workspace() as ws:
     _py(code, workspace=ws)
     _py("print(1)", workspace=ws)  # an infra error here would be retried and left out of its group's baseline
+
+
+# Empty files under 250-byte names 16 levels deep (as deep as a shell's cd goes): about 8 MB of paths in no page.
+_LONG_NAMES = "d=$(printf %0250d 0); for i in $(seq 16); do mkdir $d; cd $d; done; seq 2000 | xargs touch"
+
+
+def test_attack_long_names_cannot_take_a_kept_workspace_past_its_cap():
+  """The snapshot's cap counts every byte it stores: names and headers, not just the pages of files."""
+  marker = _marker()
+  capped = dataclasses.replace(LIMITS, disk_bytes=2 << 20)
+  with sandbox.Workspace({"keep.txt": "k"}) as ws:
+    before = ws.snapshot
+    result = sandbox.run(["sh", "-c", f"{_LONG_NAMES} # {marker}"], workspace=ws, limits=capped)
+    _assert_contained(result, marker)
+    assert result.outcome == sandbox.Outcome.LIMIT and "not kept" in result.reason, (result, len(ws.snapshot))
+    assert ws.snapshot == before
+
+
+def test_attack_a_workspace_slow_to_unpack_spends_the_runs_own_time():
+  """Unpacking what earlier runs left counts against the run's wall clock: past it, the run is a timeout."""
+  parts = ["d" * 250] * 60  # 60 levels: each file is created through 60 opened directories
+  entries = [("d", "/".join(parts[:i + 1]), 0o755, 0) for i in range(60)]
+  entries += [("f", "/".join(parts) + f"/{i}", 0o644, b"") for i in range(3000)]
+  with sandbox.Workspace() as ws:
+    ws.snapshot = workspace_format.encode(entries)  # about 44 MiB, a second or more to unpack
+    result = sandbox.run(["echo", "ran"], workspace=ws, limits=dataclasses.replace(LIMITS, timeout_s=0.1))
+  assert result.outcome == sandbox.Outcome.TIMEOUT and result.stdout == b"", result
 
 
 def test_attack_locking_a_kept_workspace_with_chmod_000():

@@ -10,6 +10,7 @@ the encoding of a header.
 import os
 import random
 import stat
+import time
 
 import pytest
 
@@ -211,6 +212,37 @@ def test_pack_refuses_past_its_limits(tmp_path):
   with pytest.raises(wf.TooLarge, match="bytes"):
     wf.pack(str(big), 4000)
   wf.remove(str(deep))
+
+
+def test_pack_counts_names_and_headers_in_its_byte_budget(tmp_path):
+  """Directories and empty files take no page of a tmpfs; their names are still bytes the snapshot holds."""
+  root = tmp_path / "names"
+  deep = root / ("d" * 250) / ("e" * 250)
+  deep.mkdir(parents=True)
+  for i in range(200):
+    (deep / f"{i:0>250}").touch()
+  blob = wf.pack(str(root), _BIG)
+  assert len(blob) > 200 * 750  # every entry holds its whole path
+  assert wf.pack(str(root), len(blob)) == blob
+  with pytest.raises(wf.TooLarge, match="bytes"):
+    wf.pack(str(root), len(blob) - 1)
+
+
+def test_pack_and_unpack_stop_at_their_deadline(tmp_path):
+  src, dst = tmp_path / "src", tmp_path / "dst"
+  (src / "sub").mkdir(parents=True)
+  dst.mkdir()
+  (src / "sub" / "f").write_text("x")
+  with pytest.raises(wf.TooSlow):
+    wf.pack(str(src), _BIG, deadline=time.monotonic() - 1)
+  blob = wf.pack(str(src), _BIG, deadline=time.monotonic() + 600)
+  assert isinstance(wf.TooSlow("x"), wf.TooLarge)  # a caller keeps nothing either way
+  with pytest.raises(wf.TooSlow):
+    wf.unpack(blob, str(dst), deadline=time.monotonic() - 1)
+  wf.remove(str(dst))
+  dst.mkdir()
+  wf.unpack(blob, str(dst), deadline=time.monotonic() + 600)
+  assert (dst / "sub" / "f").read_text() == "x"
 
 
 def test_remove_a_3000_deep_chain_of_locked_directories(tmp_path):

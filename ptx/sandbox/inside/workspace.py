@@ -14,7 +14,10 @@ because PID 1 inside the sandbox packs and unpacks every run, and importing
 json would cost more than the rest of its start-up. Paths are relative,
 "/"-separated, without "." or ".." parts, parents before children. Packing
 never follows symlinks, stops at `MAX_ENTRIES` entries, `MAX_DEPTH` levels and
-a byte budget, and raises `TooLarge` past them.
+a byte budget that counts every byte the blob stores (names and headers
+included, so empty files under long names cost what they weigh),
+and raises `TooLarge` past them; packing and unpacking also stop at a
+deadline when given one (`TooSlow`), so a tree cannot stretch a run's time.
 
 Standard library only: `init.py` runs it inside the sandbox, where
 nothing of the project is importable, by prepending this file's source.
@@ -23,6 +26,7 @@ nothing of the project is importable, by prepending this file's source.
 import os
 import stat
 import struct
+import time
 
 MAX_ENTRIES = 10_000  # files, directories and links a workspace may hold
 MAX_DEPTH = 64  # directory levels below the workspace root
@@ -32,6 +36,15 @@ _HEADER = struct.Struct("<cIQI")  # kind, mode, payload bytes, path bytes
 
 class TooLarge(Exception):
   """The tree passes a limit of the format; the message says which."""
+
+
+class TooSlow(TooLarge):
+  """Packing or unpacking passed its deadline."""
+
+
+def _on_time(deadline):
+  if deadline is not None and time.monotonic() > deadline:
+    raise TooSlow("packing or unpacking the workspace passed the run's time limit")
 
 
 class BadEntry(ValueError):
@@ -114,20 +127,22 @@ def merge(blob, files):
   return encode(sorted(entries.values(), key=lambda e: e[1].count("/")))
 
 
-def pack(root, max_bytes):
+def pack(root, max_bytes, deadline=None):
   """Packs the tree under directory `root` without following links.
 
   Args:
     root: the directory.
-    max_bytes: the most the tree may take once unpacked, counting every file
-      and link in whole pages as a tmpfs stores them (a sparse file costs its
-      size): what is packed always unpacks into a tmpfs of that size.
+    max_bytes: the most the tree may take: each entry's header and path, plus
+      each file and link in whole pages as a tmpfs stores them (a sparse file
+      costs its size). The bytes returned are never longer, and they always
+      unpack into a tmpfs of that size.
+    deadline: a `time.monotonic()` time to stop at, or None.
 
   Returns:
     The bytes.
 
   Raises:
-    TooLarge: past MAX_ENTRIES, MAX_DEPTH or `max_bytes`.
+    TooLarge: past MAX_ENTRIES, MAX_DEPTH or `max_bytes`; TooSlow past `deadline`.
   """
   out = bytearray()
   count = used = 0
@@ -146,7 +161,9 @@ def pack(root, max_bytes):
           count += 1
           if count > MAX_ENTRIES:
             raise TooLarge(f"the workspace holds more than {MAX_ENTRIES} entries")
+          _on_time(deadline)
           path = f"{rel}/{name}" if rel else name
+          head = _HEADER.size + len(os.fsencode(path))  # what the entry itself takes in the blob
           st = os.stat(name, dir_fd=fd, follow_symlinks=False)
           mode = stat.S_IMODE(st.st_mode)
           # A program may have taken its own permissions away (chmod 000): the
@@ -157,11 +174,14 @@ def pack(root, max_bytes):
           if stat.S_ISDIR(st.st_mode):
             if path.count("/") + 1 >= MAX_DEPTH:
               raise TooLarge(f"the workspace is deeper than {MAX_DEPTH} levels")
+            used += head
+            if used > max_bytes:
+              raise TooLarge(f"the workspace takes more than {max_bytes} bytes")
             out += _entry("d", path, mode)
             pending.append(path)
           elif stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode):
             pages = -(-st.st_size // page)  # a link's target may take a page of its own
-            used += (max(pages, 1) if stat.S_ISLNK(st.st_mode) else pages) * page
+            used += head + (max(pages, 1) if stat.S_ISLNK(st.st_mode) else pages) * page
             if used > max_bytes:
               raise TooLarge(f"the workspace takes more than {max_bytes} bytes")
             if stat.S_ISLNK(st.st_mode):
@@ -177,11 +197,12 @@ def pack(root, max_bytes):
   return bytes(out)
 
 
-def unpack(blob, root):
-  """Writes the entries of `blob` into the empty directory `root`; raises BadEntry.
+def unpack(blob, root, deadline=None):
+  """Writes the entries of `blob` into the empty directory `root`; raises BadEntry, or TooSlow past `deadline`.
 
   Files are created exclusively and never through a link, links come last,
   and directory modes are applied deepest first after their contents.
+  `deadline` is a `time.monotonic()` time, or None.
   """
   entries = decode(blob)
   root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -189,6 +210,7 @@ def unpack(blob, root):
     links = [e for e in entries if e[0] == "l"]
     dirs = [e for e in entries if e[0] == "d"]
     for kind, path, mode, payload in entries:
+      _on_time(deadline)
       parent, _, name = path.rpartition("/")
       fd = _open_dir(root_fd, parent) if parent else root_fd
       try:
@@ -207,6 +229,7 @@ def unpack(blob, root):
         if fd != root_fd:
           os.close(fd)
     for _, path, _, target in links:
+      _on_time(deadline)
       parent, _, name = path.rpartition("/")
       fd = _open_dir(root_fd, parent) if parent else root_fd
       try:
