@@ -104,6 +104,34 @@ def abstract_params(cfg: ModelConfig) -> Params:
   return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
 
+def check_params(cfg: ModelConfig, params: Params, what: str = "params") -> None:
+  """Refuses a parameter tree that is not `cfg`'s: other names, or another shape anywhere.
+
+  Args:
+    cfg: the model config the parameters are meant for.
+    params: the tree (arrays or ShapeDtypeStructs).
+    what: how the caller names the tree, for the message.
+
+  Raises:
+    ValueError: naming the first parameter that differs and the config fields that decide its shape.
+  """
+  expected = abstract_params(cfg)
+  got_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  want_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+  sizes = (f"n_layers={cfg.n_layers}, d_model={cfg.d_model}, vocab_size={cfg.vocab_size}, n_heads={cfg.n_heads}, "
+           f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, mlp_dim={cfg.mlp_dim}")
+  if got_paths.keys() != want_paths.keys():
+    extra, missing = sorted(got_paths.keys() - want_paths.keys()), sorted(want_paths.keys() - got_paths.keys())
+    raise ValueError(f"{what} are not the model config's parameters: {len(extra)} not in the config (first "
+                     f"{extra[:1]}), {len(missing)} missing (first {missing[:1]}); build the config from the weights' "
+                     "own (`ptx.load_hf(dir).config`)")
+  for path, want in want_paths.items():
+    got = tuple(got_paths[path].shape)
+    if got != tuple(want.shape):
+      raise ValueError(f"{what}{path} has shape {got}, but the model config ({sizes}) makes it {tuple(want.shape)}: "
+                       "build the config from the weights' own (`ptx.load_hf(dir).config`)")
+
+
 def logical_axes(cfg: ModelConfig) -> Params:
   """The parameter tree with each leaf replaced by its logical axis names."""
   return jax.tree.map(lambda s: s.logical_axes, param_specs(cfg), is_leaf=_is_spec)

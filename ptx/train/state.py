@@ -95,6 +95,8 @@ def init_state(model: ModelConfig, optimizer: optax.GradientTransformation, seed
     lora: train fresh adapters of this config over the frozen model
       (`TrainState.base`) instead of the model's parameters.
   """
+  if params is not None:  # otherwise a 30-layer tree would train under a 2-layer config, which exports 2
+    params_lib.check_params(model, params, "init_params")
   out = state_shardings(model, optimizer, mesh, rules, with_reference=with_reference, lora=lora)
   if lora is not None:
     return _init_lora_state(model, optimizer, seed, lora, out, params)

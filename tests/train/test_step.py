@@ -14,7 +14,7 @@ from ptx.config import MeshConfig, OptimizerConfig
 from ptx.models.params import weight_decay_mask
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
-from ptx.train.state import init_state, state_shardings
+from ptx.train.state import init_state, initial_params, state_shardings
 from ptx.train.step import make_train_step
 
 MESHES = {
@@ -116,3 +116,18 @@ def test_a_tiny_model_overfits_one_batch(tiny_config):
     state, metrics = step(state, batch)
   assert float(metrics["loss"]) < 0.05, (
       f"loss {float(metrics['loss']):.4f} after 80 steps: the step no longer fits a single batch")
+
+
+def test_a_state_refuses_parameters_of_another_model(tiny_config):
+  """Weights of a deeper model under a shallower config would train every layer and export only the config's."""
+  mesh = make_mesh(MESHES["single"][0], jax.devices()[:1])
+  optimizer = make_optimizer(EQUIVALENCE_OPTIM, 100)
+  n = tiny_config.n_layers
+  deeper = initial_params(dataclasses.replace(tiny_config, n_layers=n + 1), 0)
+  with pytest.raises(ValueError, match=rf"init_params\['layers'\]\['.*'\] has shape \({n + 1}, .*n_layers={n},"
+                                       rf".* makes it \({n}, .*ptx.load_hf\(dir\).config"):
+    init_state(tiny_config, optimizer, 0, mesh, params=deeper)
+  with pytest.raises(ValueError, match=r"not the model config's parameters: 0 not in the config .* 1 missing"):
+    init_state(tiny_config, optimizer, 0, mesh, params={k: v for k, v in deeper.items() if k != "lm_head"})
+  same = initial_params(tiny_config, 0)
+  assert int(init_state(tiny_config, optimizer, 0, mesh, params=same).step) == 0
