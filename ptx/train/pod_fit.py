@@ -194,7 +194,7 @@ def check(cfg: Config, job: Job, pod: Pod) -> Fit:
     start = lambda: init_state(job.model, optimizer, cfg.train.seed, mesh, job.rules,
                                with_reference=job.with_reference, lora=job.lora)
     state = abstract_state(shardings, start)
-    data = job.step.stream(iter(_host_batches(cfg, job)))
+    data = job.step.stream(iter(host_batches(cfg, job)))
     step = job.step.build(optimizer, mesh, shardings, data)
     compiled = step.compile(state, to_global(next(data), mesh, job.rules), _COMPILER_OPTIONS)
   compile_s = time.perf_counter() - started
@@ -206,7 +206,7 @@ def check(cfg: Config, job: Job, pod: Pod) -> Fit:
              compile_s=compile_s)
 
 
-def _host_batches(cfg: Config, job: Job) -> Any:
+def host_batches(cfg: Config, job: Job) -> Any:
   """The host batches `fit` would read for `cfg`'s shapes: empty rows of the pipeline's layout, or dummy prompts."""
   tokenizer = ByteTokenizer()  # ids only fill arrays; their values change no shape
   if job.algorithm in ("grpo", "grpo_host"):
