@@ -258,8 +258,8 @@ def _supervised(cfg, tokenizer, args, params):
 
 
 def _grpo(cfg, tokenizer, args, params):
-  """The fused job on built-in arithmetic, or the host-reward job on rl records scored by --env."""
-  from ptx.train.grpo.prompts import JsonlTasks
+  """The fused job on built-in arithmetic, or the host-reward job on rl records scored by --env; the records are
+  checked (`streams.rl_tasks`) before a job is built."""
   from ptx.train import job, presets, streams
 
   in_process = args.env in ("calculator", "docqa") or (args.env not in _EPISODES and not cfg.data.train_files)
@@ -272,13 +272,13 @@ def _grpo(cfg, tokenizer, args, params):
   if args.env in _EPISODES:
     shell = scoring_flags.shell_options(args) if args.env == "terminal" else None
     env, builtin, fields = _episode_environment(args.env, tokenizer, shell)
-    built = job.grpo_episode_job(cfg, tokenizer, env)
     if cfg.data.train_files:
-      tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
+      tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
     else:
       tasks = builtin(cfg.train.seed)
       print(f"ptx grpo: no --data.train_files: training on the built-in {args.env} tasks "
             f"({type(tasks).__name__} seed {cfg.train.seed}, train split)", flush=True)
+    built = job.grpo_episode_job(cfg, tokenizer, env)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
   if not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
@@ -291,9 +291,9 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.episodes.scoring import EnvReward
 
   env, fields = _environment(args.env)
+  tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
   reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
   built = job.grpo_host_job(cfg, tokenizer, reward)
-  tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
 
 

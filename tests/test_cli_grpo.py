@@ -79,11 +79,47 @@ def test_grpo_on_rl_records_scores_on_the_host_and_resumes_exactly(tmp_path, cap
   assert (tmp_path / "full" / "checkpoints" / "2" / "pipeline").exists() == (staleness > 0)
 
 
-def test_grpo_bad_record_names_its_line(tmp_path, capsys):
+# A good record of each --env, for line 1 of a file whose line 2 is bad.
+GOOD = {"exact_answer": {"prompt": "1+1=", "answer": "2"},
+        "code": {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]},
+        "calculator": {"prompt": "3 boxes of 4?", "answer": 12},
+        "terminal": {"prompt": "Fix it.", "files": {"a.py": "x = 1\n"}, "check": "python3 \"$CHECK_DIR/t.py\"",
+                     "check_files": {"t.py": "import a\n"}},
+        "docqa": {"prompt": "Docs.", "document": "The Ada sails from Oslo.\n\nIt is 30 tons.",
+                  "question": "Out of which port does the Ada sail?", "answer": "Oslo"}}
+# (--env, the bad record's change to its good one, the error after "FILE:2: ").
+BAD = {
+    "missing_field": ("exact_answer", {"answer": None}, "missing field 'answer'"),
+    "prompt_too_long": ("exact_answer", {"prompt": "1+" * 40 + "1="},
+                        "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len)"),
+    "answer_type": ("exact_answer", {"answer": [2]},
+                    "exact_answer task field 'answer' must be str, int or float, got list"),
+    "empty_tests": ("code", {"tests": []}, "python_tests task field 'tests' must be a str or a non-empty list of str"),
+    "test_syntax": ("code", {"tests": ["assert ("]}, "python_tests task field 'tests': test 1 is not valid Python"),
+    "calculator_answer": ("calculator", {"answer": "12"}, "calculator task field 'answer' must be int, got str"),
+    "files_type": ("terminal", {"files": ["a.py"]}, "shell task field 'files' must be dict, got list"),
+    "files_escape": ("terminal", {"files": {"../a.py": "x = 1\n"}}, "shell task field 'files': Workspace file name"),
+    "max_turns": ("terminal", {"max_turns": 99}, "shell task field 'max_turns' must be in 1..8, got 99"),
+    "document": ("docqa", {"document": "\n\n"}, "docqa task field 'document' has no passages"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_grpo_refuses_a_bad_record_before_building_a_job_naming_file_line_and_field(kind, tmp_path, capsys,
+                                                                                      monkeypatch):
+  from ptx.train import job
+
+  for builder in ("grpo_job", "grpo_host_job", "grpo_episode_job"):  # nothing may be built, let alone compiled
+    monkeypatch.setattr(job, builder, lambda *a, **k: pytest.fail("a job was built before the records were checked"))
+  env, change, error = BAD[kind]
+  bad = {k: v for k, v in {**GOOD[env], **change}.items() if v is not None}
   data = tmp_path / "rl.jsonl"
-  data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
-  assert cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, f"--data.train_files=[\"{data}\"]"]) == 2
-  assert f"ptx grpo: error: {data}:2: missing field 'answer'" in capsys.readouterr().err
+  data.write_text(json.dumps(GOOD[env]) + "\n" + json.dumps(bad) + "\n")
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", env, f"--data.train_files=[\"{data}\"]",
+              "--data.seq_len=64"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"ptx: error: {data}:2: {error}")
 
 
 @pytest.mark.slow

@@ -7,6 +7,10 @@ or, when `done`, the final reward with a reason and an outcome label. A
 single-turn episode is done after its first step. Episodes may hold resources
 (a sandbox workspace), so callers `close()` them; environments hold none and
 may serve many episodes from many threads at once.
+
+`Environment.validate(task)` checks a record's fields by the rules `reset`
+applies, without starting an episode or running any code, so a trainer can
+check every record of its files before anything compiles.
 """
 
 from __future__ import annotations
@@ -78,8 +82,15 @@ class Environment(Protocol):
   # Optional: `reply_tokens`, the most tokens of one reply in the policy's tokenizer where the environment bounds
   # them (docqa); evaluation sizes an episode's context with it.
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks `task`'s fields as `reset` does, without starting an episode: no sandbox, no model or task code runs.
+
+    Raises:
+      ValueError: naming the environment and the field.
+    """
+
   def reset(self, task: Mapping[str, Any]) -> Episode:
-    """Starts an episode for `task`."""
+    """Starts an episode for `task` (refused, as by `validate`, for a record with a bad field)."""
 
 
 def sandbox_backend(env: Environment) -> str | None:
@@ -116,7 +127,9 @@ def field(task: Mapping[str, Any], name: str, kind: type | tuple[type, ...], env
     raise ValueError(f"{env} task record needs field {name!r}; it has {sorted(task)}")
   value = task[name]
   if not isinstance(value, kind):
-    raise ValueError(f"{env} task field {name!r} must be {kind}, got {type(value).__name__}")
+    names = [k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))]
+    kinds = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    raise ValueError(f"{env} task field {name!r} must be {kinds}, got {type(value).__name__}")
   return value
 
 

@@ -183,10 +183,15 @@ class CalculatorEnv:
   tool_format: str = "hermes"
   instructions: bool = True
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"prompt", "answer"}` record's fields."""
+    field(task, "prompt", str, self.name)
+    field(task, "answer", int, self.name)
+
   def reset(self, task: Mapping[str, Any]) -> CalculatorEpisode:
     """Starts an episode for a `{"prompt", "answer"}` record."""
-    prompt = field(task, "prompt", str, self.name)
-    answer = field(task, "answer", int, self.name)
+    self.validate(task)
+    prompt, answer = task["prompt"], task["answer"]
     tools = ToolRegistry([CALCULATOR], self.tool_format)
     if self.instructions:
       prompt = f"{prompt}\n\n{tools.instructions()} {_ANSWER_RULE}"

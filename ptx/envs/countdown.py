@@ -137,9 +137,15 @@ class CountdownEnv:
   max_turns: int = 1
   sandboxed: bool = False
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"prompt", "numbers", "target"}` record's fields."""
+    field(task, "prompt", str, self.name)
+    if not all(isinstance(n, int) for n in field(task, "numbers", (list, tuple), self.name)):
+      raise ValueError(f"{self.name} task field 'numbers' must hold ints only")
+    field(task, "target", int, self.name)
+
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "numbers", "target"}` record."""
-    prompt = field(task, "prompt", str, self.name)
-    numbers = [int(n) for n in field(task, "numbers", (list, tuple), self.name)]
-    target = int(field(task, "target", int, self.name))
-    return SingleTurn(prompt, lambda action: score(action, numbers, target))
+    self.validate(task)
+    numbers, target = list(task["numbers"]), task["target"]
+    return SingleTurn(task["prompt"], lambda action: score(action, numbers, target))

@@ -343,12 +343,21 @@ class DocQAEnv:
       raise ValueError(f"DocQAEnv.reply_tokens must be >= (max_calls + 1) * (line_tokens + 1) + {_NOTES_TOKENS} = "
                        f"{least} to hold a turn's status lines, got {self.reply_tokens}")
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"document", "question", "answer"}` record's fields (whether the question fits `prompt_tokens` is
+    found at `reset`)."""
+    self._passages(task)
+
   def reset(self, task: Mapping[str, Any]) -> DocQAEpisode:
     """Starts an episode for a `{"document", "question", "answer"}` record."""
+    return DocQAEpisode(self, self._passages(task), task["question"], task["answer"])
+
+  def _passages(self, task: Mapping[str, Any]) -> list[str]:
+    """The document's passages, the record's fields checked."""
     text = field(task, "document", str, self.name)
-    question = field(task, "question", str, self.name)
-    answer = field(task, "answer", str, self.name)
+    field(task, "question", str, self.name)
+    field(task, "answer", str, self.name)
     passages = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not passages:
       raise ValueError(f"{self.name} task field 'document' has no passages (they are separated by blank lines)")
-    return DocQAEpisode(self, passages, question, answer)
+    return passages

@@ -32,11 +32,16 @@ class ExactAnswerEnv:
   instruction: str = ""
   checker: SymbolicChecker | None = None
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"prompt", "answer"}` record's fields."""
+    field(task, "prompt", str, self.name)
+    field(task, "answer", (str, int, float), self.name)
+
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "answer"}` record."""
-    prompt = field(task, "prompt", str, self.name)
-    reference = str(field(task, "answer", (str, int, float), self.name))
-    return SingleTurn(prompt + self.instruction, lambda action: self._score(action, reference))
+    self.validate(task)
+    reference = str(task["answer"])
+    return SingleTurn(task["prompt"] + self.instruction, lambda action: self._score(action, reference))
 
   def _score(self, action: str, reference: str) -> Step:
     answer = math_answer.extract_answer(action)

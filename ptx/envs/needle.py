@@ -86,11 +86,16 @@ class NeedleEnv:
   max_turns: int = 1
   sandboxed: bool = False
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a NeedleTask record's fields."""
+    field(task, "prompt", str, self.name)
+    field(task, "answer", (str, int), self.name)
+
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a NeedleTask record."""
-    prompt = field(task, "prompt", str, self.name)
-    answer = str(field(task, "answer", (str, int), self.name))
-    return SingleTurn(prompt, lambda action: _score(action, answer))
+    self.validate(task)
+    answer = str(task["answer"])
+    return SingleTurn(task["prompt"], lambda action: _score(action, answer))
 
 
 def _score(action: str, answer: str) -> Step:

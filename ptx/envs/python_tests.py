@@ -144,18 +144,26 @@ def _compare(op: ast.cmpop, left: ast.expr, right: ast.expr) -> ast.expr:
 
 
 def _rewrite(tests: str | list, env: str) -> tuple[str, ...]:
-  """The tests as the grader runs them; raises ValueError for one that is not valid Python."""
+  """The tests as the grader runs them (parsed and compiled, never run); raises ValueError naming the field for a
+  test that is empty or not valid Python, or tests too large for the grader."""
   tests = [tests] if isinstance(tests, str) else tests
   if not tests or not all(isinstance(t, str) for t in tests):
     raise ValueError(f"{env} task field 'tests' must be a str or a non-empty list of str")
   sources = []
   for i, test in enumerate(tests):
     try:
-      tree = ast.fix_missing_locations(_Strict().visit(ast.parse(test)))
-      sources.append(ast.unparse(tree))
+      tree = ast.parse(test)
+      if not tree.body:  # a test without a statement would pass any solution
+        raise ValueError(f"{env} task field 'tests': test {i + 1} is empty")
+      sources.append(ast.unparse(ast.fix_missing_locations(_Strict().visit(tree))))
       compile(sources[-1], f"<test {i + 1}>", "exec", dont_inherit=True)
     except SyntaxError as e:
-      raise ValueError(f"{env} test {i + 1} is not valid Python (once rewritten for strict equality): {e}") from None
+      raise ValueError(f"{env} task field 'tests': test {i + 1} is not valid Python (once rewritten for strict "
+                       f"equality): {e}") from None
+  try:
+    plain_data.encode(("", sources, 0.0))  # too large for the grader's stdin: refused here, not at scoring
+  except plain_data.TooLarge as e:
+    raise ValueError(f"{env} task field 'tests' is too large for the grader: {e}") from None
   return tuple(sources)
 
 
@@ -187,15 +195,21 @@ class PythonTestsEnv:
   limits: sandbox.Limits = sandbox.Limits(timeout_s=10.0, cpu_s=10, memory_bytes=1 << 30)
   sandboxed: bool = True
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"prompt", "tests"}` record's fields: the tests are parsed, not run."""
+    self._sources(task)
+
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "tests"}` record."""
+    sources = self._sources(task)
     sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
-    prompt = field(task, "prompt", str, self.name)
-    tests = field(task, "tests", (str, list), self.name)
-    sources = _rewrite(tests, self.name)
-    plain_data.encode(("", sources, 0.0))  # too large for the grader's stdin: refused here, not at scoring
-    shown = [tests] if isinstance(tests, str) else tests
-    return SingleTurn(prompt, lambda action: self._score(action, sources, shown))
+    shown = [task["tests"]] if isinstance(task["tests"], str) else task["tests"]
+    return SingleTurn(task["prompt"], lambda action: self._score(action, sources, shown))
+
+  def _sources(self, task: Mapping[str, Any]) -> tuple[str, ...]:
+    """The record's tests as the grader runs them, its fields checked."""
+    field(task, "prompt", str, self.name)
+    return _rewrite(field(task, "tests", (str, list), self.name), self.name)
 
   def _score(self, action: str, sources: tuple[str, ...], shown: list[str]) -> Step:
     code = extract_code(action)

@@ -205,6 +205,14 @@ class ShellEpisode:
     self._snapshot = b""
 
 
+def _files(task: Mapping[str, Any], name: str, env: str) -> dict[str, str | bytes]:
+  """task[name] ({} when "check_files" is absent): relative path -> content; else a ValueError naming the field."""
+  files = field(task, name, dict, env) if name in task or name == "files" else {}
+  if bad := [path for path, text in files.items() if not isinstance(text, (str, bytes))]:
+    raise ValueError(f"{env} task field {name!r} must map paths to text; {bad[0]!r} is {type(files[bad[0]]).__name__}")
+  return files
+
+
 @dataclasses.dataclass(frozen=True)
 class ShellEnv:
   """Multi-turn shell tasks in a sandboxed working directory.
@@ -238,32 +246,43 @@ class ShellEnv:
     object.__setattr__(self, "_calls", offload.Offload(self.executor, concurrency=self.concurrency,
                                                        timeout_s=self.job_timeout_s))
 
+  def validate(self, task: Mapping[str, Any]) -> None:
+    """Checks a `{"prompt", "files", "check"}` record's fields (optional "check_files", "max_turns", "setup"); the
+    set-up and the check are not run."""
+    self._checked(task)
+
   def reset(self, task: Mapping[str, Any]) -> ShellEpisode:
     """Starts an episode for a `{"prompt", "files", "check"}` record (optional "check_files", "max_turns")."""
-    prompt = field(task, "prompt", str, self.name)
-    check = field(task, "check", str, self.name)
-    check_files = task.get("check_files", {})
-    if not isinstance(check_files, dict):
-      raise ValueError(f"{self.name} task field 'check_files' must be a dict, got {type(check_files).__name__}")
-    words = {word.removeprefix("./") for word in _WORD.findall(check)}
-    if named := sorted(words & set(field(task, "files", dict, self.name))):
-      raise ValueError(f"{self.name} task field 'check' names {named[0]!r}, which 'files' puts in the workspace, where "
-                       f"the model can rewrite it: move it to 'check_files' and name it \"$CHECK_DIR/{named[0]}\"")
-    turns = int(task.get("max_turns", self.max_turns))
-    if not 1 <= turns <= self.max_turns:
-      raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns}")
+    turns, state = self._checked(task)
     if self.executor is None:
       sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host (else: on the nodes)
-    state = self.initial_state(task)
     lease = self.pool.checkout(state) if self.pool is not None else warm_pool.Lease.inline(state, calls=self._calls)
-    return ShellEpisode(prompt + _INSTRUCTIONS, check, check_files, turns, self.limits, lease, self._calls)
+    return ShellEpisode(task["prompt"] + _INSTRUCTIONS, task["check"], task.get("check_files", {}), turns,
+                        self.limits, lease, self._calls)
+
+  def _checked(self, task: Mapping[str, Any]) -> tuple[int, warm_pool.InitialState]:
+    """(the episode's turns, its initial state) of a record whose fields pass; else a ValueError naming the field."""
+    field(task, "prompt", str, self.name)
+    check = field(task, "check", str, self.name)
+    _files(task, "check_files", self.name)
+    words = {word.removeprefix("./") for word in _WORD.findall(check)}
+    if named := sorted(words & set(_files(task, "files", self.name))):
+      raise ValueError(f"{self.name} task field 'check' names {named[0]!r}, which 'files' puts in the workspace, where "
+                       f"the model can rewrite it: move it to 'check_files' and name it \"$CHECK_DIR/{named[0]}\"")
+    turns = task.get("max_turns", self.max_turns)
+    if type(turns) is not int or not 1 <= turns <= self.max_turns:
+      raise ValueError(f"{self.name} task field 'max_turns' must be in 1..{self.max_turns}, got {turns!r}")
+    return turns, self.initial_state(task)
 
   def initial_state(self, task: Mapping[str, Any]) -> warm_pool.InitialState:
     """Where an episode of `task` starts: its files, after its set-up."""
     setup = task.get("setup", "")
     if not isinstance(setup, str):
       raise ValueError(f"{self.name} task field 'setup' must be a str, got {type(setup).__name__}")
-    return warm_pool.InitialState.of(field(task, "files", dict, self.name), setup)
+    try:
+      return warm_pool.InitialState.of(_files(task, "files", self.name), setup)
+    except ValueError as e:  # a name that leaves the workspace
+      raise ValueError(f"{self.name} task field 'files': {e}") from None
 
   def expect(self, tasks: Iterable[Mapping[str, Any]], samples: int = 1) -> None:
     """Has the pool prepare `samples` workspaces of each task ahead (nothing without a pool)."""

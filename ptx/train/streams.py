@@ -3,14 +3,16 @@
 `supervised` builds the training pipeline of `data.train_files` and the
 held-out batches of `data.eval_files` for SFT and DPO (with DPO's
 precomputed reference table when `dpo.reference="precomputed"`);
-`grpo_prompts` turns random-access task records into the prompt batches a
-GRPO step reads. The CLI, recipes and notebooks build their data here, so
-one config reads the same data wherever it is launched.
+`rl_tasks` reads GRPO's rl records of `data.train_files`; `grpo_prompts`
+turns random-access task records into the prompt batches a GRPO step reads.
+The CLI, recipes and notebooks build their data here, so one config reads
+the same data wherever it is launched.
 
 Data that cannot train fails here, before anything compiles or is written:
-files without records (`JsonlSource`), and a training pipeline that yields
-no batch (every record too long for data.seq_len, or bad and skipped), whose
-first batch is read once to find out.
+files without records (`JsonlSource`), a training pipeline that yields no
+batch (every record too long for data.seq_len, or bad and skipped), whose
+first batch is read once to find out, and an rl record that a GRPO batch or
+its environment would refuse (every record is read once to find out).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ptx.config import Config, ConfigError
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource, NoDataError
 from ptx.data.tokenizer import Tokenizer
-from ptx.train.grpo.prompts import PromptBatches
+from ptx.train.grpo.prompts import JsonlTasks, PromptBatches
 from ptx.train.reference_pass import with_reference_table
 
 
@@ -73,6 +75,25 @@ def _first_batch(stream: Iterable[dict[str, Any]], files: Sequence[str]) -> None
     next(iter(stream))
   except StopIteration:  # this host reads no record at all (fewer records than hosts, or no epochs)
     raise NoDataError(f"{', '.join(files)}: the training pipeline of this host yields no batch") from None
+
+
+def rl_tasks(cfg: Config, tokenizer: Tokenizer, env: Any, fields: Sequence[str]) -> JsonlTasks:
+  """The rl records of `data.train_files` for GRPO, every one checked first: its prompt fits `data.seq_len` tokens
+  and `env.validate` takes its fields.
+
+  Args:
+    cfg: the job config.
+    tokenizer: encodes the prompts.
+    env: the environment that scores the records (`ptx.envs.base.Environment`).
+    fields: the fields each record needs, unless `data.task_fields` names them.
+
+  Raises:
+    NoDataError: when the files hold no records.
+    RecordError: for the first bad record, naming its file, line and field.
+  """
+  tasks = JsonlTasks(cfg.data.train_files, cfg.data.task_fields or fields)
+  tasks.check(tokenizer, cfg.data.seq_len, env.validate)
+  return tasks
 
 
 def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: bool) -> PromptBatches:

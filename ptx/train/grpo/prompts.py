@@ -5,6 +5,9 @@ Batch s holds tasks s * B .. (s + 1) * B - 1 of a random-access task source
 in order and repeated), so the iterator's state is one integer and a
 checkpoint resumes the prompt stream exactly. Prompts are tokenized as
 `ptx.data.records` tokenizes an "rl" record (bos + text, or a chat prompt).
+`JsonlTasks.check` reads every record once, before training, by the rules
+the batches apply (and an environment's `validate`), so a bad record is
+refused at startup, named by file and line.
 """
 
 from __future__ import annotations
@@ -40,6 +43,37 @@ class JsonlTasks:
       raise records.RecordError(raw.where, f"missing field {missing[0]!r}")
     return {**record, "where": raw.where}
 
+  def check(self, tokenizer: Tokenizer, prompt_len: int,
+            validate: Callable[[Mapping[str, Any]], None] | None = None) -> None:
+    """Reads every record once, as the prompt batches will, and checks its fields; runs no task code.
+
+    Args:
+      tokenizer: encodes the prompts.
+      prompt_len: the most tokens a prompt may take (`PromptBatches`).
+      validate: an environment's `validate`, raising ValueError for a bad task field; None checks none.
+
+    Raises:
+      RecordError: the first bad record, named by file and line.
+    """
+    for index in range(len(self._source)):
+      record = self[index]
+      where = record.pop("where")
+      prompt_tokens(tokenizer, record, prompt_len, where)
+      if validate is not None:
+        try:
+          validate(record)
+        except ValueError as e:
+          raise records.RecordError(where, str(e)) from None
+
+
+def prompt_tokens(tokenizer: Tokenizer, record: dict[str, Any], prompt_len: int, where: str) -> np.ndarray:
+  """The token ids of an rl record's prompt; a RecordError naming `where` for one longer than `prompt_len`."""
+  ids = records.encode("rl", tokenizer, record, where)["tokens"]
+  if len(ids) > prompt_len:
+    raise records.RecordError(where, f"field 'prompt' takes {len(ids)} tokens, more than prompt_len={prompt_len} "
+                              "(data.seq_len)")
+  return ids
+
 
 class PromptBatches(grain.DatasetIterator):
   """Yields {"prompts" [B, P], "prompt_lengths" [B] (numpy int32), "task": ...}.
@@ -68,10 +102,7 @@ class PromptBatches(grain.DatasetIterator):
     prompts = np.full((self._batch_size, self._prompt_len), self._tokenizer.pad_id, np.int32)
     lengths = np.zeros(self._batch_size, np.int32)
     for i, row in enumerate(rows):
-      where = row.pop("where", f"task {first + i}")
-      ids = records.encode("rl", self._tokenizer, row, where)["tokens"]
-      if len(ids) > self._prompt_len:
-        raise ValueError(f"{where}: prompt of {len(ids)} tokens exceeds prompt_len={self._prompt_len}")
+      ids = prompt_tokens(self._tokenizer, row, self._prompt_len, row.pop("where", f"task {first + i}"))
       prompts[i, self._prompt_len - len(ids):] = ids
       lengths[i] = len(ids)
     if self._answer_width is None:
