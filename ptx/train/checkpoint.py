@@ -9,10 +9,10 @@ only once complete, so a process killed mid-write leaves the previous steps
 intact.
 
 Restore verifies every array, the data position and the pipeline against
-the checksums. A damaged step (checksums that differ, files missing,
-truncated or undecodable) is moved aside (`<directory>.damaged/`, never
-deleted) and the step before is tried, with a warning that names the step
-and the damage. Any other error (a state that does not fit the checkpoint,
+the checksums. A damaged step (checksums that differ or are missing, files
+missing, truncated or undecodable) is moved aside (`<directory>.damaged/`,
+never deleted) and the step before is tried, with a warning that names the
+step and the damage. Any other error (a state that does not fit the checkpoint,
 permission denied, a transient I/O failure) is not damage: it propagates
 and nothing is moved.
 """
@@ -119,32 +119,32 @@ class Checkpointer:
   def _restore_verified(self, step: int, abstract_state: TrainState, data_iterator: Any):
     """(step, state, pipeline) of one step, checked against its checksums."""
     directory = self._directory / str(step)
+    if not (directory / "checksums").exists():
+      # Every save writes one; without it nothing in the step can be verified, so it is damage, not a pass.
+      raise DamagedCheckpoint(f"{directory}: no checksums item (every checkpoint is saved with one), so its "
+                              "contents cannot be verified")
     items = {"state": ocp.args.StandardRestore(abstract_state),
-             "data": grain.checkpoint.CheckpointRestore(data_iterator)}
+             "data": grain.checkpoint.CheckpointRestore(data_iterator),
+             "checksums": ocp.args.JsonRestore()}
     if (directory / "pipeline").exists():
       items["pipeline"] = ocp.args.StandardRestore()
-    if (directory / "checksums").exists():
-      items["checksums"] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     pipeline = restored.get("pipeline")
-    expected = restored.get("checksums")
-    if expected is None:
-      log.warning("checkpoint step %d has no checksums (written by an older ptx): not verified", step)
-    else:
-      actual = {"state": checksums.array_checksums(restored["state"]),
-                "data": checksums.host_checksum(data_iterator.get_state())}
-      if pipeline is not None:
-        actual["pipeline"] = checksums.host_checksum(pipeline)
-      bad = [path for path, value in expected["state"].items() if actual["state"].get(path) != value]
-      if set(actual["state"]) != set(expected["state"]):
-        bad.append("the set of arrays")
-      if expected["data"][jax.process_index()] != actual["data"]:
-        bad.append("the data position")
-      if expected.get("pipeline") != actual.get("pipeline"):
-        bad.append("the pipeline's batches sampled ahead")
-      if bad:
-        raise DamagedCheckpoint(f"{directory}: contents differ from the checksums written with them: "
-                                f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}")
+    expected = restored["checksums"]
+    actual = {"state": checksums.array_checksums(restored["state"]),
+              "data": checksums.host_checksum(data_iterator.get_state())}
+    if pipeline is not None:
+      actual["pipeline"] = checksums.host_checksum(pipeline)
+    bad = [path for path, value in expected["state"].items() if actual["state"].get(path) != value]
+    if set(actual["state"]) != set(expected["state"]):
+      bad.append("the set of arrays")
+    if expected["data"][jax.process_index()] != actual["data"]:
+      bad.append("the data position")
+    if expected.get("pipeline") != actual.get("pipeline"):
+      bad.append("the pipeline's batches sampled ahead")
+    if bad:
+      raise DamagedCheckpoint(f"{directory}: contents differ from the checksums written with them: "
+                              f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}")
     return step, restored["state"], pipeline
 
   def _set_aside(self, damaged: list[int]) -> None:

@@ -3,13 +3,14 @@
 The loop never waits on the device between steps: step N + 1 is dispatched
 before step N's metrics are fetched, and metrics cross to the host only on
 logging steps. Checkpoints (state + data position) are written
-asynchronously every `checkpoint_every` steps and at the end. SIGTERM (a
-preemption notice) makes the loop save at the next step boundary and return
-normally; `resume=True` restores the newest complete checkpoint, so a
-resumed run computes exactly the steps an uninterrupted one would. Every
-step object has `pipeline_state()` and `set_pipeline_state(saved)`: one
-that keeps work in flight across steps (GRPO's host-reward mode samples
-ahead) checkpoints it through them.
+asynchronously every `checkpoint_every` steps and at the end, each started
+only once the metrics lines through its step are on disk, so a resumed run
+lacks none. SIGTERM (a preemption notice) makes the loop save at the next
+step boundary and return normally; `resume=True` restores the newest
+complete checkpoint, so a resumed run computes exactly the steps an
+uninterrupted one would. Every step object has `pipeline_state()` and
+`set_pipeline_state(saved)`: one that keeps work in flight across steps
+(GRPO's host-reward mode samples ahead) checkpoints it through them.
 
 With LoRA (`cfg.lora.rank > 0`) the state trains adapters over a frozen
 base; checkpoints hold the adapters, optimizer and data position but not
@@ -235,8 +236,14 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, che
       writer.write({"step": step, **evaluate(state)})
     if step % train.checkpoint_every == 0 or step == train.steps or preempted.is_set():
       if guard.finite(step, metrics):
+        # Every line through this step is durable before the checkpoint can be published: a run killed during
+        # the next step resumes here and would never write this step's line again. The save waits for the step
+        # anyway (it checksums the state), so reading its metrics now costs no overlap.
+        if pending is not None:
+          last = _log(pending, meter, schedule, writer, bar, data)
+          pending = None
+        writer.flush()
         checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
-        writer.flush()  # on object storage, the metrics so far beside the checkpoint
     # Before the next step donates the state; a preempted run stops without (its time is short).
     if checks is not None and checks.after(step, train.steps) and not preempted.is_set():
       checks.evaluate(step, state)

@@ -12,8 +12,9 @@ On object storage, which cannot append, the lines so far replace the whole
 object in one upload (atomic: a reader never sees a torn line), at most
 every `UPLOAD_EVERY_S` seconds, at every checkpoint (`flush`) and at
 `close`, so the training loop does not wait on a growing upload at every
-logged step, and a resumed run finds every line its checkpoint's steps
-wrote, as it does locally.
+logged step. The loop flushes (locally: fsync) before it starts a
+checkpoint's save, so a resumed run finds every line through its
+checkpoint's step, wherever the run was killed.
 """
 
 from __future__ import annotations
@@ -82,14 +83,18 @@ class MetricsWriter:
     """Flushes and closes the files."""
     if not self.enabled:
       return
+    self.flush()
     if self._fd is not None:
       os.close(self._fd)
-    self.flush()
     self._tensorboard.close()
 
   def flush(self) -> None:
-    """On object storage, uploads the lines written since the last upload (locally each is written at once)."""
-    if not self.enabled or not self._pending:
+    """Makes the lines written so far durable: locally synced to disk, on object storage uploaded."""
+    if not self.enabled:
+      return
+    if self._fd is not None:
+      os.fsync(self._fd)  # each line is written at once; this outlasts a crash of the machine too
+    if not self._pending:
       return
     paths.write_atomic(self.path, "".join(line + "\n" for line in self._lines))
     self._uploaded_at, self._pending = time.monotonic(), False

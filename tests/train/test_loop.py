@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,6 +101,40 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, train_file):
   jax.tree.map(np.testing.assert_array_equal, _final_params(killed), _final_params(full))
 
 
+# Run as `python -c SCRIPT OUT CHECKPOINTED CLI-ARGS...`: the CLI, its step patched to SIGKILL the process as step
+# CHECKPOINTED + 1 begins, once checkpoint CHECKPOINTED is published (a GRPO step's episodes run that long).
+_KILLED_AS_THE_STEP_AFTER_A_CHECKPOINT_BEGINS = """
+import os, pathlib, signal, sys, time
+from ptx import cli
+from ptx.train.step import JittedStep
+out, checkpointed = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+calls, run = [], JittedStep.__call__
+def killed_after_the_checkpoint(self, state, batch):
+  calls.append(None)
+  if len(calls) == checkpointed + 1:
+    while not (out / "checkpoints" / str(checkpointed)).is_dir():
+      time.sleep(0.01)  # Orbax renames the step's directory into place when the save is complete
+    os.kill(os.getpid(), signal.SIGKILL)
+  return run(self, state, batch)
+JittedStep.__call__ = killed_after_the_checkpoint
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+def test_a_kill_after_a_checkpoint_is_published_loses_no_metrics_line(tmp_path, train_file):
+  out = tmp_path / "run"
+  argv = _command(out, train_file, "--train.steps=12")
+  killed = subprocess.run([sys.executable, "-c", _KILLED_AS_THE_STEP_AFTER_A_CHECKPOINT_BEGINS, str(out), "8",
+                           *argv[3:]], env=_env(), capture_output=True, text=True)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert "8" in os.listdir(out / "checkpoints")
+  assert sorted(_losses(out)) == list(range(1, 9)), "checkpoint 8 was published before step 8's metrics line"
+  resumed = subprocess.run(_command(out, train_file, "--train.steps=12", "--resume"), env=_env(), check=True,
+                           capture_output=True, text=True)
+  assert "resumed from checkpoint step 8" in resumed.stdout
+  assert sorted(_losses(out)) == list(range(1, 13))
+
+
 def test_sigterm_saves_and_exits_zero(tmp_path, train_file):
   out = tmp_path / "run"
   proc = subprocess.Popen(_command(out, train_file), env=_env(), stdout=subprocess.PIPE,
@@ -134,6 +169,15 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
   assert "checkpoint step 10 is damaged" in caplog.text
   assert (tmp_path / "checkpoints.damaged" / "10").is_dir(), "the damaged checkpoint was not kept aside"
   assert 10 in [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+
+
+def test_a_checkpoint_without_its_checksums_is_damaged_and_never_resumed_onto(tmp_path, caplog):
+  _fit_in_process(tmp_path, steps=10)
+  shutil.rmtree(tmp_path / "checkpoints" / "10" / "checksums")
+  state, summary = _fit_in_process(tmp_path, steps=12, resume=True)
+  assert summary["resumed_from"] == 5 and int(state.step) == 12
+  assert "checkpoint step 10 is damaged" in caplog.text and "no checksums" in caplog.text, caplog.text
+  assert (tmp_path / "checkpoints.damaged" / "10").is_dir(), "the damaged checkpoint was not kept aside"
 
 
 def test_non_finite_gradients_skip_the_step_and_leave_parameters_untouched(tiny_config):
