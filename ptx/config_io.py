@@ -27,8 +27,28 @@ def to_dict(cfg: Any, sections: tuple[str, ...] | None = None) -> dict[str, Any]
 
 
 def dumps(cfg: Any, sections: tuple[str, ...] | None = None) -> str:
-  """Returns the config tree (or its `sections`) as indented JSON, for printing at start-up."""
+  """Returns the config tree (or its `sections`) as indented JSON, as a run's config.json holds it."""
   return json.dumps(to_dict(cfg, sections), indent=2, sort_keys=False)
+
+
+def changed(cfg: Any, sections: tuple[str, ...] | None = None) -> list[str]:
+  """`section.field=value` for every field of `cfg` (or its `sections`) whose value is not the default's.
+
+  What a start-up prints: the choices of this run, a few lines, where the whole tree (config.json) is
+  hundreds.
+  """
+  ours, defaults = to_dict(cfg, sections), to_dict(type(cfg)(), sections)
+  out = []
+
+  def walk(prefix: str, mine: Any, default: Any) -> None:
+    if isinstance(mine, dict) and isinstance(default, dict):
+      for key, value in mine.items():
+        walk(f"{prefix}.{key}" if prefix else key, value, default.get(key))
+    elif mine != default:
+      out.append(f"{prefix}={json.dumps(mine)}")
+
+  walk("", ours, defaults)
+  return out
 
 
 def save(cfg: Any, path: str | pathlib.Path, sections: tuple[str, ...] | None = None) -> None:

@@ -56,9 +56,11 @@ def test_sft_and_dpo_commands_train_from_jsonl(tmp_path, capsys):
   evaluated = [r["step"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
                if "eval/arithmetic/pass@1" in r]
   assert evaluated == [0, 4] and (tmp_path / "dpo" / "evals" / "step_4" / "arithmetic" / "eval.json").is_file()
-  last = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
-  assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-          "logps/rejected"} <= set(last)
+  # The last step's training line (its evaluation's line follows it).
+  lines = (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()
+  last = [r for r in map(json.loads, lines) if "loss" in r][-1]
+  assert last["step"] == 4 and {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                                "logps/chosen", "logps/rejected"} <= set(last)
   # A saved config.json is a valid --config file.
   cli.main(["sft", "--config", str(tmp_path / "sft" / "config.json"), "--out", str(tmp_path / "again"),
             "--train.steps=2", "--no-progress"])

@@ -96,3 +96,10 @@ def test_every_field_has_a_comment():
     for field in dataclasses.fields(cls):
       line = next(i for i, l in enumerate(source) if l.strip().startswith(f"{field.name}:"))
       assert source[line - 1].strip().startswith("#"), f"{cls.__name__}.{field.name} has no comment"
+
+
+def test_the_startup_summary_lists_only_the_fields_set_beside_the_defaults():
+  cfg = apply_overrides(Config(), ["--train.steps=7", "--grpo.sampling.temperature=0.5", "--lora.rank=4"])
+  assert config_io.changed(cfg) == ["train.steps=7", "grpo.sampling.temperature=0.5", "lora.rank=4"]
+  assert config_io.changed(cfg, ("train", "model")) == ["train.steps=7"]
+  assert config_io.changed(Config()) == []

@@ -48,6 +48,7 @@ import json
 import logging
 import pathlib
 import signal
+import textwrap
 import threading
 import time
 from typing import Any, Iterable, Iterator
@@ -94,7 +95,8 @@ def fit(
 
   Args:
     cfg: the job's config: `fit` reads the loop (`train`) and the mesh; the
-      sections the job uses are printed and saved as `out/config.json`.
+      sections the job uses are saved as `out/config.json`, and the fields
+      set beside the defaults printed.
     job: what to run (`ptx.train.job.sft_job`, `dpo_job`, `grpo_job`,
       `grpo_host_job`), built from the same `cfg`.
     train_data: iterable of host batches whose iterator has get_state/set_state
@@ -148,8 +150,11 @@ def fit(
   out = paths.path(out)  # local or gs:// (`ptx.paths`): config, metrics, checkpoints and exports alike
   out.mkdir(parents=True, exist_ok=True)
   if primary:
-    print(config_io.dumps(cfg, sections), flush=True)
     config_io.save(cfg, out / "config.json", sections)
+    changed = config_io.changed(cfg, sections)
+    print(f"config: {out / 'config.json'}; {len(changed)} fields set beside the defaults:", flush=True)
+    print(textwrap.fill(" ".join(changed) or "(none)", 118, initial_indent="  ", subsequent_indent="  ",
+                        break_on_hyphens=False), flush=True)
   mesh = make_mesh(cfg.mesh)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if cfg.data.batch_size % batch_devices:
@@ -341,6 +346,8 @@ def _log(pending, meter: _Meter, schedule, writer, bar, data) -> dict[str, Any]:
   record.update({f"data/{name}": float(counts[name]) for name in _DATA_COUNTS if name in counts})
   postfix = {"loss": f"{record['loss']:.4g}", "steps_s": f"{record['steps_per_s']:.3g}",
              "samples_s": f"{record['samples_per_s']:.3g}"}
+  if "reward/mean" in record:  # what an RL run is watched for
+    postfix = {"reward": f"{record['reward/mean']:.4g}", **postfix}
   if "tokens_per_s" in record:
     postfix["tokens_s"] = f"{record['tokens_per_s']:.4g}"
   if record.get("data/skipped") or record.get("data/dropped"):

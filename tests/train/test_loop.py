@@ -23,6 +23,7 @@ from ptx.data.sources import MemorySource
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.sharding import make_mesh
 from ptx.train.job import sft_job
+from ptx.train import loop
 from ptx.train.loop import fit
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
@@ -203,3 +204,20 @@ def test_non_finite_gradients_skip_the_step_and_leave_parameters_untouched(tiny_
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
   state, metrics = step(state, batch)
   assert int(metrics["skipped_steps"]) == 1 and np.isfinite(float(metrics["loss"]))
+
+
+def test_the_progress_bar_shows_an_rl_steps_reward_first():
+  """What an RL run is watched for; a supervised step, which has none, shows its loss first."""
+  shown = []
+
+  class Bar:
+    def set_postfix(self, postfix):
+      shown.append(list(postfix.items()))
+
+  class Writer:
+    def write(self, record):
+      pass
+
+  for metrics in ({"loss": 0.5, "reward/mean": 0.25}, {"loss": 0.5}):
+    loop._log((3, metrics, (3, 0)), loop._Meter(2, 4), lambda step: 1e-3, Writer(), Bar(), iter(()))
+  assert shown[0][:2] == [("reward", "0.25"), ("loss", "0.5")] and shown[1][0] == ("loss", "0.5")
