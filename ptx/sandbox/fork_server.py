@@ -170,7 +170,7 @@ class ForkServer:
       finally:
         workspace.close()
 
-    # Its own thread: bwrap dies with the thread that started it (--die-with-parent).
+    # Its own thread: `sandbox.run` returns only when the server's sandbox has ended.
     server.thread = threading.Thread(target=serve, name=f"fork server {self.program}", daemon=True)
     try:
       server.thread.start()

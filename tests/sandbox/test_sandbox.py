@@ -20,6 +20,7 @@ import errno
 import os
 import pathlib
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ import time
 
 import pytest
 
-from ptx.sandbox import run as sandbox, capture, strays
+from ptx.sandbox import bwrap, run as sandbox, capture, strays
 from ptx.sandbox.inside import workspace as workspace_format
 
 # The wall clock is generous so a loaded machine cannot turn a limit into a
@@ -362,8 +363,85 @@ def test_attack_the_host_process_dies_and_the_program_goes_with_it(tmp_path):
   while _marked(marker) and time.monotonic() < deadline:
     time.sleep(0.05)
   assert _marked(marker) == {}, "the sandboxed program outlived its host process"
-  # As root the host process copies bwrap to a directory any uid may run it from: that copy is not the run's.
-  assert [p.name for p in host_tmp.iterdir() if not p.name.startswith("ptx-bwrap-")] == []
+  assert list(host_tmp.iterdir()) == []  # nothing of the run, nor root's copy of bwrap, lands in TMPDIR
+
+
+def _release(fifo: str) -> None:
+  """Lets the launch blocked on opening `fifo` go on, once it has opened it (within 2 minutes of a loaded machine)."""
+  deadline = time.monotonic() + 120
+  while True:
+    try:
+      fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+      break
+    except OSError as e:
+      if e.errno != errno.ENXIO or time.monotonic() > deadline:  # ENXIO: no reader yet
+        raise
+      time.sleep(0.01)
+  os.write(fd, b"go\n")
+  os.close(fd)
+
+
+@pytest.fixture
+def held_bwrap():
+  """A stand-in for bwrap that blocks on a FIFO until the test releases it, then runs the real one: (path, FIFO).
+
+  It holds a launch at a point the test controls, before bwrap has started,
+  where a kill of the host process otherwise lands by chance. Under /tmp,
+  not TMPDIR: the sandbox's uid must run it.
+  """
+  held = tempfile.mkdtemp(prefix="ptx-held-bwrap-", dir="/tmp")
+  try:
+    os.chmod(held, 0o755)
+    fifo, wrapper = os.path.join(held, "go"), os.path.join(held, "bwrap")
+    os.mkfifo(fifo)
+    os.chmod(fifo, 0o666)
+    with open(wrapper, "w") as f:
+      f.write(f'#!/bin/sh\nread go < {shlex.quote(fifo)}\nexec {shlex.quote(bwrap.binary())} "$@"\n')
+    os.chmod(wrapper, 0o755)
+    yield wrapper, fifo
+  finally:
+    workspace_format.remove(held)
+
+
+def test_attack_the_host_process_dies_while_the_sandbox_starts(held_bwrap, monkeypatch):
+  """The caller of sandbox.run is SIGKILLed before bwrap has started: neither bwrap nor the program may live on.
+
+  bwrap then starts with its launcher gone: a --die-with-parent it sets later
+  never fires, and it writes the sandbox's pid to a pipe no one reads.
+  """
+  wrapper, fifo = held_bwrap
+  # The stand-in runs a program when its launcher lives on: the FIFO holds it, nothing else.
+  monkeypatch.setattr(bwrap, "binary", lambda: wrapper)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    future = pool.submit(sandbox.run, ["python3", "-c", "print('ran')"], limits=LIMITS)
+    _release(fifo)
+    assert future.result().stdout_text == "ran\n", future.result()
+  marker = _marker()
+  host = ("import os\nfrom ptx.sandbox import bwrap, run as sandbox\n"
+          "sandbox.use('bwrap')\n"  # probed with the real bwrap, before the stand-in takes its place
+          "bwrap.binary = lambda: os.environ['PTX_HELD_BWRAP']\n"
+          "code = 'import time\\ntime.sleep(600)\\n# ' + os.environ['PTX_MARK']\n"
+          "sandbox.run(['python3', '-c', code], limits=sandbox.Limits(timeout_s=300))")
+  proc = subprocess.Popen([sys.executable, "-c", host], cwd=REPO,
+                          env={**os.environ, "PTX_MARK": marker, "PTX_HELD_BWRAP": wrapper})
+  try:
+    try:
+      deadline = time.monotonic() + 120  # importing ptx takes seconds on a loaded machine
+      while not _marked(marker) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+      assert _marked(marker), f"the launch never reached the stand-in (host exit {proc.poll()})"
+    finally:
+      proc.kill()
+      proc.wait()
+    _release(fifo)  # bwrap starts now, its launcher dead
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while _marked(marker) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert _marked(marker) == {}, "the sandbox outlived the host process that was starting it"
+  finally:
+    for pid in _marked(marker):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 # Memory, disk and output.

@@ -14,7 +14,9 @@ namespace, sampled every `_POLL_S`, unless the cap is past the host's memory:
 a long-lived run then costs nothing while it waits). When the program ends it kills whatever
 the program left (kill(-1) from PID 1 reaches every other process of the
 namespace), reaps them, packs /work when the caller keeps the workspace, and
-writes one JSON report to the status descriptor.
+writes one JSON report to the status descriptor. When its launcher dies (the
+lifeline descriptor, a pipe whose one write end the launcher holds, reads
+EOF) it kills everything at once and exits: the sandbox never outlives it.
 
 The program runs as the same uid, so this process protects itself: it is not
 dumpable (no ptrace, no /proc/1/mem, no /proc/1/fd), and as PID 1 of the
@@ -103,7 +105,8 @@ def main(cfg):
   ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
   signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: the program cannot interrupt us
   status_fd, in_fd, out_fd = cfg["status_fd"], cfg["workspace_in_fd"], cfg["workspace_out_fd"]
-  for fd in (status_fd, in_fd, out_fd):
+  lifeline = cfg["lifeline_fd"]
+  for fd in (status_fd, in_fd, out_fd, lifeline):
     if fd is not None:
       os.set_inheritable(fd, False)
   lim = cfg["limits"]
@@ -136,7 +139,11 @@ def main(cfg):
       killed = "timeout"
       _kill_all()
     wait = None if killed else max(0.0, min(left, _POLL_S) if sampled else left)
-    if select.select([pidfd], [], [], wait)[0]:
+    ready = select.select([pidfd, lifeline], [], [], wait)[0]
+    if lifeline in ready:  # EOF: the launcher is gone, and with it whoever wanted this run's result
+      _kill_all()
+      return 0  # PID 1's exit takes down whatever is left in its namespace
+    if ready:
       break
     if not sampled:
       continue
