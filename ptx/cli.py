@@ -258,8 +258,9 @@ def _supervised(cfg, tokenizer, args, params):
 
 
 def _grpo(cfg, tokenizer, args, params):
-  """The fused job on built-in arithmetic, or the host-reward job on rl records scored by --env; the records are
-  checked (`streams.rl_tasks`) before a job is built."""
+  """The fused job on built-in arithmetic, the host-reward job on rl records scored by --env, or the episode job of a
+  multi-turn --env; the records (`streams.rl_tasks`), or the built-in episodes' first prompts
+  (`streams.check_episode_prompts`), are checked before a job is built."""
   from ptx.train import job, presets, streams
 
   in_process = args.env in ("calculator", "docqa") or (args.env not in _EPISODES and not cfg.data.train_files)
@@ -272,14 +273,16 @@ def _grpo(cfg, tokenizer, args, params):
   if args.env in _EPISODES:
     shell = scoring_flags.shell_options(args) if args.env == "terminal" else None
     env, builtin, fields = _episode_environment(args.env, tokenizer, shell)
+    # The prompts checked against data.seq_len are the episodes' first, as the environment poses them.
     if cfg.data.train_files:
-      tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
+      tasks = streams.rl_tasks(cfg, tokenizer, env, fields, episodes=True)
     else:
       tasks = builtin(cfg.train.seed)
+      streams.check_episode_prompts(cfg, tokenizer, env, tasks)
       print(f"ptx grpo: no --data.train_files: training on the built-in {args.env} tasks "
             f"({type(tasks).__name__} seed {cfg.train.seed}, train split)", flush=True)
     built = job.grpo_episode_job(cfg, tokenizer, env)
-    return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
+    return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False, episodes=env), None
   if not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
 

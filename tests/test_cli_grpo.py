@@ -85,13 +85,21 @@ GOOD = {"exact_answer": {"prompt": "1+1=", "answer": "2"},
         "calculator": {"prompt": "3 boxes of 4?", "answer": 12},
         "terminal": {"prompt": "Fix it.", "files": {"a.py": "x = 1\n"}, "check": "python3 \"$CHECK_DIR/t.py\"",
                      "check_files": {"t.py": "import a\n"}},
-        "docqa": {"prompt": "Docs.", "document": "The Ada sails from Oslo.\n\nIt is 30 tons.",
+        "docqa": {"document": "The Ada sails from Oslo.\n\nIt is 30 tons.",
                   "question": "Out of which port does the Ada sail?", "answer": "Oslo"}}
+# data.seq_len per --env, room for the good record's first prompt (an episode's: the environment's text in ChatML).
+SEQ_LEN = {"exact_answer": 64, "code": 64, "calculator": 512, "terminal": 512, "docqa": 1024}
 # (--env, the bad record's change to its good one, the error after "FILE:2: ").
 BAD = {
     "missing_field": ("exact_answer", {"answer": None}, "missing field 'answer'"),
     "prompt_too_long": ("exact_answer", {"prompt": "1+" * 40 + "1="},
-                        "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len)"),
+                        "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len: set --data.seq_len=83 "
+                        "or more)"),
+    "episode_prompt_too_long": ("calculator", {"prompt": "3 boxes of 4? " * 20},
+                                "its episode's first prompt takes 617 tokens, more than prompt_len=512"),
+    "chat_roles": ("calculator", {"prompt": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "3 boxes of 4?"}]},
+                   "calculator task field 'prompt': an episode starts from one user turn"),
     "answer_type": ("exact_answer", {"answer": [2]},
                     "exact_answer task field 'answer' must be str, int or float, got list"),
     "empty_tests": ("code", {"tests": []}, "python_tests task field 'tests' must be a str or a non-empty list of str"),
@@ -117,7 +125,7 @@ def test_grpo_refuses_a_bad_record_before_building_a_job_naming_file_line_and_fi
   data.write_text(json.dumps(GOOD[env]) + "\n" + json.dumps(bad) + "\n")
   with pytest.raises(SystemExit) as exit_:
     cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", env, f"--data.train_files=[\"{data}\"]",
-              "--data.seq_len=64"])
+              f"--data.seq_len={SEQ_LEN[env]}"])
   assert exit_.value.code == 2
   assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"ptx: error: {data}:2: {error}")
 
@@ -150,7 +158,8 @@ def test_grpo_on_calculator_episodes_trains_and_resumes_exactly(tmp_path, capsys
 
 def test_grpo_on_calculator_episodes_refuses_staleness(tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_:
-    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "calculator", "--grpo.max_staleness=1"])
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "calculator", "--grpo.max_staleness=1",
+              "--data.seq_len=448"])  # the first prompts fit: the records are checked before the job's rules
   assert exit_.value.code == 2
   assert "set grpo.max_staleness=0 (got 1)" in capsys.readouterr().err
 
@@ -168,3 +177,48 @@ def test_each_episode_environment_poses_its_built_in_tasks_and_names_the_fields_
     assert record.get("prompt", record.get("question")) in episode.prompt
   finally:
     episode.close()
+
+
+@pytest.mark.parametrize("env", ["calculator", "docqa"])
+def test_grpo_episodes_refuse_a_seq_len_their_first_prompts_do_not_fit_before_building_a_job(env, tmp_path, capsys,
+                                                                                          monkeypatch):
+  # The toy preset's data.seq_len (8) holds "99+99="; an episode's first prompt is its environment's text in the chat
+  # template, hundreds of tokens: refused up front, naming the flag, rather than after compiling.
+  from ptx.train import job
+
+  monkeypatch.setattr(job, "grpo_episode_job", lambda *a, **k: pytest.fail("a job was built before the check"))
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", env, "--grpo.max_staleness=0"])
+  assert exit_.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert error.startswith("ptx: error: data.seq_len=8 is shorter than the first prompt of an episode of task ")
+  assert f"the longest of the first {STEPS * 8} tasks ({env}'s text in the chat template): set --data.seq_len=" in error
+
+
+@pytest.mark.slow
+def test_grpo_on_docqa_episodes_trains(tmp_path):
+  # The built-in docqa tasks have no "prompt": each episode's first prompt is the environment's (1,075 tokens at most
+  # in the byte tokenizer: DocQAEnv.prompt_tokens and the chat template).
+  out = tmp_path / "run"
+  cli.main(["grpo", "--out", str(out), *COMMON, "--train.steps=2", "--env", "docqa", "--grpo.max_staleness=0",
+            "--grpo.turn_tokens=8", "--grpo.max_response_tokens=160", "--data.seq_len=1088", "--no-export"])
+  records = _records(out)
+  assert sorted(records) == [1, 2]
+  for k in (1, 2):
+    assert records[k]["episodes/turns_mean"] >= 1 and records[k]["episodes/tokens_environment_mean"] > 0
+    assert records[k]["rollout/logp_diff_max"] < 1e-4  # the learner reads the tokens the engine sampled
+
+
+@pytest.mark.slow
+def test_grpo_on_chat_format_records_trains_and_checkpoints(tmp_path):
+  # The data layer renders the messages (ChatML for the byte tokenizer) and exact_answer scores the completion; the
+  # checkpoint of step 2 holds the batch sampled ahead (max_staleness 1), chat messages included.
+  rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(16)]
+  data = tmp_path / "chat.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "run"
+  cli.main(["grpo", "--out", str(out), *COMMON, "--train.steps=2", f"--data.train_files=[\"{data}\"]",
+            "--data.seq_len=64", "--grpo.max_response_tokens=6", "--no-export"])
+  records = _records(out)
+  assert sorted(records) == [1, 2] and all("rewards/outcome/no_answer_frac" in records[k] for k in (1, 2))
+  assert (out / "checkpoints" / "2" / "pipeline").exists()

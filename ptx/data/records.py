@@ -6,7 +6,11 @@ Kinds and their fields:
   preference  `prompt` (string or messages) + `chosen` + `rejected`
               (non-empty strings: the two assistant replies)
   rl          `prompt` (string or messages) + the task fields the
-              environment needs (`answer`, `tests`, ...), passed through
+              environment needs (`answer`, `tests`, ...), passed through;
+              messages are rendered once, here, through the chat template
+              with the generation prompt; a string is encoded as written
+              (bos + text, no template: an instruct model's prompts are
+              written as messages)
 
 Every problem with a record raises `RecordError` naming where the record came
 from; the pipeline turns it into an exception or a counted skip. An example is

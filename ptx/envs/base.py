@@ -11,6 +11,13 @@ may serve many episodes from many threads at once.
 `Environment.validate(task)` checks a record's fields by the rules `reset`
 applies, without starting an episode or running any code, so a trainer can
 check every record of its files before anything compiles.
+
+A record's "prompt" is what the record holds: a string, or chat messages
+(`ptx.data.chat`: a list of role/content objects). The data layer renders
+it for the model (`ptx.data.records`: messages through the chat template,
+once); environments read it with `prompt_text` (a single-turn episode's
+prompt, for people and for evaluation) or `user_turn` (a multi-turn episode
+poses its task as one user turn, so its messages must be just that).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from ptx.data.chat import validate_messages
 from ptx.sandbox import run as sandbox
 
 
@@ -80,7 +88,8 @@ class Environment(Protocol):
   max_turns: int  # the most actions an episode accepts
   sandboxed: bool  # runs model-written code in `ptx.sandbox.run` (its backend is reported); absent means False
   # Optional: `reply_tokens`, the most tokens of one reply in the policy's tokenizer where the environment bounds
-  # them (docqa); evaluation sizes an episode's context with it.
+  # them (docqa); evaluation sizes an episode's context with it. `first_prompt(task) -> str`, the text an episode's
+  # first prompt shows, where `reset` would claim something (a sandbox workspace) to find it (`first_prompt` below).
 
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks `task`'s fields as `reset` does, without starting an episode: no sandbox, no model or task code runs.
@@ -131,6 +140,79 @@ def field(task: Mapping[str, Any], name: str, kind: type | tuple[type, ...], env
     kinds = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
     raise ValueError(f"{env} task field {name!r} must be {kinds}, got {type(value).__name__}")
   return value
+
+
+def prompt_field(task: Mapping[str, Any], env: str) -> str | list[dict[str, Any]]:
+  """Returns task["prompt"], a string or chat messages, or raises an error that names the field and the environment.
+
+  Args:
+    task: the task record.
+    env: the environment's name, for the message.
+
+  Returns:
+    The string, or the messages (checked by `ptx.data.chat.validate_messages`).
+  """
+  if "prompt" not in task:
+    raise ValueError(f"{env} task record needs field 'prompt'; it has {sorted(task)}")
+  value = task["prompt"]
+  if isinstance(value, str):
+    return value
+  if not isinstance(value, list):
+    raise ValueError(f"{env} task field 'prompt' must be a string or chat messages (a list of role/content objects), "
+                     f"got {type(value).__name__}")
+  try:
+    validate_messages(value)
+  except ValueError as e:
+    raise ValueError(f"{env} task field 'prompt': {e}") from None
+  return value
+
+
+def prompt_text(task: Mapping[str, Any], env: str) -> str:
+  """A single-turn task's prompt as text: the string, or the content of the last user message of chat messages.
+
+  The model reads the whole prompt as the data layer renders it; this text only names the request (an episode's
+  `prompt`), so the other messages (a system prompt) are left out.
+
+  Raises:
+    ValueError: as `prompt_field`.
+  """
+  prompt = prompt_field(task, env)
+  if isinstance(prompt, str):
+    return prompt
+  return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
+
+
+def user_turn(task: Mapping[str, Any], env: str) -> str:
+  """A multi-turn task's prompt as the text of the one user turn its episodes start from.
+
+  Raises:
+    ValueError: as `prompt_field`, and for chat messages other than a single user message (an episode poses its
+      task as one user turn; a system prompt or earlier turns would be lost).
+  """
+  prompt = prompt_field(task, env)
+  if isinstance(prompt, str):
+    return prompt
+  if [m["role"] for m in prompt] != ["user"]:
+    raise ValueError(f"{env} task field 'prompt': an episode starts from one user turn, so chat messages must be a "
+                     f"single user message, got roles {[m['role'] for m in prompt]}")
+  return prompt[0]["content"]
+
+
+def first_prompt(env: Environment, task: Mapping[str, Any]) -> str:
+  """The text of the first prompt an episode of `task` shows the model (before the chat template).
+
+  The environment's `first_prompt` where it has one, else an episode's, started and closed at once.
+
+  Raises:
+    ValueError: for a record the environment refuses.
+  """
+  if (method := getattr(env, "first_prompt", None)) is not None:
+    return method(task)
+  episode = env.reset(task)
+  try:
+    return episode.prompt
+  finally:
+    episode.close()
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """Arithmetic word problems with a calculator tool: hard to do in one's head, easy with the tool.
 
-Task records are `{"prompt": str, "answer": int, "expression": str}`;
+Task records are `{"prompt": str, "answer": int, "expression": str}` (the
+prompt may be chat messages of one user turn, `ptx.envs.base.user_turn`);
 `CalculatorTasks(seed, split)[i]` generates them (three-operation problems
 over three- and four-digit numbers; "expression" is the problem's arithmetic,
 which only demonstrations read), each side of the train / held-out split by
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ptx.data import splits
-from ptx.envs.base import Outcome, Step, field
+from ptx.envs.base import Outcome, Step, field, user_turn
 from ptx.envs.tools import Tool, ToolRegistry
 
 _ANSWER = re.compile(r"Answer:\s*(-?\d[\d,]*)")
@@ -185,13 +186,13 @@ class CalculatorEnv:
 
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks a `{"prompt", "answer"}` record's fields."""
-    field(task, "prompt", str, self.name)
+    user_turn(task, self.name)
     field(task, "answer", int, self.name)
 
   def reset(self, task: Mapping[str, Any]) -> CalculatorEpisode:
     """Starts an episode for a `{"prompt", "answer"}` record."""
     self.validate(task)
-    prompt, answer = task["prompt"], task["answer"]
+    prompt, answer = user_turn(task, self.name), task["answer"]
     tools = ToolRegistry([CALCULATOR], self.tool_format)
     if self.instructions:
       prompt = f"{prompt}\n\n{tools.instructions()} {_ANSWER_RULE}"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ptx.data import splits
-from ptx.envs.base import Outcome, SingleTurn, Step, field
+from ptx.envs.base import Outcome, SingleTurn, Step, field, prompt_text
 
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
@@ -139,7 +139,7 @@ class CountdownEnv:
 
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks a `{"prompt", "numbers", "target"}` record's fields."""
-    field(task, "prompt", str, self.name)
+    prompt_text(task, self.name)
     if not all(isinstance(n, int) for n in field(task, "numbers", (list, tuple), self.name)):
       raise ValueError(f"{self.name} task field 'numbers' must hold ints only")
     field(task, "target", int, self.name)
@@ -148,4 +148,4 @@ class CountdownEnv:
     """Starts an episode for a `{"prompt", "numbers", "target"}` record."""
     self.validate(task)
     numbers, target = list(task["numbers"]), task["target"]
-    return SingleTurn(task["prompt"], lambda action: score(action, numbers, target))
+    return SingleTurn(prompt_text(task, self.name), lambda action: score(action, numbers, target))

@@ -1,9 +1,9 @@
 """Exact-answer math: the final answer of the model's solution against a reference.
 
-Task records are `{"prompt": str, "answer": str}` (GSM8K, MATH, and the
-`ptx.data.arithmetic.ArithmeticTask` records alike). The answer is found by
-`ptx.verifiers.math_answer.extract_answer` and compared by
-`ptx.verifiers.math_equal.equivalent`.
+Task records are `{"prompt": str | chat messages, "answer": str}` (GSM8K,
+MATH, and the `ptx.data.arithmetic.ArithmeticTask` records alike). The
+answer is found by `ptx.verifiers.math_answer.extract_answer` and compared
+by `ptx.verifiers.math_equal.equivalent`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ptx.verifiers import math_answer, math_equal
-from ptx.envs.base import Outcome, SingleTurn, Step, field
+from ptx.envs.base import Outcome, SingleTurn, Step, field, prompt_text
 from ptx.verifiers.sympy_check import SymbolicChecker
 
 
@@ -34,14 +34,14 @@ class ExactAnswerEnv:
 
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks a `{"prompt", "answer"}` record's fields."""
-    field(task, "prompt", str, self.name)
+    prompt_text(task, self.name)
     field(task, "answer", (str, int, float), self.name)
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "answer"}` record."""
     self.validate(task)
     reference = str(task["answer"])
-    return SingleTurn(task["prompt"] + self.instruction, lambda action: self._score(action, reference))
+    return SingleTurn(prompt_text(task, self.name) + self.instruction, lambda action: self._score(action, reference))
 
   def _score(self, action: str, reference: str) -> Step:
     answer = math_answer.extract_answer(action)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ptx.data import splits
-from ptx.envs.base import Outcome, SingleTurn, Step, field
+from ptx.envs.base import Outcome, SingleTurn, Step, field, prompt_text
 
 _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
            "A river runs through the valley and the hills roll on toward the sea. ").split()
@@ -88,14 +88,14 @@ class NeedleEnv:
 
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks a NeedleTask record's fields."""
-    field(task, "prompt", str, self.name)
+    prompt_text(task, self.name)
     field(task, "answer", (str, int), self.name)
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a NeedleTask record."""
     self.validate(task)
     answer = str(task["answer"])
-    return SingleTurn(task["prompt"], lambda action: _score(action, answer))
+    return SingleTurn(prompt_text(task, self.name), lambda action: _score(action, answer))
 
 
 def _score(action: str, answer: str) -> Step:

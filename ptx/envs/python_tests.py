@@ -1,10 +1,10 @@
 """Python code against unit tests: the solution and the tests run in separate sandboxes.
 
-Task records are `{"prompt": str, "tests": str | list[str]}`: the tests are
-Python statements (usually asserts, MBPP/HumanEval style) written as if after
-`from solution import *`; each element of a list is one test, a str is one
-test. The model's code is the last fenced code block of its output (the whole
-output when it has none).
+Task records are `{"prompt": str | chat messages, "tests": str | list[str]}`:
+the tests are Python statements (usually asserts, MBPP/HumanEval style)
+written as if after `from solution import *`; each element of a list is one
+test, a str is one test. The model's code is the last fenced code block of
+its output (the whole output when it has none).
 
 Grading. The code runs as `solution.py` under `solution_server.py`, in a
 sandbox of its own. The tests run under `code_grader.py`, in a fork of the
@@ -73,7 +73,7 @@ from typing import Any
 from ptx.sandbox import fork_server, run as sandbox
 
 from ptx.verifiers.inside import plain_data
-from ptx.envs.base import Outcome, SingleTurn, Step, field, from_sandbox
+from ptx.envs.base import Outcome, SingleTurn, Step, field, from_sandbox, prompt_text
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 _SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "verifiers" / "inside"  # grader, server, plain_data
@@ -204,11 +204,11 @@ class PythonTestsEnv:
     sources = self._sources(task)
     sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
     shown = [task["tests"]] if isinstance(task["tests"], str) else task["tests"]
-    return SingleTurn(task["prompt"], lambda action: self._score(action, sources, shown))
+    return SingleTurn(prompt_text(task, self.name), lambda action: self._score(action, sources, shown))
 
   def _sources(self, task: Mapping[str, Any]) -> tuple[str, ...]:
     """The record's tests as the grader runs them, its fields checked."""
-    field(task, "prompt", str, self.name)
+    prompt_text(task, self.name)
     return _rewrite(field(task, "tests", (str, list), self.name), self.name)
 
   def _score(self, action: str, sources: tuple[str, ...], shown: list[str]) -> Step:

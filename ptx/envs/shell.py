@@ -1,6 +1,7 @@
 """A multi-turn shell task: the model runs commands, then a check it cannot reach decides.
 
 Task records are `{"prompt": str, "files": {path: content}, "check": str}`
+(the prompt may be chat messages of one user turn, `ptx.envs.base.user_turn`)
 with optional `"check_files": {path: content}`, `"max_turns": int` (at most
 the environment's) and `"setup": str`. Each episode gets a sandbox workspace
 holding the task's fixed initial state: `files`, after `setup` (a command run
@@ -67,7 +68,7 @@ from ptx.scheduling import offload, scheduler
 from ptx.sandbox import run as sandbox
 
 from ptx.envs import warm_pool
-from ptx.envs.base import Outcome, Step, field, from_sandbox
+from ptx.envs.base import Outcome, Step, field, from_sandbox, user_turn
 from ptx.scheduling.executors import Executor
 
 _FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -257,12 +258,17 @@ class ShellEnv:
     if self.executor is None:
       sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host (else: on the nodes)
     lease = self.pool.checkout(state) if self.pool is not None else warm_pool.Lease.inline(state, calls=self._calls)
-    return ShellEpisode(task["prompt"] + _INSTRUCTIONS, task["check"], task.get("check_files", {}), turns,
+    return ShellEpisode(user_turn(task, self.name) + _INSTRUCTIONS, task["check"], task.get("check_files", {}), turns,
                         self.limits, lease, self._calls)
+
+  def first_prompt(self, task: Mapping[str, Any]) -> str:
+    """The text of an episode's first prompt, found without a workspace (`reset` claims one from the pool)."""
+    self._checked(task)
+    return user_turn(task, self.name) + _INSTRUCTIONS
 
   def _checked(self, task: Mapping[str, Any]) -> tuple[int, warm_pool.InitialState]:
     """(the episode's turns, its initial state) of a record whose fields pass; else a ValueError naming the field."""
-    field(task, "prompt", str, self.name)
+    user_turn(task, self.name)
     check = field(task, "check", str, self.name)
     _files(task, "check_files", self.name)
     words = {word.removeprefix("./") for word in _WORD.findall(check)}

@@ -38,7 +38,10 @@ def test_code_and_shell_records_pass_without_running_their_tests_or_set_up(no_sa
 
 @pytest.mark.parametrize("name,change,error", [
     ("exact_answer", {"answer": [2]}, "exact_answer task field 'answer' must be str, int or float, got list"),
-    ("exact_answer", {"prompt": None}, "exact_answer task field 'prompt' must be str, got NoneType"),
+    ("exact_answer", {"prompt": None}, "exact_answer task field 'prompt' must be a string or chat messages (a list of "
+                                       "role/content objects), got NoneType"),
+    ("calculator", {"prompt": [{"role": "system", "content": "x"}]},
+     "calculator task field 'prompt': an episode starts from one user turn"),
     ("countdown", {"numbers": [1, "2"]}, "countdown task field 'numbers' must hold ints only"),
     ("needle", {"answer": 1.5}, "needle task field 'answer' must be str or int, got float"),
     ("calculator", {"answer": "12"}, "calculator task field 'answer' must be int, got str"),
