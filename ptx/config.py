@@ -170,7 +170,7 @@ class MeshConfig:
 class OptimizerConfig:
   """AdamW with linear warmup, cosine decay and global-norm clipping."""
 
-  # Peak learning rate.
+  # Peak learning rate (0 keeps the parameters as they are: a check that a run starts from given weights).
   lr: float = 3e-4
   # Steps of linear warmup from 0 to lr.
   warmup_steps: int = 10
@@ -188,8 +188,8 @@ class OptimizerConfig:
   clip_norm: float = 1.0
 
   def __post_init__(self):
-    if not (math.isfinite(self.lr) and self.lr > 0):
-      raise ValueError(f"optim.lr must be finite and > 0, got {self.lr}")
+    if not (math.isfinite(self.lr) and self.lr >= 0):
+      raise ValueError(f"optim.lr must be finite and >= 0, got {self.lr}")
     if self.warmup_steps < 0:
       raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
     if not 0 <= self.min_lr_ratio <= 1:

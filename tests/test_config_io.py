@@ -57,7 +57,7 @@ def test_a_preset_then_field_overrides():
     ("--grpo.sampling.temperature=0", "grpo.sampling.temperature: sampling.temperature must be > 0"),
     ("--grpo.sampling.top_p=1.5", "top_p must be in"),
     ("--model.n_layers=0", "model.n_layers must be >= 1, got 0"),
-    ("--optim.lr=-1e-3", r"optim.lr must be finite and > 0, got -0.001"),
+    ("--optim.lr=-1e-3", r"optim.lr must be finite and >= 0, got -0.001"),
     ("--optim.b2=1", r"optim.b1 and optim.b2 must be in \[0, 1\)"),
     ("--optim.clip_norm=-1", "optim.clip_norm must be finite and >= 0"),
 ])
@@ -67,7 +67,7 @@ def test_bad_overrides_name_the_field(arg, message):
 
 
 def test_a_python_caller_gets_the_same_range_checks():
-  with pytest.raises(ValueError, match="optim.lr must be finite and > 0, got nan"):
+  with pytest.raises(ValueError, match="optim.lr must be finite and >= 0, got nan"):
     OptimizerConfig(lr=float("nan"))
   with pytest.raises(ValueError, match="model.n_layers must be >= 1, got 0"):
     ModelConfig(n_layers=0)
