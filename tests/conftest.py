@@ -97,6 +97,16 @@ def ptx_checkpoint(tmp_path_factory):
   return path
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` (`make test`'s) through a scheduler whose run ends after a worker crashes."""
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from crash_safe_scheduling import CrashSafeLoadFileScheduling
+
+  return CrashSafeLoadFileScheduling(config, log)
+
+
 def pytest_sessionfinish(session, exitstatus):
   """Removes the compilation cache this process created (the controller's, under xdist)."""
   if _OWN_CACHE:
