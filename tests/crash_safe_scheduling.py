@@ -5,7 +5,9 @@ is replaced under `--dist loadfile`: it puts the dead worker's whole workload
 back on the queue, finished files included, so a replacement can be handed a
 file with nothing left to run; and a replacement handed the last file is never
 told that no more will come, so it waits for a next test before running its
-last one. Both reproduce with a test that calls `os._exit` (tests/test_worker_crash.py).
+last one. It also stops the run with an internal error when it sends work to a
+worker that died right after its last report. All three reproduce with a test
+that calls `os._exit` (tests/test_worker_crash.py).
 """
 
 from xdist.scheduler import LoadFileScheduling
@@ -34,6 +36,18 @@ class CrashSafeLoadFileScheduling(LoadFileScheduling):
     for other in self.assigned_work:
       self._reschedule(other)
     return crashed
+
+  def _assign_work_unit(self, node):
+    """Sends `node` its next file, unless it has died since its last report.
+
+    A worker that reports a test and dies at once (the next test kills it) is still listed until
+    the controller reads that it died; xdist stops the whole run with an OSError when it tries to
+    send it work meanwhile. The file stays assigned to the dead worker, and `remove_node` puts it back.
+    """
+    try:
+      super()._assign_work_unit(node)
+    except OSError:
+      pass
 
   def schedule(self):
     """Hands out work, and tells every worker when nothing is left to hand out.
