@@ -83,14 +83,27 @@ def _grpo_cfg(**grpo) -> Config:
                 grpo=GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_response_tokens=4, **grpo))
 
 
-def test_ppo_epochs_move_every_update_at_the_scheduled_learning_rate(tmp_path):
-  # 2 epochs x 2 mini-batches: 4 optimizer updates a step, 8 in the run, one cosine over all 8.
-  cfg = _grpo_cfg(epochs=2, minibatches=2)
+# Parameter rules beside the default (which shards embed over fsdp): mlp over fsdp, embed replicated.
+PARAM_RULES = '--mesh.param_rules=["mlp=fsdp", "embed="]'
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+  """(Job, final state, run directory) of 2 GRPO steps of 2 epochs x 2 mini-batches, each optimizer update's largest
+  move recorded, the parameters laid out by PARAM_RULES."""
+  cfg = config_io.apply_overrides(_grpo_cfg(epochs=2, minibatches=2), [PARAM_RULES])
   job = grpo_job(cfg, TOK, _even_tokens)
-  assert job.updates_per_step == 4 and job.total_updates == 8
   recorded = dataclasses.replace(job, step=_Recorded(job.step, job.total_updates))
   prompts = streams.grpo_prompts(cfg, TOK, ArithmeticTask(0, 2), in_graph=True)
-  state, _ = fit(cfg, recorded, train_data=prompts, out=tmp_path, progress=False)
+  out = tmp_path_factory.mktemp("ppo")
+  state, _ = fit(cfg, recorded, train_data=prompts, out=out, progress=False)
+  return job, state, out
+
+
+def test_ppo_epochs_move_every_update_at_the_scheduled_learning_rate(ppo_run):
+  # 2 epochs x 2 mini-batches: 4 optimizer updates a step, 8 in the run, one cosine over all 8.
+  job, state, out = ppo_run
+  assert job.updates_per_step == 4 and job.total_updates == 8
   moves = np.asarray(optax.tree_utils.tree_get(state.opt_state, "largest"))
   want = np.asarray([job.learning_rate(i) for i in range(8)])
   # Adam with b1 = b2 = 0 moves each weight by lr * g / (|g| + eps): the largest move is lr up to eps / |g| ~ 1e-6
@@ -98,7 +111,7 @@ def test_ppo_epochs_move_every_update_at_the_scheduled_learning_rate(tmp_path):
   # The schedule is float32 arithmetic: 1e-5 relative against the float64 cosine.
   assert (want > 0).all() and want[-1] == pytest.approx(1e-2 * 0.5 * (1 + np.cos(7 * np.pi / 8)), rel=1e-5)
   np.testing.assert_allclose(moves, want, rtol=1e-4)
-  logged = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  logged = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
   # A step logs the lr of its first update: the same float32 schedule, so rounding only (approx's rel 1e-6).
   assert logged == pytest.approx([want[0], want[4]])
 
@@ -181,24 +194,16 @@ def test_fit_refuses_a_job_built_for_another_config(tmp_path):
     fit(longer, job, train_data=[], out=tmp_path, progress=False)
 
 
-def test_sharding_rules_come_from_the_config(tmp_path):
+def test_sharding_rules_come_from_the_config(ppo_run):
   from jax.sharding import PartitionSpec
 
-  from ptx.data.pipeline import make_pipeline
-  from ptx.data.sources import MemorySource
-
-  base = _grpo_cfg()
-  cfg = config_io.apply_overrides(
-      dataclasses.replace(base, data=DataConfig(batch_size=8, seq_len=16, pack=False)),
-      ['--mesh.param_rules=["mlp=fsdp", "embed="]', "--train.steps=1"])
-  job = sft_job(cfg, TOK)
-  assert job.rules.params["mlp"] == "fsdp" and job.rules.params["embed"] is None
-  assert job.rules.activations == sharding.DEFAULT_RULES.activations
-  records = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(16)]
-  state, _ = fit(cfg, job, train_data=make_pipeline(MemorySource(records), TOK, cfg.data), out=tmp_path,
-                 progress=False)
-  # up is [layers, embed, mlp]: embed now replicated, mlp over fsdp (the default shards embed over fsdp).
-  assert state.params["layers"]["up"].sharding.spec == PartitionSpec(None, None, "fsdp")
+  sft_data = DataConfig(batch_size=8, seq_len=16, pack=False)
+  cfg = config_io.apply_overrides(dataclasses.replace(_grpo_cfg(), data=sft_data), [PARAM_RULES])
+  for job in (sft_job(cfg, TOK), ppo_run[0]):
+    assert job.rules.params["mlp"] == "fsdp" and job.rules.params["embed"] is None
+    assert job.rules.activations == sharding.DEFAULT_RULES.activations
+  # The state `fit` trained: up is [layers, embed, mlp], embed now replicated, mlp over fsdp.
+  assert ppo_run[1].params["layers"]["up"].sharding.spec == PartitionSpec(None, None, "fsdp")
   for bad, message in ((["mlp=nowhere"], "unknown mesh axis 'nowhere'"), (["mlp"], "mesh.param_rules: 'mlp' is not")):
     with pytest.raises(ConfigError, match=message):
       sft_job(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, param_rules=tuple(bad))), TOK)

@@ -1,7 +1,6 @@
 """GRPO's reward components and adaptive KL / entropy coefficients through the fused and host-reward steps."""
 
 import dataclasses
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,25 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from stepping import run_steps
-from tolerances import ADAM_EPS
-from ptx.config import Config, DataConfig, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
-from ptx.data.arithmetic import ArithmeticTask
-from ptx.data.tokenizer import ByteTokenizer
-from ptx.train.grpo.prompts import PromptBatches
-from ptx.sharding import make_mesh
-from ptx.train.optimizer import make_optimizer
+from grpo_steps import MODEL, N_NEW, build
+from ptx.config import GRPOConfig
 from ptx.train.grpo import update
-from ptx.train.job import grpo_job
-from ptx.train.loop import fit
-from ptx.data.lookahead import Lookahead
-from ptx.train.grpo.host import HostRewardStep
-from ptx.train.grpo.fused import make_grpo_step
 from ptx.train.grpo.update import RLSpec, coefficient_stage
-from ptx.train.state import init_state, state_shardings
 
-TOK = ByteTokenizer()
-N_NEW = 6
 ROLLOUTS = 16  # 8 prompts x G = 2
 # Parameters of two different programs after the same updates (components vs their weighted sum, adaptive vs fixed
 # coefficients, host vs in-graph rewards): float32 rounding of reordered sums, kept small by ADAM_EPS (tolerances.py).
@@ -53,67 +38,47 @@ def _components_on_host(tokens, lengths, tasks):
   return {"even": np.asarray(even, np.float32), "long": np.asarray(lengths, np.float32) / N_NEW}
 
 
-def _run(cfg, grpo_cfg, steps, *, reward=_components, host=False):
+def _run(grpo_cfg, steps, *, reward=_components, kind="fused"):
   """`steps` fused (or host-reward, on-policy) RL steps with the coefficient stage; (state, metrics per step)."""
-  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
-  optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=ADAM_EPS), 10)
-  stage = coefficient_stage(grpo_cfg)
-  optimizer = optimizer if stage is None else optax.chain(optimizer, stage)
-  with_ref = grpo_cfg.beta > 0
-  shardings = state_shardings(cfg, optimizer, mesh, with_reference=with_ref)
-  state = init_state(cfg, optimizer, 0, mesh, with_reference=with_ref)
-  kw = dict(max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-  prompts = lambda width: PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=width)
-  if host:
-    data = Lookahead(prompts(None))
-    step = HostRewardStep(spec=RLSpec(model=cfg, grpo=grpo_cfg, **kw), optimizer=optimizer, mesh=mesh,
-                          state_shardings=shardings, reward=reward, prompts=data)
-  else:
-    data = prompts(4)
-    step = make_grpo_step(RLSpec(model=cfg, grpo=grpo_cfg, **kw), reward, optimizer=optimizer, mesh=mesh,
-                          state_shardings=shardings)
-  return run_steps(step, state, data, steps)
+  return build(MODEL, grpo_cfg, reward, kind=kind).run(steps)
 
 
 def _coefficients(state):
   return jax.device_get(optax.tree_utils.tree_get(state.opt_state, "Coefficients"))
 
 
-def test_reward_components_sum_to_the_scalar_reward_and_log_each_mean(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", reward_weights=(1.0, 0.5))
-  parts, parts_metrics = _run(cfg, grpo_cfg, 1)
-  scalar, scalar_metrics = _run(cfg, dataclasses.replace(grpo_cfg, reward_weights=()), 1, reward=_weighted_sum)
-  m = parts_metrics[0]
+def _assert_params_close(got, want):
+  """The parameters of two programs after the same updates: within PARAMS_RTOL / PARAMS_ATOL."""
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=PARAMS_RTOL,
+                                                       atol=PARAMS_ATOL), got, want)
+
+
+def test_reward_components_and_adaptive_coefficients_that_stay_put_equal_a_scalar_reward_and_fixed_ones():
+  # One comparison for two equivalences: the components' weighted sum is the scalar reward, and adaptive coefficients
+  # whose rules cannot move them (a huge horizon, no entropy step) are the fixed coefficients.
+  fixed = GRPOConfig(group_size=2, kl_placement="reward", kl_estimator="k1", beta=0.1, entropy_coef=0.05)
+  still = dataclasses.replace(fixed, reward_weights=(1.0, 0.5), kl_target=1.0, kl_horizon=10**15, entropy_target=1e9,
+                              entropy_coef_delta=0.0)
+  want, want_metrics = _run(fixed, 1, reward=_weighted_sum)
+  got, got_metrics = _run(still, 1)
+  m, w = got_metrics[0], want_metrics[0]
   # Means of 16 float32 rewards, summed per component or as one: a few ulps apart.
   assert m["reward/mean"] == pytest.approx(m["reward/even/mean"] + 0.5 * m["reward/long/mean"], rel=1e-5)
-  np.testing.assert_allclose(m["reward/mean"], scalar_metrics[0]["reward/mean"], rtol=1e-6)
-  assert "reward/even/mean" not in scalar_metrics[0]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=PARAMS_RTOL,
-                                                       atol=PARAMS_ATOL), parts.params, scalar.params)
-
-
-def test_adaptive_coefficients_that_stay_put_equal_fixed_ones(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  fixed = GRPOConfig(group_size=2, kl_placement="reward", kl_estimator="k1", beta=0.1, entropy_coef=0.05)
-  still = dataclasses.replace(fixed, kl_target=1.0, kl_horizon=10**15, entropy_target=1e9, entropy_coef_delta=0.0)
-  want, want_metrics = _run(cfg, fixed, 1, reward=_weighted_sum)
-  got, got_metrics = _run(cfg, still, 1, reward=_weighted_sum)
+  np.testing.assert_allclose(m["reward/mean"], w["reward/mean"], rtol=1e-6)
+  assert "reward/even/mean" not in w
   for key in ("loss", "actor/entropy", "actor/pg_loss", "actor/kl_coef"):  # reordered float32 sums: ~1e-6
-    np.testing.assert_allclose(got_metrics[0][key], want_metrics[0][key], rtol=1e-5, err_msg=key)
-  assert got_metrics[0]["actor/entropy_coef"] == pytest.approx(0.05)  # float32 0.05: approx's rel 1e-6
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=PARAMS_RTOL,
-                                                       atol=PARAMS_ATOL), got.params, want.params)
+    np.testing.assert_allclose(m[key], w[key], rtol=1e-5, err_msg=key)
+  assert m["actor/entropy_coef"] == pytest.approx(0.05)  # float32 0.05: approx's rel 1e-6
+  _assert_params_close(got.params, want.params)
 
 
-def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equals_the_fused(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
+def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equals_the_fused():
   grpo_cfg = GRPOConfig(group_size=2, reward_combine="normalize_then_sum", reward_weights=(1.0, 0.5),
                         kl_placement="reward", kl_estimator="k1", beta=0.1, kl_target=1e-4, kl_horizon=ROLLOUTS,
                         entropy_coef=0.01, entropy_target=1e9, entropy_coef_delta=0.004, entropy_coef_max=0.016,
                         max_staleness=0)
-  fused, fused_metrics = _run(cfg, grpo_cfg, 3)
-  host, host_metrics = _run(cfg, grpo_cfg, 3, reward=_components_on_host, host=True)
+  fused, fused_metrics = _run(grpo_cfg, 3)
+  host, host_metrics = _run(grpo_cfg, 3, reward=_components_on_host, kind="host")
   betas, coefs = [0.1], [0.01]
   # The coefficients are float32 in the optimizer state, the rule's replay below float64: rel 1e-5 covers 3 steps.
   for m in fused_metrics:
@@ -132,8 +97,7 @@ def test_gdpo_and_adaptive_coefficients_follow_their_rules_and_the_host_mode_equ
     for key in ("reward/mean", "reward/even/mean", "loss", "actor/kl_coef", "actor/entropy_coef"):
       # Host vs in-graph: reordered float32 sums, ~1e-6 relative; atol for a loss that lands near 0.
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=PARAMS_RTOL,
-                                                       atol=PARAMS_ATOL), host.params, fused.params)
+  _assert_params_close(host.params, fused.params)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -154,44 +118,3 @@ def test_adaptive_coefficients_need_the_coefficient_stage():
   assert [float(x) for x in state] == pytest.approx([0.2, 0.0, 1.0])
   with pytest.raises(ValueError, match="coefficient_stage"):
     update._coefficients(optax.adam(1.0).init(params))
-
-
-def test_a_resumed_run_continues_with_the_checkpointed_coefficients(tmp_path, tiny_config):
-  grpo_cfg = GRPOConfig(group_size=2, kl_placement="reward", beta=0.1, kl_target=1e-4, kl_horizon=ROLLOUTS,
-                        entropy_coef=0.01, entropy_target=0.0, entropy_coef_delta=0.004)
-  cfg = Config(model=dataclasses.replace(tiny_config, n_layers=1), mesh=MeshConfig(data=2, fsdp=4),
-               optim=OptimizerConfig(lr=1e-3, warmup_steps=0), grpo=grpo_cfg,
-               data=DataConfig(kind="rl", batch_size=8, seq_len=8, pack=False),
-               train=TrainConfig(steps=2, log_every=1, checkpoint_every=1))
-  job = grpo_job(cfg, TOK, _weighted_sum)
-  assert job.with_reference and job.step.optimizer_stage() is not None
-  run = lambda resume: fit(
-      cfg, job, train_data=PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=4),
-      out=tmp_path, progress=False, resume=resume)
-  straight, _ = run(False)
-  shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if preempted after step 1
-  resumed, summary = run(True)
-  assert summary["resumed_from"] == 1 and int(resumed.step) == 2
-  want = _coefficients(straight)
-  # The coefficients moved (by 20% and 0.004) far past rounding, so the exact comparison below means something.
-  assert float(want.kl_coef) != pytest.approx(0.1) and float(want.entropy_coef) != pytest.approx(0.01)
-  jax.tree.map(np.testing.assert_array_equal, _coefficients(resumed), want)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params,
-               straight.params)
-
-
-def _first_sample_of_odd_prompts(tokens, lengths, tasks):
-  """Components where only prompts with an odd first operand give a group with signal."""
-  odd = np.repeat([int(t["prompt"].split("+")[0]) % 2 for t in tasks], 2)
-  return {"hit": (odd * (np.arange(len(odd)) % 2 == 0)).astype(np.float32), "zero": np.zeros(len(odd), np.float32)}
-
-
-def test_host_refill_with_reward_components(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, filter_groups="refill",
-                        max_refill_rounds=3)
-  _, history = _run(cfg, grpo_cfg, 1, reward=_first_sample_of_odd_prompts, host=True)
-  m = history[0]
-  assert m["filter_groups/unfilled"] == 0.0 and m["filter_groups/rounds"] >= 2
-  # Every kept group scores 1, 0: a mean of halves, exact in float32.
-  assert m["reward/hit/mean"] == pytest.approx(0.5) and m["reward/zero/mean"] == 0.0

@@ -7,69 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_steps import MODEL, N_NEW, TOK, build, even_tokens, even_tokens_on_host
 from stepping import run_steps
-from tolerances import ADAM_EPS
-from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
-from ptx.data.arithmetic import ArithmeticTask
-from ptx.data.tokenizer import ByteTokenizer
+from ptx.config import GRPOConfig
 from ptx.sandbox import run as sandbox
 from ptx.envs.base import Outcome, SingleTurn, Step
 from ptx.envs.exact_answer import ExactAnswerEnv
-from ptx.train.grpo.prompts import PromptBatches
 from ptx.sampling.rules import SamplingConfig
-from ptx.sharding import make_mesh
-from ptx.train.optimizer import make_optimizer
-from ptx.data.lookahead import Lookahead
 from ptx.episodes.scoring import EnvReward
-from ptx.train.grpo.host import HostRewardStep
-from ptx.train.grpo.fused import make_grpo_step
-from ptx.train.grpo.update import RLSpec
-from ptx.train.state import init_state, state_shardings
 
-TOK = ByteTokenizer()
-N_NEW = 6
+# Every host run's rollouts here: the temperature the stale run checks its importance ratios at, one sampling program
+# for the file.
+SAMPLING = SamplingConfig(temperature=0.8)
 
 
-def _even_tokens(gen, task):
-  """In-graph: the fraction of generated tokens that are even."""
-  live = jnp.arange(gen.tokens.shape[1])[None] < gen.lengths[:, None]
-  return ((gen.tokens % 2 == 0) & live).sum(axis=1) / jnp.maximum(gen.lengths, 1)
-
-
-def _even_tokens_on_host(tokens, lengths, tasks):
-  """The same reward as Python on the host."""
-  return np.asarray([np.mean(row[:n] % 2 == 0) if n else 0.0 for row, n in zip(tokens, lengths)], np.float32)
-
-
-def _prompts(answer_width):
-  return PromptBatches(ArithmeticTask(0, 2), TOK, batch_size=8, prompt_len=8, answer_width=answer_width)
-
-
-def _run(cfg, grpo_cfg, steps, *, host_reward=None):
-  """`steps` RL steps of the fused step (host_reward None) or the host-reward step; (state, metrics per step)."""
-  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
-  # The host-reward and fused updates are compared: Adam's eps keeps rounding from being amplified (tolerances.py).
-  optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=ADAM_EPS), 10)
-  shardings = state_shardings(cfg, optimizer, mesh, with_reference=grpo_cfg.beta > 0)
-  state = init_state(cfg, optimizer, 0, mesh, with_reference=grpo_cfg.beta > 0)
-  kw = dict(max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-  if host_reward is None:
-    data = _prompts(4)
-    step = make_grpo_step(RLSpec(model=cfg, grpo=grpo_cfg, **kw), _even_tokens, optimizer=optimizer, mesh=mesh,
-                          state_shardings=shardings)
-  else:
-    data = Lookahead(_prompts(None))
-    step = HostRewardStep(spec=RLSpec(model=cfg, grpo=grpo_cfg, **kw), optimizer=optimizer, mesh=mesh,
-                          state_shardings=shardings, reward=host_reward, prompts=data)
-  state, history = run_steps(step, state, data, steps)
-  return state, history, data, step
-
-
-def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0)
-  fused, fused_metrics, *_ = _run(cfg, grpo_cfg, 2)
-  host, host_metrics, *_ = _run(cfg, grpo_cfg, 2, host_reward=_even_tokens_on_host)
+def test_host_mode_on_policy_equals_the_fused_step():
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0, sampling=SAMPLING)
+  fused, fused_metrics = build(MODEL, grpo_cfg, even_tokens).run(2)
+  host, host_metrics = build(MODEL, grpo_cfg, even_tokens_on_host, kind="host").run(2)
   # Two programs (rewards on the host, then their own update step): float32 rounding of reordered sums at most
   # (bit-equal here); ~1e-6 relative, atol for a loss or KL that lands near 0.
   for want, got in zip(fused_metrics, host_metrics):
@@ -81,11 +36,11 @@ def test_host_mode_on_policy_equals_the_fused_step(tiny_config):
                host.params, fused.params)
 
 
-def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1,
-                        sampling=SamplingConfig(temperature=0.8))
-  state, history, data, _ = _run(cfg, grpo_cfg, 3, host_reward=_ReportingReward())
+def test_stale_host_mode_reads_ahead_and_is_importance_corrected():
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, sampling=SAMPLING)
+  built = build(MODEL, grpo_cfg, _ReportingReward(), kind="host")
+  state, history = built.run(3)
+  data = built.data
   assert int(state.step) == 3
   assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]  # the first batch has nothing ahead of it
   assert [m["rewards/calls"] for m in history] == [1, 1, 1]  # each step reports the batch it scored
@@ -101,14 +56,14 @@ def test_stale_host_mode_reads_ahead_and_is_importance_corrected(tiny_config):
 
 
 class _ReportingReward:
-  """`_even_tokens_on_host` with host metrics, as EnvReward has: the calls since the last take."""
+  """`even_tokens_on_host` with host metrics, as EnvReward has: the calls since the last take."""
 
   def __init__(self):
     self.calls = 0
 
   def __call__(self, tokens, lengths, tasks):
     self.calls += 1
-    return _even_tokens_on_host(tokens, lengths, tasks)
+    return even_tokens_on_host(tokens, lengths, tasks)
 
   def take_metrics(self):
     calls, self.calls = self.calls, 0
@@ -150,39 +105,52 @@ def test_env_reward_decodes_and_scores_each_sample_against_its_prompt_task():
 
 
 def _first_sample_of_odd_prompts(tokens, lengths, tasks):
-  """1 for the first sample of a prompt with an odd first operand: the other groups have zero variance."""
+  """Components where only prompts with an odd first operand give a group with signal: 1 for their first sample."""
   odd = np.repeat([int(t["prompt"].split("+")[0]) % 2 for t in tasks], 2)
-  return (odd * (np.arange(len(odd)) % 2 == 0)).astype(np.float32)
+  return {"hit": (odd * (np.arange(len(odd)) % 2 == 0)).astype(np.float32), "zero": np.zeros(len(odd), np.float32)}
 
 
-def test_host_refill_takes_further_batches_until_every_group_has_signal(tiny_config):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=1, filter_groups="refill",
-                        max_refill_rounds=3)
-  state, history, data, _ = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
+REFILL = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=2, filter_groups="refill",
+                    max_refill_rounds=3, sampling=SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def refilling():
+  """4 refilling steps with 2 batches sampled ahead; what a checkpoint after step 2 holds of the run.
+
+  Returns (the run, its metrics per step, {"state", "pipeline", "position"} after step 2).
+  """
+  built = build(MODEL, REFILL, _first_sample_of_odd_prompts, kind="host")
+  state, history = built.run(2)
+  saved = {"state": jax.tree.map(jnp.copy, state), "pipeline": jax.tree.map(np.asarray, built.step.pipeline_state()),
+           "position": built.data.get_state()}
+  _, rest = built.run(2)
+  return built, history + rest, saved
+
+
+def test_host_refill_takes_further_batches_until_every_group_has_signal(refilling):
+  built, history, _ = refilling
   for m in history:
     kept = 8 * (m["filter_groups/rounds"]) - m["filter_groups/evicted"]
     assert m["filter_groups/unfilled"] == 0.0 and kept >= 8 and m["filter_groups/rounds"] >= 2
+    # Reward components through the refill: every kept group scores 1, 0, a mean of halves, exact in float32.
+    assert m["reward/hit/mean"] == pytest.approx(0.5) and m["reward/zero/mean"] == 0.0
   rounds = sum(m["filter_groups/rounds"] for m in history)
-  assert data.get_state() == {"next_batch": int(rounds)}  # refill batches are consumed from the stream
+  assert built.data.get_state() == {"next_batch": int(rounds)}  # refill batches are consumed from the stream
 
 
-def test_a_refilling_pipeline_taken_back_from_its_saved_state_continues_exactly(tiny_config):
+def test_a_refilling_pipeline_taken_back_from_its_saved_state_continues_exactly(refilling):
   # What a checkpoint holds of the host pipeline (the batches sampled ahead, the stream position) is enough:
   # a fresh step object given it continues as the uninterrupted one does, refills consuming the stream included.
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=2, filter_groups="refill",
-                        max_refill_rounds=3)
-  want_state, want, *_ = _run(cfg, grpo_cfg, 4, host_reward=_first_sample_of_odd_prompts)
-  state, got, data, step = _run(cfg, grpo_cfg, 2, host_reward=_first_sample_of_odd_prompts)
-  saved, position = jax.tree.map(np.asarray, step.pipeline_state()), data.get_state()
-  assert len(saved["index"]) == 2 and saved["batches"]["0"]["gen"]["tokens"].shape == (16, N_NEW)
-  _, _, fresh_data, fresh = _run(cfg, grpo_cfg, 0, host_reward=_first_sample_of_odd_prompts)
-  fresh_data.set_state(position)
-  fresh.set_pipeline_state(saved)
-  state, rest = run_steps(fresh, state, fresh_data, 2)
-  for step_want, step_got in zip(want, got + rest):
+  uninterrupted, want, saved = refilling
+  pipeline = saved["pipeline"]
+  assert len(pipeline["index"]) == 2 and pipeline["batches"]["0"]["gen"]["tokens"].shape == (16, N_NEW)
+  fresh = build(MODEL, REFILL, _first_sample_of_odd_prompts, kind="host")
+  fresh.data.set_state(saved["position"])
+  fresh.step.set_pipeline_state(pipeline)
+  state, rest = run_steps(fresh.step, saved["state"], fresh.data, 2)
+  for step_want, step_got in zip(want[2:], rest):
     drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
     np.testing.assert_equal(drop(step_got), drop(step_want))
   assert all(m["filter_groups/rounds"] >= 2 for m in want) and want[3]["rollout/staleness"] > 0
-  jax.tree.map(np.testing.assert_array_equal, state.params, want_state.params)
+  jax.tree.map(np.testing.assert_array_equal, state.params, uninterrupted.state.params)

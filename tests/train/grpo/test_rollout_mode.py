@@ -8,23 +8,17 @@ import numpy as np
 import pytest
 import qwix
 
-from test_host_step import N_NEW, TOK, _even_tokens_on_host, _prompts
-from stepping import run_steps
+from grpo_steps import MODEL, N_NEW, TOK, build, even_tokens_on_host
 from ptx import config_io
-from ptx.config import Config, ConfigError, EvalConfig, GRPOConfig, MeshConfig, OptimizerConfig, RolloutConfig
+from ptx.config import Config, ConfigError, EvalConfig, GRPOConfig, OptimizerConfig, RolloutConfig
 from ptx.models.params import init_params
 from ptx.envs.calculator import CalculatorEnv
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.mode import RolloutMode
 from ptx.sampling.rules import SamplingConfig
 from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
-from ptx.sharding import make_mesh
 from ptx.train import checkpoint_evals, job, presets
-from ptx.train.optimizer import make_optimizer
-from ptx.train.grpo.engine import EngineGRPOStep, EngineRewardStep
-from ptx.data.lookahead import Lookahead
-from ptx.train.grpo.update import RLSpec
-from ptx.train.state import init_state, state_shardings
+from ptx.train.grpo.engine import EngineGRPOStep
 
 # Prompts of the arithmetic stream are at most 8 tokens; groups of 2, 8 prompts a batch, one batch in flight.
 ENGINE = EngineConfig(max_seqs=16, pages=16 * 2 + 1, page_size=8, max_seq_len=8 + N_NEW, decode_steps=2,
@@ -41,7 +35,7 @@ def _fast_grpo_config(**changes) -> Config:
 def test_the_switch_parses_and_builds_the_fast_engine_step():
   cfg = config_io.apply_overrides(presets.TOY["grpo"](), ["--rollout.mode=fast", "--grpo.rollouts=engine",
                                                           "--rollout.drafts=3", "--rollout.rounds=2"])
-  built = job.grpo_host_job(cfg, TOK, _even_tokens_on_host)
+  built = job.grpo_host_job(cfg, TOK, even_tokens_on_host)
   assert isinstance(built.step, EngineGRPOStep) and "rollout" in built.sections
   assert built.step.mode == RolloutMode.of(cfg.rollout)
   assert built.step.mode.int8 and built.step.mode.speculative.drafts == 3 and not built.step.mode.exact
@@ -55,24 +49,23 @@ def test_the_switch_parses_and_builds_the_fast_engine_step():
     RolloutConfig(rounds=0)
 
 
-@pytest.mark.parametrize("build, changes, names", [
+@pytest.mark.parametrize("builder, changes, names", [
     # The fused in-graph mode samples with `generate`; so do static host rollouts.
     (lambda cfg: job.grpo_job(cfg, TOK), {"rollouts": "static"}, "grpo.rollouts=engine"),
-    (lambda cfg: job.grpo_host_job(cfg, TOK, _even_tokens_on_host), {"rollouts": "static"}, "grpo.rollouts=engine"),
+    (lambda cfg: job.grpo_host_job(cfg, TOK, even_tokens_on_host), {"rollouts": "static"}, "grpo.rollouts=engine"),
     (lambda cfg: job.grpo_host_job(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=4)), TOK,
-                                   _even_tokens_on_host), {}, "lora.rank"),
+                                   even_tokens_on_host), {}, "lora.rank"),
     (lambda cfg: job.grpo_episode_job(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_staleness=0)),
                                       TOK, CalculatorEnv()), {}, "rollout.mode=standard"),
 ])
-def test_settings_without_a_fast_path_are_refused_naming_the_fields(build, changes, names):
+def test_settings_without_a_fast_path_are_refused_naming_the_fields(builder, changes, names):
   cfg = _fast_grpo_config()
   cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, **changes))
   with pytest.raises(ConfigError, match=names):
-    build(cfg)
+    builder(cfg)
 
 
-def test_fast_grpo_samples_the_int8_tree_and_trains_the_float_one(tiny_config, monkeypatch):
-  cfg = dataclasses.replace(tiny_config, n_layers=1)
+def test_fast_grpo_samples_the_int8_tree_and_trains_the_float_one(monkeypatch):
   sampled_from = []
   original = SpeculativeEngine.step
 
@@ -81,18 +74,13 @@ def test_fast_grpo_samples_the_int8_tree_and_trains_the_float_one(tiny_config, m
     return original(self, params, **kwargs)
 
   monkeypatch.setattr(SpeculativeEngine, "step", recording)
-  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
-  optimizer = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0), 10)
   grpo_cfg = GRPOConfig(group_size=2, beta=0.0, kl_placement="none", max_staleness=0,
                         sampling=SamplingConfig(temperature=0.7))
-  shardings = state_shardings(cfg, optimizer, mesh, with_reference=False)
-  state = init_state(cfg, optimizer, 0, mesh, with_reference=False)
-  initial = jax.tree.map(np.asarray, state.params)
-  data = Lookahead(_prompts(None))
-  spec = RLSpec(model=cfg, grpo=grpo_cfg, max_new_tokens=N_NEW, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-  step = EngineRewardStep(spec=spec, optimizer=optimizer, mesh=mesh, state_shardings=shardings,
-                          reward=_even_tokens_on_host, prompts=data, engine=ENGINE, mode=RolloutMode.of(FAST))
-  state, history = run_steps(step, state, data, 2)
+  # Adam's default eps: nothing here is compared with another program's parameters.
+  built = build(MODEL, grpo_cfg, even_tokens_on_host, kind="engine", eps=OptimizerConfig().eps, engine=ENGINE,
+                mode=RolloutMode.of(FAST))
+  initial = jax.tree.map(np.asarray, built.state.params)
+  state, history = built.run(2)
 
   # The engine got the int8 tree (projections as QArrays, placed like their weights); the state keeps float arrays,
   # and the update moved them.
