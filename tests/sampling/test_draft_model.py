@@ -6,13 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import PROMPTS, SMALL, _greedy_case, _run
-from test_generate import GREEDY, _params
-from test_speculative import ALPHA, ALWAYS, CHI_CFG, CHI_NEW, CHI_PROMPT, _chi_square_p, _exact_joint
+from engine_setup import (ALPHA, ALWAYS, CHI_CFG, CHI_ENGINE, GREEDY, PROMPTS, SMALL, check_greedy, chi_counts,
+                          chi_square_p, exact_joint, greedy_case, perturbed_params, run_requests)
 
 from ptx.sampling import SamplingConfig
 from ptx.sampling.engine.drafters import DraftModel
-from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.acceptance import rejection_sample
 from ptx.sampling.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
@@ -36,11 +34,11 @@ def test_the_rejection_rule_draws_from_the_policy_and_a_wrong_q_is_caught():
   q_KV = rng.dirichlet(np.ones(6), 2).astype(np.float32)
   tokens, accepted = _rule_samples(p_TV, q_KV, q_KV, 200_000)
   assert 0.2 < accepted.mean() < 1.8  # drafts both accepted and rejected
-  assert _chi_square_p(np.bincount(tokens[:, 0], minlength=6), p_TV[0]) > ALPHA
-  assert _chi_square_p(np.bincount(tokens[accepted >= 1, 1], minlength=6), p_TV[1]) > ALPHA
+  assert chi_square_p(np.bincount(tokens[:, 0], minlength=6), p_TV[0]) > ALPHA
+  assert chi_square_p(np.bincount(tokens[accepted >= 1, 1], minlength=6), p_TV[1]) > ALPHA
   uniform = np.full_like(q_KV, 1 / 6)
   wrong, _ = _rule_samples(p_TV, q_KV, uniform, 200_000)
-  assert _chi_square_p(np.bincount(wrong[:, 0], minlength=6), p_TV[0]) < ALPHA
+  assert chi_square_p(np.bincount(wrong[:, 0], minlength=6), p_TV[0]) < ALPHA
 
 
 def test_the_rejection_rule_is_greedy_for_one_hot_distributions():
@@ -53,16 +51,14 @@ def test_the_rejection_rule_is_greedy_for_one_hot_distributions():
 
 def test_greedy_draft_model_equals_generate_and_the_policy_drafting_itself_is_always_accepted(tiny_config):
   """The policy as its own draft model over the whole context drafts the greedy tokens: each draft is accepted."""
-  cfg, params, stops, expected = _greedy_case(tiny_config)
+  cfg, params, stops, expected = greedy_case(tiny_config)
   engine = SpeculativeEngine(cfg, SMALL, sampling=GREEDY, drafter=DraftModel(params, cfg, window=SMALL.max_seq_len),
                              speculative=ALWAYS)
   rows = (3, 4, 6, 7)  # 3 and 7 stop at their 3rd token; 4 and 6 run to their budgets
-  got = _run(engine, params, rows, stops)
+  got = run_requests(engine, params, rows, stops)
+  check_greedy(got, expected, rows)
   for row in rows:
     (completion,) = got[row]
-    tokens, finish = expected[row]
-    np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
-    assert completion.finish_reason == finish, row
     # Drafts past a stop id are not emitted, so only a row without stops counts all its drafts accepted.
     assert completion.drafted > 0 and (completion.accepted == completion.drafted or stops[row]), row
 
@@ -70,27 +66,20 @@ def test_greedy_draft_model_equals_generate_and_the_policy_drafting_itself_is_al
 @pytest.mark.slow  # 4,096 samples through programs of their own (the draft loop); the n-gram tests cover temperature 1
 def test_draft_model_samples_follow_the_policy(temperature=0.8):
   """Drafts from another random model of the vocabulary, over a window of 4 tokens, at temperature 0.8."""
-  params = _params(CHI_CFG, seed=2)
-  config = EngineConfig(max_seqs=64, pages=200, page_size=4, max_seq_len=16, decode_steps=3, prefill_chunk=8,
-                        prefill_rows=1)
-  engine = SpeculativeEngine(CHI_CFG, config, drafter=DraftModel(_params(CHI_CFG, seed=5), CHI_CFG, window=4),
-                             speculative=ALWAYS, sampling=SamplingConfig(temperature=temperature), seed=13)
-  for _ in range(4096 // 64):  # groups that fill the slots: the calls keep few shapes (compilations)
-    engine.submit(CHI_PROMPT, max_new_tokens=CHI_NEW, samples=64)
-  done = engine.run(params)
-  probs, tails = _exact_joint(params, temperature)
-  index = {tuple(t): i for i, t in enumerate(tails.tolist())}
-  counts = np.bincount([index[tuple(c.tokens.tolist())] for c in done.values()], minlength=len(index))
-  accepted, drafted = sum(c.accepted for c in done.values()), sum(c.drafted for c in done.values())
+  params = perturbed_params(CHI_CFG, seed=2)
+  drafter = DraftModel(perturbed_params(CHI_CFG, seed=5), CHI_CFG, window=4)
+  engine = SpeculativeEngine(CHI_CFG, CHI_ENGINE, drafter=drafter, speculative=ALWAYS,
+                             sampling=SamplingConfig(temperature=temperature), seed=13)
+  counts, accepted, drafted = chi_counts(engine, params, temperature)
   assert min(accepted, drafted - accepted) > 500  # drafts were accepted and rejected many times
-  assert _chi_square_p(counts, probs) > ALPHA
+  assert chi_square_p(counts, exact_joint(params, temperature)[0]) > ALPHA
 
 
 def test_sampled_draft_model_tokens_do_not_depend_on_rounds_per_call(tiny_config):
   """The draft stream's uniforms are drawn by token index, so splitting the rounds into calls changes nothing."""
   cfg = tiny_config
-  params = _params(cfg)
-  drafter = DraftModel(_params(cfg, seed=3), cfg, window=8)
+  params = perturbed_params(cfg)
+  drafter = DraftModel(perturbed_params(cfg, seed=3), cfg, window=8)
   got = []
   for rounds in (1, 3):
     engine = SpeculativeEngine(cfg, SMALL, drafter=drafter, sampling=SamplingConfig(temperature=0.7, top_k=3),

@@ -7,74 +7,27 @@ import functools
 import jax
 import numpy as np
 import pytest
-from test_generate import GREEDY, _params, _right_padded
+from engine_setup import (BUDGETS, ENGINE_VS_TRAINER_ATOL, GREEDY, LONG_BUDGET, PROMPTS, SAMPLED, SHORT, SMALL, TIGHT,
+                          check_greedy, check_on_demand_greedy, forward_jit, greedy_case, greedy_tokens,
+                          grouped_equals_copied, perturbed_params, right_padded, run_requests)
 
 from model_variants import gemma_like
-from ptx.models.decoder import forward, token_log_probs
+from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
-from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
+from ptx.sampling import LENGTH, STOP
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.config import EngineConfig
 
-forward_jit = jax.jit(forward, static_argnames=("cfg",))
-# Prompt lengths from 1 (nothing to prefill: the first decode step feeds the prompt's only token) past two chunks.
-_RNG = np.random.default_rng(7)
-PROMPTS = [_RNG.integers(1, 264, n).tolist() for n in (1, 5, 17, 3, 40, 9, 2, 26, 12, 8)]
-BUDGETS = [6, 14, 3, 14, 9, 1, 12, 14, 5, 10]
-N_NEW = max(BUDGETS)
-# Small shapes so that requests queue behind the slots, prompts take several prefill chunks and pages, and a
-# decode call stops part-way through most budgets.
-SMALL = EngineConfig(max_seqs=4, pages=64, page_size=4, max_seq_len=64, decode_steps=5, prefill_chunk=16,
-                     prefill_rows=2)
-# The sampling rules of the sampled tests (one compiled decode program for all of them): truncated and tempered.
-SAMPLED = SamplingConfig(temperature=0.7, top_p=0.9)
-# Log-probs of the engine and of the training forward: the same float32 math summed in another order (attention
-# over gathered pages in one block vs the training kernel), a few ulps of log-probs near -6; seen below 2e-6.
-ENGINE_VS_TRAINER_ATOL = 1e-5
-
-
-def _expected(reference, stops):
-  """Per request: `generate`'s greedy tokens cut at the request's budget, and the finish reason that gives."""
-  out = []
-  for row, budget in enumerate(BUDGETS):
-    tokens = np.asarray(reference.tokens[row, :int(reference.lengths[row])])[:budget]
-    stopped = tokens.size > 0 and int(tokens[-1]) in stops[row]
-    out.append((tokens, STOP if stopped else LENGTH))
-  return out
-
-
-def _stops(reference):
-  """Stop ids for half the requests: their 3rd greedy token (so they stop early), and one never sampled."""
-  return [[int(reference.tokens[row, 2]), 263] if row % 2 else [] for row in range(len(PROMPTS))]
-
 
 def _variant(tiny_config, variant):
+  """The tiny config, or its Gemma-like variant."""
   return gemma_like(tiny_config) if variant == "gemma" else tiny_config
-
-
-@functools.cache  # one reference per config: the greedy and sharded tests of a config share it (read only)
-def _greedy_case(cfg):
-  params = _params(cfg)
-  plain = generate(params, PROMPTS, cfg=cfg, max_new_tokens=N_NEW, sampling=GREEDY, rng=jax.random.key(0))
-  stops = _stops(plain)
-  reference = generate(params, PROMPTS, cfg=cfg, max_new_tokens=N_NEW, sampling=GREEDY, rng=jax.random.key(0),
-                       stop_ids=[s or [-1] for s in stops])
-  return cfg, params, stops, _expected(reference, stops)
-
-
-def _run(engine, params, order, stops, samples=1):
-  """Submits the requests in `order`; returns {request: [completion of each sample]}."""
-  ids = {row: engine.submit(PROMPTS[row], max_new_tokens=BUDGETS[row], stop_ids=stops[row], samples=samples)
-         for row in order}
-  done = engine.run(params)
-  assert engine.allocator.in_use == 0  # every page came back
-  return {row: [done[i] for i in seq_ids] for row, seq_ids in ids.items()}
 
 
 @pytest.mark.parametrize("variant, page_size, order", [
     ("llama", 4, "submitted"), ("llama", 16, "reversed"), ("gemma", 3, "shuffled")])
 def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, variant, page_size, order):
-  cfg, params, stops, expected = _greedy_case(_variant(tiny_config, variant))
+  cfg, params, stops, expected = greedy_case(_variant(tiny_config, variant))
   rows = list(range(len(PROMPTS)))
   shuffled = list(np.random.default_rng(3).permutation(rows))
   rows = {"submitted": rows, "reversed": rows[::-1], "shuffled": shuffled}[order]
@@ -82,24 +35,30 @@ def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, varia
   # of its 63 pages), whose programs the other greedy tests of the llama config compile too.
   config = SMALL if page_size == SMALL.page_size else dataclasses.replace(
       SMALL, pages=4 * -(-64 // page_size) + 1, page_size=page_size)
-  got = _run(RolloutEngine(cfg, config, sampling=GREEDY), params, rows, stops)
-  for row, (tokens, finish) in enumerate(expected):
-    (completion,) = got[row]
-    np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
-    assert completion.finish_reason == finish, row
+  got = run_requests(RolloutEngine(cfg, config, sampling=GREEDY), params, rows, stops)
+  assert all(len(completions) == 1 for completions in got.values())
+  check_greedy(got, expected, range(len(PROMPTS)))
 
 
-def test_sharded_engine_equals_generate_and_one_device(tiny_config, mesh):
-  """data=2 x tensor=4: pages and slots over data, KV heads over tensor; greedy == generate, sampled == 1 device."""
-  cfg, params, stops, expected = _greedy_case(gemma_like(tiny_config))
+def test_sharded_engine_equals_generate(tiny_config, mesh):
+  """data=2 x tensor=4: pages and slots over data, KV heads over tensor; greedy == generate, groups of 2 too."""
+  cfg, params, stops, expected = greedy_case(gemma_like(tiny_config))
   placed = jax.device_put(params, param_shardings(cfg, mesh))
-  got = _run(RolloutEngine(cfg, SMALL, sampling=GREEDY, mesh=mesh), placed, range(len(PROMPTS)), stops, samples=2)
-  for row, (tokens, finish) in enumerate(expected):
-    for completion in got[row]:
-      np.testing.assert_array_equal(completion.tokens, tokens, err_msg=f"request {row}")
-      assert completion.finish_reason == finish
-  sharded = _run(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5, mesh=mesh), placed, range(4), stops, 2)
-  single = _run(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5), params, range(4), stops, 2)
+  got = run_requests(RolloutEngine(cfg, SMALL, sampling=GREEDY, mesh=mesh), placed, range(len(PROMPTS)), stops,
+                     samples=2)
+  check_greedy(got, expected, range(len(PROMPTS)))
+
+
+def test_sharded_engine_samples_as_one_device(tiny_config, mesh):
+  """The same seed samples the same tokens on data=2 x tensor=4 as on one device."""
+  cfg = gemma_like(tiny_config)
+  params = perturbed_params(cfg)
+  placed = jax.device_put(params, param_shardings(cfg, mesh))
+  # No stop ids (the greedy test above stops rows on the mesh): one device runs the programs of the sampled tests
+  # below.
+  no_stops = [[]] * len(PROMPTS)
+  sharded = run_requests(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5, mesh=mesh), placed, range(4), no_stops, 2)
+  single = run_requests(RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=5), params, range(4), no_stops, 2)
   for row in range(4):
     for a, b in zip(sharded[row], single[row]):
       np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -108,13 +67,13 @@ def test_sharded_engine_equals_generate_and_one_device(tiny_config, mesh):
 @pytest.mark.parametrize("tempered", [False, True], ids=["raw", "tempered"])
 def test_log_probs_equal_training_forward(tiny_config, tempered):
   cfg = gemma_like(tiny_config)  # sliding windows of 3 and soft-caps: the pages hold more than a window
-  params = _params(cfg)
+  params = perturbed_params(cfg)
   sampling = SAMPLED
   engine = RolloutEngine(cfg, SMALL, sampling=sampling, seed=1, tempered_log_probs=tempered)
-  got = _run(engine, params, range(len(PROMPTS)), [[]] * len(PROMPTS), samples=3)
+  got = run_requests(engine, params, range(len(PROMPTS)), [[]] * len(PROMPTS), samples=3)
   prompts, completions = zip(*[(PROMPTS[row], c) for row in range(len(PROMPTS)) for c in got[row]])
   width = max(len(p) + len(c.tokens) for p, c in zip(prompts, completions))
-  tokens, positions, segments = _right_padded(prompts, [c.tokens for c in completions], width)
+  tokens, positions, segments = right_padded(prompts, [c.tokens for c in completions], width)
   logits = forward_jit(params, tokens, cfg, positions=positions, segment_ids=segments)
   logits = logits / sampling.temperature if tempered else logits
   logp = np.asarray(token_log_probs(logits[:, :-1], tokens[:, 1:]))
@@ -125,26 +84,10 @@ def test_log_probs_equal_training_forward(tiny_config, tempered):
                                atol=ENGINE_VS_TRAINER_ATOL, rtol=0)
 
 
-def grouped_equals_copied(cfg, config, params, G):
-  """A group of G samples of PROMPTS[4] (shared prompt pages) == G copies of it submitted apart; their engines."""
-  grouped = RolloutEngine(cfg, config, sampling=SAMPLED, seed=2)
-  grouped.submit(PROMPTS[4], max_new_tokens=8, samples=G)
-  copied = RolloutEngine(cfg, config, sampling=SAMPLED, seed=2)
-  for _ in range(G):
-    copied.submit(PROMPTS[4], max_new_tokens=8)
-  a, b = grouped.run(params), copied.run(params)
-  assert sorted(a) == sorted(b) == list(range(G))
-  for i in range(G):
-    np.testing.assert_array_equal(a[i].tokens, b[i].tokens)
-    np.testing.assert_allclose(a[i].log_probs, b[i].log_probs, atol=1e-6, rtol=0)  # the same programs' floats
-  assert len({tuple(a[i].tokens) for i in range(G)}) > 1  # the samples differ
-  return grouped, copied
-
-
 def test_shared_prompt_pages_equal_copied_prompts_and_cost_one_prompt(tiny_config):
   cfg = gemma_like(tiny_config)
   # PROMPTS[4]: 39 cached prompt positions, 9 full pages of 4 shared, the 10th copied per sample.
-  grouped, copied = grouped_equals_copied(cfg, SMALL, _params(cfg), G=4)
+  grouped, copied = grouped_equals_copied(cfg, SMALL, perturbed_params(cfg), G=4)
   # Each sample needs ceil((39 + 8) / 4) = 12 pages; a group shares the 9 full prompt pages: 12 + 3 * 3.
   assert grouped.allocator.peak_in_use == 12 + 3 * 3
   assert copied.allocator.peak_in_use == 4 * 12
@@ -152,11 +95,11 @@ def test_shared_prompt_pages_equal_copied_prompts_and_cost_one_prompt(tiny_confi
 
 def test_same_seed_and_order_give_the_same_tokens_whatever_the_shapes(tiny_config):
   cfg = gemma_like(tiny_config)
-  params = _params(cfg)
+  params = perturbed_params(cfg)
 
   def tokens(config, seed):
-    got = _run(RolloutEngine(cfg, config, sampling=SAMPLED, seed=seed), params, range(len(PROMPTS)),
-               [[]] * len(PROMPTS), samples=2)
+    got = run_requests(RolloutEngine(cfg, config, sampling=SAMPLED, seed=seed), params, range(len(PROMPTS)),
+                       [[]] * len(PROMPTS), samples=2)
     return [tuple(c.tokens) for row in range(len(PROMPTS)) for c in got[row]]
 
   other = EngineConfig(max_seqs=8, pages=17, page_size=16, max_seq_len=64, decode_steps=3, prefill_chunk=8,
@@ -169,20 +112,18 @@ def test_same_seed_and_order_give_the_same_tokens_whatever_the_shapes(tiny_confi
 def test_extend_continues_a_held_sequence_as_one_prompt(tiny_config):
   """A multi-turn episode: turn 1 stops, a tool's output is appended without re-prefilling, turn 2 decodes on."""
   cfg = tiny_config
-  params = _params(cfg)
+  params = perturbed_params(cfg)
   engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
   prompt, tool_output = PROMPTS[2], [7, 8, 9, 10, 11, 12]
-  first = generate(params, [prompt], cfg=cfg, max_new_tokens=6, sampling=GREEDY, rng=jax.random.key(0))
-  stop = int(first.tokens[0, 3])
+  stop = greedy_tokens(params, cfg, prompt, 6)[3]
   (seq,) = engine.submit(prompt, max_new_tokens=6, stop_ids=[stop], keep=True)
   turn1 = engine.run(params)[seq]
   assert turn1.finish_reason == STOP and turn1.tokens[-1] == stop
   assert engine.allocator.in_use > 0 and not engine.busy  # held: its pages wait for the next turn
   engine.extend(seq, tool_output, max_new_tokens=7, stop_ids=[])
   turn2 = engine.run(params)[seq]
-  whole = generate(params, [prompt + turn1.tokens.tolist() + tool_output], cfg=cfg, max_new_tokens=7,
-                   sampling=GREEDY, rng=jax.random.key(0))
-  np.testing.assert_array_equal(turn2.tokens, np.asarray(whole.tokens[0]))
+  whole = prompt + turn1.tokens.tolist() + tool_output
+  np.testing.assert_array_equal(turn2.tokens, greedy_tokens(params, cfg, whole, 7))
   assert turn2.finish_reason == LENGTH
   engine.release(seq)
   assert engine.allocator.in_use == 0
@@ -194,20 +135,19 @@ def test_policy_versions_stamp_the_step_that_sampled_each_token(tiny_config):
   """A new version recomputes the cache: with the same parameters the tokens are those of one uninterrupted run."""
   cfg = tiny_config
   engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
-  params = _params(cfg)
+  params = perturbed_params(cfg)
   (seq,) = engine.submit(PROMPTS[1], max_new_tokens=12)
   for version in range(10):
     for completion in engine.step(params, policy_version=version):
       done = completion
   assert done.policy_versions.tolist() == [0] * 5 + [1] * 5 + [2] * 2  # decode_steps = 5 tokens per call
-  whole = generate(params, [PROMPTS[1]], cfg=cfg, max_new_tokens=12, sampling=GREEDY, rng=jax.random.key(0))
-  np.testing.assert_array_equal(done.tokens, np.asarray(whole.tokens[0]))
+  np.testing.assert_array_equal(done.tokens, greedy_tokens(params, cfg, PROMPTS[1], 12))
 
 
 def test_an_update_continues_each_rollout_as_the_new_parameters_would(tiny_config):
   """After a version change every token comes from the new parameters given its whole context, held turns too."""
   cfg = tiny_config
-  old, new = _params(cfg), _params(cfg, seed=3)
+  old, new = perturbed_params(cfg), perturbed_params(cfg, seed=3)
   engine = RolloutEngine(cfg, SMALL, sampling=GREEDY)
   (live,) = engine.submit(PROMPTS[4], max_new_tokens=12)
   (held,) = engine.submit(PROMPTS[1], max_new_tokens=4, keep=True)
@@ -215,20 +155,17 @@ def test_an_update_continues_each_rollout_as_the_new_parameters_would(tiny_confi
   engine.extend(held, [7, 8, 9], max_new_tokens=6)
   done = engine.run(new, policy_version=1)
   turn1 = first[held].tokens.tolist()
-  prefix = generate(old, [PROMPTS[4]], cfg=cfg, max_new_tokens=5, sampling=GREEDY, rng=jax.random.key(0))
-  prefix = np.asarray(prefix.tokens[0]).tolist()
-  rest = generate(new, [PROMPTS[4] + prefix], cfg=cfg, max_new_tokens=7, sampling=GREEDY, rng=jax.random.key(0))
-  np.testing.assert_array_equal(done[live].tokens, prefix + np.asarray(rest.tokens[0]).tolist())
+  prefix = greedy_tokens(old, cfg, PROMPTS[4], 5)
+  rest = greedy_tokens(new, cfg, PROMPTS[4] + prefix, 7)
+  np.testing.assert_array_equal(done[live].tokens, prefix + rest)
   assert done[live].policy_versions.tolist() == [0] * 5 + [1] * 7
-  turn2 = generate(new, [PROMPTS[1] + turn1 + [7, 8, 9]], cfg=cfg, max_new_tokens=6, sampling=GREEDY,
-                   rng=jax.random.key(0))
-  np.testing.assert_array_equal(done[held].tokens, np.asarray(turn2.tokens[0]))
+  np.testing.assert_array_equal(done[held].tokens, greedy_tokens(new, cfg, PROMPTS[1] + turn1 + [7, 8, 9], 6))
 
 
 def test_a_restored_snapshot_goes_on_as_the_engine_would_have(tiny_config):
   """Sampled rollouts, saved mid-flight (queued, prefilled, part-decoded, grouped) and restored on a fresh engine."""
-  cfg = tiny_config
-  params = _params(cfg)
+  cfg = gemma_like(tiny_config)  # the sampled programs of the tests above
+  params = perturbed_params(cfg)
 
   def start():
     engine = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=9)
@@ -278,41 +215,13 @@ def test_shapes_must_split_over_the_mesh(tiny_config, mesh):
     RolloutEngine(tiny_config, dataclasses.replace(SMALL, max_seqs=3), mesh=mesh)
 
 
-# "on_demand" admission: short prompts with long budgets in a pool of 20 pages, where 4 sequences at 32 new tokens
-# need 36 to 40. Rows outgrow the pool call after call, so the last submitted are preempted and prefilled again;
-# one compiled set of programs serves every test below.
-TIGHT = dataclasses.replace(SMALL, pages=21, admission="on_demand")
-SHORT = [prompt[:9] for prompt in PROMPTS]
-LONG_BUDGET = 32
-
-
-@functools.cache  # shared by the greedy on-demand tests here and in test_speculative (read only)
-def short_greedy_case(cfg):
-  """(params, `generate`'s greedy tokens [len(SHORT), LONG_BUDGET]) for SHORT."""
-  params = _params(cfg)
-  reference = generate(params, SHORT, cfg=cfg, max_new_tokens=LONG_BUDGET, sampling=GREEDY, rng=jax.random.key(0))
-  return params, np.asarray(reference.tokens)
-
-
-def check_on_demand_greedy(engine, cfg):
-  """Runs SHORT through `engine` (TIGHT, greedy): preemptions happen, and every request equals `generate`."""
-  params, reference = short_greedy_case(cfg)
-  ids = [engine.submit(prompt, max_new_tokens=LONG_BUDGET)[0] for prompt in SHORT]
-  done = engine.run(params)
-  assert engine.preemptions > 0 and engine.allocator.peak_in_use <= engine.allocator.capacity
-  assert engine.allocator.in_use == 0
-  for row, seq_id in enumerate(ids):
-    np.testing.assert_array_equal(done[seq_id].tokens, reference[row], err_msg=f"request {row}")
-    assert done[seq_id].finish_reason == LENGTH
-  return done
-
-
 def test_on_demand_admission_preempts_and_still_equals_generate(tiny_config):
   check_on_demand_greedy(RolloutEngine(tiny_config, TIGHT, sampling=GREEDY), tiny_config)
 
 
-def _sampled_groups(cfg, params, config, steps_before_snapshot=None):
+def _sampled_groups(cfg, config, steps_before_snapshot=None):
   """Every SHORT prompt in groups of 2 at SAMPLED, seed 4: {seq_id: completion} (and the engine)."""
+  params = perturbed_params(cfg)
   engine = RolloutEngine(cfg, config, sampling=SAMPLED, seed=4)
   for prompt in SHORT:
     engine.submit(prompt, max_new_tokens=LONG_BUDGET, samples=2)
@@ -324,12 +233,20 @@ def _sampled_groups(cfg, params, config, steps_before_snapshot=None):
   return done, engine
 
 
+@functools.cache  # run once for the two tests below (read only)
+def _on_demand_groups(cfg):
+  """`_sampled_groups` on TIGHT: (completions, preemptions)."""
+  done, engine = _sampled_groups(cfg, TIGHT)
+  return done, engine.preemptions
+
+
 def test_preempted_samples_draw_the_tokens_reserved_ones_do(tiny_config):
   """A preempted sample (a group's leader or follower) goes on with its RNG counter, as if never stopped."""
-  params = _params(tiny_config)
-  reserved, _ = _sampled_groups(tiny_config, params, SMALL)
-  on_demand, engine = _sampled_groups(tiny_config, params, TIGHT)
-  assert engine.preemptions > 1
+  cfg = tiny_config
+  on_demand, preemptions = _on_demand_groups(cfg)
+  # The same pool reserving each request's whole budget: groups wait for pages instead of being preempted.
+  reserved, engine = _sampled_groups(cfg, dataclasses.replace(TIGHT, admission="reserve"))
+  assert preemptions > 1 and engine.preemptions == 0
   assert sorted(on_demand) == sorted(reserved)
   for seq_id, want in reserved.items():
     np.testing.assert_array_equal(on_demand[seq_id].tokens, want.tokens, err_msg=f"sequence {seq_id}")
@@ -338,13 +255,13 @@ def test_preempted_samples_draw_the_tokens_reserved_ones_do(tiny_config):
 
 
 def test_a_snapshot_with_preempted_sequences_restores_them(tiny_config):
-  params = _params(tiny_config)
-  want, _ = _sampled_groups(tiny_config, params, TIGHT)
-  got, engine = _sampled_groups(tiny_config, params, TIGHT, steps_before_snapshot=6)
+  cfg = tiny_config
+  want, _ = _on_demand_groups(cfg)
+  got, engine = _sampled_groups(cfg, TIGHT, steps_before_snapshot=6)
   assert engine._admission.preempted, "the snapshot should catch preempted sequences"
-  restored = RolloutEngine(tiny_config, TIGHT, sampling=SAMPLED, seed=4)
+  restored = RolloutEngine(cfg, TIGHT, sampling=SAMPLED, seed=4)
   restored.restore(jax.tree.map(np.asarray, engine.snapshot()))
-  got.update(restored.run(params))
+  got.update(restored.run(perturbed_params(cfg)))
   assert sorted(got) == sorted(want)
   for seq_id, c in want.items():
     np.testing.assert_array_equal(got[seq_id].tokens, c.tokens, err_msg=f"sequence {seq_id}")

@@ -6,20 +6,20 @@ match within float32 reordering; configurations the kernel cannot read are refus
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 import pytest
-from test_engine import BUDGETS, PROMPTS, SAMPLED
-from test_generate import GREEDY, _params
+from engine_setup import BUDGETS, GREEDY, PROMPTS, SAMPLED, perturbed_params
 
 from model_variants import gemma_like
 from ptx.models import paged_kv_cache
 from ptx.models.attention import interpret_pallas
+from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.engine import RolloutEngine
 
 # The GPU kernel tiles a page as it tiles a head: both powers of two >= 16. Few slots, so requests queue; prompts of
-from ptx.sampling.engine.config import EngineConfig
 # up to 40 tokens take several prefill chunks of 16 and pages of 16; the pages split over a mesh's 2 data devices.
 CONFIG = EngineConfig(max_seqs=4, pages=34, page_size=16, max_seq_len=64, decode_steps=5, prefill_chunk=16,
                       prefill_rows=2)
@@ -29,10 +29,12 @@ KERNEL_VS_XLA_ATOL = 1e-5
 
 
 def _config(tiny_config, impl):
+  """The Gemma-like tiny config with heads of 16 (the kernel's tile) and the given attention_impl."""
   return dataclasses.replace(gemma_like(tiny_config), head_dim=16, attention_impl=impl)
 
 
 def _run(cfg, params, sampling, samples):
+  """Every PROMPTS request with `samples` samples through one engine on CONFIG: the completions in request order."""
   engine = RolloutEngine(cfg, CONFIG, sampling=sampling, seed=4)
   ids = {row: engine.submit(PROMPTS[row], max_new_tokens=BUDGETS[row], samples=samples) for row in range(len(PROMPTS))}
   done = engine.run(params)
@@ -40,10 +42,17 @@ def _run(cfg, params, sampling, samples):
   return [done[i] for row in range(len(PROMPTS)) for i in ids[row]]
 
 
+@functools.cache  # the pure-JAX path's completions, for each test that compares the kernel's with them (read only)
+def _pure_jax(tiny_config, sampling, samples):
+  """`_run` without the kernel: (params, completions)."""
+  cfg = _config(tiny_config, "auto")
+  params = perturbed_params(cfg)
+  return params, _run(cfg, params, sampling, samples)
+
+
 @pytest.mark.parametrize("sampling, samples", [(GREEDY, 1), (SAMPLED, 2)], ids=["greedy", "sampled"])
 def test_the_pallas_paged_kernel_gives_the_pure_jax_paths_tokens(tiny_config, sampling, samples):
-  params = _params(_config(tiny_config, "auto"))
-  expected = _run(_config(tiny_config, "auto"), params, sampling, samples)
+  params, expected = _pure_jax(tiny_config, sampling, samples)
   with interpret_pallas("pallas_gpu"):
     cfg = _config(tiny_config, "pallas")
     assert paged_kv_cache.kernel_for(cfg, CONFIG.page_size).name == "pallas_gpu"
@@ -77,8 +86,7 @@ def test_the_pallas_paged_kernel_reads_each_devices_pages_on_a_mesh(tiny_config,
   """data=2 x tensor=4: each device's kernel reads its own block of pages and its KV heads."""
   from ptx.models.params import param_shardings
 
-  params = _params(_config(tiny_config, "auto"))
-  expected = _run(_config(tiny_config, "auto"), params, GREEDY, 1)
+  params, expected = _pure_jax(tiny_config, GREEDY, 1)
   with interpret_pallas("pallas_gpu"):
     cfg = _config(tiny_config, "pallas")
     engine = RolloutEngine(cfg, CONFIG, sampling=GREEDY, seed=4, mesh=mesh)

@@ -5,8 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from test_engine import PROMPTS, SAMPLED, SMALL, _run, grouped_equals_copied
-from test_generate import _params
+from engine_setup import PROMPTS, SAMPLED, SMALL, grouped_equals_copied, perturbed_params, run_requests
 
 from ptx.models.params import param_shardings
 from ptx.sampling.engine.engine import RolloutEngine
@@ -19,14 +18,14 @@ LOGPROB_ATOL = 0.1
 
 
 def test_int8_pages_cost_a_quarter_and_sample_near_float(tiny_config):
-  cfg, params = tiny_config, _params(tiny_config)
+  cfg, params = tiny_config, perturbed_params(tiny_config)
   stops = [[]] * len(PROMPTS)
   exact = RolloutEngine(cfg, SMALL, sampling=SAMPLED, seed=3)
   int8 = RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=3)
   slots = SMALL.pages * cfg.n_kv_heads * SMALL.page_size * 2 * cfg.n_layers  # K and V, every layer
   assert exact.pool_bytes == slots * cfg.head_dim * 4
   assert int8.pool_bytes == slots * (cfg.head_dim + 4)  # int8 values and a float32 scale per slot and head
-  a, b = _run(exact, params, range(len(PROMPTS)), stops), _run(int8, params, range(len(PROMPTS)), stops)
+  a, b = (run_requests(engine, params, range(len(PROMPTS)), stops) for engine in (exact, int8))
   same = compared = 0
   for row in range(len(PROMPTS)):
     (x,), (y,) = a[row], b[row]
@@ -39,11 +38,11 @@ def test_int8_pages_cost_a_quarter_and_sample_near_float(tiny_config):
 
 def test_int8_pages_on_a_mesh_and_shared_between_samples(tiny_config, mesh):
   """data=2 x tensor=4 == one device; a group's shared prompt pages == each sample prefilling its own copy."""
-  cfg, params = tiny_config, _params(tiny_config)
+  cfg, params = tiny_config, perturbed_params(tiny_config)
   stops = [[]] * len(PROMPTS)
   placed = jax.device_put(params, param_shardings(cfg, mesh))
-  sharded = _run(RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=5, mesh=mesh), placed, range(4), stops, 2)
-  single = _run(RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=5), params, range(4), stops, 2)
+  sharded = run_requests(RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=5, mesh=mesh), placed, range(4), stops, 2)
+  single = run_requests(RolloutEngine(cfg, INT8, sampling=SAMPLED, seed=5), params, range(4), stops, 2)
   for row in range(4):
     for a, b in zip(sharded[row], single[row]):
       np.testing.assert_array_equal(a.tokens, b.tokens)
