@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cli_runs import SFT, SFT_STEPS, by_step, files_flag, metrics, write_jsonl
 from ptx import cli
 
 
@@ -34,38 +35,35 @@ def test_bad_override_names_the_field(capsys):
   assert "unknown field 'd_modle'" in capsys.readouterr().err
 
 
-def _jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
-
-
 def test_sft_and_dpo_commands_train_from_jsonl(tmp_path, capsys):
-  sft_file = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(64)])
-  pref_file = _jsonl(tmp_path / "pref.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "no"}
-                                              for i in range(64)])
+  sft_file = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(64)])
+  pref_file = write_jsonl(tmp_path / "pref.jsonl", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "no"}
+                                                   for i in range(64)])
+  cli.main(["sft", "--out", str(tmp_path / "sft"), files_flag("train_files", sft_file),
+            files_flag("eval_files", sft_file), f"--train.eval_every={SFT_STEPS}", *SFT])
+  records = metrics(tmp_path / "sft")
+  assert any("eval/loss" in r for r in records) and records[-1]["step"] == SFT_STEPS
+  assert list((tmp_path / "sft" / "tensorboard").iterdir()), "no TensorBoard event file"
+  assert (tmp_path / "sft" / "hf" / "config.json").is_file(), "a finished run exports its model unless --no-export"
+  # With a held-out suite evaluated before the first step and after the last (`ptx.train.checkpoint_evals`).
   common = ["--no-progress", "--model=tiny", "--model.n_layers=1", "--train.steps=4", "--train.log_every=2",
             "--data.batch_size=8", "--data.seq_len=32", "--mesh.data=2", "--mesh.fsdp=4"]
-  cli.main(["sft", "--out", str(tmp_path / "sft"), f"--data.train_files=[\"{sft_file}\"]",
-            f"--data.eval_files=[\"{sft_file}\"]", "--train.eval_every=4", *common])
-  records = [json.loads(l) for l in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-  assert any("eval/loss" in r for r in records) and records[-1]["step"] == 4
-  assert list((tmp_path / "sft" / "tensorboard").iterdir()), "no TensorBoard event file"
-  # With a held-out suite evaluated before the first step and after the last (`ptx.train.checkpoint_evals`).
-  cli.main(["dpo", "--out", str(tmp_path / "dpo"), f"--data.train_files=[\"{pref_file}\"]", *common,
+  cli.main(["dpo", "--out", str(tmp_path / "dpo"), files_flag("train_files", pref_file), *common,
             '--eval.suites=["arithmetic"]', "--eval.n=2", "--eval.k=1", "--eval.max_new_tokens=2"])
-  evaluated = [r["step"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
-               if "eval/arithmetic/pass@1" in r]
+  evaluated = [r["step"] for r in metrics(tmp_path / "dpo") if "eval/arithmetic/pass@1" in r]
   assert evaluated == [0, 4] and (tmp_path / "dpo" / "evals" / "step_4" / "arithmetic" / "eval.json").is_file()
   # The last step's training line (its evaluation's line follows it).
-  lines = (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()
-  last = [r for r in map(json.loads, lines) if "loss" in r][-1]
+  last = [r for r in metrics(tmp_path / "dpo") if "loss" in r][-1]
   assert last["step"] == 4 and {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                 "logps/chosen", "logps/rejected"} <= set(last)
-  # A saved config.json is a valid --config file.
+  # A saved config.json is a valid --config file, and overrides apply on top of it.
+  capsys.readouterr()
   cli.main(["sft", "--config", str(tmp_path / "sft" / "config.json"), "--out", str(tmp_path / "again"),
-            "--train.steps=2", "--no-progress"])
+            "--train.log_every=3", "--no-progress", "--no-export"])
   assert json.loads((tmp_path / "again" / "config.json").read_text())["model"]["n_layers"] == 1
+  assert sorted(by_step(tmp_path / "again")) == [3, 6]
   assert '"summary"' in capsys.readouterr().out
+  assert not (tmp_path / "again" / "hf").exists(), "--no-export wrote a model"
 
 
 def test_sft_without_data_is_a_clear_error(capsys):

@@ -1,13 +1,14 @@
-"""`ptx grpo`: fused on built-in arithmetic, host-scored on rl records; a run cut short resumes exactly."""
+"""`ptx grpo`: fused on built-in arithmetic, host-scored on rl records, engine rollouts and multi-turn episodes; a run
+cut short resumes exactly. Each kind of step runs end to end once; what only the arguments decide is checked on the
+Job the command builds (`cli._prepare`, as tests/test_jobs_agree.py does)."""
 
 import json
-import shutil
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from cli_runs import by_step, checkpoint_params, cut_after, files_flag, without_timing, write_jsonl
 from ptx import cli
 
 STEPS = 4
@@ -18,40 +19,29 @@ COMMON = ["--no-progress", "--model.n_layers=1", "--model.d_model=64", "--model.
           "--grpo.kl_placement=loss", "--mesh.data=2", "--mesh.fsdp=4"]
 
 
-def _records(out):
-  return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-
-
-def _cut_after(full, cut, step):
-  """A copy of a finished run as if it had been killed right after checkpoint `step` was published."""
-  shutil.copytree(full, cut)
-  for path in (cut / "checkpoints").iterdir():
-    if path.name.isdigit() and int(path.name) > step:
-      shutil.rmtree(path)
-  lines = (cut / "metrics.jsonl").read_text().splitlines()
-  (cut / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= step))
-
-
-def _params(out):
-  return ocp.StandardCheckpointer().restore((out / "checkpoints" / str(STEPS) / "state").absolute())["params"]
-
-
 def _resumes_exactly(tmp_path, capsys, *args):
-  full, cut = tmp_path / "full", tmp_path / "cut"
+  """Runs `ptx grpo ARGS` in tmp_path/full, and again from a copy cut after checkpoint 2; returns the full run's
+  records once the resumed run's steps 3 and 4 and final parameters are shown to equal its own."""
+  full = tmp_path / "full"
   cli.main(["grpo", "--out", str(full), *args])
-  _cut_after(full, cut, 2)
+  cut = cut_after(full, tmp_path / "cut", 2)
   capsys.readouterr()
   cli.main(["grpo", "--out", str(cut), "--resume", *args])
   assert "resumed from checkpoint step 2" in capsys.readouterr().out
-  want, got = _records(full), _records(cut)
+  want, got = by_step(full), by_step(cut)
   assert sorted(got) == list(range(1, STEPS + 1))
-  for step in (3, 4):  # everything but the wall-clock rates
-    wall_clock = ("steps_per_s", "samples_per_s", "tokens_per_s", "timing_s/", "perf/")
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(wall_clock)}
-    assert drop(got[step]) == drop(want[step]), f"step {step} differs after resuming"
-  jax.tree.map(np.testing.assert_array_equal, _params(cut), _params(full))
+  for step in (3, 4):  # everything but the timings
+    assert without_timing(got[step]) == without_timing(want[step]), f"step {step} differs after resuming"
+  jax.tree.map(np.testing.assert_array_equal, checkpoint_params(cut, STEPS), checkpoint_params(full, STEPS))
   assert want[1]["actor/grad_norm"] > 0
   return want
+
+
+def _prepared_job(tmp_path, *args):
+  """(cfg, tokenizer, Job, training data) that `ptx grpo ARGS` builds, before anything compiles."""
+  parsed, overrides = cli._parser().parse_known_args(["grpo", "--out", str(tmp_path / "run"), *args])
+  cfg, _, tokenizer, built, train, _, _ = cli._prepare(parsed, overrides)
+  return cfg, tokenizer, built, train
 
 
 def test_grpo_on_builtin_arithmetic_resumes_exactly(tmp_path, capsys):
@@ -63,20 +53,58 @@ def test_grpo_on_builtin_arithmetic_resumes_exactly(tmp_path, capsys):
   assert config["data"]["kind"] == "rl" and config["grpo"]["entropy_coef"] == 0.05
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 1, 2])
-def test_grpo_on_rl_records_scores_on_the_host_and_resumes_exactly(tmp_path, capsys, staleness):
-  # With staleness 1 the checkpoint of step 2 holds batch 3, sampled by the parameters of step 1; the
-  # resumed run must train on that batch, not sample batch 3 again with the parameters of step 2.
-  rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
-  data = tmp_path / "rl.jsonl"
-  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  records = _resumes_exactly(tmp_path, capsys, *COMMON, f"--data.train_files=[\"{data}\"]",
-                             f"--grpo.max_staleness={staleness}", "--grpo.max_response_tokens=6")
-  assert {"timing_s/reward", "perf/device_wait_frac", "rollout/staleness"} <= set(records[STEPS])
+# rl records whose prompts are chat messages: the data layer renders them (ChatML for the byte tokenizer, 64 tokens
+# hold the template) and exact_answer scores the completion.
+CHAT_ROWS = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(40)]
+
+
+def _host_args(tmp_path, staleness):
+  """`ptx grpo` arguments of a run on the chat-format rl records, scored on the host at `staleness`."""
+  data = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
+  return [*COMMON, files_flag("train_files", data), "--data.seq_len=64", f"--grpo.max_staleness={staleness}",
+          "--grpo.max_response_tokens=6"]
+
+
+def _check_host_run(out, records, staleness):
+  """What a host-scored run of `staleness` logs and checkpoints."""
+  assert sorted(records) == list(range(1, STEPS + 1))
+  assert {"timing_s/reward", "perf/device_wait_frac", "rollout/staleness",
+          "rewards/outcome/no_answer_frac"} <= set(records[STEPS])
   # Step k + 1 trains on a batch sampled min(k, s) updates earlier.
   assert [records[k + 1]["rollout/staleness"] for k in range(STEPS)] == [float(min(k, staleness)) for k in range(STEPS)]
-  assert (tmp_path / "full" / "checkpoints" / "2" / "pipeline").exists() == (staleness > 0)
+  # The checkpoint of step 2 holds the batches sampled ahead, chat messages included.
+  assert (out / "checkpoints" / "2" / "pipeline").exists() == (staleness > 0)
+
+
+@pytest.mark.slow
+def test_grpo_on_rl_records_with_batches_sampled_ahead_resumes_exactly(tmp_path, capsys):
+  # With staleness 2 the checkpoint of step 2 holds batches 3 and 4, sampled by the initial parameters and those of
+  # step 1; the resumed run must train on them, not sample them again with the parameters of step 2. Staleness 1, one
+  # batch ahead, saves and takes back its pipeline on the same path (HostRewardStep.pipeline_state).
+  records = _resumes_exactly(tmp_path, capsys, *_host_args(tmp_path, 2))
+  _check_host_run(tmp_path / "full", records, 2)
+
+
+@pytest.mark.slow
+def test_grpo_on_chat_format_rl_records_scores_on_the_host_one_batch_ahead(tmp_path):
+  # The programs of the run above (staleness 1 and 2 both learn from stale samples), so this run compiles nothing.
+  out = tmp_path / "run"
+  cli.main(["grpo", "--out", str(out), *_host_args(tmp_path, 1), "--no-export"])
+  _check_host_run(out, by_step(out), 1)
+
+
+def test_grpo_on_policy_on_rl_records_builds_the_host_job_of_staleness_0(tmp_path):
+  # The staleness is an option of the host job, which the runs above take end to end: at 0 the step samples each
+  # batch when it trains on it (ptx.train.grpo.host, tests/train/grpo/test_host_step.py runs it against the fused step).
+  from ptx.envs.exact_answer import ExactAnswerEnv
+  from ptx.episodes.scoring import EnvReward
+  from ptx.train import job
+
+  cfg, tokenizer, built, _ = _prepared_job(tmp_path, *_host_args(tmp_path, 0))
+  reward = EnvReward(ExactAnswerEnv(), tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size)
+  assert cfg.grpo.max_staleness == 0 and built == job.grpo_host_job(cfg, tokenizer, reward)
+  assert built.step.spec.grpo.max_staleness == 0 and built.algorithm == "grpo_host"
+  assert built != _prepared_job(tmp_path, *_host_args(tmp_path, 1))[2]
 
 
 # A good record of each --env, for line 1 of a file whose line 2 is bad.
@@ -134,11 +162,9 @@ def test_grpo_refuses_a_bad_record_before_building_a_job_naming_file_line_and_fi
 def test_grpo_with_engine_rollouts_resumes_exactly(tmp_path, capsys):
   # The checkpoint of step 2 holds the engine mid-flight: batch 3's sequences part-decoded by the parameters of
   # step 2, their finished groups scored; the resumed run recomputes their cache and goes on as the full run did.
-  rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
-  data = tmp_path / "rl.jsonl"
-  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  records = _resumes_exactly(tmp_path, capsys, *COMMON, f"--data.train_files=[\"{data}\"]", "--grpo.rollouts=engine",
-                             "--grpo.max_staleness=1", "--grpo.max_response_tokens=6", "--rollout.decode_steps=2")
+  # The chat-format records of the host runs, whose update program (learning from stale samples) this run shares.
+  records = _resumes_exactly(tmp_path, capsys, *_host_args(tmp_path, 1), "--grpo.rollouts=engine",
+                             "--rollout.decode_steps=2")
   assert {"timing_s/reward", "rollout/staleness", "rollout/staleness_mean", "rollout/engine_pages_peak"} <= set(
       records[STEPS])
   assert all(records[k]["rollout/staleness"] <= 1.0 for k in records)
@@ -195,30 +221,29 @@ def test_grpo_episodes_refuse_a_seq_len_their_first_prompts_do_not_fit_before_bu
   assert f"the longest of the first {STEPS * 8} tasks ({env}'s text in the chat template): set --data.seq_len=" in error
 
 
-@pytest.mark.slow
-def test_grpo_on_docqa_episodes_trains(tmp_path):
-  # The built-in docqa tasks have no "prompt": each episode's first prompt is the environment's (1,075 tokens at most
-  # in the byte tokenizer: DocQAEnv.prompt_tokens and the chat template).
-  out = tmp_path / "run"
-  cli.main(["grpo", "--out", str(out), *COMMON, "--train.steps=2", "--env", "docqa", "--grpo.max_staleness=0",
-            "--grpo.turn_tokens=8", "--grpo.max_response_tokens=160", "--data.seq_len=1088", "--no-export"])
-  records = _records(out)
-  assert sorted(records) == [1, 2]
-  for k in (1, 2):
-    assert records[k]["episodes/turns_mean"] >= 1 and records[k]["episodes/tokens_environment_mean"] > 0
-    assert records[k]["rollout/logp_diff_max"] < 1e-4  # the learner reads the tokens the engine sampled
+def test_grpo_on_docqa_episodes_builds_the_episode_job_on_the_environments_first_prompts(tmp_path):
+  # docqa trains through the episode job that test_grpo_on_calculator_episodes_trains_and_resumes_exactly runs end to
+  # end (its environment's own play is tests/envs/test_docqa_env.py's). What is docqa's here: the built-in tasks have
+  # no "prompt", so each episode's first prompt is the environment's (1,075 tokens at most in the byte tokenizer:
+  # DocQAEnv.prompt_tokens and the chat template), and the job is built around DocQAEnv.
+  from ptx.data.tokenizer import ByteTokenizer
+  from ptx.envs.docqa import DocQAEnv, DocQATasks
+  from ptx.episodes.turn_format import TurnFormat
+  from ptx.train import job
 
-
-@pytest.mark.slow
-def test_grpo_on_chat_format_records_trains_and_checkpoints(tmp_path):
-  # The data layer renders the messages (ChatML for the byte tokenizer) and exact_answer scores the completion; the
-  # checkpoint of step 2 holds the batch sampled ahead (max_staleness 1), chat messages included.
-  rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(16)]
-  data = tmp_path / "chat.jsonl"
-  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  out = tmp_path / "run"
-  cli.main(["grpo", "--out", str(out), *COMMON, "--train.steps=2", f"--data.train_files=[\"{data}\"]",
-            "--data.seq_len=64", "--grpo.max_response_tokens=6", "--no-export"])
-  records = _records(out)
-  assert sorted(records) == [1, 2] and all("rewards/outcome/no_answer_frac" in records[k] for k in (1, 2))
-  assert (out / "checkpoints" / "2" / "pipeline").exists()
+  cfg, tokenizer, built, train = _prepared_job(tmp_path, *COMMON, "--train.steps=2", "--env", "docqa",
+                                               "--grpo.max_staleness=0", "--grpo.turn_tokens=8",
+                                               "--grpo.max_response_tokens=160", "--data.seq_len=1088")
+  assert isinstance(tokenizer, ByteTokenizer) and built == job.grpo_episode_job(cfg, tokenizer, DocQAEnv(tokenizer))
+  assert built.algorithm == "grpo_episodes" and built.total_updates == 2
+  batch = next(iter(train))
+  tasks = DocQATasks(cfg.train.seed)
+  for i in range(cfg.data.batch_size):
+    assert "prompt" not in tasks[i] and batch["task"][i] == tasks[i]
+    episode = DocQAEnv(tokenizer).reset(tasks[i])
+    try:
+      want = TurnFormat.of(tokenizer).prompt(episode.prompt)
+    finally:
+      episode.close()
+    width = batch["prompts"].shape[1]
+    assert len(want) <= 1088 and batch["prompts"][i, width - batch["prompt_lengths"][i]:].tolist() == want

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from cli_runs import files_flag, write_jsonl
 from model_variants import HF_ARCH as ARCH
 from ptx import cli
 from ptx.data.tokenizer import ByteTokenizer
@@ -35,11 +36,12 @@ def transformers_checkpoint(tmp_path_factory):
 
 
 def _jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return f'--data.train_files=["{path}"]'
+  """The override that trains on `rows`, written to `path`."""
+  return files_flag("train_files", write_jsonl(path, rows))
 
 
 def _weights(path):
+  """The parameters of the HF model directory `path`, as host arrays."""
   return jax.tree.map(np.asarray, load_hf(path).params)
 
 
@@ -55,11 +57,16 @@ def test_sft_starts_from_the_checkpoint_weights_with_its_architecture(source, tm
   assert saved["data"]["tokenizer"] == str(checkpoint)
   assert saved["optim"]["warmup_steps"] == 20, "not the fine-tuning preset"
   jax.tree.map(np.testing.assert_array_equal, _weights(tmp_path / "lr0" / "hf"), _weights(checkpoint))
+  # Training moves every weight; the execution settings of the command line survive the checkpoint's config.
   cli.main(["sft", "--model-dir", str(checkpoint), "--out", str(tmp_path / "train"), data, "--optim.lr=1e-3",
-            "--optim.warmup_steps=0", "--data.seq_len=16", *COMMON])
+            "--optim.warmup_steps=0", "--data.seq_len=16", "--model.remat=full", "--model.attention_impl=blockwise",
+            "--model.scan_layers=false", *COMMON])
   moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _weights(tmp_path / "train" / "hf"),
                        _weights(checkpoint))
   assert min(jax.tree.leaves(moved)) > 0, "some weights did not train"
+  saved = json.loads((tmp_path / "train" / "config.json").read_text())["model"]
+  assert (saved["remat"], saved["attention_impl"], saved["scan_layers"]) == ("full", "blockwise", False)
+  assert dataclasses.asdict(ARCH)["mlp_dim"] == saved["mlp_dim"]
 
 
 def test_dpo_and_grpo_fine_tune_the_checkpoint(ptx_checkpoint, tmp_path):
@@ -92,16 +99,6 @@ def test_a_smoke_run_keeps_the_first_layers_and_other_contradictions_are_errors(
   with pytest.raises(SystemExit):
     cli.main(["sft", "--model-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "bad"), data, *COMMON])
   assert "missing/config.json: no such file" in capsys.readouterr().err
-
-
-def test_execution_settings_of_the_command_line_survive_the_checkpoint(ptx_checkpoint, tmp_path):
-  data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 8)
-  cli.main(["sft", "--model-dir", str(ptx_checkpoint), "--out", str(tmp_path / "run"), data, "--model.remat=full",
-            "--model.attention_impl=blockwise", "--model.scan_layers=false", "--data.seq_len=16", "--no-export",
-            *COMMON])
-  saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
-  assert (saved["remat"], saved["attention_impl"], saved["scan_layers"]) == ("full", "blockwise", False)
-  assert dataclasses.asdict(ARCH)["mlp_dim"] == saved["mlp_dim"]
 
 
 @pytest.mark.slow

@@ -18,12 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ptx import cli
-
-STEPS = 6
-COMMON = ["--no-progress", "--model=tiny", "--model.n_layers=1", "--model.d_model=64", "--model.mlp_dim=128",
-          "--train.log_every=1", "--train.checkpoint_every=2", "--train.keep_checkpoints=5", "--data.batch_size=8",
-          "--data.seq_len=32", "--data.num_bins=4", "--mesh.data=2", "--mesh.fsdp=4"]
+from cli_runs import SFT, SFT_STEPS as STEPS, exit_code, files_flag, metrics
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +38,7 @@ def finished_run(tmp_path_factory, train_file):
 
 def _sft(out, train_file, *extra):
   """The exit code of `ptx sft` (2 for a refusal, whether argparse's or the run's)."""
-  try:
-    return cli.main(["sft", "--out", str(out), f"--data.train_files=[\"{train_file}\"]", *COMMON,
-                     f"--train.steps={STEPS}", *extra])
-  except SystemExit as e:
-    return e.code
+  return exit_code(["sft", "--out", str(out), files_flag("train_files", train_file), *SFT, *extra])
 
 
 def _copy(run, tmp_path):
@@ -60,10 +51,6 @@ def _digest(out: pathlib.Path) -> dict[str, str]:
   """SHA-256 of every file under `out`: what must survive a refused or failed command unchanged."""
   return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
           for p in sorted(out.rglob("*")) if p.is_file()}
-
-
-def _records(out):
-  return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _flip_bytes(path: pathlib.Path, count: int = 64) -> None:
@@ -90,8 +77,8 @@ def test_flipped_bytes_in_a_checkpoint_are_detected_and_never_trained_on(finishe
   # other numbers is the checksums'. Either is damage; the next test pins the checksums' path alone.
   assert "checkpoint step 6 is damaged" in caplog.text, caplog.text
   assert (out / "checkpoints.damaged" / "6").is_dir(), "the damaged step was not kept aside"
-  assert [r["step"] for r in _records(out)] == list(range(1, 9)), "metrics must read as one run"
-  assert all(np.isfinite(r["loss"]) for r in _records(out))
+  assert [r["step"] for r in metrics(out)] == list(range(1, 9)), "metrics must read as one run"
+  assert all(np.isfinite(r["loss"]) for r in metrics(out))
 
 
 def test_arrays_that_read_back_cleanly_but_are_not_what_was_written_are_caught_by_the_checksums(
@@ -106,7 +93,7 @@ def test_arrays_that_read_back_cleanly_but_are_not_what_was_written_are_caught_b
   assert "checkpoint step 6 is damaged" in caplog.text and "differ from the checksums" in caplog.text
   assert ".step" in caplog.text and ".params['embed']" in caplog.text, caplog.text
   assert (out / "checkpoints.damaged" / "6").is_dir()
-  assert [r["step"] for r in _records(out)] == list(range(1, 9))
+  assert [r["step"] for r in metrics(out)] == list(range(1, 9))
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_stops_and_exports_nothing(finished_run, train_file, tmp_path,
@@ -145,11 +132,13 @@ def test_rerunning_into_a_run_directory_without_resume_is_refused(finished_run, 
   err = capsys.readouterr().err
   assert "holds an earlier run" in err and "pass --resume to continue it, --overwrite to replace it" in err
   assert _digest(out) == before, "a refused command changed the run directory"
-  # --overwrite replaces it: a fresh run of the same length, no trace of the old one.
+  # --overwrite replaces it: a fresh run of the same length (the same programs), no trace of the old one.
   (out / "checkpoints" / "4" / "marker").write_text("old")
-  assert _sft(out, train_file, "--overwrite", "--train.steps=2") == 0
-  assert [r["step"] for r in _records(out)] == [1, 2]
-  assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+  shutil.copytree(out / "checkpoints" / "6", out / "checkpoints" / "8")  # as if the old run had been longer
+  assert _sft(out, train_file, "--overwrite") == 0
+  assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1)), "the old run's metrics were kept"
+  assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4, 6]
+  assert not (out / "checkpoints" / "4" / "marker").exists()
 
 
 def test_resume_with_a_changed_model_is_refused_with_the_differing_fields(finished_run, train_file, tmp_path,
@@ -163,7 +152,7 @@ def test_resume_with_a_changed_model_is_refused_with_the_differing_fields(finish
   assert _digest(out) == before, "config.json or the checkpoints were written over"
   # Fields on the documented list may change: a longer run, logged less often.
   assert _sft(out, train_file, "--resume", "--train.steps=8", "--train.log_every=2") == 0
-  assert [r["step"] for r in _records(out)][-2:] == [6, 8]
+  assert [r["step"] for r in metrics(out)][-2:] == [6, 8]
 
 
 def test_a_torn_last_metrics_line_is_repaired_on_resume(finished_run, train_file, tmp_path, capsys):
@@ -175,7 +164,7 @@ def test_a_torn_last_metrics_line_is_repaired_on_resume(finished_run, train_file
   (out / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][: len(lines[4]) // 2])
   assert _sft(out, train_file, "--resume") == 0
   assert "dropped its torn last line 5" in capsys.readouterr().out
-  assert [r["step"] for r in _records(out)] == list(range(1, STEPS + 1))
+  assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
 
 
 def test_a_damaged_metrics_line_before_the_last_stops_resume_and_names_it(finished_run, train_file, tmp_path,
@@ -199,7 +188,7 @@ def test_a_diverging_run_stops_non_zero_keeps_the_last_finite_checkpoint_and_exp
   err = capsys.readouterr().err
   assert "diverged: the last 4 optimizer steps" in err and "train.max_nonfinite_steps=4" in err
   assert not (out / "hf").exists(), "a diverged run exported its parameters"
-  records = _records(out)
+  records = metrics(out)
   streaks = {r["step"]: r["nonfinite_streak"] for r in records}
   first_bad = min(step for step, streak in streaks.items() if streak > 0)
   kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())

@@ -1,8 +1,11 @@
-"""LoRA training: only adapters are optimised, the base is held once, the reference is the base."""
+"""LoRA training: only adapters are optimised, the base is held once, the reference is the base.
+
+A LoRA run from the command line, resumed from a checkpoint (which holds the adapters only), is
+tests/test_cli_export.py's; tests/test_jobs_agree.py shows `--lora.rank` builds the same Job for sft and dpo.
+"""
 
 import dataclasses
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,9 @@ from ptx.train.step import make_train_step, reference_params
 
 LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
 OPTIM = OptimizerConfig(lr=1e-2, warmup_steps=0)
+# The sharded SFT step of the first two tests: one program, compiled once. Adam's eps keeps the rounding of two programs
+# (sharded vs single device) from being amplified in the second (tolerances.py).
+SFT_OPTIM = dataclasses.replace(OPTIM, eps=ADAM_EPS)
 
 
 def _rows(cfg, batch, seq, seed):
@@ -41,7 +47,7 @@ def _bytes(tree):
 
 
 def test_only_adapters_are_optimised_and_the_base_is_held_once(tiny_config, mesh):
-  optimizer = make_optimizer(OPTIM, 100)
+  optimizer = make_optimizer(SFT_OPTIM, 100)
   shardings = state_shardings(tiny_config, optimizer, mesh, lora=LORA, with_reference=True)
   state = init_state(tiny_config, optimizer, 0, mesh, lora=LORA, with_reference=True)
   assert state.ref_params is None  # the reference is the base: no second copy
@@ -71,8 +77,7 @@ def test_only_adapters_are_optimised_and_the_base_is_held_once(tiny_config, mesh
 
 def test_sharded_lora_steps_equal_single_device(tiny_config, mesh):
   single = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, seq=1), jax.devices()[:1])
-  # Two programs' parameters after two updates: Adam's eps keeps their rounding from being amplified (tolerances.py).
-  optimizer = make_optimizer(dataclasses.replace(OPTIM, eps=ADAM_EPS), 100)
+  optimizer = make_optimizer(SFT_OPTIM, 100)
   batch = _rows(tiny_config, 8, 16, seed=5)
   results = []
   for m in (single, mesh):
@@ -154,23 +159,3 @@ def test_grpo_reference_is_the_base_with_adapters_off(tiny_config, mesh):
     if i == 0:  # fresh adapters: the policy is the reference; k3's KL of rounding d ~ 1e-6 is ~d^2 / 2 << 1e-7
       np.testing.assert_allclose(float(metrics["actor/kl_loss"]), 0.0, atol=1e-7)
   assert float(metrics["actor/kl_loss"]) > 1e-6
-
-
-def test_sft_command_trains_adapters_and_resumes(tmp_path, capsys):
-  from ptx import cli
-
-  rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(64)]
-  data = tmp_path / "sft.jsonl"
-  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  common = ["--no-progress", "--model=tiny", "--model.n_layers=1", "--train.log_every=2", "--data.batch_size=8",
-            "--data.seq_len=32", "--mesh.data=2", "--mesh.fsdp=4", "--lora.rank=8", "--lora.dropout=0.05",
-            f"--data.train_files=[\"{data}\"]", f"--data.eval_files=[\"{data}\"]", "--train.eval_every=2",
-            "--train.checkpoint_every=2", "--out", str(tmp_path / "run")]
-  cli.main(["sft", "--train.steps=2", *common])
-  cli.main(["sft", "--train.steps=4", "--resume", *common])
-  out = capsys.readouterr().out
-  assert "resumed from checkpoint step 2" in out
-  records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert records[-1]["step"] == 4 and any("eval/loss" in r for r in records)
-  config = json.loads((tmp_path / "run" / "config.json").read_text())
-  assert config["lora"]["rank"] == 8
