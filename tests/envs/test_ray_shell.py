@@ -1,7 +1,7 @@
 """Terminal episodes on Ray: commands and checks run as jobs on a cluster's nodes and end as they do here.
 
-One small cluster serves the module (`ray_cluster`: a head and a worker node declaring "sandbox"); the node-loss
-test adds nodes of its own and kills one.
+The process's small cluster serves the module (`ray_cluster`: a head and a worker node declaring "sandbox"); the
+node-loss test adds nodes of its own, kills one and removes the other.
 """
 
 import concurrent.futures
@@ -141,7 +141,7 @@ def test_a_node_killed_mid_episode_retries_the_command_or_ends_it_as_an_infra_er
       time.sleep(0.5)
       cluster.remove_node(doomed, allow_graceful=False)
       # Not waited for: the command waits in Ray's queue until it joins (the cluster's own wait would count the
-      # killed node until its health checks fail, some 15 s).
+      # killed node until its health checks fail, seconds later: tests/ray_cluster.py).
       replacement = cluster.add_node(num_cpus=1, resources={"shell_node": 1})
       steps = [running.result(), *(small.step(action) for action in [*fix[1:], "DONE"])]
     lost = large.step("cat big.bin | wc -c")

@@ -1,6 +1,6 @@
 """ptx.envs.warm_pool on Ray: set-ups run as Ray tasks on the cluster's nodes and give the bytes they give here.
 
-One small cluster serves the module (`ray_cluster`: a head and a worker node, one CPU slot each).
+The process's small cluster serves the module (`ray_cluster`: a head and a worker node, one CPU slot each).
 """
 
 import hashlib
