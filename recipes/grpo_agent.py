@@ -34,8 +34,8 @@ commands (about 0.1-1 s each, overlapped with decoding) and the update over
 256 rows of up to 1,344 tokens: about 10-20 s a step (estimate, not
 measured). On this 2-core CPU `--preset full` (2 tasks x 4 episodes of up
 to 4 commands, all 30 layers) takes minutes a step (measured below);
-`--preset tiny` keeps 2 of the 30 layers and takes a few minutes, mostly
-compiling (376 s in the test suite at load 10-24).
+`--preset tiny` keeps 2 of the 30 layers and short turns, and takes about a
+minute, mostly compiling (52 s in the test suite on 12-06, load about 2).
 
 Expected scores: SmolLM2-135M-Instruct was never trained to act in a shell:
 at first most episodes end without a passing check, and the reward stays
@@ -71,10 +71,11 @@ PRESETS: launch.Presets = {
     "tiny": lambda: ptx.Config(
         optim=ptx.OptimizerConfig(lr=1e-6, warmup_steps=0, min_lr_ratio=1.0),
         train=ptx.TrainConfig(steps=2, log_every=1, checkpoint_every=100),
-        # 8 tasks: a batch splits over up to 8 devices (the test suite's fake ones).
-        data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=448, pack=False),
-        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=160,
-                            turn_tokens=24)),
+        # 8 tasks: a batch splits over up to 8 devices (the test suite's fake ones). A task's first prompt takes at
+        # most 156 tokens (the first 256 tasks); two commands of 16 tokens and their output take about 70.
+        data=ptx.DataConfig(kind="rl", batch_size=8, seq_len=192, pack=False),
+        grpo=ptx.GRPOConfig(group_size=2, kl_placement="none", beta=0.0, max_staleness=0, max_response_tokens=96,
+                            turn_tokens=16)),
     # A prompt of up to 448 tokens (the task and the shell instructions), then up to 896 of commands and outputs.
     "full": lambda: ptx.Config(
         # Rows of 1,344 tokens through 30 layers: without remat the update holds ~20 GB of activations on a CPU.
