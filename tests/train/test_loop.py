@@ -1,5 +1,7 @@
 """The training job: exact resume after SIGKILL and SIGTERM, damaged checkpoints, non-finite steps."""
 
+import contextlib
+import io
 import json
 import pathlib
 import shutil
@@ -23,7 +25,6 @@ from ptx.data.tokenizer import ByteTokenizer
 from ptx.sharding import make_mesh
 from ptx.train import loop, presets
 from ptx.train.job import sft_job
-from ptx.train.loop import fit
 from ptx.train.state import init_state, state_shardings
 from ptx.train.step import JittedStep, make_train_step
 
@@ -62,12 +63,12 @@ def _checkpoints(out):
   return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def _fit(argv):
-  """The summary of `ptx ARGV` trained in this process: the Job the command builds (`cli._prepare`), run by `fit`."""
-  args, overrides = cli._parser().parse_known_args(argv)
-  cfg, params, _, job, train, evaluation, evals = cli._prepare(args, overrides)
-  return fit(cfg, job, train_data=train, out=args.out, resume=args.resume, eval_data=evaluation, init_params=params,
-             evals=evals, progress=False)[1]
+def _in_process(argv):
+  """(exit code, printed summary) of `ptx ARGV` run in this process."""
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    code = cli.main(argv)
+  return code, summary(stdout.getvalue())
 
 
 def _killed(argv, *, at, wait):
@@ -106,8 +107,8 @@ def interrupted(finished_run, train_file, tmp_path_factory):
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(JittedStep, "__call__", signalling_step(JittedStep.__call__, out, at=5, wait=3,
                                                           signum=signal.SIGTERM))
-    seen["preempted"] = (_fit(argv("--resume")), _checkpoints(out))
-  seen["resumed"] = _fit(argv("--resume"))
+    seen["preempted"] = (*_in_process(argv("--resume")), _checkpoints(out))
+  seen["resumed"] = _in_process(argv("--resume"))
   return out, seen
 
 
@@ -135,11 +136,11 @@ def test_sigkill_then_resume_is_bitwise_identical(interrupted, finished_run):
 
 def test_sigterm_saves_and_exits_zero(interrupted):
   out, seen = interrupted
-  preempted, checkpoints = seen["preempted"]
-  assert preempted["resumed_from"] == 3 and preempted["preempted"] and preempted["step"] == 5 < SFT_STEPS
+  code, preempted, checkpoints = seen["preempted"]
+  assert code == 0 and preempted["resumed_from"] == 3 and preempted["preempted"] and preempted["step"] == 5 < SFT_STEPS
   assert 5 in checkpoints, "no checkpoint at the preempted step"
-  resumed = seen["resumed"]
-  assert resumed["resumed_from"] == 5 and not resumed["preempted"] and resumed["step"] == SFT_STEPS
+  code, resumed = seen["resumed"]
+  assert code == 0 and resumed["resumed_from"] == 5 and not resumed["preempted"] and resumed["step"] == SFT_STEPS
 
 
 def _resume_past_damage(finished_run, out, train_file, capsys):

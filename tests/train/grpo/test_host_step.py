@@ -24,7 +24,10 @@ SAMPLING = SamplingConfig(temperature=0.8)
 def test_host_mode_on_policy_equals_the_fused_step():
   grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0, sampling=SAMPLING)
   fused, fused_metrics = build(MODEL, grpo_cfg, even_tokens).run(2)
-  host, host_metrics = build(MODEL, grpo_cfg, even_tokens_on_host, kind="host").run(2)
+  on_host = build(MODEL, grpo_cfg, even_tokens_on_host, kind="host")
+  host, host_metrics = on_host.run(2)
+  # On-policy nothing is sampled ahead: a checkpoint holds no pipeline (`fit` saves what this returns).
+  assert on_host.step.pipeline_state() is None
   # Two programs (rewards on the host, then their own update step): float32 rounding of reordered sums at most
   # (bit-equal here); ~1e-6 relative, atol for a loss or KL that lands near 0.
   for want, got in zip(fused_metrics, host_metrics):
