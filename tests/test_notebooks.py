@@ -112,8 +112,8 @@ def test_notebook_runs_from_the_wheel_with_tiny_settings(path, tmp_path, monkeyp
   monkeypatch.setenv("PTX_TINY", "1")
   # The kernel is a fresh process that inherits this environment: it gets one CPU
   # device like a Colab CPU runtime (the sharding notebook asks for its own eight).
-  # LLVM at -O0: compiling is most of a notebook's time, and -O0 halves it; the
-  # test checks that every cell runs, not the figures they print, which -O0 rounds differently.
+  # LLVM at -O0, as the suite compiles (tests/conftest.py): compiling is most of a
+  # notebook's time, and the test checks that every cell runs, not the figures they print.
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
   monkeypatch.setenv("MPLBACKEND", "Agg")
   # timeout: per cell, a hang guard only (the tiny settings run each cell in seconds to a minute).

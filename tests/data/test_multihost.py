@@ -22,7 +22,7 @@ def test_global_batch_is_the_hosts_batches_stacked_in_process_order(tmp_path):
     port = str(s.getsockname()[1])
   out = tmp_path / "global.npz"
   # Each process sees 4 of the 8 global devices, as on two 4-chip hosts.
-  # The suite's XLA flags (its -O1), then 4 devices: XLA takes a flag's last value.
+  # The suite's XLA flags (its -O0), then 4 devices: XLA takes a flag's last value.
   flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=4"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT)}
   procs = [subprocess.Popen([sys.executable, "-m", "tests.data.multihost_worker", str(i), port, str(out)],

@@ -23,7 +23,7 @@ def _sft(out, train_file, *extra):
 
 
 def _env(devices):
-  """A subprocess's environment: the suite's XLA flags (its -O1), then `devices` (XLA takes a flag's last value)."""
+  """A subprocess's environment: the suite's XLA flags (its -O0), then `devices` (XLA takes a flag's last value)."""
   flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
   return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
