@@ -31,20 +31,26 @@ def dumps(cfg: Any, sections: tuple[str, ...] | None = None) -> str:
   return json.dumps(to_dict(cfg, sections), indent=2, sort_keys=False)
 
 
-def changed(cfg: Any, sections: tuple[str, ...] | None = None) -> list[str]:
-  """`section.field=value` for every field of `cfg` (or its `sections`) whose value is not the default's.
+def fields(cfg: Any, sections: tuple[str, ...] | None = None, *, changed_only: bool = False) -> list[str]:
+  """`section.field=value` (the value as JSON) for every field of `cfg` (or its `sections`), in declaration order.
 
-  What a start-up prints: the choices of this run, a few lines, where the whole tree (config.json) is
-  hundreds.
+  With `--` before it, each line is an override `apply_overrides` takes back as it stands, so the lines are the
+  config as command-line words (`ptx sft --fields`).
+
+  Args:
+    cfg: a config tree (a Config, or one of its sections' dataclasses).
+    sections: the top-level fields to list (all when None).
+    changed_only: list only the fields whose value is not the default's: what a start-up prints, the choices of
+      this run in a few lines, where the whole tree (config.json) is hundreds.
   """
   ours, defaults = to_dict(cfg, sections), to_dict(type(cfg)(), sections)
   out = []
 
   def walk(prefix: str, mine: Any, default: Any) -> None:
-    if isinstance(mine, dict) and isinstance(default, dict):
+    if isinstance(mine, dict) and isinstance(default, dict):  # a section (a dataclass that is one by default)
       for key, value in mine.items():
         walk(f"{prefix}.{key}" if prefix else key, value, default.get(key))
-    elif mine != default:
+    elif not changed_only or mine != default:
       out.append(f"{prefix}={json.dumps(mine)}")
 
   walk("", ours, defaults)
@@ -76,6 +82,11 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
 def apply_overrides(cfg: Config, args: list[str]) -> Config:
   """Applies `--a.b=value` overrides (and `--model=PRESET`, `--grpo=PRESET`) in order.
 
+  A preset replaces its whole section where it stands on the line. The field overrides between two presets are
+  applied together, so their order does not matter (`--data.kind=rl --data.pack=false` is `--data.pack=false
+  --data.kind=rl`) and each config class checks its fields once, with all of them set; a field given twice takes
+  its last value, and a section given whole (`--data={...}`) takes its sub-field overrides on top.
+
   Args:
     cfg: the starting config.
     args: command-line words, each `--dotted.field=value`.
@@ -86,38 +97,46 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
   Raises:
     ConfigError: naming the argument for unknown fields, presets or bad values.
   """
+  pending: dict[tuple[str, ...], str] = {}
   for arg in args:
     if not arg.startswith("--") or "=" not in arg:
       raise ConfigError(f"override {arg!r} is not of the form --field.path=value")
     path, raw = arg[2:].split("=", 1)
+    if path in ("grpo", "model") and pending:
+      cfg, pending = _replace_fields(cfg, pending), {}
     if path == "grpo":
       if raw not in GRPO_PRESETS:
         raise ConfigError(f"unknown GRPO preset {raw!r}; known: {sorted(GRPO_PRESETS)}")
       cfg = dataclasses.replace(cfg, grpo=GRPO_PRESETS[raw])
-      continue
-    if path == "model":
+    elif path == "model":
       if raw not in MODEL_PRESETS:
         raise ConfigError(f"unknown model preset {raw!r}; known: {sorted(MODEL_PRESETS)}")
       cfg = dataclasses.replace(cfg, model=MODEL_PRESETS[raw]())
-      continue
-    cfg = _replace_path(cfg, path.split("."), raw, path)
-  return cfg
+    else:
+      pending.pop(tuple(path.split(".")), None)  # a repeated field takes its place (and value) at its last mention
+      pending[tuple(path.split("."))] = raw
+  return _replace_fields(cfg, pending) if pending else cfg
 
 
-def _replace_path(node: Any, keys: list[str], raw: str, path: str) -> Any:
+def _replace_fields(node: Any, changes: dict[tuple[str, ...], str], prefix: str = "") -> Any:
+  """`node` with every change applied (keys: field paths below `node`, values: their raw strings), in one replace."""
+  named = ", ".join(f"--{prefix}{'.'.join(keys)}" for keys in changes)
   if not dataclasses.is_dataclass(node):
-    raise ConfigError(f"--{path}: {type(node).__name__} has no sub-fields")
+    raise ConfigError(f"{named}: {type(node).__name__} has no sub-fields")
   fields = {f.name for f in dataclasses.fields(node)}
-  if keys[0] not in fields:
-    raise ConfigError(f"--{path}: unknown field {keys[0]!r}; {type(node).__name__} has {sorted(fields)}")
-  if len(keys) == 1:
-    value = _parse(typing.get_type_hints(type(node))[keys[0]], raw, path)
-  else:
-    value = _replace_path(getattr(node, keys[0]), keys[1:], raw, path)
+  hints = typing.get_type_hints(type(node))
+  replaced = {}
+  for name in dict.fromkeys(keys[0] for keys in changes):
+    path = f"{prefix}{name}"
+    if name not in fields:
+      raise ConfigError(f"--{path}: unknown field {name!r}; {type(node).__name__} has {sorted(fields)}")
+    value = _parse(hints[name], changes[(name,)], path) if (name,) in changes else getattr(node, name)
+    below = {keys[1:]: raw for keys, raw in changes.items() if keys[0] == name and len(keys) > 1}
+    replaced[name] = _replace_fields(value, below, f"{path}.") if below else value
   try:
-    return dataclasses.replace(node, **{keys[0]: value})
-  except ValueError as e:  # a config class's own check (__post_init__)
-    raise ConfigError(f"--{path}: {e}") from e
+    return dataclasses.replace(node, **replaced)
+  except ValueError as e:  # a config class's own check (__post_init__), on all of its fields set at once
+    raise ConfigError(f"{named}: {e}") from e
 
 
 def _parse(hint: Any, raw: str, path: str) -> Any:

@@ -1,5 +1,6 @@
 """Config overrides, presets, errors and round trips."""
 
+import dataclasses
 import json
 
 import pytest
@@ -100,6 +101,45 @@ def test_every_field_has_a_comment():
 
 def test_the_startup_summary_lists_only_the_fields_set_beside_the_defaults():
   cfg = apply_overrides(Config(), ["--train.steps=7", "--grpo.sampling.temperature=0.5", "--lora.rank=4"])
-  assert config_io.changed(cfg) == ["train.steps=7", "grpo.sampling.temperature=0.5", "lora.rank=4"]
-  assert config_io.changed(cfg, ("train", "model")) == ["train.steps=7"]
-  assert config_io.changed(Config()) == []
+  assert config_io.fields(cfg, changed_only=True) == ["train.steps=7", "grpo.sampling.temperature=0.5", "lora.rank=4"]
+  assert config_io.fields(cfg, ("train", "model"), changed_only=True) == ["train.steps=7"]
+  assert config_io.fields(Config(), changed_only=True) == []
+
+
+@pytest.mark.parametrize("preset", [f"{kind}_{command}" for kind in ("toy", "finetune") for command in
+                                    ("sft", "dpo", "grpo")] + ["dapo_gemma"])
+def test_every_field_as_an_override_line_rebuilds_the_config(preset):
+  from ptx.config import GRPO_PRESETS, MODEL_PRESETS
+  from ptx.train import presets
+
+  if preset == "dapo_gemma":  # a model preset and a GRPO preset with their tuples, None and literal "none"s
+    cfg = dataclasses.replace(Config(), model=MODEL_PRESETS["gemma2_2b"](), grpo=GRPO_PRESETS["dapo"])
+    cfg = apply_overrides(cfg, ['--data.train_files=["a b.jsonl"]', "--grpo.kl_placement=none", "--lora.rank=4"])
+  else:
+    kind, command = preset.split("_")
+    cfg = {"toy": presets.TOY, "finetune": presets.FINETUNE}[kind][command]()
+  lines = config_io.fields(cfg)
+  assert len(lines) > 100 and len({line.split("=")[0] for line in lines}) == len(lines)
+  assert apply_overrides(Config(), [f"--{line}" for line in lines]) == cfg
+  # The lines of some sections rebuild just those.
+  sections = ("train", "grpo")
+  rebuilt = apply_overrides(Config(), [f"--{line}" for line in config_io.fields(cfg, sections)])
+  assert all(getattr(rebuilt, s) == getattr(cfg, s) for s in sections)
+  assert all(line.startswith(sections) for line in config_io.fields(cfg, sections))
+
+
+def test_field_overrides_apply_together_whatever_their_order():
+  # A config class checks its fields once, all set: rl records need pack=False, given before or after the kind.
+  want = apply_overrides(Config(), ["--data.pack=false", "--data.kind=rl"])
+  assert want.data.kind == "rl" and not want.data.pack
+  assert apply_overrides(Config(), ["--data.kind=rl", "--train.steps=3", "--data.pack=false"]).data == want.data
+  # A rule still broken with every override set names the section's overrides.
+  with pytest.raises(ConfigError, match=r"--data.kind, --data.seq_len: DataConfig: packing is for sft records"):
+    apply_overrides(Config(), ["--data.kind=rl", "--train.steps=3", "--data.seq_len=64"])
+  # A preset replaces its section where it stands: the fields before it are gone, those after it stay.
+  cfg = apply_overrides(Config(), ["--model.n_layers=3", "--model=gemma2_2b", "--model.mlp_dim=64"])
+  from ptx.config import MODEL_PRESETS
+
+  assert cfg.model.n_layers == MODEL_PRESETS["gemma2_2b"]().n_layers != 3 and cfg.model.mlp_dim == 64
+  # The last value of a field given twice.
+  assert apply_overrides(Config(), ["--train.steps=3", "--train.steps=5"]).train.steps == 5

@@ -151,7 +151,7 @@ def fit(
   out.mkdir(parents=True, exist_ok=True)
   if primary:
     config_io.save(cfg, out / "config.json", sections)
-    changed = config_io.changed(cfg, sections)
+    changed = config_io.fields(cfg, sections, changed_only=True)
     print(f"config: {out / 'config.json'}; {len(changed)} fields set beside the defaults:", flush=True)
     print(textwrap.fill(" ".join(changed) or "(none)", 118, initial_indent="  ", subsequent_indent="  ",
                         break_on_hyphens=False), flush=True)
