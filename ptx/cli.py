@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import pathlib
+import shlex
 import sys
 
 import ptx
@@ -98,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
                      "(config.json, safetensors, tokenizer; local or gs://) or a local .gguf file (converted into "
                      "OUT/pretrained)")
     _job_arguments(job, default_out=f"out/{name}")
+    job.add_argument("--fields", action="store_true",
+                     help="list every config field this command reads, with the value it would run with (the "
+                     "preset's, or --config's, after the overrides on this line), as --section.field=value lines "
+                     "quoted for the shell, to pass back, and exit; with --model-dir the model section and "
+                     "data.tokenizer come from the checkpoint when the run starts")
     job.add_argument("--no-export", action="store_true",
                      help="skip writing OUT/hf (HF weights + tokenizer; with LoRA also OUT/adapter in PEFT layout)")
     if name == "grpo":
@@ -181,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
       from ptx import demo
 
       cfg = config_io.apply_overrides(demo.default_config(), overrides)
+    elif args.fields:  # nothing is read, converted or written
+      from ptx.train.job import SECTIONS
+
+      cfg = config_io.apply_overrides(_base_config(args), overrides)
+      # eval: the held-out suites the command evaluates at checkpoints (`--eval.suites`), beside the job's sections.
+      lines = config_io.fields(cfg, (*SECTIONS[args.command], "eval"))
+      print("\n".join(shlex.quote(f"--{line}") for line in lines), flush=True)  # each pastes into a shell
+      return 0
     else:
       from ptx.train import run_dir
 
@@ -220,19 +234,26 @@ def _run_errors() -> tuple[type[Exception], ...]:
 def _prepare(args, overrides: list[str]):
   """`ptx sft|dpo|grpo`: (cfg, starting params, tokenizer, Job, training data, held-out batches or None,
   the held-out suites of `--eval.suites` or None)."""
-  from ptx import config as config_lib
-  from ptx import config_io
-  from ptx.train import checkpoint_evals, presets, pretrained
+  from ptx.train import checkpoint_evals, pretrained
 
-  base = (presets.FINETUNE if args.model_dir is not None else presets.TOY)[args.command]()
-  if args.config is not None:
-    try:
-      base = config_io.from_dict(config_lib.Config, json.loads(args.config.read_text()))
-    except json.JSONDecodeError as e:
-      raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
-  cfg, params, tokenizer = pretrained.configure(base, overrides, model_dir=args.model_dir, out=args.out)
+  cfg, params, tokenizer = pretrained.configure(_base_config(args), overrides, model_dir=args.model_dir, out=args.out)
   evals = checkpoint_evals.build(cfg.eval, tokenizer, cfg.rollout)
   return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params), evals)
+
+
+def _base_config(args):
+  """The config `ptx sft|dpo|grpo` starts from, before its overrides: --config's, else the command's preset (the
+  fine-tuning one with --model-dir)."""
+  from ptx import config as config_lib
+  from ptx import config_io
+  from ptx.train import presets
+
+  if args.config is None:
+    return (presets.FINETUNE if args.model_dir is not None else presets.TOY)[args.command]()
+  try:
+    return config_io.from_dict(config_lib.Config, json.loads(args.config.read_text()))
+  except json.JSONDecodeError as e:
+    raise config_lib.ConfigError(f"--config {args.config}: not valid JSON ({e})") from e
 
 
 def _train(args, cfg, params, tokenizer, job, train, evaluation, evals, progress: bool) -> None:

@@ -1,6 +1,7 @@
 """The `ptx` command line: help, version, demo, override errors."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -70,3 +71,32 @@ def test_sft_without_data_is_a_clear_error(capsys):
   with pytest.raises(SystemExit):
     cli.main(["sft", "--model=tiny"])
   assert "--data.train_files" in capsys.readouterr().err
+
+
+def test_fields_lists_what_the_command_would_run_with_as_override_lines(tmp_path, capsys):
+  from ptx import config_io
+  from ptx.config import Config
+  from ptx.train import presets
+
+  out = tmp_path / "run"
+  assert cli.main(["grpo", "--out", str(out), "--fields", "--train.steps=7", "--grpo.group_size=4"]) == 0
+  lines = [word for line in capsys.readouterr().out.splitlines() for word in shlex.split(line)]  # shell-quoted
+  assert not out.exists(), "--fields wrote into --out"
+  assert "--train.steps=7" in lines and "--grpo.group_size=4" in lines and '--eval.suites=[]' in lines
+  # The job's sections and eval only, every field once; passed back, they rebuild the config of the run.
+  sections = {line[2:].split(".")[0] for line in lines}
+  assert sections == {"model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout", "eval"}
+  want = config_io.apply_overrides(presets.TOY["grpo"](), ["--train.steps=7", "--grpo.group_size=4"])
+  got = config_io.apply_overrides(Config(), lines)
+  assert all(getattr(got, s) == getattr(want, s) for s in sections)
+  # From a saved config, and with --model-dir the fine-tuning preset (nothing is read from the directory).
+  (tmp_path / "config.json").write_text(config_io.dumps(want))
+  assert cli.main(["sft", "--config", str(tmp_path / "config.json"), "--fields"]) == 0
+  assert "--train.steps=7" in capsys.readouterr().out.splitlines()
+  assert cli.main(["sft", "--model-dir", str(tmp_path / "absent"), "--fields"]) == 0
+  finetune = presets.FINETUNE["sft"]()
+  assert f"--optim.warmup_steps={finetune.optim.warmup_steps}" in capsys.readouterr().out.splitlines()
+  # A bad override is refused as a run would refuse it.
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["dpo", "--fields", "--dpo.beta=x"])
+  assert exit_info.value.code == 2 and "dpo.beta: expected float" in capsys.readouterr().err

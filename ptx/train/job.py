@@ -55,8 +55,8 @@ from ptx.train.grpo.update import RLSpec
 from ptx.train.step import Bound, SupervisedStep
 
 Algorithm = Literal["sft", "dpo", "grpo", "grpo_host", "grpo_episodes"]
-# The config sections each algorithm reads (printed and saved at the start of a run).
-_SECTIONS = {"sft": ("model", "mesh", "optim", "train", "data", "lora"),
+# The config sections each algorithm reads (printed and saved at the start of a run; `ptx sft --fields` lists them).
+SECTIONS = {"sft": ("model", "mesh", "optim", "train", "data", "lora"),
              "dpo": ("model", "mesh", "optim", "train", "data", "dpo", "lora"),
              "grpo": ("model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout"),
              "grpo_host": ("model", "mesh", "optim", "train", "data", "grpo", "lora", "rollout"),
@@ -100,7 +100,7 @@ class Job:
   @property
   def sections(self) -> tuple[str, ...]:
     """The config sections this job reads."""
-    return _SECTIONS[self.algorithm]
+    return SECTIONS[self.algorithm]
 
   def optimizer(self) -> optax.GradientTransformation:
     """AdamW over `total_updates` (decaying matrices only; every adapter), then the step's own stage if any."""
