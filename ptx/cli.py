@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
       # Before anything is written into --out; the earlier run's results go only once training starts (fit).
       run_dir.agreed(functools.partial(run_dir.check, args.out, resume=args.resume, overwrite=args.overwrite))
-      if args.overwrite:
+      if run_dir.replaces(args.out, resume=args.resume, overwrite=args.overwrite):
         run_dir.clear(args.out, run_dir.CACHES, primary=jax.process_index() == 0)
       cfg, params, tokenizer, job, train, evaluation, evals = _prepare(args, overrides)
   except (config_lib.ConfigError, OSError, ValueError) as e:  # bad config, files or records: named in the message

@@ -141,6 +141,26 @@ def test_rerunning_into_a_run_directory_without_resume_is_refused(finished_run, 
   assert not (out / "checkpoints" / "4" / "marker").exists()
 
 
+def test_a_run_that_died_in_its_first_step_does_not_block_its_rerun(train_file, tmp_path, capsys, monkeypatch):
+  from ptx.train.step import JittedStep
+
+  out = tmp_path / "run"
+  (out / "pretrained").mkdir(parents=True)  # a cache of the failed start's config: the rerun must not trust it
+
+  def out_of_memory(self, state, batch):
+    raise MemoryError("RESOURCE_EXHAUSTED: Out of memory allocating 49491611192 bytes")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(JittedStep, "__call__", out_of_memory)
+    with pytest.raises(MemoryError):
+      _sft(out, train_file)
+  assert (out / "config.json").exists() and not metrics(out), "the failed start left more than its config"
+  capsys.readouterr()
+  assert _sft(out, train_file) == 0  # the same command again: neither --resume nor --overwrite
+  assert "held a run that stopped before its first metrics line and checkpoint" in capsys.readouterr().out
+  assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1)) and not (out / "pretrained").exists()
+
+
 def test_resume_with_a_changed_model_is_refused_with_the_differing_fields(finished_run, train_file, tmp_path,
                                                                            capsys):
   out = _copy(finished_run, tmp_path)

@@ -145,7 +145,9 @@ def fit(
   # Every process runs this loop; only the first writes logs (checkpoints are collective).
   primary = jax.process_index() == 0
   run_dir.agreed(functools.partial(_may_start, out, cfg, sections, resume=resume, overwrite=overwrite))
-  if overwrite:
+  if run_dir.replaces(out, resume=resume, overwrite=overwrite):
+    if primary and not overwrite:
+      print(f"{out} held a run that stopped before its first metrics line and checkpoint: starting again", flush=True)
     run_dir.clear(out, run_dir.RESULTS, primary=primary)
   out = paths.path(out)  # local or gs:// (`ptx.paths`): config, metrics, checkpoints and exports alike
   out.mkdir(parents=True, exist_ok=True)

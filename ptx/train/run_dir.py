@@ -3,7 +3,9 @@
 `check(out, resume=..., overwrite=...)` is called before anything is
 written into `out` (on a multi-host job by process 0, `agreed`): a directory that holds an earlier run (its
 `config.json`, `metrics.jsonl` or `checkpoints/`) is refused unless the
-caller continues it (`resume`) or replaces it (`overwrite`). Replacing
+caller continues it (`resume`) or replaces it (`overwrite`); a run that
+stopped before its first metrics line and checkpoint (`failed_start`) is
+replaced by a new start as if overwritten. Replacing
 happens in two steps, so that a new run that fails while it is prepared
 (bad data, a bad checkpoint) loses nothing but caches: the command line
 first clears `CACHES` (files derived from the earlier run's config, which
@@ -61,9 +63,32 @@ def check(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
     raise RunDirError("--resume continues the run in the directory and --overwrite replaces it: pass one")
   out = paths.path(out)
   earlier = [name for name in _MARKERS if (out / name).exists()]
-  if earlier and not (resume or overwrite):
+  if earlier and not (resume or overwrite or failed_start(out)):
     raise RunDirError(f"{out} holds an earlier run ({', '.join(earlier)}): pass --resume to continue it, "
                       "--overwrite to replace it (deletes its checkpoints, metrics and exports), or another --out")
+
+
+def failed_start(out: str | os.PathLike) -> bool:
+  """Whether `out` holds only the start of a run that stopped before its first metrics line and first checkpoint.
+
+  Such a run (out of memory in its first step, a bad batch, a kill) left its config.json and perhaps an empty
+  metrics file, nothing a rerun would not write again: a new start replaces it as `--overwrite` would (`replaces`),
+  where a run with a metrics line or a checkpoint is refused.
+  """
+  out = paths.path(out)
+  if not (out / "config.json").exists():
+    return False
+  metrics = out / "metrics.jsonl"
+  if metrics.exists() and metrics.read_text().strip():
+    return False
+  checkpoints = out / "checkpoints"
+  return not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir()))
+
+
+def replaces(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> bool:
+  """Whether a start in `out` replaces what is there (its caches, then its results): `overwrite`, or a new start
+  (not a resume) over a `failed_start`."""
+  return overwrite or (not resume and failed_start(out))
 
 
 def agreed(verdict: Callable[[], None]) -> None:

@@ -52,6 +52,28 @@ def test_a_damaged_saved_config_is_named(tmp_path):
 
 def test_a_refusal_judged_by_process_0_reaches_the_caller(tmp_path):
   (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
   with pytest.raises(run_dir.RunDirError, match="holds an earlier run"):
     run_dir.agreed(lambda: run_dir.check(tmp_path, resume=False, overwrite=False))
   run_dir.agreed(lambda: run_dir.check(tmp_path, resume=True, overwrite=False))
+
+
+def test_a_run_that_stopped_before_its_first_metrics_line_and_checkpoint_is_replaced_by_a_new_start(tmp_path):
+  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "metrics.jsonl").write_text("")
+  (tmp_path / "checkpoints" / "1.orbax-checkpoint-tmp-5").mkdir(parents=True)  # a save that never finished
+  assert run_dir.failed_start(tmp_path)
+  run_dir.check(tmp_path, resume=False, overwrite=False)
+  assert run_dir.replaces(tmp_path, resume=False, overwrite=False)
+  assert not run_dir.replaces(tmp_path, resume=True, overwrite=False)  # a resume keeps what there is
+  # A metrics line, or a published checkpoint, is an earlier run: refused, and never replaced unasked.
+  for made in ("metrics", "checkpoint"):
+    if made == "metrics":
+      (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    else:
+      (tmp_path / "metrics.jsonl").write_text("")
+      (tmp_path / "checkpoints" / "2").mkdir()
+    assert not run_dir.failed_start(tmp_path) and not run_dir.replaces(tmp_path, resume=False, overwrite=False)
+    with pytest.raises(run_dir.RunDirError, match="holds an earlier run"):
+      run_dir.check(tmp_path, resume=False, overwrite=False)
+  assert not run_dir.failed_start(tmp_path / "fresh") and not run_dir.failed_start(tmp_path / "checkpoints")
