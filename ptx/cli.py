@@ -223,12 +223,12 @@ def _run_errors() -> tuple[type[Exception], ...]:
   from ptx.data.sources import NoDataError
   from ptx.train.checkpoint import CheckpointError
   from ptx.train.export import NonFiniteParams
-  from ptx.train.loop import DivergedError
+  from ptx.train.loop import DivergedError, OutOfMemory
   from ptx.train.metrics import MetricsFileError
   from ptx.train.run_dir import RunDirError
 
   return (RunDirError, CheckpointError, DivergedError, MetricsFileError, NonFiniteParams, RecordError,
-          NoDataError)
+          NoDataError, OutOfMemory)
 
 
 def _prepare(args, overrides: list[str]):

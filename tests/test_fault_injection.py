@@ -14,6 +14,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -141,21 +142,26 @@ def test_rerunning_into_a_run_directory_without_resume_is_refused(finished_run, 
   assert not (out / "checkpoints" / "4" / "marker").exists()
 
 
-def test_a_run_that_died_in_its_first_step_does_not_block_its_rerun(train_file, tmp_path, capsys, monkeypatch):
+def test_out_of_memory_in_the_first_step_names_the_settings_and_does_not_block_the_rerun(train_file, tmp_path, capsys,
+                                                                                         monkeypatch):
   from ptx.train.step import JittedStep
 
   out = tmp_path / "run"
   (out / "pretrained").mkdir(parents=True)  # a cache of the failed start's config: the rerun must not trust it
 
-  def out_of_memory(self, state, batch):
-    raise MemoryError("RESOURCE_EXHAUSTED: Out of memory allocating 49491611192 bytes")
+  def out_of_memory(self, state, batch):  # what XLA raised for the README's fine-tune line on this machine
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 49491611192 bytes.")
 
+  capsys.readouterr()
   with monkeypatch.context() as patch:
     patch.setattr(JittedStep, "__call__", out_of_memory)
-    with pytest.raises(MemoryError):
-      _sft(out, train_file)
+    assert _sft(out, train_file) == 1
+  # One message, no traceback: what ran out and the settings that size a step, with their values.
+  err = capsys.readouterr().err
+  assert err.startswith("ptx sft: error: out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating"), err
+  assert "data.batch_size=8 rows of data.seq_len=32 tokens" in err and "model.remat=full (now 'none'" in err
+  assert "--lora.rank=16" in err and "Traceback" not in err
   assert (out / "config.json").exists() and not metrics(out), "the failed start left more than its config"
-  capsys.readouterr()
   assert _sft(out, train_file) == 0  # the same command again: neither --resume nor --overwrite
   assert "held a run that stopped before its first metrics line and checkpoint" in capsys.readouterr().out
   assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1)) and not (out / "pretrained").exists()

@@ -78,6 +78,27 @@ class DivergedError(RuntimeError):
   """The run stopped: too many optimizer steps in a row had non-finite gradients."""
 
 
+class OutOfMemory(RuntimeError):
+  """The run stopped: a program did not fit the device's memory (XLA's RESOURCE_EXHAUSTED)."""
+
+
+def _out_of_memory(error: jax.errors.JaxRuntimeError, cfg: Config, job: Job) -> OutOfMemory | None:
+  """XLA's out-of-memory `error` as one message naming the settings that size a step, or None for other errors."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+    return None
+  data, model = cfg.data, job.model
+  rl = (f"; GRPO holds grpo.group_size={cfg.grpo.group_size} samples of up to grpo.max_response_tokens="
+        f"{cfg.grpo.max_response_tokens} tokens a prompt" if job.algorithm.startswith("grpo") else "")
+  adapters = "" if job.lora is not None else ", or train LoRA adapters (--lora.rank=16) instead of every weight"
+  return OutOfMemory(
+      f"out of device memory ({text.splitlines()[0][:200]}). A step holds data.batch_size={data.batch_size} rows of "
+      f"data.seq_len={data.seq_len} tokens through model.n_layers={model.n_layers} layers{rl}. Lower them, set "
+      f"model.remat=full (now {model.remat!r}: it keeps the fewest activations) or a smaller model.logits_chunk "
+      f"(now {model.logits_chunk}), shard over more devices (mesh.fsdp){adapters}. A run that stopped before its "
+      "first metrics line and checkpoint is started again by the same command.")
+
+
 def fit(
     cfg: Config,
     job: Job,
@@ -198,6 +219,11 @@ def fit(
       state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, checks, schedule,
                            preempted, progress and primary)
     checkpointer.wait()
+  except jax.errors.JaxRuntimeError as e:
+    oom = _out_of_memory(e, cfg, job)
+    if oom is None:
+      raise
+    raise oom from e
   finally:
     checkpointer.close()
     writer.close()
