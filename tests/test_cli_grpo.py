@@ -221,11 +221,24 @@ def test_grpo_episodes_refuse_a_seq_len_their_first_prompts_do_not_fit_before_bu
   assert f"the longest of the first {STEPS * 8} tasks ({env}'s text in the chat template): set --data.seq_len=" in error
 
 
+@pytest.mark.slow
+def test_grpo_on_docqa_episodes_trains(tmp_path):
+  # Every CLI environment trains from the CLI in a test (#61); the built-in docqa tasks have no "prompt": each
+  # episode's first prompt is the environment's (1,075 tokens at most in the byte tokenizer: the test below).
+  out = tmp_path / "run"
+  cli.main(["grpo", "--out", str(out), *COMMON, "--train.steps=2", "--env", "docqa", "--grpo.max_staleness=0",
+            "--grpo.turn_tokens=8", "--grpo.max_response_tokens=160", "--data.seq_len=1088", "--no-export"])
+  records = by_step(out)
+  assert sorted(records) == [1, 2]
+  for k in (1, 2):
+    assert records[k]["episodes/turns_mean"] >= 1 and records[k]["episodes/tokens_environment_mean"] > 0
+    assert records[k]["rollout/logp_diff_max"] < 1e-4  # the learner reads the tokens the engine sampled
+
+
 def test_grpo_on_docqa_episodes_builds_the_episode_job_on_the_environments_first_prompts(tmp_path):
-  # docqa trains through the episode job that test_grpo_on_calculator_episodes_trains_and_resumes_exactly runs end to
-  # end (its environment's own play is tests/envs/test_docqa_env.py's). What is docqa's here: the built-in tasks have
-  # no "prompt", so each episode's first prompt is the environment's (1,075 tokens at most in the byte tokenizer:
-  # DocQAEnv.prompt_tokens and the chat template), and the job is built around DocQAEnv.
+  # The job the run above trains, built around DocQAEnv: the built-in tasks have no "prompt", so each episode's
+  # first prompt is the environment's (1,075 tokens at most in the byte tokenizer: DocQAEnv.prompt_tokens and the
+  # chat template).
   from ptx.data.tokenizer import ByteTokenizer
   from ptx.envs.docqa import DocQAEnv, DocQATasks
   from ptx.episodes.turn_format import TurnFormat
