@@ -63,7 +63,7 @@ import time
 
 import jax
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.models import init_params
 from ptx.envs.base import Outcome, Step

@@ -199,7 +199,7 @@ def _first_working(impls, measure):
 
 def _smollm2(smoke: bool, attention_impl: str):
   """SmolLM2-135M's shape in bfloat16 compute, or (smoke) a 1-layer tiny model in float32, with `attention_impl`."""
-  from ptx.config import MODEL_PRESETS
+  from ptx.model_config import MODEL_PRESETS
   import ptx.models  # noqa: F401  (registers the presets)
   if smoke:
     return dataclasses.replace(MODEL_PRESETS["tiny"](), n_layers=1, attention_impl=attention_impl)

@@ -35,7 +35,8 @@ import time
 import jax
 import numpy as np
 
-from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig
+from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.model_config import ModelConfig
 from ptx.sharding import make_mesh
 from ptx.train.grpo import fused, update
 from ptx.train.optimizer import make_optimizer

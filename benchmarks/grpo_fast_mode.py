@@ -41,14 +41,14 @@ def _cpu_s() -> float:
 
 def sft_params(out: pathlib.Path):
   """(the demo's SFT config, its parameters): `ptx demo --rl-steps 0` into OUT/demo, once."""
-  from ptx import config, demo
+  from ptx import demo, model_config
   from ptx.models import load_hf
 
   cfg = demo.default_config()
   if not (out / "demo" / "hf" / "config.json").exists():
     demo.run(cfg, out / "demo", rl_steps=0, overwrite=True, progress=False)
   loaded = load_hf(out / "demo" / "hf")
-  differences = config.architecture_differences(cfg.model, loaded.cfg)
+  differences = model_config.architecture_differences(cfg.model, loaded.cfg)
   if differences:
     raise ValueError(f"OUT/demo/hf is another model than the demo's: {differences}")
   return cfg, loaded.params

@@ -32,7 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ptx.algorithms import sft  # noqa: E402
-from ptx.config import GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig  # noqa: E402
+from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig  # noqa: E402
+from ptx.model_config import ModelConfig
 from ptx.models import init_params  # noqa: E402
 from ptx.models.llama import smollm2_135m  # noqa: E402
 from ptx.models.memory_floor import grpo_floor_bytes, training_floor_bytes  # noqa: E402

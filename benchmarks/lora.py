@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from ptx.algorithms import sft
-from ptx.config import MODEL_PRESETS, LoRAConfig, MeshConfig, ModelConfig, OptimizerConfig
+from ptx.config import LoRAConfig, MeshConfig, OptimizerConfig
+from ptx.model_config import MODEL_PRESETS, ModelConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.batch import pad_batch, sft_example
 from ptx.data.tokenizer import ByteTokenizer

@@ -40,7 +40,7 @@ PODS = {
 def measure(recipe: str, preset: str) -> dict:
   """The pod-fit record of one preset; this process must fake the pod's chips (`main` sets them)."""
   import ptx
-  from ptx import config as config_lib
+  from ptx import model_config
   from ptx.train import pod_fit
 
   slice_name, algorithm, architecture, overrides = PODS[recipe, preset]
@@ -48,7 +48,7 @@ def measure(recipe: str, preset: str) -> dict:
     sys.path.insert(0, str(RECIPES))
   cfg = runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="pod_fit")["PRESETS"][preset]()
   if architecture is not None:  # what --model-dir's config.json brings (`ptx.train.pretrained.configure`)
-    cfg = dataclasses.replace(cfg, model=config_lib.with_architecture(cfg.model, ptx.presets[architecture]()))
+    cfg = dataclasses.replace(cfg, model=model_config.with_architecture(cfg.model, ptx.presets[architecture]()))
   cfg = ptx.apply_overrides(cfg, list(overrides))
   tokenizer = ptx.ByteTokenizer()  # the job reads only its eos and pad ids
   build = {"sft": ptx.sft_job, "dpo": ptx.dpo_job, "grpo": ptx.grpo_job,

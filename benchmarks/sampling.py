@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import init_params
 from ptx.models.decoder import forward, token_log_probs
 from ptx.sampling import SamplingConfig, buckets, generate

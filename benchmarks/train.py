@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 from ptx.algorithms import sft
-from ptx.config import MeshConfig, ModelConfig, OptimizerConfig
+from ptx.config import MeshConfig, OptimizerConfig
+from ptx.model_config import ModelConfig
 from ptx.models import count_params
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer

@@ -22,9 +22,10 @@ __version__ = "0.1.0"
 from ptx import data, models
 from ptx.algorithms import advantages, dpo, grpo, sft
 from ptx.config import (GRPO_PRESETS, Config, DataConfig, DPOConfig, EvalConfig, GRPOConfig, LoRAConfig, MeshConfig,
-                        ModelConfig, OptimizerConfig, RopeScaling, TrainConfig)
+                        OptimizerConfig, TrainConfig)
 from ptx.config_io import apply_overrides
-from ptx.config import MODEL_PRESETS as presets
+from ptx.model_config import MODEL_PRESETS as presets
+from ptx.model_config import ModelConfig, RopeScaling
 from ptx.data import JsonlSource, MemorySource, load_tokenizer
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer

@@ -17,7 +17,8 @@ import typing
 from typing import Any, Literal
 
 from ptx import paths
-from ptx.config import GRPO_PRESETS, MODEL_PRESETS, Config, ConfigError
+from ptx.config import GRPO_PRESETS, Config, ConfigError
+from ptx.model_config import MODEL_PRESETS
 
 
 def to_dict(cfg: Any, sections: tuple[str, ...] | None = None) -> dict[str, Any]:

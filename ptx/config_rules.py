@@ -11,7 +11,8 @@ from typing import Literal
 import jax
 from ptx_kernels import pallas_gpu
 
-from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig, ModelConfig
+from ptx.config import Config, ConfigError, GRPOConfig, LoRAConfig
+from ptx.model_config import ModelConfig
 
 # The record kind each job kind reads (`Job.algorithm`: the fused, host-reward and episode GRPO jobs apart).
 RECORD_KINDS = {"sft": "sft", "dpo": "preference", "grpo": "rl", "grpo_host": "rl", "grpo_episodes": "rl"}

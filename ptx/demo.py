@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ptx.algorithms import sft
-from ptx.config import Config, DataConfig, ModelConfig
+from ptx.config import Config, DataConfig
+from ptx.model_config import ModelConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.batch import pad_batch, sft_example
 from ptx.data.global_batch import to_global

@@ -78,7 +78,7 @@ def tiny_config():
   mlp 96, vocab 264) and unsharded ones are primes (head_dim 7 is odd, so
   RoPE uses head_dim 14), so a swapped axis cannot pass unnoticed.
   """
-  from ptx.config import ModelConfig
+  from ptx.model_config import ModelConfig
 
   return ModelConfig(vocab_size=264, d_model=40, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=14,
                      mlp_dim=96, rope_theta=10_000.0, init_std=0.1)

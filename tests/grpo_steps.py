@@ -18,7 +18,8 @@ import optax
 from scripted_episodes import MODEL as TINY_MODEL
 from stepping import run_steps
 from tolerances import ADAM_EPS
-from ptx.config import GRPOConfig, LoRAConfig, MeshConfig, ModelConfig, OptimizerConfig
+from ptx.config import GRPOConfig, LoRAConfig, MeshConfig, OptimizerConfig
+from ptx.model_config import ModelConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.lookahead import Lookahead
 from ptx.data.tokenizer import ByteTokenizer

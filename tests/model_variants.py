@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 
 # The HF checkpoint of the CLI tests (`ptx_checkpoint` in conftest.py): a 2-layer Llama with a vocabulary the byte
 # tokenizer fits; dimensions distinct so a swapped axis fails to load.

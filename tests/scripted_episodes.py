@@ -1,6 +1,6 @@
 """A scripted multi-turn environment for episode tests: numbered observations, done after the task's turns."""
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.envs.base import Outcome, Step
 from ptx.sampling.engine.config import EngineConfig
 

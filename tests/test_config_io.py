@@ -8,7 +8,8 @@ import pytest
 import ptx.models  # noqa: F401  (registers the presets)
 from ptx import config as config_lib
 from ptx import config_io
-from ptx.config import Config, ConfigError, ModelConfig, OptimizerConfig, RopeScaling
+from ptx.config import Config, ConfigError, OptimizerConfig
+from ptx.model_config import ModelConfig, RopeScaling
 from ptx.config_io import apply_overrides
 
 
@@ -90,8 +91,8 @@ def test_every_field_has_a_comment():
   import dataclasses
   import inspect
 
-  for cls in (config_lib.ModelConfig, config_lib.MeshConfig, config_lib.OptimizerConfig,
-              config_lib.TrainConfig, config_lib.Config, config_lib.RopeScaling, config_lib.GRPOConfig,
+  for cls in (ModelConfig, config_lib.MeshConfig, config_lib.OptimizerConfig,
+              config_lib.TrainConfig, config_lib.Config, RopeScaling, config_lib.GRPOConfig,
               config_lib.SamplingConfig):
     source = inspect.getsource(cls).splitlines()
     for field in dataclasses.fields(cls):
@@ -109,7 +110,8 @@ def test_the_startup_summary_lists_only_the_fields_set_beside_the_defaults():
 @pytest.mark.parametrize("preset", [f"{kind}_{command}" for kind in ("toy", "finetune") for command in
                                     ("sft", "dpo", "grpo")] + ["dapo_gemma"])
 def test_every_field_as_an_override_line_rebuilds_the_config(preset):
-  from ptx.config import GRPO_PRESETS, MODEL_PRESETS
+  from ptx.config import GRPO_PRESETS
+  from ptx.model_config import MODEL_PRESETS
   from ptx.train import presets
 
   if preset == "dapo_gemma":  # a model preset and a GRPO preset with their tuples, None and literal "none"s
@@ -138,7 +140,7 @@ def test_field_overrides_apply_together_whatever_their_order():
     apply_overrides(Config(), ["--data.kind=rl", "--train.steps=3", "--data.seq_len=64"])
   # A preset replaces its section where it stands: the fields before it are gone, those after it stay.
   cfg = apply_overrides(Config(), ["--model.n_layers=3", "--model=gemma2_2b", "--model.mlp_dim=64"])
-  from ptx.config import MODEL_PRESETS
+  from ptx.model_config import MODEL_PRESETS
 
   assert cfg.model.n_layers == MODEL_PRESETS["gemma2_2b"]().n_layers != 3 and cfg.model.mlp_dim == 64
   # The last value of a field given twice.

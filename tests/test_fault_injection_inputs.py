@@ -17,7 +17,7 @@ import pytest
 
 from model_variants import HF_ARCH
 from ptx import cli
-from ptx.config import MODEL_PRESETS
+from ptx.model_config import MODEL_PRESETS
 
 tokenizers = pytest.importorskip("tokenizers", reason="a checkpoint's tokenizer needs the hf extra (`make test`)")
 

@@ -44,7 +44,8 @@ LAYERS = {
     "ptx.models": 4,
     "ptx.data": 3,
     "ptx.sharding": 2,
-    "ptx.config_io": 1, "ptx.config_rules": 1, "ptx.config": 1, "ptx.compile_cache": 1, "ptx.paths": 1,
+    "ptx.config_io": 1, "ptx.config_rules": 1, "ptx.config": 1, "ptx.model_config": 1, "ptx.compile_cache": 1,
+    "ptx.paths": 1,
     "ptx.sandbox": 0, "ptx.scheduling": 0, "ptx.verifiers": 0, "ptx_kernels": 0,
 }
 # Rooms that import nothing from ptx outside themselves.

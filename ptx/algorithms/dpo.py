@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.algorithms.sft import next_token_targets
-from ptx.config import DPOConfig, ModelConfig
+from ptx.config import DPOConfig
+from ptx.model_config import ModelConfig
 from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, Any]

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from ptx import sharding
-from ptx.config import GRPOConfig, ModelConfig
+from ptx.config import GRPOConfig
+from ptx.model_config import ModelConfig
 from ptx.models.shared_prefix import rollout_stats
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",

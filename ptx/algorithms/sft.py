@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, jax.Array]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ptx_kernels
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.attention import resolve, sequence_shards
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 

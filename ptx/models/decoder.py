@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import int8_weights
 from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import lora

@@ -5,7 +5,7 @@ Gemma's (1 + w) norms keep HF's stored w as is (`norm_plus_one`). Its
 `attn_post_norm`); the pre-MLP norm is `pre_feedforward_layernorm`.
 """
 
-from ptx.config import ModelConfig, register_preset
+from ptx.model_config import ModelConfig, register_preset
 from ptx.models.hf_config import HFFamily, register
 from ptx.models.llama import HF_NAMES as _LLAMA_NAMES
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptx import paths
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.hf_config import hf_config
 from ptx.models.hf_generation import GenerationInfo
 from ptx.models.hf_save import DEFAULT_SHARD_BYTES, write_configs, write_tensors

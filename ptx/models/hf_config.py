@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ptx.config import ModelConfig, RopeScaling
+from ptx.model_config import ModelConfig, RopeScaling
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ptx import paths, sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
 from ptx.models.hf_config import HFFamily, family_of, model_config

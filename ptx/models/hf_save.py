@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ptx import paths
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
 from ptx.models.hf_config import FAMILIES, HFConfigError, HFFamily, hf_config

@@ -47,7 +47,7 @@ import ptx_kernels
 from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")

@@ -1,6 +1,6 @@
 """Llama 3 family presets (and SmolLM2, a Llama-architecture model) and the HF name map."""
 
-from ptx.config import ModelConfig, RopeScaling, register_preset
+from ptx.model_config import ModelConfig, RopeScaling, register_preset
 from ptx.models.hf_config import HFFamily, register
 
 # ptx parameter path -> HF tensor name; "{i}" is the layer. Qwen extends it.

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ptx import sharding
-from ptx.config import LoRAConfig, ModelConfig
+from ptx.config import LoRAConfig
+from ptx.model_config import ModelConfig
 from ptx.models.dense import dense
 from ptx.models.params import ParamSpec, Params, param_specs
 

@@ -27,7 +27,7 @@ same plus its own:
 
 from __future__ import annotations
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.params import count_params
 
 

@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec
 from ptx_kernels import implementation
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.attention import platform_kernel
 from ptx.models.kv_cache import quantize
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 Params = dict[str, Any]

@@ -21,7 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ptx import paths
-from ptx.config import LoRAConfig, ModelConfig
+from ptx.config import LoRAConfig
+from ptx.model_config import ModelConfig
 from ptx.models.hf_config import FAMILIES
 from ptx.models.hf_layout import HF_LAYOUTS
 from ptx.models.hf_save import infer_model_type, save_safetensors

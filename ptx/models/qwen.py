@@ -1,6 +1,6 @@
 """Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm) presets and their HF name maps."""
 
-from ptx.config import ModelConfig, register_preset
+from ptx.model_config import ModelConfig, register_preset
 from ptx.models.hf_config import HFFamily, register
 from ptx.models.llama import HF_NAMES as _LLAMA_NAMES
 

@@ -27,7 +27,7 @@ import qwix
 from jax.sharding import Mesh
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import int8_weights, lora
 from ptx.models import params as params_lib
 from ptx.models.params import Params

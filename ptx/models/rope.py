@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ptx.config import RopeScaling
+from ptx.model_config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> jax.Array:

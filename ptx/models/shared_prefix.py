@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import kv_cache
 from ptx.models.attention import resolve
 from ptx.models.chunked_logits import TokenStats, logit_stats, project, token_stats

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import kv_cache
 from ptx.models.decoder import Params, forward_with_cache, layer_rope, tempered, token_log_probs, unstack_layers
 from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.data.chat import encode_chat
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.sampling.engine.engine import RolloutEngine

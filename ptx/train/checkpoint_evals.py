@@ -59,7 +59,8 @@ from typing import Any, Sequence
 from jax.sharding import Mesh
 
 from ptx import paths, sharding
-from ptx.config import ConfigError, EvalConfig, LoRAConfig, ModelConfig, RolloutConfig
+from ptx.config import ConfigError, EvalConfig, LoRAConfig, RolloutConfig
+from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models import paged_kv_cache
 from ptx.episodes import evaluation

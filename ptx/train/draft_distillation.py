@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ptx.algorithms import sft
-from ptx.config import ModelConfig, OptimizerConfig, SamplingConfig
+from ptx.config import OptimizerConfig, SamplingConfig
+from ptx.model_config import ModelConfig
 from ptx.models.decoder import Params
 from ptx.models.params import weight_decay_mask
 from ptx.sampling.engine.engine import RolloutEngine

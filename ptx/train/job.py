@@ -37,7 +37,8 @@ from ptx import config as config_lib
 from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms import dpo, sft
-from ptx.config import Config, ModelConfig, OptimizerConfig
+from ptx.config import Config, OptimizerConfig
+from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models.params import weight_decay_mask
 from ptx.train.grpo import token_rewards

@@ -17,7 +17,8 @@ What the figures are, per device:
              (up to TPU tile padding of small dimensions)
   programs   for each compiled program, what it holds beyond the resident
              state: its other inputs (the batch, or rollouts), its scratch
-             (`temp`) and the outputs that do not overwrite a donated input
+             (`temp`), the outputs that do not overwrite a donated input and
+             its generated code (none on XLA:CPU)
   in flight  host-reward GRPO: the `grpo.max_staleness` rollout batches
              sampled ahead, alive while the other program runs
   total      state + the largest program + in flight, against the chip's HBM
@@ -105,20 +106,19 @@ class Program:
   inputs: int  # arguments that are not the state (batch, rollouts)
   temp: int  # XLA's scratch
   outputs: int  # outputs that do not overwrite a donated input
+  code: int  # the generated code on the device (0 on XLA:CPU, whose code lives in host memory)
 
   @property
   def total(self) -> int:
     """Bytes per device the program adds to the state while it runs."""
-    return self.inputs + self.temp + self.outputs
+    return self.inputs + self.temp + self.outputs + self.code
 
 
 @dataclasses.dataclass(frozen=True)
-class Fit:
-  """Per-device memory of a job's step on a pod, and the verdict (module docstring).
+class Footprint:
+  """Per-device memory of a job's step on a mesh (module docstring).
 
   Attributes:
-    pod: the pod.
-    mesh: the mesh's axis sizes.
     params, opt_state, reference: bytes per device of those parts of the
       state, from their shardings (reference: the frozen copy or the LoRA
       base; 0 without).
@@ -126,23 +126,34 @@ class Fit:
       and rng).
     programs: each program of a step by name.
     in_flight: bytes of batches sampled ahead (host-reward GRPO).
-    compile_s: seconds spent lowering and compiling.
   """
 
-  pod: Pod
-  mesh: dict[str, int]
   params: int
   opt_state: int
   reference: int
   state: int
   programs: dict[str, Program]
   in_flight: int
-  compile_s: float
 
   @property
   def total(self) -> int:
     """Bytes per device at the step's peak: the state, the largest program and the batches in flight."""
     return self.state + max(p.total for p in self.programs.values()) + self.in_flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit(Footprint):
+  """A Footprint on a pod, and the verdict (module docstring).
+
+  Attributes:
+    pod: the pod.
+    mesh: the mesh's axis sizes.
+    compile_s: seconds spent lowering and compiling.
+  """
+
+  pod: Pod
+  mesh: dict[str, int]
+  compile_s: float
 
   @property
   def fits(self) -> bool:
@@ -159,7 +170,8 @@ class Fit:
     gib = lambda n: round(n / GiB, 3)
     return {"chip": self.pod.chip, "chips": self.pod.chips, "mesh": self.mesh, "params_gib": gib(self.params),
             "opt_state_gib": gib(self.opt_state), "reference_gib": gib(self.reference), "state_gib": gib(self.state),
-            "programs_gib": {name: {"inputs": gib(p.inputs), "temp": gib(p.temp), "outputs": gib(p.outputs)}
+            "programs_gib": {name: {"inputs": gib(p.inputs), "temp": gib(p.temp), "outputs": gib(p.outputs),
+                                    "code": gib(p.code)}
                              for name, p in self.programs.items()},
             "in_flight_gib": gib(self.in_flight), "total_gib": gib(self.total), "hbm_gib": self.pod.hbm_gib,
             "fits": self.fits, "headroom_gib": round(self.headroom_gib, 3), "compile_s": round(self.compile_s, 1)}
@@ -196,14 +208,34 @@ def check(cfg: Config, job: Job, pod: Pod) -> Fit:
     state = abstract_state(shardings, start)
     data = job.step.stream(iter(host_batches(cfg, job)))
     step = job.step.build(optimizer, mesh, shardings, data)
-    compiled = step.compile(state, to_global(next(data), mesh, job.rules), _COMPILER_OPTIONS)
+    measured = footprint(cfg, job, step, state, to_global(next(data), mesh, job.rules), _COMPILER_OPTIONS)
   compile_s = time.perf_counter() - started
+  return Fit(pod=pod, mesh=dict(mesh.shape), compile_s=compile_s,
+             **{field.name: getattr(measured, field.name) for field in dataclasses.fields(Footprint)})
+
+
+def footprint(cfg: Config, job: Job, step: Any, state: TrainState, batch: dict[str, Any],
+              compiler_options: dict[str, Any] | None = None) -> Footprint:
+  """Compiles every program of one step of `job` (nothing runs) and reads its per-device memory from XLA.
+
+  Args:
+    cfg: the job's config.
+    job: built from `cfg`.
+    step: `job.step.build(...)`'s step object; it must have `compile` (not the engine and episode kinds).
+    state: the state, as arrays or as ShapeDtypeStructs with their shardings (`abstract_state`).
+    batch: a global batch of the step's first (arrays or ShapeDtypeStructs).
+    compiler_options: XLA options for the compilation; None compiles the programs a call of the step runs, which
+      jax then reuses for that call.
+
+  Returns:
+    The state's bytes from its shardings, XLA's figures for each program.
+  """
+  compiled = step.compile(state, batch, compiler_options)
   ahead = cfg.grpo.max_staleness if job.algorithm == "grpo_host" else 0
-  return Fit(pod=pod, mesh=dict(mesh.shape), params=_bytes(state.params), opt_state=_bytes(state.opt_state),
-             reference=_bytes(state.ref_params) + _bytes(state.base), state=_bytes(state),
-             programs={name: _program(c, state) for name, c in compiled.items()},
-             in_flight=ahead * (compiled["sample"].memory_analysis().output_size_in_bytes if ahead else 0),
-             compile_s=compile_s)
+  return Footprint(params=_bytes(state.params), opt_state=_bytes(state.opt_state),
+                   reference=_bytes(state.ref_params) + _bytes(state.base), state=_bytes(state),
+                   programs={name: _program(c, state) for name, c in compiled.items()},
+                   in_flight=ahead * (compiled["sample"].memory_analysis().output_size_in_bytes if ahead else 0))
 
 
 def host_batches(cfg: Config, job: Job) -> Any:
@@ -217,7 +249,9 @@ def host_batches(cfg: Config, job: Job) -> Any:
   if cfg.data.kind == "preference" and cfg.dpo.reference_model == "precomputed":
     raise ValueError("pod_fit: dpo.reference='precomputed' adds the reference table's columns to each batch, "
                      "which the check does not model")
-  batcher = Batcher(cfg.data.kind, cfg.data.seq_len, cfg.data.batch_size, tokenizer.pad_id, cfg.data.pack, 1)
+  # This host's rows, as the pipeline reads them.
+  batcher = Batcher(cfg.data.kind, cfg.data.seq_len, cfg.data.batch_size // jax.process_count(), tokenizer.pad_id,
+                    cfg.data.pack, 1)
   return [batcher.batch()]
 
 
@@ -239,4 +273,4 @@ def _program(compiled: jax.stages.Compiled, state: TrainState) -> Program:
   kept = jax.tree.map(lambda x, s: 0 if s is None else _bytes(x), state, compiled.input_shardings[0][0])
   kept = sum(jax.tree.leaves(kept))
   return Program(inputs=mem.argument_size_in_bytes - kept, temp=mem.temp_size_in_bytes,
-                 outputs=mem.output_size_in_bytes - mem.alias_size_in_bytes)
+                 outputs=mem.output_size_in_bytes - mem.alias_size_in_bytes, code=mem.generated_code_size_in_bytes)

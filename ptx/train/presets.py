@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ptx.config import MODEL_PRESETS, Config, DataConfig, DPOConfig, GRPOConfig, OptimizerConfig, TrainConfig
+from ptx.config import Config, DataConfig, DPOConfig, GRPOConfig, OptimizerConfig, TrainConfig
+from ptx.model_config import MODEL_PRESETS
 
 DIGITS = 2
 SFT_SEED, GRPO_SEED, HELD_OUT_SEED = 0, 2, 1

@@ -3,7 +3,7 @@
 `configure(base, overrides, model_dir=...)` is the one place the CLI and
 the recipes turn their flags into what a job starts from. With a model
 directory the architecture comes from its config.json and the execution
-settings (`ptx.config.EXECUTION_FIELDS`: dtypes, remat, attention, logits
+settings (`ptx.model_config.EXECUTION_FIELDS`: dtypes, remat, attention, logits
 chunk, scan) stay as the preset and the command line chose them; an
 explicit `--model.n_layers` below the checkpoint's keeps its first layers
 (smoke runs of a real model), and any other architecture override that
@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from ptx import config as config_lib
+from ptx import model_config
 from ptx import paths
 from ptx import config_io
 from ptx.config import Config, ConfigError
@@ -56,11 +56,11 @@ def configure(base: Config, overrides: list[str], *, model_dir: str | os.PathLik
     raise ConfigError("--model=PRESET and --model-dir both choose the architecture: give one")
   model_dir = _hf_directory(paths.path(model_dir), None if out is None else paths.path(out))
   checkpoint = read_model_config(model_dir)
-  model = config_lib.with_architecture(cfg.model, checkpoint)
+  model = model_config.with_architecture(cfg.model, checkpoint)
   tokenizer_dir = str(model_dir) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
   cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=tokenizer_dir))
   cfg = config_io.apply_overrides(cfg, [arg for arg in overrides if arg.startswith("--model.")])
-  for name in config_lib.architecture_differences(cfg.model, checkpoint):
+  for name in model_config.architecture_differences(cfg.model, checkpoint):
     if name != "n_layers" or cfg.model.n_layers > checkpoint.n_layers:
       raise ConfigError(f"--model.{name}={getattr(cfg.model, name)!r} contradicts {model_dir / 'config.json'} "
                         f"({name}={getattr(checkpoint, name)!r}); only model.n_layers may be lowered (a smoke run "

@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 
 from ptx import sharding
 from ptx.algorithms import dpo
-from ptx.config import Config, ModelConfig
+from ptx.config import Config
+from ptx.model_config import ModelConfig
 from ptx.data.global_batch import to_global
 from ptx.models.params import param_shardings
 from ptx.sharding import make_mesh

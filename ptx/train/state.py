@@ -11,7 +11,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ptx import sharding
-from ptx.config import LoRAConfig, ModelConfig
+from ptx.config import LoRAConfig
+from ptx.model_config import ModelConfig
 from ptx.models import lora as lora_lib
 from ptx.models import params as params_lib
 

@@ -12,7 +12,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from ptx.config import MeshConfig, ModelConfig
+from ptx.config import MeshConfig
+from ptx.model_config import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Loaded from its file: putting benchmarks/ on sys.path would let its scripts (data.py, train.py) shadow modules.

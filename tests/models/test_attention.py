@@ -14,7 +14,8 @@ import pytest
 
 from model_variants import gemma_like
 from tolerances import assert_close_to_scale
-from ptx.config import MeshConfig, ModelConfig
+from ptx.config import MeshConfig
+from ptx.model_config import ModelConfig
 from ptx.models import attention, forward, init_params
 from ptx import sharding
 from ptx.models.attention import interpret_pallas, resolve

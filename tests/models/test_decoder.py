@@ -13,7 +13,7 @@ from flax import nnx
 from ptx_kernels import xla_cpu_workarounds
 
 from model_variants import gemma_like
-from ptx.config import MODEL_PRESETS, RopeScaling
+from ptx.model_config import MODEL_PRESETS, RopeScaling
 from ptx import sharding
 from ptx.models import Decoder, count_params, init_params
 from ptx.models import forward as eager_forward

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from model_variants import gemma_like
-from ptx.config import Config, ModelConfig
+from ptx.config import Config
+from ptx.model_config import ModelConfig
 from ptx.data.chat import JinjaChatTemplate
 from ptx.data.hf_tokenizer import HFTokenizer, load_tokenizer
 from ptx.models import Decoder, init_params, save_hf

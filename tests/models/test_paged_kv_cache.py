@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ptx_kernels as pk
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.sampling.engine.programs import reading_pairs
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ptx.config import RopeScaling
+from ptx.model_config import RopeScaling
 from ptx.models import forward, load_hf, rope
 
 torch = pytest.importorskip("torch", reason="HF parity tests need torch (installed by `make test`)")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ptx.algorithms import sft
-from ptx.config import MeshConfig, ModelConfig, OptimizerConfig
+from ptx.config import MeshConfig, OptimizerConfig
+from ptx.model_config import ModelConfig
 from ptx.models import init_params
 from ptx.models.memory_floor import training_floor_bytes
 from ptx.models.params import weight_decay_mask

@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-from ptx import config as config_lib
+from ptx import model_config
 from ptx.models import Decoder, init_params, save_hf
 
 RECIPES = pathlib.Path(__file__).resolve().parents[2] / "recipes"
@@ -55,9 +55,9 @@ def test_preset_execution_settings_survive_a_checkpoint(name, preset, tmp_path):
                                   # 8 CPU devices instead of the pod's chips, the preset's seq axis kept.
                                   "--mesh.data=1", "--mesh.fsdp=-1", "--mesh.tensor=1", f"--mesh.seq={base.mesh.seq}"])
   cfg, params, _ = launch.configure(args, base, overrides)
-  for field in config_lib.EXECUTION_FIELDS:
+  for field in model_config.EXECUTION_FIELDS:
     assert getattr(cfg.model, field) == getattr(base.model, field), f"{name} --preset {preset}: model.{field} lost"
-  assert not config_lib.architecture_differences(cfg.model, dataclasses.replace(architecture, **{
-      f: getattr(base.model, f) for f in config_lib.EXECUTION_FIELDS})), "the architecture is not the checkpoint's"
+  assert not model_config.architecture_differences(cfg.model, dataclasses.replace(architecture, **{
+      f: getattr(base.model, f) for f in model_config.EXECUTION_FIELDS})), "the architecture is not the checkpoint's"
   assert params["layers"]["q"].shape[0] == TINY_DIMS["n_layers"]
   assert cfg.data.tokenizer == str(checkpoint)

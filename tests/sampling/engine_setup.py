@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import init_params
 from ptx.models.decoder import forward, tempered
 from ptx.sampling import LENGTH, STOP, SamplingConfig, generate

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import init_params
 from ptx.sampling import LENGTH, STOP, SamplingConfig
 from ptx.sampling.engine.engine import RolloutEngine

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ptx import cli, config_io
-from ptx.config import MODEL_PRESETS, Config, ConfigError, DataConfig, EvalConfig, MeshConfig, TrainConfig
+from ptx.config import Config, ConfigError, DataConfig, EvalConfig, MeshConfig, TrainConfig
+from ptx.model_config import MODEL_PRESETS
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import MemorySource

@@ -13,8 +13,9 @@ import pytest
 from ptx import config_io
 from ptx import config_rules
 from ptx import sharding
-from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, ModelConfig,
-                        OptimizerConfig, RolloutConfig, TrainConfig)
+from ptx.config import (Config, ConfigError, DataConfig, DPOConfig, GRPOConfig, LoRAConfig, MeshConfig, OptimizerConfig,
+                        RolloutConfig, TrainConfig)
+from ptx.model_config import ModelConfig
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.train import streams

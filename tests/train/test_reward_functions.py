@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from ptx.config import Config, DataConfig, GRPOConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
+from ptx.config import Config, DataConfig, GRPOConfig, MeshConfig, OptimizerConfig, TrainConfig
+from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.train.reward_functions import RewardFunctions, train_grpo
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.decoder import Params, hidden_states, unembed
 from ptx.sampling.rules import SamplingConfig, invert_cdf, probabilities
 from ptx.sampling.engine.acceptance import (ACCEPT_STREAM, DRAFT_STREAM, accept_deterministic, rejection_sample,

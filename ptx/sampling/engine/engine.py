@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params
 from ptx.sampling import buckets

@@ -35,7 +35,8 @@ import jax
 from jax.sharding import Mesh
 
 from ptx import sharding
-from ptx.config import ModelConfig, RolloutConfig
+from ptx.config import RolloutConfig
+from ptx.model_config import ModelConfig
 from ptx.models.params import Params
 from ptx.models.rollout_params import rollout_params, rollout_shardings
 from ptx.sampling.engine.drafters import NgramDrafter

@@ -21,7 +21,7 @@ import numpy as np
 from ptx_kernels.implementation import Kernel
 
 from ptx import sharding
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
 from ptx.sampling import buckets

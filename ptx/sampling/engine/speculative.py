@@ -52,7 +52,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from ptx.config import ModelConfig
+from ptx.model_config import ModelConfig
 from ptx.models.decoder import Params
 from ptx.sampling import buckets
 from ptx.sampling.engine.drafters import Drafter, DraftModel, NgramDrafter

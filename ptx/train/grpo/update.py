@@ -43,7 +43,8 @@ from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
-from ptx.config import GRPOConfig, LoRAConfig, ModelConfig
+from ptx.config import GRPOConfig, LoRAConfig
+from ptx.model_config import ModelConfig
 from ptx.models.shared_prefix import rollout_stats
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train.optimizer import nonfinite_streak, skipped_steps

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from ptx.algorithms import sft
-from ptx.config import MODEL_PRESETS, GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.model_config import MODEL_PRESETS
 from ptx.data.batch import pack_rows
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.envs.calculator import CalculatorEnv, CalculatorTasks

@@ -6,7 +6,8 @@ import jax
 import pytest
 
 from ptx.algorithms import sft
-from ptx.config import MODEL_PRESETS, GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.config import GRPOConfig, MeshConfig, OptimizerConfig
+from ptx.model_config import MODEL_PRESETS
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.batch import pad_batch, sft_example
 from ptx.data.tokenizer import ByteTokenizer

@@ -1,0 +1,160 @@
+"""The model section of a ptx config: the architecture and how it runs, and the registry of model presets.
+
+`ModelConfig` is `Config.model`; `EXECUTION_FIELDS` are the fields that say
+how a model runs rather than what it computes (a checkpoint's config
+replaces the others, `with_architecture`). Model families
+(`ptx.models.llama`, `qwen`, `gemma`) register their presets into
+`MODEL_PRESETS`. Like `ptx.config`, this module imports nothing from ptx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling for context extension (HF `rope_scaling`)."""
+
+  # "none", "linear" (positions / factor), "llama3" (Llama 3.1 band scaling) or "yarn".
+  kind: Literal["none", "linear", "llama3", "yarn"] = "none"
+  # Context-extension factor (HF `factor`).
+  factor: float = 1.0
+  # Llama 3.1: wavelengths above original_max_positions / low_freq_factor are scaled.
+  low_freq_factor: float = 1.0
+  # Llama 3.1: wavelengths below original_max_positions / high_freq_factor are kept.
+  high_freq_factor: float = 4.0
+  # Llama 3.1, YaRN: the pre-training context length (HF `original_max_position_embeddings`).
+  original_max_positions: int = 8192
+  # YaRN: rotations per context above which dimensions are kept (HF `beta_fast`).
+  beta_fast: float = 32.0
+  # YaRN: rotations per context below which dimensions are divided by factor (HF `beta_slow`).
+  beta_slow: float = 1.0
+  # YaRN: scale of cos/sin (None: 0.1 ln(factor) + 1, or from mscale / mscale_all_dim).
+  attention_factor: float | None = None
+  # YaRN (DeepSeek): mscale of the inferred attention factor's numerator (0: unset).
+  mscale: float = 0.0
+  # YaRN (DeepSeek): mscale_all_dim of its denominator (0: unset).
+  mscale_all_dim: float = 0.0
+  # YaRN: round the ramp's bounds to whole dimensions (HF `truncate`).
+  truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer covering Llama 3, Qwen2/2.5/3 and Gemma 2/3."""
+
+  # Vocabulary size (rows of the embedding table).
+  vocab_size: int = 512
+  # Width of the residual stream.
+  d_model: int = 128
+  # Number of decoder layers (stacked and scanned).
+  n_layers: int = 2
+  # Query heads.
+  n_heads: int = 4
+  # Key/value heads (grouped-query attention when fewer than n_heads).
+  n_kv_heads: int = 4
+  # Width of each attention head.
+  head_dim: int = 32
+  # Hidden width of the gated MLP.
+  mlp_dim: int = 384
+  # MLP gate activation: "silu" (SwiGLU: Llama, Qwen) or "gelu_tanh" (GeGLU: Gemma).
+  activation: Literal["silu", "gelu_tanh"] = "silu"
+  # RMSNorm epsilon.
+  norm_eps: float = 1e-5
+  # Gemma-style RMSNorm that scales by (1 + w) with w initialised at 0.
+  norm_plus_one: bool = False
+  # Gemma 2/3: extra RMSNorms on the outputs of attention and MLP.
+  post_norms: bool = False
+  # Qwen2/2.5: biases on the q, k and v projections.
+  qkv_bias: bool = False
+  # Qwen3/Gemma 3: RMSNorm over head_dim on queries and keys.
+  qk_norm: bool = False
+  # Gemma: multiply embeddings by sqrt(d_model).
+  embed_scale: bool = False
+  # Share the embedding table with the output projection.
+  tie_embeddings: bool = False
+  # RoPE base frequency (of global layers where local and global differ).
+  rope_theta: float = 10_000.0
+  # RoPE scaling for the global layers.
+  rope_scaling: RopeScaling = RopeScaling()
+  # Gemma 3: RoPE base of the sliding-window layers (None: same as rope_theta).
+  rope_local_theta: float | None = None
+  # Sliding-window size of local layers in tokens (None: every layer is global).
+  sliding_window: int | None = None
+  # Layer i is global when (i + 1) % pattern == 0, else local (Gemma 2: 2, Gemma 3: 6);
+  # 1 with a window makes every layer local.
+  sliding_window_pattern: int = 1
+  # Gemma 2: tanh soft-cap on attention logits (None: off).
+  attn_logit_softcap: float | None = None
+  # Gemma 2: tanh soft-cap on output logits (None: off).
+  final_logit_softcap: float | None = None
+  # Attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim).
+  query_pre_attn_scalar: float | None = None
+  # Standard deviation of the normal initialiser of weight matrices.
+  init_std: float = 0.02
+  # Storage dtype of the parameters.
+  param_dtype: str = "float32"
+  # Dtype of activations and matmuls; logits, softmax and losses stay float32.
+  compute_dtype: str = "float32"
+  # Rematerialisation of each layer: "none", "full", "dots" or "dots_no_batch".
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  # Run the stacked layers under one lax.scan (compile time flat in depth) or unrolled, one copy of
+  # the layer per layer. Unrolled is faster for shallow models: a scan stacks every layer's residuals
+  # into [L, ...] buffers and slices them back in the backward. With remat, keep the scan: unrolled
+  # layers' compiled backward held every layer's activations anyway (XLA:CPU, benchmarks/RESULTS.md).
+  scan_layers: bool = True
+  # Attention: "auto", "xla", "blockwise", "pallas" or "ring" (`ptx.models.attention`). "auto" is ring
+  # where the mesh splits the sequence, Pallas on GPU/TPU, and on CPU xla for short sequences, blockwise for long.
+  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "auto"
+  # Ring attention: query heads per ring pass (None: one kv head's group); fewer heads per pass
+  # keep smaller float32 accumulators and send each kv head around the ring more often.
+  ring_heads_per_pass: int | None = None
+  # Ring attention: token order over the `seq` axis; "zigzag" balances causal work (losses reorder
+  # their batch once, positions stay global), "contiguous" keeps the natural order.
+  seq_layout: Literal["zigzag", "contiguous"] = "zigzag"
+  # Losses and log-prob passes (SFT, DPO, GRPO and their references) project to the vocabulary this many
+  # tokens per device at a time, so float32 logits take chunk x V per device, never [B, T, V]
+  # (0: every token at once). 1024 keeps a 152K vocabulary's logits chunk at 0.6 GB.
+  logits_chunk: int = 1024
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+    if self.logits_chunk < 0:
+      raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
+
+
+# ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
+# field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
+EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention_impl", "ring_heads_per_pass",
+                    "seq_layout", "logits_chunk")
+
+
+def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:
+  """`architecture`'s model (a checkpoint's config) run with `execution`'s settings (`EXECUTION_FIELDS`)."""
+  return dataclasses.replace(architecture, **{name: getattr(execution, name) for name in EXECUTION_FIELDS})
+
+
+def architecture_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+  """The architecture fields (all but `EXECUTION_FIELDS`) whose values differ between `a` and `b`."""
+  return [f.name for f in dataclasses.fields(ModelConfig)
+          if f.name not in EXECUTION_FIELDS and getattr(a, f.name) != getattr(b, f.name)]
+
+
+# Registered model presets, filled in by the family modules (ptx.models.*).
+MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {}
+
+
+def register_preset(name: str) -> Callable[[Callable[[], ModelConfig]], Callable[[], ModelConfig]]:
+  """Registers a zero-argument function returning a ModelConfig under `name`."""
+
+  def wrap(fn: Callable[[], ModelConfig]) -> Callable[[], ModelConfig]:
+    if name in MODEL_PRESETS:
+      raise ValueError(f"model preset {name!r} is registered twice")
+    MODEL_PRESETS[name] = fn
+    return fn
+
+  return wrap
