@@ -8,6 +8,8 @@ change. Internal modules never import this facade (a test enforces it).
   models      load_hf / save_hf, convert_gguf, Decoder, forward, init_params, merge_lora
   data        tokenizers, make_pipeline, record sources, supervised_data and
               grpo_prompts (a job's data as the CLI builds it), ArithmeticTask
+  starts      from_pretrained (a config with an HF checkpoint's architecture,
+              its weights and tokenizer)
   jobs        sft_job, dpo_job, grpo_job, grpo_host_job, grpo_episode_job
               (multi-turn episodes in an environment) -> Job; fit runs one;
               export_hf / save_peft write the result; train_grpo trains from
@@ -55,19 +57,19 @@ _LAZY = {
     "fit": ("ptx.train.loop", "fit"), "train_grpo": ("ptx.train.reward_functions", "train_grpo"),
     "EnvReward": ("ptx.episodes.scoring", "EnvReward"), "grpo_prompts": ("ptx.train.streams", "grpo_prompts"),
     "supervised_data": ("ptx.train.streams", "supervised"),
+    "from_pretrained": ("ptx.train.pretrained", "from_pretrained"),
 }
 
 __all__ = [
     "ArithmeticTask", "ByteTokenizer", "Config", "DEFAULT_RULES", "DPOConfig", "DataConfig", "Decoder", "EnvReward",
     "EvalConfig", "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig",
-    "MemorySource",
-    "MeshConfig", "ModelConfig", "OptimizerConfig", "PythonTestsEnv", "RopeScaling", "Rules", "SamplingConfig", "TOY",
-    "TextSampler", "Tokenizer", "TrainConfig", "TrainState", "advantages", "apply_overrides", "attention",
-    "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate", "export_hf", "fit", "forward", "generate",
-    "grpo", "grpo_episode_job", "grpo_host_job", "grpo_job", "grpo_prompts", "init_params", "init_state",
-    "initial_params", "load_hf",
-    "load_tokenizer", "make_mesh", "make_optimizer", "make_pipeline", "make_train_step", "merge_lora", "models",
-    "presets", "save_hf", "save_peft", "sft", "sft_job", "state_shardings", "supervised_data", "train_grpo",
+    "MemorySource", "MeshConfig", "ModelConfig", "OptimizerConfig", "PythonTestsEnv", "RopeScaling", "Rules",
+    "SamplingConfig", "TOY", "TextSampler", "Tokenizer", "TrainConfig", "TrainState", "advantages", "apply_overrides",
+    "attention", "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate", "export_hf", "fit", "forward",
+    "from_pretrained", "generate", "grpo", "grpo_episode_job", "grpo_host_job", "grpo_job", "grpo_prompts",
+    "init_params", "init_state", "initial_params", "load_hf", "load_tokenizer", "make_mesh", "make_optimizer",
+    "make_pipeline", "make_train_step", "merge_lora", "models", "presets", "save_hf", "save_peft", "sft", "sft_job",
+    "state_shardings", "supervised_data", "train_grpo",
 ]
 
 

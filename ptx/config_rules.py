@@ -44,8 +44,8 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo", "grpo_host", "gr
   check_attention(cfg.model, jax.default_backend())
   kind = RECORD_KINDS[algorithm]
   if data.kind != kind:
-    raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set --data.kind={kind}"
-                      + ("" if kind == "sft" else " --data.pack=false"))
+    raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set data.kind={kind}"
+                      + ("" if kind == "sft" else " and data.pack=false"))
   if kind == "rl":
     check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
     groups = data.batch_size // cfg.grpo.minibatches

@@ -121,7 +121,7 @@ SEQ_LEN = {"exact_answer": 64, "code": 64, "calculator": 512, "terminal": 512, "
 BAD = {
     "missing_field": ("exact_answer", {"answer": None}, "missing field 'answer'"),
     "prompt_too_long": ("exact_answer", {"prompt": "1+" * 40 + "1="},
-                        "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len: set --data.seq_len=83 "
+                        "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len: set data.seq_len=83 "
                         "or more)"),
     "episode_prompt_too_long": ("calculator", {"prompt": "3 boxes of 4? " * 20},
                                 "its episode's first prompt takes 617 tokens, more than prompt_len=512"),
@@ -218,7 +218,7 @@ def test_grpo_episodes_refuse_a_seq_len_their_first_prompts_do_not_fit_before_bu
   assert exit_.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert error.startswith("ptx: error: data.seq_len=8 is shorter than the first prompt of an episode of task ")
-  assert f"the longest of the first {STEPS * 8} tasks ({env}'s text in the chat template): set --data.seq_len=" in error
+  assert f"the longest of the first {STEPS * 8} tasks ({env}'s text in the chat template): set data.seq_len=" in error
 
 
 @pytest.mark.slow

@@ -124,12 +124,12 @@ def check_params(cfg: ModelConfig, params: Params, what: str = "params") -> None
     extra, missing = sorted(got_paths.keys() - want_paths.keys()), sorted(want_paths.keys() - got_paths.keys())
     raise ValueError(f"{what} are not the model config's parameters: {len(extra)} not in the config (first "
                      f"{extra[:1]}), {len(missing)} missing (first {missing[:1]}); build the config from the weights' "
-                     "own (`ptx.load_hf(dir).config`)")
+                     "own (`ptx.from_pretrained(dir, cfg)`)")
   for path, want in want_paths.items():
     got = tuple(got_paths[path].shape)
     if got != tuple(want.shape):
       raise ValueError(f"{what}{path} has shape {got}, but the model config ({sizes}) makes it {tuple(want.shape)}: "
-                       "build the config from the weights' own (`ptx.load_hf(dir).config`)")
+                       "build the config from the weights' own (`ptx.from_pretrained(dir, cfg)`)")
 
 
 def logical_axes(cfg: ModelConfig) -> Params:

@@ -15,7 +15,12 @@ Several functions are named reward components (`grpo.reward_combine`,
 device samples the next batch (GRPO's host-reward mode, `ptx.train.grpo.host`).
 
 `train_grpo(cfg, tasks=..., rewards=[...], tokenizer=..., out=...)` is the
-whole run: the job, the prompt stream over `tasks` and `fit`.
+whole run: the job, the prompt stream over `tasks` and `fit`. From a
+pretrained model:
+
+    start = ptx.from_pretrained("out/smollm2", ptx.FINETUNE["grpo"]())
+    ptx.train_grpo(start.cfg, tasks=tasks, rewards=brevity, tokenizer=start.tokenizer,
+                   init_params=start.params, out="out/grpo")
 """
 
 from __future__ import annotations
@@ -107,14 +112,16 @@ def train_grpo(cfg: Config, *, tasks: Sequence[Mapping[str, Any]], rewards: Rewa
 
   Args:
     cfg: the job config (`data.batch_size` prompts of `data.seq_len` tokens a
-      step, `grpo.group_size` samples each, `data.kind="rl"`).
+      step, `grpo.group_size` samples each; `ptx.FINETUNE["grpo"]()`, or
+      `ptx.from_pretrained(dir, ...)` to start from a checkpoint).
     tasks: records with a "prompt" (a string, or chat messages rendered by
       the tokenizer's template) and any fields the rewards read; read in
       order and repeated.
     rewards: one reward function or several (named components).
     tokenizer: the model's tokenizer.
     out: the run directory.
-    init_params: start from these parameters (e.g. `ptx.load_hf(dir).params`).
+    init_params: start from these parameters (`ptx.from_pretrained(dir, cfg)`'s
+      params, whose cfg must be the one given here).
     resume: continue from the newest checkpoint in `out`.
     progress: show a progress bar.
 
@@ -122,6 +129,7 @@ def train_grpo(cfg: Config, *, tasks: Sequence[Mapping[str, Any]], rewards: Rewa
     `fit`'s (state, summary).
   """
   fns = (rewards,) if callable(rewards) else tuple(rewards)
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind="rl", pack=False))  # tasks are rl records
   job = grpo_host_job(cfg, tokenizer, RewardFunctions(fns, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size))
   prompts = streams.grpo_prompts(cfg, tokenizer, _Cycle(tasks), in_graph=False)
   return fit(cfg, job, train_data=prompts, out=pathlib.Path(out), resume=resume, init_params=init_params,

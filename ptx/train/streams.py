@@ -58,7 +58,8 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: str | os.PathLike,
   """
   data = cfg.data
   if not data.train_files:
-    raise ConfigError("data.train_files is empty: set --data.train_files='[\"train.jsonl\"]'")
+    raise ConfigError("data.train_files is empty: set it to a list of JSONL files "
+                      "(--data.train_files='[\"train.jsonl\"]')")
   pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
                                process_count=jax.process_count())
   sources = {"train": JsonlSource(data.train_files)}
@@ -128,7 +129,7 @@ def check_episode_prompts(cfg: Config, tokenizer: Tokenizer, env: Environment, t
   if n > cfg.data.seq_len:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than the first prompt of an episode of task "
                       f"{index}: {n} tokens, the longest of the first {count} tasks ({env.name}'s text in the chat "
-                      f"template): set --data.seq_len={n} or more")
+                      f"template): set data.seq_len={n} or more")
 
 
 def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: bool,

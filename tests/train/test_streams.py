@@ -87,7 +87,7 @@ def test_a_record_whose_episode_prompt_is_too_long_is_named_though_its_own_promp
   with pytest.raises(RecordError) as e:
     streams.rl_tasks(_cfg([path], seq_len=200), TOK, CalculatorEnv(), ("answer",), episodes=True)
   assert str(e.value) == (f"{path}:1: its episode's first prompt takes {n} tokens, more than prompt_len=200 "
-                          f"(data.seq_len: set --data.seq_len={n} or more)")
+                          f"(data.seq_len: set data.seq_len={n} or more)")
 
 
 def test_built_in_episode_tasks_too_long_for_seq_len_are_refused_naming_the_flag_and_the_longest():
@@ -99,5 +99,5 @@ def test_built_in_episode_tasks_too_long_for_seq_len_are_refused_naming_the_flag
     streams.check_episode_prompts(cfg, TOK, env, tasks)
   assert str(e.value) == (f"data.seq_len=8 is shorter than the first prompt of an episode of task "
                           f"{lengths.index(longest)}: {longest} tokens, the longest of the first {streams.SCAN} tasks "
-                          f"(calculator's text in the chat template): set --data.seq_len={longest} or more")
+                          f"(calculator's text in the chat template): set data.seq_len={longest} or more")
   streams.check_episode_prompts(_cfg(seq_len=longest), TOK, env, tasks)

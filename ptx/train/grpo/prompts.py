@@ -121,7 +121,7 @@ def prompt_tokens(prompts: PromptEncoder, task: Mapping[str, Any], prompt_len: i
     raise records.RecordError(where, str(e)) from None
   if len(ids) > prompt_len:
     raise records.RecordError(where, f"{prompts.what} takes {len(ids)} tokens, more than prompt_len={prompt_len} "
-                              f"(data.seq_len: set --data.seq_len={len(ids)} or more)")
+                              f"(data.seq_len: set data.seq_len={len(ids)} or more)")
   return ids
 
 
