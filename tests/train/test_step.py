@@ -125,7 +125,7 @@ def test_a_state_refuses_parameters_of_another_model(tiny_config):
   n = tiny_config.n_layers
   deeper = initial_params(dataclasses.replace(tiny_config, n_layers=n + 1), 0)
   with pytest.raises(ValueError, match=rf"init_params\['layers'\]\['.*'\] has shape \({n + 1}, .*n_layers={n},"
-                                       rf".* makes it \({n}, .*ptx.load_hf\(dir\).config"):
+                                       rf".* makes it \({n}, .*ptx.from_pretrained\(dir, cfg\)"):
     init_state(tiny_config, optimizer, 0, mesh, params=deeper)
   with pytest.raises(ValueError, match=r"not the model config's parameters: 0 not in the config .* 1 missing"):
     init_state(tiny_config, optimizer, 0, mesh, params={k: v for k, v in deeper.items() if k != "lm_head"})
