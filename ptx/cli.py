@@ -223,7 +223,8 @@ def _run_errors() -> tuple[type[Exception], ...]:
   from ptx.data.sources import NoDataError
   from ptx.train.checkpoint import CheckpointError
   from ptx.train.export import NonFiniteParams
-  from ptx.train.loop import DivergedError, OutOfMemory
+  from ptx.train.loop import DivergedError
+  from ptx.train.memory_check import OutOfMemory
   from ptx.train.metrics import MetricsFileError
   from ptx.train.run_dir import RunDirError
 

@@ -94,6 +94,9 @@ class TrainConfig:
   # Stop the run (non-zero exit, no export) after this many consecutive optimizer steps with non-finite
   # gradients, which are skipped; 0 never stops. Checkpoints are not written during such a streak.
   max_nonfinite_steps: int = 10
+  # Before the first step, compile the step and refuse the run (OutOfMemory, naming the settings to lower) when
+  # XLA's estimate of its memory exceeds 90% of what the devices (on CPU: the host) have free.
+  memory_check: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,12 +291,23 @@ class GRPOConfig:
   # Optimizer updates per epoch, each over whole groups (group g in mini-batch g % minibatches), each normalising
   # over its own rows; must divide the prompts of a step.
   minibatches: int = 1
+  # Transcripts of what the policy sampled, OUT/samples/step_N.jsonl (`ptx.train.grpo.samples`): written for the
+  # first step and every this many steps (0: none). Changes nothing trained, so a resumed run may change it.
+  samples_every: int = 10
+  # Rows a transcript holds: the step's first rows (whole groups of G first), at most the step's rows.
+  samples_rows: int = 8
+  # Bytes a transcript file holds at most: long texts are cut in the middle (a marker says how much), and a row
+  # that still does not fit is left out (a last line counts them).
+  samples_max_bytes: int = 1 << 20
 
   def __post_init__(self):
     if self.sampling.greedy:
       raise ValueError("grpo.sampling.greedy: GRPO needs sampled rollouts; a greedy group's G completions are equal")
     if self.epochs < 1 or self.minibatches < 1:
       raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+    if self.samples_every < 0 or self.samples_rows < 1 or self.samples_max_bytes < 4096:
+      raise ValueError(f"grpo.samples_every must be >= 0, grpo.samples_rows >= 1 and grpo.samples_max_bytes >= 4096, "
+                       f"got {self.samples_every}, {self.samples_rows} and {self.samples_max_bytes}")
 
   @property
   def refill_rounds(self) -> int:

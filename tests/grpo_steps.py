@@ -27,9 +27,10 @@ from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.mode import RolloutMode
 from ptx.sharding import make_mesh, rules_of
 from ptx.train.grpo.engine import EngineRewardStep
-from ptx.train.grpo.fused import make_grpo_step
+from ptx.train.grpo.fused import FusedStep, make_grpo_step
 from ptx.train.grpo.host import HostRewardStep
 from ptx.train.grpo.prompts import PromptBatches
+from ptx.train.grpo.samples import SampleLog
 from ptx.train.grpo.update import RLSpec, coefficient_stage
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import TrainState, init_state, state_shardings
@@ -88,11 +89,12 @@ class Built:
 
 def build(cfg: ModelConfig, grpo_cfg: GRPOConfig, reward: Any, *, kind: str = "fused", lora: LoRAConfig | None = None,
           eps: float = ADAM_EPS, mesh_cfg: MeshConfig = MESH, engine: EngineConfig | None = None,
-          mode: RolloutMode = RolloutMode(), stop_ids: tuple[int, ...] = (TOK.eos_id,)) -> Built:
+          mode: RolloutMode = RolloutMode(), stop_ids: tuple[int, ...] = (TOK.eos_id,), tokenizer: Any = None) -> Built:
   """The `kind` step of `grpo_cfg`: "fused" (`reward(gen, task)` in-graph), "host" or "engine" (`reward` on the host).
 
   The fused step reads `prompt_batches(4)`, the others `prompt_batches(None)` through a `Lookahead`; the mesh takes
-  the first devices `mesh_cfg` needs.
+  the first devices `mesh_cfg` needs. With a `tokenizer` the step keeps transcripts (`grpo.samples_every`; the fused
+  step as `fit` runs it, `FusedStep`), decoded by it.
   """
   mesh = make_mesh(mesh_cfg, jax.devices()[:math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, mesh_cfg.seq))])
   rules = rules_of(mesh_cfg)
@@ -105,11 +107,13 @@ def build(cfg: ModelConfig, grpo_cfg: GRPOConfig, reward: Any, *, kind: str = "f
   common = dict(spec=spec, optimizer=opt, mesh=mesh, state_shardings=shardings, reward=reward)
   if kind == "fused":
     data = prompt_batches(4)
-    step = make_grpo_step(spec, reward, optimizer=opt, mesh=mesh, state_shardings=shardings)
+    samples = SampleLog(grpo_cfg, tokenizer)
+    step = make_grpo_step(spec, reward, optimizer=opt, mesh=mesh, state_shardings=shardings, sample_rows=samples.rows)
+    step = step if tokenizer is None else FusedStep(step, samples, grpo_cfg.group_size)
   elif kind == "host":
     data = Lookahead(prompt_batches(None))
-    step = HostRewardStep(**common, prompts=data)
+    step = HostRewardStep(**common, prompts=data, tokenizer=tokenizer)
   else:
     data = Lookahead(prompt_batches(None))
-    step = EngineRewardStep(**common, prompts=data, engine=engine, mode=mode)
+    step = EngineRewardStep(**common, prompts=data, engine=engine, mode=mode, tokenizer=tokenizer)
   return Built(step=step, spec=spec, state=state, data=data, mesh=mesh, optimizer=opt, shardings=shardings)

@@ -19,12 +19,14 @@ COMMON = ["--no-progress", "--model.n_layers=1", "--model.d_model=64", "--model.
           "--grpo.kl_placement=loss", "--mesh.data=2", "--mesh.fsdp=4"]
 
 
-def _resumes_exactly(tmp_path, capsys, *args):
-  """Runs `ptx grpo ARGS` in tmp_path/full, and again from a copy cut after checkpoint 2; returns the full run's
-  records once the resumed run's steps 3 and 4 and final parameters are shown to equal its own."""
+def _resumes_exactly(tmp_path, capsys, *args, before_resume=lambda cut: None):
+  """Runs `ptx grpo ARGS` in tmp_path/full, and again from a copy cut after checkpoint 2 (then `before_resume(cut)`);
+  returns the full run's records once the resumed run's steps 3 and 4 and final parameters are shown to equal its
+  own."""
   full = tmp_path / "full"
   cli.main(["grpo", "--out", str(full), *args])
   cut = cut_after(full, tmp_path / "cut", 2)
+  before_resume(cut)
   capsys.readouterr()
   cli.main(["grpo", "--out", str(cut), "--resume", *args])
   assert "resumed from checkpoint step 2" in capsys.readouterr().out
@@ -45,7 +47,20 @@ def _prepared_job(tmp_path, *args):
 
 
 def test_grpo_on_builtin_arithmetic_resumes_exactly(tmp_path, capsys):
-  records = _resumes_exactly(tmp_path, capsys, *COMMON)
+  # Transcripts of steps 1, 2 and 4; the cut run holds a step 4 file written twice over, as a run killed after
+  # writing it (before its checkpoint) could leave it: the resumed run writes it whole again.
+  def twice(cut):
+    (cut / "samples" / "step_4.jsonl").write_bytes(2 * (cut / "samples" / "step_4.jsonl").read_bytes())
+
+  records = _resumes_exactly(tmp_path, capsys, *COMMON, "--grpo.samples_every=2", before_resume=twice)
+  samples = tmp_path / "full" / "samples"
+  assert sorted(p.name for p in samples.iterdir()) == ["step_1.jsonl", "step_2.jsonl", "step_4.jsonl"]
+  for step in (1, 2, 4):
+    rows = [json.loads(line) for line in (samples / f"step_{step}.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["row"], r["group"]) for r in rows] == [(step, i, i // 2) for i in range(8)]
+    assert all(r["prompt"].endswith("=") and isinstance(r["completion"], str) and r["reward"] in (0.0, 1.0)
+               for r in rows), rows[0]
+  assert (tmp_path / "cut" / "samples" / "step_4.jsonl").read_bytes() == (samples / "step_4.jsonl").read_bytes()
   assert {"reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "response_length/mean",
           "rollout/logp_diff_max"} <= set(records[STEPS])
   assert list((tmp_path / "full" / "tensorboard").iterdir()), "no TensorBoard event file"
@@ -89,8 +104,9 @@ def test_grpo_on_rl_records_with_batches_sampled_ahead_resumes_exactly(tmp_path,
 def test_grpo_on_chat_format_rl_records_scores_on_the_host_one_batch_ahead(tmp_path):
   # The programs of the run above (staleness 1 and 2 both learn from stale samples), so this run compiles nothing.
   out = tmp_path / "run"
-  cli.main(["grpo", "--out", str(out), *_host_args(tmp_path, 1), "--no-export"])
+  cli.main(["grpo", "--out", str(out), *_host_args(tmp_path, 1), "--no-export", "--grpo.samples_every=0"])
   _check_host_run(out, by_step(out), 1)
+  assert not (out / "samples").exists()  # no transcripts asked for
 
 
 def test_grpo_on_policy_on_rl_records_builds_the_host_job_of_staleness_0(tmp_path):

@@ -138,13 +138,13 @@ def grpo_job(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn = token_rewa
 
   Args:
     cfg: the job config.
-    tokenizer: its eos ends a completion, its pad fills prompts.
+    tokenizer: its eos ends a completion, its pad fills prompts; it decodes the transcripts (`grpo.samples_every`).
     reward_fn: the in-graph reward; the default scores exact answers
       against the prompt batches' targets (`ptx.train.streams.grpo_prompts`
       with `in_graph=True`).
   """
   rules = _check(cfg, "grpo", tokenizer)
-  return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn), rules,
+  return _job(cfg, "grpo", FusedGRPOStep(_rl_spec(cfg, tokenizer, rules), reward_fn, tokenizer), rules,
               with_reference=cfg.grpo.uses_reference, updates_per_step=cfg.grpo.updates_per_step)
 
 
@@ -153,15 +153,15 @@ def grpo_host_job(cfg: Config, tokenizer: Tokenizer, reward: HostReward) -> Job:
 
   Args:
     cfg: the job config (`grpo.max_staleness` batches sampled ahead).
-    tokenizer: its eos ends a completion, its pad fills prompts.
+    tokenizer: its eos ends a completion, its pad fills prompts; it decodes the transcripts (`grpo.samples_every`).
     reward: the host reward, e.g. `ptx.episodes.scoring.EnvReward` of an
       environment, or `ptx.train.reward_functions.RewardFunctions`.
   """
   rules = _check(cfg, "grpo_host", tokenizer)
   spec = _rl_spec(cfg, tokenizer, rules)
-  step = (HostGRPOStep(spec, reward) if cfg.grpo.rollouts == "static"
+  step = (HostGRPOStep(spec, reward, tokenizer) if cfg.grpo.rollouts == "static"
           else EngineGRPOStep(spec, reward, _engine_config(cfg, ahead=cfg.grpo.max_staleness),
-                              RolloutMode.of(cfg.rollout)))
+                              RolloutMode.of(cfg.rollout), tokenizer))
   return _job(cfg, "grpo_host", step, rules, with_reference=cfg.grpo.uses_reference,
               updates_per_step=cfg.grpo.updates_per_step)
 

@@ -10,12 +10,20 @@ step boundary and return normally; `resume=True` restores the newest
 complete checkpoint, so a resumed run computes exactly the steps an
 uninterrupted one would. Every step object has `pipeline_state()` and
 `set_pipeline_state(saved)`: one that keeps work in flight across steps
-(GRPO's host-reward mode samples ahead) checkpoints it through them.
+(GRPO's host-reward mode samples ahead) checkpoints it through them. It also
+has `take_samples(wait)`: transcripts of what a GRPO step sampled
+(`ptx.train.grpo.samples`), which the loop writes as
+`out/samples/step_<n>.jsonl` once a later step is queued, and every one
+held before a checkpoint and at the end.
 
 With LoRA (`cfg.lora.rank > 0`) the state trains adapters over a frozen
 base; checkpoints hold the adapters, optimizer and data position but not
 the base, which a resumed run rebuilds as the first run did (from the seed,
 or from the same `init_params`).
+
+Before the state is allocated, `ptx.train.memory_check` compiles the step
+and refuses a run whose step would not fit the memory there is
+(`train.memory_check`); the first step reuses those compiled programs.
 
 What a run will not do: start over an earlier run in `out`
 (`ptx.train.run_dir.check`: resume or overwrite it), resume with a config
@@ -61,7 +69,7 @@ from ptx import config_io, paths
 from ptx.config import Config
 from ptx.data.global_batch import to_global
 from ptx.sharding import make_mesh, rules_of
-from ptx.train import run_dir
+from ptx.train import memory_check, run_dir
 from ptx.train.checkpoint import Checkpointer
 from ptx.train.checkpoint_evals import SuiteEvals
 from ptx.train.job import Job
@@ -76,27 +84,6 @@ _DATA_COUNTS = ("read", "skipped", "truncated", "dropped")
 
 class DivergedError(RuntimeError):
   """The run stopped: too many optimizer steps in a row had non-finite gradients."""
-
-
-class OutOfMemory(RuntimeError):
-  """The run stopped: a program did not fit the device's memory (XLA's RESOURCE_EXHAUSTED)."""
-
-
-def _out_of_memory(error: jax.errors.JaxRuntimeError, cfg: Config, job: Job) -> OutOfMemory | None:
-  """XLA's out-of-memory `error` as one message naming the settings that size a step, or None for other errors."""
-  text = str(error)
-  if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
-    return None
-  data, model = cfg.data, job.model
-  rl = (f"; GRPO holds grpo.group_size={cfg.grpo.group_size} samples of up to grpo.max_response_tokens="
-        f"{cfg.grpo.max_response_tokens} tokens a prompt" if job.algorithm.startswith("grpo") else "")
-  adapters = "" if job.lora is not None else ", or train LoRA adapters (--lora.rank=16) instead of every weight"
-  return OutOfMemory(
-      f"out of device memory ({text.splitlines()[0][:200]}). A step holds data.batch_size={data.batch_size} rows of "
-      f"data.seq_len={data.seq_len} tokens through model.n_layers={model.n_layers} layers{rl}. Lower them, set "
-      f"model.remat=full (now {model.remat!r}: it keeps the fewest activations) or a smaller model.logits_chunk "
-      f"(now {model.logits_chunk}), shard over more devices (mesh.fsdp){adapters}. A run that stopped before its "
-      "first metrics line and checkpoint is started again by the same command.")
 
 
 def fit(
@@ -123,7 +110,7 @@ def fit(
     train_data: iterable of host batches whose iterator has get_state/set_state
       (a `ptx.data.make_pipeline` dataset, `PromptBatches`), so checkpoints
       hold its position.
-    out: run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/.
+    out: run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/, samples/ (GRPO).
     resume: continue the run in `out` from its newest intact checkpoint, if
       any; refused when `cfg` changes more than `run_dir.RESUMABLE_FIELDS`.
     overwrite: replace an earlier run in `out` (deletes its results); without
@@ -151,6 +138,8 @@ def fit(
       `resume` nor `overwrite`), or `resume` changes the run's config.
     ptx.train.checkpoint.CheckpointError: every checkpoint is damaged.
     DivergedError: `cfg.train.max_nonfinite_steps` steps in a row were skipped.
+    ptx.train.memory_check.OutOfMemory: the step does not fit the memory there is, estimated before the first
+      step (`cfg.train.memory_check`) or reported by XLA while it runs.
   """
   built_for = {"train.steps": (job.total_updates // job.updates_per_step, cfg.train.steps),
                "model": (job.model, cfg.model), "mesh rules": (job.rules, rules_of(cfg.mesh))}
@@ -189,6 +178,10 @@ def fit(
   step_fn = job.step.build(optimizer, mesh, shardings, data)
   start = functools.partial(init_state, job.model, optimizer, cfg.train.seed, mesh, job.rules,
                             with_reference=job.with_reference, params=init_params, lora=job.lora)
+  if cfg.train.memory_check:  # before the state is allocated; the step's first call reuses the compiled programs
+    estimate = memory_check.check(cfg, job, step_fn, abstract_state(shardings, start), mesh)
+    if primary and estimate is not None:
+      print(f"memory check: {estimate}", flush=True)
   checkpointer = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
   state, resumed_from = None, None
   if resume:
@@ -216,11 +209,12 @@ def fit(
     if checks is not None:
       checks.baseline(state, resumed_from)
     with _preemption_notice() as preempted:
-      state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, checks, schedule,
-                           preempted, progress and primary)
+      samples = functools.partial(_write_samples, out / "samples", enabled=primary)
+      state, last = _steps(cfg, step_fn, state, data, place, checkpointer, writer, samples, evaluate, checks,
+                           schedule, preempted, progress and primary)
     checkpointer.wait()
   except jax.errors.JaxRuntimeError as e:
-    oom = _out_of_memory(e, cfg, job)
+    oom = memory_check.from_xla(e, cfg, job)
     if oom is None:
       raise
     raise oom from e
@@ -247,7 +241,8 @@ def _may_start(out: pathlib.Path, cfg: Config, sections: tuple[str, ...], *, res
     run_dir.check_resume(saved, config_io.to_dict(cfg, sections), out)
 
 
-def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, checks, schedule, preempted, progress):
+def _steps(cfg, step_fn, state, data, place, checkpointer, writer, samples, evaluate, checks, schedule, preempted,
+           progress):
   """The loop proper; returns the final state and the last logged record."""
   train = cfg.train
   start = int(state.step)
@@ -263,6 +258,7 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, che
     if pending is not None:  # read step N's metrics only now that step N + 1 is queued
       last = _log(pending, meter, schedule, writer, bar, data)
       pending = None
+    samples(step_fn.take_samples())  # the steps before this one, finished or nearly now that it is queued
     if step % train.log_every == 0 or step == train.steps or preempted.is_set():
       pending = (step, metrics, meter.mark(step))
     if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
@@ -275,6 +271,7 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, che
         if pending is not None:
           last = _log(pending, meter, schedule, writer, bar, data)
           pending = None
+        samples(step_fn.take_samples(wait=True))
         writer.flush()
         checkpointer.save(step, state.replace(base=None), data, pipeline=step_fn.pipeline_state())
     # Before the next step donates the state; a preempted run stops without (its time is short).
@@ -285,6 +282,7 @@ def _steps(cfg, step_fn, state, data, place, checkpointer, writer, evaluate, che
       break
   if pending is not None:
     last = _log(pending, meter, schedule, writer, bar, data)
+  samples(step_fn.take_samples(wait=True))
   guard.finish()
   bar.close()
   return state, last
@@ -383,6 +381,15 @@ def _log(pending, meter: _Meter, schedule, writer, bar, data) -> dict[str, Any]:
   bar.set_postfix(postfix)
   writer.write(record)
   return record
+
+
+def _write_samples(directory: pathlib.Path, taken: dict[int, bytes], *, enabled: bool) -> None:
+  """Writes each step's transcripts (`take_samples`) whole as `directory/step_<n>.jsonl`, replacing an earlier file."""
+  if not enabled or not taken:
+    return
+  directory.mkdir(parents=True, exist_ok=True)
+  for step, text in taken.items():
+    paths.write_atomic(directory / f"step_{step}.jsonl", text)
 
 
 def _token_count(batch: dict[str, Any]) -> int:

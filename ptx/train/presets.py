@@ -8,7 +8,12 @@ Two families, never mixed:
             sequence shapes of common practice for instruct models (TRL's and
             the GRPO/DPO papers' ranges); the architecture comes from the
             checkpoint, and the preset's execution settings (remat,
-            attention, logits chunk, dtypes) are kept.
+            attention, logits chunk, dtypes) are kept. They recompute every
+            layer's activations in the backward pass (`remat="full"`), and
+            GRPO's update runs in 2 micro-batches, so SmolLM2-135M trains in
+            a 24 GB host (XLA's estimates before the first step: SFT 6.5 GB,
+            7.6 GB peak RSS measured; DPO 9.9 GB; GRPO 11.5 GB; without
+            them 51, 91 and 174 GB).
 
 Every entry point (the CLI, the demo, recipes, notebooks) starts from one of
 these, so `ptx grpo` and `ptx demo` train the same GRPO stage.
@@ -24,7 +29,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ptx.config import Config, DataConfig, DPOConfig, GRPOConfig, OptimizerConfig, TrainConfig
-from ptx.model_config import MODEL_PRESETS
+from ptx.model_config import MODEL_PRESETS, ModelConfig
 
 DIGITS = 2
 SFT_SEED, GRPO_SEED, HELD_OUT_SEED = 0, 2, 1
@@ -62,8 +67,13 @@ def _toy_grpo() -> Config:
       data=DataConfig(kind="rl", batch_size=128, seq_len=PROMPT_LEN, pack=False), grpo=_TOY_GRPO)
 
 
+# The fine-tuning presets' execution settings: the checkpoint gives the architecture.
+_FINETUNE_MODEL = ModelConfig(remat="full")
+
+
 def _finetune_sft() -> Config:
   return Config(
+      model=_FINETUNE_MODEL,
       optim=OptimizerConfig(lr=2e-5, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0),
       train=TrainConfig(steps=300, log_every=10, eval_every=100, checkpoint_every=100),
       data=DataConfig(batch_size=16, seq_len=2048))
@@ -71,6 +81,7 @@ def _finetune_sft() -> Config:
 
 def _finetune_dpo() -> Config:
   return Config(
+      model=_FINETUNE_MODEL,
       optim=OptimizerConfig(lr=5e-7, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0),
       train=TrainConfig(steps=300, log_every=10, eval_every=100, checkpoint_every=100),
       data=DataConfig(kind="preference", batch_size=16, seq_len=1024, pack=False),
@@ -79,8 +90,9 @@ def _finetune_dpo() -> Config:
 
 def _finetune_grpo() -> Config:
   return Config(
+      model=_FINETUNE_MODEL,
       optim=OptimizerConfig(lr=1e-6, warmup_steps=10, min_lr_ratio=1.0, weight_decay=0.0),
-      train=TrainConfig(steps=200, log_every=1, checkpoint_every=25, eval_every=10**9),
+      train=TrainConfig(steps=200, log_every=1, checkpoint_every=25, eval_every=10**9, grad_accum=2),
       data=DataConfig(kind="rl", batch_size=16, seq_len=512, pack=False),
       grpo=GRPOConfig(group_size=8, max_response_tokens=256, kl_placement="none", beta=0.0))
 

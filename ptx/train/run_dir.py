@@ -15,7 +15,7 @@ files in the directory stay.
 
 `check_resume(saved, now)` compares the config a run was started with
 (its `config.json`) to the config it is resumed with: only
-`RESUMABLE_FIELDS` may differ (the run's length, logging, evaluation,
+`RESUMABLE_FIELDS` may differ (the run's length, logging, sample transcripts, evaluation,
 checkpoint cadence, and how the same program is laid out and executed);
 anything else changes the model or the data stream, and is refused with
 the fields that differ.
@@ -39,12 +39,13 @@ _MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 CACHES = ("reference_logps", "pretrained")
 # What training and export write.
 RESULTS = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "checkpoints.damaged",
-           "tensorboard", "hf", "adapter", "base", "plots", "evals")
+           "tensorboard", "hf", "adapter", "base", "plots", "evals", "samples")
 # Config fields a resumed run may change (shell patterns over "section.field").
 RESUMABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-                    "train.keep_checkpoints", "train.max_nonfinite_steps", "data.eval_files", "data.num_threads",
-                    "data.prefetch", "mesh.*", "model.remat", "model.attention_impl", "model.ring_heads_per_pass",
-                    "model.logits_chunk", "eval.every", "eval.regression")
+                    "train.keep_checkpoints", "train.max_nonfinite_steps", "train.memory_check", "data.eval_files",
+                    "data.num_threads", "data.prefetch", "mesh.*", "model.remat", "model.attention_impl",
+                    "model.ring_heads_per_pass", "model.logits_chunk", "eval.every", "eval.regression",
+                    "grpo.samples_*")
 
 
 class RunDirError(ValueError):

@@ -80,6 +80,10 @@ class JittedStep:
     """A checkpoint's batches sampled ahead (a host-reward run) are dropped: this step samples its own."""
     log.warning("the checkpoint holds batches sampled ahead that this run's step does not take; they are dropped")
 
+  def take_samples(self, wait: bool = False) -> dict[int, bytes]:
+    """Nothing is sampled to show (a GRPO step's transcripts: `ptx.train.grpo.samples`)."""
+    return {}
+
 
 def reference_params(state: TrainState) -> Any:
   """The frozen reference policy: under LoRA the base (adapters off, no copy), else `ref_params`."""

@@ -19,7 +19,7 @@ def _base():
   """The GRPO fine-tuning preset, with an execution setting the checkpoint must not override and a tiny shape."""
   cfg = ptx.FINETUNE["grpo"]()
   return dataclasses.replace(
-      cfg, model=dataclasses.replace(cfg.model, remat="full"), mesh=ptx.MeshConfig(data=2, fsdp=4),
+      cfg, model=dataclasses.replace(cfg.model, remat="dots"), mesh=ptx.MeshConfig(data=2, fsdp=4),
       optim=dataclasses.replace(cfg.optim, lr=0.0, warmup_steps=0),
       train=dataclasses.replace(cfg.train, steps=2, checkpoint_every=100),
       data=dataclasses.replace(cfg.data, batch_size=8, seq_len=64),
@@ -33,7 +33,7 @@ def _host(tree):
 def test_the_start_has_the_checkpoints_architecture_weights_and_tokenizer(ptx_checkpoint):
   start = ptx.from_pretrained(ptx_checkpoint, _base())
   assert not model_config.architecture_differences(start.cfg.model, HF_ARCH)
-  assert start.cfg.model.remat == "full", "an execution setting of the given config was replaced"
+  assert start.cfg.model.remat == "dots", "an execution setting of the given config was replaced"
   assert start.cfg.data.tokenizer == str(ptx_checkpoint) and start.tokenizer.vocab_size <= HF_ARCH.vocab_size
   assert start.cfg.grpo == _base().grpo and start.cfg.optim == _base().optim
   jax.tree.map(np.testing.assert_array_equal, _host(start.params), _host(load_hf(ptx_checkpoint).params))

@@ -81,3 +81,13 @@ def test_train_grpo_trains_on_plain_python_rewards(tmp_path):
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert all({"reward/even_bytes/mean", "reward/echoes/mean", "rollout/staleness"} <= set(r) for r in records)
   assert records[0]["reward/even_bytes/mean"] > 0 and records[0]["actor/grad_norm"] > 0
+  # The transcript of step 1 (the first step is always written): 8 of its 16 samples, decoded, as the functions saw
+  # them, with each function's score of them (float32) and their sum.
+  rows = [json.loads(line) for line in (tmp_path / "samples" / "step_1.jsonl").read_text().splitlines()]
+  assert len(rows) == 8 and not (tmp_path / "samples" / "step_2.jsonl").exists()
+  for row in rows:
+    prompt, completion = row["prompt"], row["completion"]
+    answer = str(int(prompt.split("+")[0]) + 1)
+    want = {"even_bytes": even_bytes([prompt], [completion])[0], "echoes": echoes([prompt], [completion], [answer])[0]}
+    assert row["rewards"] == pytest.approx(want, abs=1e-6) and row["reward"] == pytest.approx(sum(want.values()), 1e-6)
+  assert len({row["completion"] for row in rows}) > 1

@@ -44,6 +44,10 @@ finished), `timing_s/reward` (waiting for its last scores after that),
 `rollout/engine_preemptions` (sequences preempted in the step); with
 speculation, `rollout/drafted` (drafts per response token) and
 `rollout/draft_acceptance` (the fraction of drafts the policy accepted).
+
+Transcripts (`ptx.train.grpo.samples`): a step that `grpo.samples_every`
+selects keeps the first rows of the batch it trains on, decoded by the
+Job's tokenizer.
 """
 
 from __future__ import annotations
@@ -62,12 +66,14 @@ from jax.sharding import Mesh
 from ptx import config_rules
 from ptx.data.global_batch import to_global
 from ptx.data.lookahead import Lookahead
+from ptx.data.tokenizer import Tokenizer
 from ptx.episodes.scoring import HostReward
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.mode import RolloutMode
 from ptx.sampling.engine.sequences import Completion
 from ptx.sampling.generation import Generation
+from ptx.train.grpo.samples import SampleLog, rows_of
 from ptx.train.grpo.update import GRPOStepKind, RLSpec, jit_learn, rollout_batch
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
@@ -78,11 +84,13 @@ _ENGINE_STREAM = 2 ** 31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class EngineGRPOStep(GRPOStepKind):
-  """The host-reward GRPO step of a Job with engine rollouts: `spec`, host `reward`, the engine's shapes and mode."""
+  """The host-reward GRPO step of a Job with engine rollouts: `spec`, host `reward`, the engine's shapes and mode,
+  and the transcripts' tokenizer."""
 
   reward: HostReward
   engine: EngineConfig = EngineConfig()
   mode: RolloutMode = RolloutMode()
+  tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
 
   def stream(self, data: Any) -> Lookahead:
     """The prompt iterator as `fit` reads it: a `Lookahead`, which the step peeks to submit batches ahead."""
@@ -92,7 +100,8 @@ class EngineGRPOStep(GRPOStepKind):
             data: Lookahead) -> "EngineRewardStep":
     """The step object for `fit`, submitting batches ahead of `data` (`stream`'s) to the engine."""
     return EngineRewardStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings,
-                            reward=self.reward, prompts=data, engine=self.engine, mode=self.mode)
+                            reward=self.reward, prompts=data, engine=self.engine, mode=self.mode,
+                            tokenizer=self.tokenizer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,6 +138,7 @@ class EngineRewardStep:
       block of pages gaining its own sink page.
     mode: the engine and the tree it samples from (standard, or fast: int8
       and speculative; module docstring).
+    tokenizer: decodes the transcripts' rows (None: no transcripts).
 
   Raises:
     ConfigError: for `filter_groups="refill"`.
@@ -137,7 +147,7 @@ class EngineRewardStep:
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
                state_shardings: TrainState, reward: HostReward, prompts: Lookahead, engine: EngineConfig,
-               mode: RolloutMode = RolloutMode()):
+               mode: RolloutMode = RolloutMode(), tokenizer: Tokenizer | None = None):
     config_rules.check_engine_rollouts(spec.grpo)
     if spec.lora is not None and mode.int8:
       raise ValueError("int8 rollouts quantise plain parameters; under LoRA set rollout.mode=standard")
@@ -154,6 +164,7 @@ class EngineRewardStep:
     self._scorer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-reward")
     self._resumed: dict[str, Any] | None = None
     self._last_return: float | None = None
+    self._samples = SampleLog(spec.grpo, tokenizer)
 
   @property
   def learner(self) -> Any:
@@ -179,6 +190,8 @@ class EngineRewardStep:
     scored = time.perf_counter()
     self._batches.pop(0)
     rollouts, gen, versions = self._assemble(current)
+    if self._samples.due(k + 1):
+      self._samples.keep(k + 1, rows_of(rollouts, gen, rewards, self._samples.rows), self._spec.grpo.group_size)
     state, metrics = self._learn(state, rollouts, gen, jax.tree.map(jnp.asarray, rewards))
     age = (k - versions)[versions >= 0]
     end = time.perf_counter()
@@ -200,6 +213,10 @@ class EngineRewardStep:
     drafted, accepted = (sum(getattr(c, name) for c in b.done.values()) for name in ("drafted", "accepted"))
     tokens = sum(len(c.tokens) for c in b.done.values())
     return {"rollout/drafted": drafted / max(tokens, 1), "rollout/draft_acceptance": accepted / max(drafted, 1)}
+
+  def take_samples(self, wait: bool = False) -> dict[int, bytes]:
+    """The transcripts of the steps that kept rows (`ptx.train.grpo.samples.SampleLog.take`), by step."""
+    return self._samples.take(wait)
 
   def pipeline_state(self) -> dict[str, Any] | None:
     """The engine's unfinished sequences and the batches in flight, as host arrays (None when there are none)."""

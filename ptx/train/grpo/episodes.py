@@ -15,7 +15,9 @@ Metrics add, per step: `episodes/turns_mean`, `episodes/tool_calls_mean` and
 `episodes/infra_error_frac`, the fraction of each outcome
 (`episodes/outcome/<name>`), tokens per episode by source
 (`episodes/tokens_<prompt|model|environment>_mean`), `timing_s/play` and
-`timing_s/step`.
+`timing_s/step`. A step that `grpo.samples_every` selects keeps its first
+episodes' transcripts (`ptx.train.grpo.samples`): the conversation, reward,
+outcome and end reason.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.generation import Generation
 from ptx.train.grpo.episode_rows import episode_rollouts
+from ptx.train.grpo.samples import SampleLog
 from ptx.train.grpo.update import GRPOStepKind, RLSpec, jit_learn, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
@@ -105,7 +108,7 @@ class EpisodeStep:
     self._engine_config = engine.on_mesh(mesh, spec.rules)
     self._max_turn_tokens, self._tool_threads, self._lockstep = max_turn_tokens, tool_threads, lockstep
     self._tasks = tasks
-
+    self._samples = SampleLog(spec.grpo, fmt.tokenizer)
     self._learn = jit_learn(spec, optimizer, mesh, state_shardings)
     self._last_return: float | None = None
 
@@ -120,6 +123,8 @@ class EpisodeStep:
                         samples=G, max_turn_tokens=self._max_turn_tokens, max_episode_tokens=spec.max_new_tokens,
                         policy_version=k, tool_threads=self._tool_threads, lockstep=self._lockstep)
     played = time.perf_counter()
+    if self._samples.due(k + 1):
+      self._samples.keep_episodes(k + 1, trajectories, G)
     rows, gen, rewards = episode_rollouts(trajectories, G, prompt_width=self._prompt_width,
                                           width=spec.max_new_tokens, pad_id=spec.pad_id)
     placed = to_global({"rows": rows, "gen": dataclasses.asdict(gen), "rewards": rewards}, self._mesh, spec.rules)
@@ -130,6 +135,9 @@ class EpisodeStep:
     return state, {**metrics, **episode_metrics(trajectories), "timing_s/step": wall,
                    "timing_s/play": played - start}
 
+  def take_samples(self, wait: bool = False) -> dict[int, bytes]:
+    """The transcripts of the steps that kept episodes (`ptx.train.grpo.samples.SampleLog.take`), by step."""
+    return self._samples.take(wait)
 
   def pipeline_state(self) -> None:
     """Nothing is in flight between steps: the train state is the whole checkpoint."""

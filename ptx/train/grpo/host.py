@@ -28,6 +28,10 @@ With `filter_groups="refill"` (DAPO dynamic sampling) a step whose batch has
 fewer than B groups with signal takes the pipeline's next batches (consumed
 from the stream) for up to `max_refill_rounds` rounds and trains on B
 kept groups; slots left free are masked out of the loss.
+
+Transcripts (`ptx.train.grpo.samples`): a step that `grpo.samples_every`
+selects keeps its first rows, the ones it trains on (after a refill, the
+kept groups), decoded by the Job's tokenizer.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ from ptx.algorithms import dynamic_sampling
 from ptx.data.global_batch import to_global
 from ptx.data.lookahead import Lookahead
 from ptx.episodes.scoring import HostReward
+from ptx.data.tokenizer import Tokenizer
 from ptx.sampling.generation import Generation
+from ptx.train.grpo.samples import SampleLog, rows_of
 from ptx.train.grpo.update import GRPOStepKind, RLSpec, jit_learn, rollout_batch, sample, step_keys
 from ptx.train.state import TrainState
 from ptx.train.step import model_params
@@ -58,9 +64,10 @@ from ptx.train.step import model_params
 
 @dataclasses.dataclass(frozen=True)
 class HostGRPOStep(GRPOStepKind):
-  """The host-reward GRPO step of a Job: `spec` and a host `reward`; it reads ahead of the prompt stream."""
+  """The host-reward GRPO step of a Job: `spec`, a host `reward`, the transcripts' tokenizer; it reads ahead."""
 
   reward: HostReward
+  tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
 
   def stream(self, data: Iterator[dict[str, Any]]) -> Lookahead:
     """The prompt iterator as `fit` reads it: a `Lookahead`, which the step peeks to sample ahead."""
@@ -70,7 +77,7 @@ class HostGRPOStep(GRPOStepKind):
             data: Lookahead) -> "HostRewardStep":
     """The step object for `fit`, sampling ahead of `data` (`stream`'s); it checkpoints its batches sampled ahead."""
     return HostRewardStep(spec=self.spec, optimizer=optimizer, mesh=mesh, state_shardings=state_shardings,
-                          reward=self.reward, prompts=data)
+                          reward=self.reward, prompts=data, tokenizer=self.tokenizer)
 
 
 @dataclasses.dataclass
@@ -95,12 +102,14 @@ class HostRewardStep:
     reward: scores a batch on the host (one reward, or named components).
     prompts: the prompt stream `fit` also reads (its `next` gives the
       step's batch; the step peeks the next `max_staleness`).
+    tokenizer: decodes the transcripts' rows (None: no transcripts).
   """
 
   def __init__(self, *, spec: RLSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
-               state_shardings: TrainState, reward: HostReward, prompts: Lookahead):
+               state_shardings: TrainState, reward: HostReward, prompts: Lookahead, tokenizer: Tokenizer | None = None):
     self.staleness = spec.grpo.max_staleness
     self._spec, self._mesh, self._reward, self._prompts = spec, mesh, reward, prompts
+    self._samples = SampleLog(spec.grpo, tokenizer)
 
     def sample_fn(state, prompts, lengths, step):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -137,6 +146,8 @@ class HostRewardStep:
       rollouts, gen, rewards, filter_metrics = self._refill(state, entry, rewards)
       done = time.perf_counter()
     self._watch.dispatching(done)
+    if self._samples.due(k + 1):
+      self._samples.keep(k + 1, rows_of(rollouts, gen, rewards, self._samples.rows), self._spec.grpo.group_size)
     state, metrics = self._learn(state, rollouts, gen, jax.tree.map(jnp.asarray, rewards))
     self._watch.start(metrics["loss"])
     self._next_step = k + 1
@@ -171,6 +182,10 @@ class HostRewardStep:
                                  sample.out_info, sample.output_shardings)
     rewards = jax.ShapeDtypeStruct(gen.lengths.shape, jnp.float32)
     return {"sample": sample, "learn": self._learn.lower(state, rollouts, gen, rewards).compile(compiler_options)}
+
+  def take_samples(self, wait: bool = False) -> dict[int, bytes]:
+    """The transcripts of the steps that kept rows (`ptx.train.grpo.samples.SampleLog.take`), by step."""
+    return self._samples.take(wait)
 
   def pipeline_state(self) -> dict[str, Any] | None:
     """The batches sampled ahead, as host arrays for a checkpoint (None when there are none).

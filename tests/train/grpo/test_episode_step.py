@@ -1,6 +1,8 @@
-"""GRPO over multi-turn episodes: steps play and train on-policy, the learner sees what was sampled, metrics count."""
+"""GRPO over multi-turn episodes: steps play and train on-policy, the learner sees what was sampled, metrics count,
+transcripts show the episodes."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -60,4 +62,25 @@ def test_steps_play_episodes_and_train_on_exactly_what_was_sampled(tiny_config):
     assert m["episodes/tool_calls_mean"] == 3 / 4 and m["episodes/tool_errors_mean"] == 1 / 4
     assert m["episodes/tokens_model_mean"] > 0 and m["episodes/tokens_environment_mean"] > 0
     assert m["timing_s/play"] > 0
+  _check_transcripts(step.take_samples(wait=True))
+
+
+def _check_transcripts(taken):
+  """Step 1's transcript (`grpo.samples_every` 10: the first step, then every tenth): its 8 episodes, turn by turn."""
+  assert sorted(taken) == [1]
+  records = [json.loads(line) for line in taken[1].decode().splitlines()]
+  assert [(r["step"], r["row"], r["group"], r["sample"]) for r in records] == [(1, r, r // 2, r % 2) for r in range(8)]
+  for r in records:
+    i = r["group"]
+    messages, turns = r["messages"], (1 + i % 3 if i < 3 else 1)
+    assert messages[0] == {"role": "user", "content": f"{'bad' if i == 3 else 'ok'} 0.{i}"}
+    # The model's turns (its commands), each but the last answered by the tool's observation (its outcome).
+    assert [m["role"] for m in messages[1:]] == ["assistant", "tool"] * (turns - 1) + ["assistant"]
+    assert [m["content"] for m in messages[2::2]] == [f"obs {n} of ok 0.{i}" for n in range(1, turns)]
+    assert r["turns"] == turns and r["tool_calls"] == turns - 1 and r["tool_errors"] == int(turns == 3)
+    if i == 3:  # the tool's machine failed: no reward, not the model's doing
+      assert r["outcome"] == "infra_error" and r["reward"] is None and r["end_reason"]
+    else:  # the scripted reward of the last command
+      assert r["outcome"] == "ok" and r["end_reason"] == "scripted"
+      assert r["reward"] == float(len(messages[-1]["content"]) % 2)
 

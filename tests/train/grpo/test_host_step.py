@@ -1,13 +1,14 @@
 """GRPO's host-reward mode: on-policy it equals the fused step; stale, it runs ahead and reports its waiting."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_steps import MODEL, N_NEW, TOK, build, even_tokens, even_tokens_on_host
+from grpo_steps import MODEL, N_NEW, TOK, build, even_tokens, even_tokens_on_host, prompt_batches
 from stepping import run_steps
 from ptx.config import GRPOConfig
 from ptx.sandbox import run as sandbox
@@ -21,11 +22,25 @@ from ptx.episodes.scoring import EnvReward
 SAMPLING = SamplingConfig(temperature=0.8)
 
 
+class _Ids:
+  """Decodes token ids as their numbers ("5 17 2"), so a transcript gives back exactly the tokens sampled."""
+
+  def decode(self, ids):
+    return " ".join(map(str, ids))
+
+
+def _ids(text):
+  return [int(i) for i in text.split()]
+
+
 def test_host_mode_on_policy_equals_the_fused_step():
-  grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0, sampling=SAMPLING)
-  fused, fused_metrics = build(MODEL, grpo_cfg, even_tokens).run(2)
-  on_host = build(MODEL, grpo_cfg, even_tokens_on_host, kind="host")
+  # Both keep transcripts of each step (`ptx.train.grpo.samples`): 6 rows, three groups of 2.
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.04, max_staleness=0, sampling=SAMPLING, samples_every=1, samples_rows=6)
+  built = build(MODEL, grpo_cfg, even_tokens, tokenizer=_Ids())
+  fused, fused_metrics = built.run(2)
+  on_host = build(MODEL, grpo_cfg, even_tokens_on_host, kind="host", tokenizer=_Ids())
   host, host_metrics = on_host.run(2)
+  _check_transcripts(built.step.take_samples(wait=True), on_host.step.take_samples(wait=True))
   # On-policy nothing is sampled ahead: a checkpoint holds no pipeline (`fit` saves what this returns).
   assert on_host.step.pipeline_state() is None
   # Two programs (rewards on the host, then their own update step): float32 rounding of reordered sums at most
@@ -37,6 +52,28 @@ def test_host_mode_on_policy_equals_the_fused_step():
   # The parameters after 2 updates: the same rounding, not amplified by Adam (ADAM_EPS, tolerances.py).
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
                host.params, fused.params)
+
+
+def _check_transcripts(fused, host):
+  """The fused and host steps' transcripts of steps 1 and 2: the batches' prompts, the same completions, each with the
+  reward its tokens earn."""
+  assert sorted(fused) == sorted(host) == [1, 2]
+  batches = prompt_batches(4)
+  for step in (1, 2):
+    batch = next(batches)
+    want = [json.loads(line) for line in fused[step].decode().splitlines()]
+    got = [json.loads(line) for line in host[step].decode().splitlines()]
+    assert len(want) == len(got) == 6
+    for r, (a, b) in enumerate(zip(want, got)):
+      prompt = batch["prompts"][r // 2][-batch["prompt_lengths"][r // 2]:].tolist()
+      assert a["step"] == step and a["row"] == r and a["group"] == r // 2 and _ids(a["prompt"]) == prompt
+      assert {k: v for k, v in a.items() if k != "reward"} == {k: v for k, v in b.items() if k != "reward"}
+      tokens = _ids(a["completion"])
+      assert len(tokens) == a["completion_tokens"] <= N_NEW and a["finish_reason"] in ("stop", "length")
+      # The reward in float32, in-graph or on the host, of these very tokens.
+      expected = even_tokens_on_host(np.asarray([tokens + [0] * (N_NEW - len(tokens))]), [len(tokens)], None)[0]
+      assert a["reward"] == pytest.approx(expected, abs=1e-6) and b["reward"] == pytest.approx(expected, abs=1e-6)
+    assert any(0 < record["reward"] < 1 for record in want)  # rewards that tell rows apart
 
 
 def test_stale_host_mode_reads_ahead_and_is_importance_corrected():
