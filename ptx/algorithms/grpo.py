@@ -125,12 +125,20 @@ def surrogate(logps: jax.Array, old_logps: jax.Array, adv: jax.Array, mask: jax.
 
 def importance_weights(old_logps: jax.Array, sampler_logps: jax.Array, mask: jax.Array,
                        cfg: GRPOConfig) -> jax.Array:
-  """Off-policy correction w [N, S] (spec 5.3): token TIS, or the sequence mask of `tis_mode="sequence_mask"`."""
-  log_ratio = jnp.clip(old_logps - sampler_logps, -20.0, 20.0)
+  """Off-policy correction w [N, S] (spec 5.3) of `cfg.tis_mode`: token TIS, or a sequence mask on the geometric mean
+  of the token ratios ("sequence_mask") or on their product, weighted by it ("sequence_product_mask", TRL's rule)."""
+  # Clipped per token first: a padded position's garbage (or -inf) sampler log-prob must not reach exp or the mask.
+  token_log_ratio = jnp.clip(old_logps - sampler_logps, -20.0, 20.0)
   if cfg.tis_mode == "token":
-    return jnp.minimum(jnp.exp(log_ratio), cfg.tis_cap)
-  seq = jnp.exp((log_ratio * mask).sum(axis=1, keepdims=True) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0))
-  return jnp.broadcast_to(((seq >= cfg.tis_min) & (seq <= cfg.tis_cap)).astype(jnp.float32), old_logps.shape)
+    return jnp.minimum(jnp.exp(token_log_ratio), cfg.tis_cap)
+  log_ratio = (token_log_ratio * mask).sum(axis=1, keepdims=True)
+  if cfg.tis_mode == "sequence_mask":
+    log_ratio = log_ratio / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+  # Clipped below float32's exp overflow (88.7): a ratio of e^80 is outside any finite band, as an infinite one is.
+  ratio = jnp.exp(jnp.clip(log_ratio, -80.0, 80.0))
+  keep = (ratio >= cfg.tis_min) & (ratio <= cfg.tis_cap)
+  weight = jnp.where(keep, ratio if cfg.tis_mode == "sequence_product_mask" else 1.0, 0.0)
+  return jnp.broadcast_to(weight, old_logps.shape).astype(jnp.float32)
 
 
 def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: ModelConfig, grpo: GRPOConfig,

@@ -144,6 +144,13 @@ def test_importance_weights_token_and_sequence_mask():
   # Row 0's sequence ratio is exp(mean(log 1, log 4)) = 2 over its two response tokens.
   seq = GRPOConfig(tis_cap=1.5, tis_mode="sequence_mask", tis_min=0.5)
   np.testing.assert_array_equal(grpo.importance_weights(old, sampler, mask, seq), [[0, 0, 0], [1, 1, 1]])
+  # The product over row 0's response tokens is 4: outside [0.5, 5] only for a cap below it; kept, it weighs 4.
+  product = GRPOConfig(tis_cap=5.0, tis_mode="sequence_product_mask", tis_min=0.5)
+  np.testing.assert_allclose(grpo.importance_weights(old, sampler, mask, product), [[4, 4, 4], [1, 1, 1]], rtol=1e-6)
+  capped = GRPOConfig(tis_cap=3.0, tis_mode="sequence_product_mask")
+  np.testing.assert_array_equal(grpo.importance_weights(old, sampler, mask, capped), [[0, 0, 0], [1, 1, 1]])
+  with pytest.raises(ValueError, match="grpo.tis_min must be in"):
+    GRPOConfig(tis_cap=1.0, tis_min=2.0)
 
 
 def test_presets_follow_the_spec_table():
