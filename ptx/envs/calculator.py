@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import operator
 import re
 from collections.abc import Mapping
@@ -37,7 +36,7 @@ import numpy as np
 
 from ptx.data import splits
 from ptx.envs.base import Outcome, Step, field, user_turn
-from ptx.envs.tools import Tool, ToolRegistry
+from ptx.envs.tools import Call, Tool, ToolRegistry, render_calls
 
 _ANSWER = re.compile(r"Answer:\s*(-?\d[\d,]*)")
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -218,7 +217,7 @@ class CalculatorEnv:
     """
     expression = field(task, "expression", str, self.name)
     episode = self.reset(task)
-    call = _call_text(self.tool_format, CALCULATOR.name, {"expression": expression})
+    call = render_calls(self.tool_format, [Call(CALCULATOR.name, {"expression": expression})])
     step = episode.step(call)
     if step.tool_errors or step.done:
       raise ValueError(f"{self.name} task field 'expression' ({expression!r}): the calculator answered "
@@ -230,11 +229,3 @@ class CalculatorEnv:
     return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": call},
             {"role": "tool", "content": step.observation}, {"role": "assistant", "content": answer}]
 
-
-def _call_text(fmt: str, name: str, arguments: Mapping[str, Any]) -> str:
-  """A call of tool `name` with `arguments`, written as a model of family `fmt` writes it (`ptx.envs.tools`)."""
-  if fmt == "hermes":
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': dict(arguments)})}</tool_call>"
-  if fmt == "llama3":
-    return json.dumps({"name": name, "parameters": dict(arguments)})
-  return f"```tool_code\n{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})\n```"

@@ -20,13 +20,19 @@ A registry serves one episode: its budgets (`max_episode_calls`,
 calls (a Python function cannot be interrupted; a command's own sandbox
 timeout bounds each of its runs).
 
-Formats (`FORMATS`):
-  hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
-          number (Qwen 2.5 / 3, SmolLM2, Hermes)
-  llama3  one JSON object `{"name": ..., "parameters": {...}}` as the whole
-          turn, optionally after `<|python_tag|>` (Llama 3.1+ custom tools)
-  gemma   a fenced ```tool_code block holding `name(arg=value, ...)` with
-          literal values (Gemma's function-calling prompts)
+Forms (`FORMATS`), each the one its family's chat template teaches, read by
+`parse_calls` and written by `render_calls` (`family_format` picks one from
+a tokenizer's chat template):
+  hermes   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
+           block a call, any number (Qwen 2.5 / 3, Hermes)
+  smollm2  `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`:
+           a JSON list of calls in one block, `[]` for none (SmolLM2)
+  llama3   `{"name": ..., "parameters": {...}}` as the whole turn, optionally
+           after `<|python_tag|>`, several separated by `;` (Llama 3.1+
+           custom tools; Llama writes parallel calls so)
+  gemma    a fenced ```tool_code block of `name(arg=value, ...)` lines with
+           literal values; the name may be dotted (`math.factorial`)
+           (Gemma's function-calling prompts)
 
 Calls are found in one pass over the turn, and a call past a parser's
 limits (an integer over 4,300 digits, nesting too deep) is an unparsable
@@ -47,7 +53,8 @@ from typing import Any
 
 from ptx.sandbox import run as sandbox
 
-FORMATS = ("hermes", "llama3", "gemma")
+FORMATS = ("hermes", "smollm2", "llama3", "gemma")
+_JSON_LIMITS = "the tool call's JSON nests too deep or holds an integer over 4,300 digits"
 _TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "array": list, "object": dict}
 
 
@@ -153,13 +160,68 @@ def parse_calls(text: str, fmt: str) -> list[Call]:
   """
   if fmt == "hermes":
     return [_json_call(body, "arguments") for body in _spans(text, "<tool_call>", "</tool_call>")]
+  if fmt == "smollm2":
+    return [call for body in _spans(text, "<tool_call>", "</tool_call>") for call in _json_list(body)]
   if fmt == "llama3":
     body = text.split("<|python_tag|>", 1)[-1].strip()
-    return [_json_call(body, "parameters")] if body.startswith("{") else []
+    return _json_sequence(body) if body.startswith("{") else []
   if fmt == "gemma":
     return [_python_call(line) for block in _spans(text, "```tool_code", "```", own_line=True)
             for line in block.strip().splitlines() if line.strip()]
   raise ValueError(f"tool call format must be one of {FORMATS}, got {fmt!r}")
+
+
+def render_calls(fmt: str, calls: Sequence[Call]) -> str:
+  """A turn making `calls`, written as a model of family `fmt` writes them (what `parse_calls` reads back).
+
+  Args:
+    fmt: one of FORMATS.
+    calls: the calls (their names and arguments; a gemma call's arguments are literals).
+
+  Returns:
+    The text of the turn.
+  """
+  if fmt == "hermes":  # Qwen's template puts the object on a line of its own
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>"
+                     for c in calls)
+  if fmt == "smollm2":
+    return "<tool_call>[\n" + ",\n".join(json.dumps({"name": c.name, "arguments": c.arguments}) for c in calls) + \
+        "\n]</tool_call>"
+  if fmt == "llama3":
+    return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+  if fmt == "gemma":
+    lines = [f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})" for c in calls]
+    return "```tool_code\n" + "\n".join(lines) + "\n```"
+  raise ValueError(f"tool call format must be one of {FORMATS}, got {fmt!r}")
+
+
+def family_format(tokenizer: Any) -> str:
+  """The tool-call form (one of FORMATS) the family of `tokenizer`'s chat template teaches.
+
+  Read from the template's own text: SmolLM2's (its tool prompt's `<tool_call>[`, or its system prompt naming
+  SmolLM, whose small models' templates teach no tools) before the other ChatML ones (Qwen: hermes), Llama 3's
+  header tokens, Gemma's turn tokens. A tokenizer without a Jinja template is rendered in ptx's ChatML: hermes.
+
+  Args:
+    tokenizer: the policy's tokenizer (its `chat_template`, if any).
+
+  Returns:
+    The form's name.
+
+  Raises:
+    ValueError: for a template of no family known here (pass the environment's `tool_format` yourself).
+  """
+  template = getattr(getattr(tokenizer, "chat_template", None), "source", None)
+  if template is None:
+    return "hermes"
+  if "<tool_call>[" in template or "named SmolLM" in template:
+    return "smollm2"
+  for marker, fmt in (("<tool_call>", "hermes"), ("<|im_start|>", "hermes"), ("<|start_header_id|>", "llama3"),
+                      ("<start_of_turn>", "gemma")):
+    if marker in template:
+      return fmt
+  raise ValueError(f"the chat template is of no family whose tool-call form is known ({FORMATS}); set the "
+                   "environment's tool_format")
 
 
 class ToolRegistry:
@@ -199,13 +261,7 @@ class ToolRegistry:
     lines = [f"- {t.name}({', '.join(t.parameters.get('properties', {}))}): {t.description}"
              for t in self.tools.values()]
     tool = next(iter(self.tools.values()))
-    example = {k: "..." for k in tool.parameters.get("properties", {})}
-    if self.fmt == "hermes":
-      call = f'<tool_call>{json.dumps({"name": tool.name, "arguments": example})}</tool_call>'
-    elif self.fmt == "llama3":
-      call = json.dumps({"name": tool.name, "parameters": example})
-    else:
-      call = f"```tool_code\n{tool.name}({', '.join(f'{k}={v!r}' for k, v in example.items())})\n```"
+    call = render_calls(self.fmt, [Call(tool.name, {k: "..." for k in tool.parameters.get("properties", {})})])
     return "Tools:\n" + "\n".join(lines) + f"\nTo call one, reply with {call}."
 
   def run(self, text: str) -> list[tuple[Call, str, bool]]:
@@ -275,12 +331,53 @@ def _spans(text: str, opening: str, closing: str, *, own_line: bool = False) -> 
 
 def _json_call(body: str, arguments_key: str) -> Call:
   """A call written as a JSON object with "name" and `arguments_key`."""
+  value, error = _json_value(body)
+  return Call(error=error) if error else _call_of(value, arguments_key)
+
+
+def _json_list(body: str) -> list[Call]:
+  """The calls of a smollm2 block: a JSON list of `{"name", "arguments"}` objects (a lone object is one call)."""
+  value, error = _json_value(body)
+  if error:
+    return [Call(error=error)]
+  return [_call_of(item, "arguments") for item in (value if isinstance(value, list) else [value])]
+
+
+def _json_value(body: str) -> tuple[Any, str]:
+  """The JSON value of `body` and "", or None and why it is none."""
   try:
-    value = json.loads(body)
+    return json.loads(body), ""
   except json.JSONDecodeError as e:
-    return Call(error=f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+    return None, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"
   except (ValueError, RecursionError):  # JSON past the parser's limits: an integer over 4,300 digits, deep nesting
-    return Call(error="the tool call's JSON nests too deep or holds an integer over 4,300 digits")
+    return None, _JSON_LIMITS
+
+
+def _json_sequence(body: str) -> list[Call]:
+  """The calls of a llama3 turn: JSON objects with "name" and "parameters", separated by `;`."""
+  decoder, out, at = json.JSONDecoder(), [], 0
+  while True:
+    try:
+      value, at = decoder.raw_decode(body, at)
+    except json.JSONDecodeError as e:
+      return [*out, Call(error=f"the tool call is not valid JSON ({e.msg} at character {e.pos})")]
+    except (ValueError, RecursionError):
+      return [*out, Call(error=_JSON_LIMITS)]
+    out.append(_call_of(value, "parameters"))
+    rest = body[at:].lstrip()
+    if not rest:
+      return out
+    if not rest.startswith(";"):
+      return [*out, Call(error=f"text after a tool call at character {len(body) - len(rest)}: calls are JSON "
+                               "objects separated by ';' and nothing else")]
+    rest = rest[1:].lstrip()
+    if not rest:  # a last call closed by `;` too
+      return out
+    at = len(body) - len(rest)
+
+
+def _call_of(value: Any, arguments_key: str) -> Call:
+  """The call a decoded JSON value names, or why it names none."""
   if not isinstance(value, dict) or not isinstance(value.get("name"), str):
     return Call(error='a tool call must be a JSON object with a "name"')
   return Call(name=value["name"], arguments=value.get(arguments_key, {}))
@@ -295,10 +392,19 @@ def _python_call(line: str) -> Call:
   # Nesting past the parser's limits (MemoryError: its own stack overflowed), or a lone surrogate (ValueError).
   except (ValueError, RecursionError, MemoryError):
     return Call(error="the tool call is not a Python call (it nests too deep or is not valid text)")
-  if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+  if not isinstance(node, ast.Call):
+    return Call(error="a tool call must be name(argument=value, ...)")
+  parts, callee = [], node.func
+  while isinstance(callee, ast.Attribute):  # a dotted name, walked without recursion (it may be very long)
+    parts.append(callee.attr)
+    callee = callee.value
+  if not isinstance(callee, ast.Name):
+    return Call(error=f"a tool call's function must be a name or a dotted name (like math.factorial), not a "
+                      f"{type(callee).__name__} expression")
+  if node.args or any(k.arg is None for k in node.keywords):
     return Call(error="a tool call must be name(argument=value, ...) with keyword arguments only")
   try:
     arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
   except (ValueError, TypeError, RecursionError):  # TypeError: a set or dict key that is a list (`{[1]}`)
     return Call(error="tool call arguments must be literal values")
-  return Call(name=node.func.id, arguments=arguments)
+  return Call(name=".".join([callee.id, *reversed(parts)]), arguments=arguments)

@@ -112,6 +112,8 @@ DIGITS = "1" * 5000  # past Python's 4,300-digit limit on converting text to int
 UNREADABLE = {
     "hermes": ['<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>' % DIGITS,
                "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"],
+    "smollm2": ['<tool_call>[{"name": "calculator", "arguments": {"expression": %s}}]</tool_call>' % DIGITS,
+                "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"],
     "llama3": ['{"name": "calculator", "parameters": {"expression": %s}}' % DIGITS,
                '{"name": "calculator", "parameters": ' + "[" * 1000 + "]" * 1000 + "}"],
     "gemma": ["```tool_code\ncalculator(expression={[1]})\n```",
@@ -132,5 +134,6 @@ def test_a_policys_unreadable_output_costs_it_the_turn_or_the_answer_never_the_e
   padded = env.reset(task).step(f"Answer: {'0' * 5000}{task['answer']}")
   assert padded.outcome == Outcome.OK and padded.reward == 1.0
   # Thousands of unclosed call openings are no call: the turn gets the reminder.
-  opening = {"hermes": "<tool_call>", "llama3": "<|python_tag|>", "gemma": "```tool_code\n"}[tool_format]
+  opening = {"hermes": "<tool_call>", "smollm2": "<tool_call>[", "llama3": "<|python_tag|>",
+             "gemma": "```tool_code\n"}[tool_format]
   assert "no `Answer: <integer>` found" in env.reset(task).step(opening * 8000).observation

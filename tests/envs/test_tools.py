@@ -8,7 +8,7 @@ import pytest
 
 from ptx.sandbox import run as sandbox
 from ptx.sandbox.result import Outcome, SandboxResult, Usage
-from ptx.envs.tools import Call, Tool, ToolRegistry, ToolUnavailable, _json_call, _python_call, parse_calls
+from ptx.envs.tools import FORMATS, Call, Tool, ToolRegistry, ToolUnavailable, _json_call, _python_call, parse_calls
 
 ADD = Tool("add", "Adds two integers.", {"type": "object", "properties": {"a": {"type": "integer"},
                                                                           "b": {"type": "integer"}},
@@ -73,7 +73,7 @@ def test_the_registry_answers_every_call_and_names_each_error():
     ToolRegistry([ADD], "xml")
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "gemma"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_prompt_instructions_show_a_call_the_registry_parses(fmt):
   tools = ToolRegistry([ECHO], fmt)
   text = tools.instructions()
