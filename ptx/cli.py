@@ -14,6 +14,7 @@ each command's Job and data (`ptx.train.job`, `ptx.train.streams`), and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -29,8 +30,9 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
                        "or on rl records"}
 # `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones (episodes).
-_ENVIRONMENTS = ("exact_answer", "code", "calculator", "terminal", "docqa")
-_EPISODES = ("calculator", "terminal", "docqa")
+_ENVIRONMENTS = ("exact_answer", "code", "calculator", "terminal", "docqa", "bfcl")
+# bfcl is single-turn, played as an episode because its prompt is the environment's (the functions, the call form).
+_EPISODES = ("calculator", "terminal", "docqa", "bfcl")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,20 +62,25 @@ def _parser() -> argparse.ArgumentParser:
                       help="pass@k of a model on evaluation suites, or compare two reports or suite directories",
                       description="Sample k completions per task, score them in each suite's environment and "
                       "write OUT/eval.json (one suite) or OUT/SUITE/eval.json (several): pass@k, mean@k, outcome "
-                      "counts. Or --compare two reports, or two directories of suites (a run's OUT/evals/step_0 "
-                      "and OUT/evals/step_N): exit status 0, or 1 when a suite's pass@1 fell by more than "
-                      "--threshold (2: bad arguments or reports). --rollout.mode=fast samples int8 weights with n-gram "
-                      "speculative decoding, as ptx grpo's fast rollouts do (the rollout section's other fields: "
-                      "--rollout.drafts, --rollout.verify_cost, --rollout.max_ngram).")
+                      "counts; choice and perplexity are scored by log-likelihood instead (acc, acc_norm; bits per "
+                      "byte, perplexity). Or --compare two reports, or two directories of suites (a run's "
+                      "OUT/evals/step_0 and OUT/evals/step_N): exit status 0, or 1 when a suite's pass@1 fell (bits "
+                      "per byte rose) by more than --threshold (2: bad arguments or reports). --rollout.mode=fast "
+                      "samples int8 weights with n-gram speculative decoding, as ptx grpo's fast rollouts do (the "
+                      "rollout section's other fields: --rollout.drafts, --rollout.verify_cost, --rollout.max_ngram).")
   ev.add_argument("--model", type=paths.argument,
                   help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
-                  "retrieval), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
+                  "retrieval), bfcl (function calls, BFCL's held-out split), humaneval (all 164 problems; "
+                  "completion form, or a request with --chat), humaneval_held_out (the 32 ptx grpo --env code never "
+                  "trains on), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
                   "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
-                  "about a long document through search tools), shell (your records)")
+                  "about a long document through search tools), shell (your records); scored by log-likelihood: "
+                  "choice (multiple-choice records: acc, acc_norm), perplexity (text: bits per byte)")
   ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
-                  help="JSONL task records of a file suite (math, code, shell, exact); SUITE= may be left out when "
-                  "--task names one file suite; repeat for several")
+                  help="JSONL task records of a file suite (math, code, shell, exact, choice: {\"context\", "
+                  "\"choices\", \"answer\"}; perplexity: {\"text\"} records, or a whole text file); SUITE= may "
+                  "be left out when --task names one file suite; repeat for several")
   ev.add_argument("--n", type=int, default=100, help="number of tasks")
   ev.add_argument("--k", type=int, default=8, help="samples per task")
   ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens a completion may sample (each turn of a "
@@ -81,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
   ev.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
   ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template "
                   "(multi-turn suites always are)")
+  ev.add_argument("--answer-match", choices=("math", "text"), default="math",
+                  help="how the exact suite matches answers: as math (the stated answer or last number, symbolically "
+                  "equal) or as text (a word or phrase, normalised; a record's answer may list aliases); the report "
+                  "says which")
   ev.add_argument("--seed", type=int, default=0)
   ev.add_argument("--out", type=paths.argument, default="out/eval", help="report directory (local or gs://)")
   ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
@@ -109,14 +120,21 @@ def _parser() -> argparse.ArgumentParser:
     if name == "grpo":
       job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
                           "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
-                          "With them: rl records scored on the host by --env (host-reward mode). --env calculator, "
+                          "With them: rl records scored on the host by --env (host-reward mode). --env code "
+                          "without them: HumanEval's training problems, scored on the host. --env calculator, "
                           "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
                           "without --data.train_files.")
       job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
-                       help="environment scoring rl records: exact_answer (final answer, as math), code "
-                       "(unit tests in the sandbox); multi-turn episodes: calculator (word problems, a calculator "
-                       "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check) or docqa "
-                       "(questions about a long document, search and read tools)")
+                       help="environment scoring rl records: exact_answer (final answer, as math or text), code "
+                       "(unit tests in the sandbox; without --data.train_files: HumanEval's first 132 problems); "
+                       "multi-turn episodes: calculator (word problems, a calculator "
+                       "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check), docqa "
+                       "(questions about a long document, search and read tools) or bfcl (one turn of function "
+                       "calls in the model family's form, BFCL's training split, AST-checked)")
+      job.add_argument("--answer-match", choices=("math", "text"), default="math",
+                       help="--env exact_answer: match the final answer as math (the stated answer or last number, "
+                       "symbolically equal) or as text (a word or phrase, normalised; the record's answer may "
+                       "list aliases)")
       scoring = job.add_argument_group("host scoring and terminal episodes (--env exact_answer or code on rl "
                                        "records; --env terminal)")
       scoring_flags.add_arguments(scoring)
@@ -282,14 +300,16 @@ def _supervised(cfg, tokenizer, args, params):
 def _grpo(cfg, tokenizer, args, params):
   """The fused job on built-in arithmetic, the host-reward job on rl records scored by --env, or the episode job of a
   multi-turn --env; the records (`streams.rl_tasks`), or the built-in episodes' first prompts
-  (`streams.check_episode_prompts`), are checked before a job is built."""
+  (`streams.check_builtin_prompts`), are checked before a job is built."""
   from ptx.train import job, presets, streams
 
-  in_process = args.env in ("calculator", "docqa") or (args.env not in _EPISODES and not cfg.data.train_files)
+  in_process = args.env in ("calculator", "docqa", "bfcl") or (args.env == "exact_answer" and not cfg.data.train_files)
   if args.executor != "local" and in_process:
     raise ValueError(f"--executor={args.executor} scores rl records on the host (--data.train_files with --env "
-                     "exact_answer or code) and runs terminal episodes' commands (--env terminal); in-graph rewards "
-                     "and --env calculator or docqa run in this process")
+                     "exact_answer, --env code) and runs terminal episodes' commands (--env terminal); in-graph "
+                     "rewards and --env calculator, docqa or bfcl run in this process")
+  if args.answer_match != "math" and args.env != "exact_answer":
+    raise ValueError(f"--answer-match sets how --env exact_answer matches answers; --env {args.env} has none")
   if args.warm_pool and args.env != "terminal":
     raise ValueError(f"--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got --env {args.env}")
   if args.env in _EPISODES:
@@ -300,12 +320,22 @@ def _grpo(cfg, tokenizer, args, params):
       tasks = streams.rl_tasks(cfg, tokenizer, env, fields, episodes=True)
     else:
       tasks = builtin(cfg.train.seed)
-      streams.check_episode_prompts(cfg, tokenizer, env, tasks)
+      streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=True)
       print(f"ptx grpo: no --data.train_files: training on the built-in {args.env} tasks "
             f"({type(tasks).__name__} seed {cfg.train.seed}, train split)", flush=True)
     built = job.grpo_episode_job(cfg, tokenizer, env)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False, episodes=env), None
-  if not cfg.data.train_files:
+  from ptx.episodes.scoring import EnvReward
+
+  if args.env == "code" and not cfg.data.train_files:
+    from ptx.envs import humaneval
+    from ptx.envs.python_tests import PythonTestsEnv
+
+    env, tasks = PythonTestsEnv(limits=humaneval.LIMITS), humaneval.HumanEvalTasks("train")
+    streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=False)
+    print(f"ptx grpo: no --data.train_files: training on HumanEval's first {len(tasks)} problems (the last "
+          f"{humaneval.HELD_OUT}, suite humaneval_held_out, are held out)", flush=True)
+  elif not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
 
     built = job.grpo_job(cfg, tokenizer)
@@ -313,10 +343,9 @@ def _grpo(cfg, tokenizer, args, params):
           f"(ArithmeticTask seed {presets.GRPO_SEED}), reward computed in-graph", flush=True)
     tasks = ArithmeticTask(presets.GRPO_SEED, presets.DIGITS)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=True), None
-  from ptx.episodes.scoring import EnvReward
-
-  env, fields = _environment(args.env)
-  tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
+  else:
+    env, fields = _environment(args.env, args.answer_match)
+    tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
   reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
   built = job.grpo_host_job(cfg, tokenizer, reward)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
@@ -334,17 +363,24 @@ def _episode_environment(name: str, tokenizer, shell: dict | None = None):
     from ptx.envs.terminal import TerminalTasks
 
     return ShellEnv(**(shell or {})), TerminalTasks, ("files", "check")
+  if name == "bfcl":
+    from ptx.envs.bfcl import BFCLEnv, BFCLTasks
+    from ptx.envs.tools import family_format
+
+    return BFCLEnv(tool_format=family_format(tokenizer)), BFCLTasks, ("prompt", "functions", "answer", "category")
   from ptx.envs.docqa import DocQAEnv, DocQATasks
 
   return DocQAEnv(tokenizer), DocQATasks, ("document", "question", "answer")
 
 
-def _environment(name: str):
-  """(environment, the fields its records need) of `ptx grpo --env NAME`."""
+def _environment(name: str, answer_match: str):
+  """(environment, the fields its records need) of `ptx grpo --env NAME`; `answer_match`: exact_answer's match."""
   from ptx.envs.exact_answer import ExactAnswerEnv
   from ptx.envs.python_tests import PythonTestsEnv
 
-  return {"exact_answer": (ExactAnswerEnv(), ("answer",)), "code": (PythonTestsEnv(), ("tests",))}[name]
+  if name == "exact_answer":
+    return ExactAnswerEnv(match=answer_match), ("answer",)
+  return PythonTestsEnv(), ("tests",)  # --env code
 
 
 # `ptx sft|dpo|grpo`: (cfg, tokenizer, args, starting params) -> (Job, training data, held-out batches or None).
@@ -374,15 +410,20 @@ def _evaluate(args, overrides: list[str], error) -> int:
   from ptx.config import EvalConfig, SamplingConfig
   from ptx.data.hf_tokenizer import load_tokenizer
   from ptx.models import load_hf
+  from ptx.models.hf_generation import read_generation
   from ptx.train import checkpoint_evals
 
   names = tuple(args.task.split(","))
   sampling = SamplingConfig(greedy=True) if args.temperature == 0 else SamplingConfig(temperature=args.temperature)
   try:  # a bad flag, a missing or cut file, a tokenizer larger than the model, a bad task record: named
     section = EvalConfig(suites=names, files=_task_files(names, args.tasks_file or ()), n=args.n, k=args.k,
-                         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat)
+                         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat,
+                         answer_match=args.answer_match)
     tokenizer = load_tokenizer(args.model)
     evals = checkpoint_evals.build(section, tokenizer, rollout)
+    # Likelihood suites score sequences up to the context the model declares.
+    declared = read_generation(args.model).max_position_embeddings
+    evals = dataclasses.replace(evals, max_length=declared or evals.max_length)
     model = load_hf(args.model)
     reports = evals.evaluate(model.params, model.cfg)
   except (OSError, ValueError) as e:
@@ -400,11 +441,12 @@ def _evaluate(args, overrides: list[str], error) -> int:
 def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:
   """`--tasks-file` entries as `eval.files`: SUITE=PATH kept, a bare PATH given to the one file suite named."""
   from ptx.envs import suites
+  from ptx.episodes import likelihood
 
-  file_suites = [name for name in names if name in suites.FILE_SUITES]
+  file_suites = [name for name in names if name in suites.FILE_SUITES + tuple(likelihood.SUITES)]
   entries = []
   for entry in given:
-    if entry.split("=", 1)[0] in suites.NAMES:
+    if entry.split("=", 1)[0] in suites.NAMES + tuple(likelihood.SUITES):
       entries.append(entry)
     elif len(file_suites) == 1:
       entries.append(f"{file_suites[0]}={entry}")
@@ -424,7 +466,7 @@ def _compare(pair, threshold: float, error) -> int:
       before, after = evaluation.read_report(a), evaluation.read_report(b)
       worse = [after.get("suite", str(b))] if evaluation.regressed(before, after, threshold) else []
       print(evaluation.compare(before, after, tolerance=threshold))
-      print(evaluation.verdict(worse, threshold))
+      print(evaluation.verdict(worse, threshold, perplexity="bits_per_byte" in before))
     else:
       table, worse = evaluation.compare_suites(evaluation.read_suites(a), evaluation.read_suites(b),
                                                threshold=threshold)

@@ -374,8 +374,9 @@ class LoRAConfig:
 class EvalConfig:
   """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
 
-  # Suites of `ptx.envs.suites` (arithmetic, countdown, needle, and the multi-turn calculator, terminal and docqa;
-  # math, code, shell read `files`); empty: none.
+  # Suites of `ptx.envs.suites` (arithmetic, countdown, needle, the benchmarks humaneval, humaneval_held_out and
+  # bfcl, and the multi-turn calculator, terminal and docqa; math, code, shell, exact read `files`) or of
+  # `ptx.episodes.likelihood` (choice, perplexity: `files` too); empty: none.
   suites: tuple[str, ...] = ()
   # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
   files: tuple[str, ...] = ()
@@ -393,6 +394,9 @@ class EvalConfig:
   # Render the prompts of single-turn suites as a user turn of the tokenizer's chat template (multi-turn suites
   # always are: their replies are turns).
   chat: bool = False
+  # How the `exact` suite matches answers: "math" (the stated answer or last number, symbolically equal) or "text"
+  # (a word or phrase, normalised string equality with the answer or one of its aliases; `ptx.envs.exact_answer`).
+  answer_match: Literal["math", "text"] = "math"
   # Evaluate every this many steps (None: train.checkpoint_every), after the last step, and before the first.
   every: int | None = None
   # Flag a suite whose pass@1 falls more than this below the run's starting value.
@@ -406,6 +410,8 @@ class EvalConfig:
       raise ValueError(f"eval.every must be >= 1 (or None: train.checkpoint_every), got {self.every}")
     if not 0 <= self.regression <= 1:
       raise ValueError(f"eval.regression must be in [0, 1] (a drop of pass@1), got {self.regression}")
+    if self.answer_match not in ("math", "text"):
+      raise ValueError(f"eval.answer_match must be 'math' or 'text', got {self.answer_match!r}")
     if len(set(self.suites)) != len(self.suites) or not all(self.suites):
       raise ValueError(f"eval.suites must be distinct, non-empty names, got {self.suites}")
     bad = [entry for entry in self.files if entry.count("=") != 1 or not all(entry.split("="))]

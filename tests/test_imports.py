@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Higher layers may import lower ones and their own layer; never upwards. The longest matching prefix decides.
 LAYERS = {
-    "ptx.cli": 12, "ptx.demo": 12, "ptx.scoring_flags": 12,
+    "ptx.cli": 12, "ptx.demo": 12, "ptx.scoring_flags": 12, "ptx.lm_eval_model": 12,
     "ptx.train": 11,
     "ptx.train.grpo": 10,
     "ptx.train.state": 9, "ptx.train.step": 9, "ptx.train.optimizer": 9,

@@ -4,7 +4,12 @@ Task records are `{"prompt": str | chat messages, "tests": str | list[str]}`:
 the tests are Python statements (usually asserts, MBPP/HumanEval style)
 written as if after `from solution import *`; each element of a list is one
 test, a str is one test. The model's code is the last fenced code block of
-its output (the whole output when it has none).
+its output (the whole output when it has none). Two optional fields serve
+completion-style benchmarks (`ptx.envs.humaneval`): "stop", strings at the
+first of which the output is cut before its code is taken (a completion runs
+on past its function), and "prefix", source put before the model's code (the
+function's signature and docstring the model continued, or a prompt's imports
+and helpers). Both come from the task, never from the model.
 
 Grading. The code runs as `solution.py` under `solution_server.py`, in a
 sandbox of its own. The tests run under `code_grader.py`, in a fork of the
@@ -200,23 +205,35 @@ class PythonTestsEnv:
     self._sources(task)
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
-    """Starts an episode for a `{"prompt", "tests"}` record."""
+    """Starts an episode for a `{"prompt", "tests"}` record (optional "prefix" and "stop")."""
     sources = self._sources(task)
+    prefix, stop = self._completion_fields(task)
     sandbox.backend()  # refuses here, naming the fix, when no sandbox works on this host
     shown = [task["tests"]] if isinstance(task["tests"], str) else task["tests"]
-    return SingleTurn(prompt_text(task, self.name), lambda action: self._score(action, sources, shown))
+    return SingleTurn(prompt_text(task, self.name), lambda action: self._score(action, sources, shown, prefix, stop))
 
   def _sources(self, task: Mapping[str, Any]) -> tuple[str, ...]:
     """The record's tests as the grader runs them, its fields checked."""
     prompt_text(task, self.name)
+    self._completion_fields(task)
     return _rewrite(field(task, "tests", (str, list), self.name), self.name)
 
-  def _score(self, action: str, sources: tuple[str, ...], shown: list[str]) -> Step:
-    code = extract_code(action)
+  def _completion_fields(self, task: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """The record's optional "prefix" ("" when absent) and "stop" strings (none when absent), checked."""
+    prefix = field(task, "prefix", str, self.name) if "prefix" in task else ""
+    stop = field(task, "stop", list, self.name) if "stop" in task else []
+    if not all(isinstance(s, str) and s for s in stop):
+      raise ValueError(f"{self.name} task field 'stop' must be a list of non-empty str, got {stop!r}")
+    return prefix, tuple(stop)
+
+  def _score(self, action: str, sources: tuple[str, ...], shown: list[str], prefix: str,
+             stop: tuple[str, ...]) -> Step:
+    cut = min((i for i in (action.find(s) for s in stop) if i >= 0), default=len(action))
+    code = extract_code(action[:cut])
     if not code.strip():
       return Step.final(Outcome.NO_ANSWER, "no code")
     nonce = secrets.token_hex(16)
-    solution, grader = self._run_both(code, plain_data.encode((nonce, sources, self.limits.timeout_s)))
+    solution, grader = self._run_both(prefix + code, plain_data.encode((nonce, sources, self.limits.timeout_s)))
     return _judge(grader, solution, nonce, shown)
 
   def _run_both(self, code: str, grader_input: bytes) -> tuple[sandbox.SandboxResult, sandbox.SandboxResult]:

@@ -9,9 +9,15 @@ cycles over its (length, depth) grid, and its report is read per cell;
 `ptx.envs.terminal`; `docqa` asks about generated documents none
 of whose questions a training stream asks, its budgets counted in the
 policy's tokens, so it needs the tokenizer).
+The benchmark suites read the data an installed package ships, the first n records in a fixed order:
+`humaneval` (all 164 problems, as published) and `humaneval_held_out` (the last 32, which `ptx grpo --env code`
+never trains on), in completion form or, with `chat`, as a request for the whole function (`ptx.envs.humaneval`);
+`bfcl`, BFCL's held-out requests (252 of simple, multiple, parallel and parallel_multiple, none of which
+`ptx grpo --env bfcl` trains on), called in the form the policy's chat template teaches (`ptx.envs.bfcl`).
 The file suites (`math`, `code`, `shell`, `exact`) read a JSONL file of records in the
 format their environment documents (`exact`: `{"prompt", "answer"}` records whose prompts are
-sampled as written, `math` without its `\\boxed{}` instruction).
+sampled as written, its answers matched as math or, with `answer_match="text"`, as words; `math` without its
+`\\boxed{}` instruction).
 
 `calculator` (word problems with a calculator tool), `terminal`, `docqa` and
 `shell` are multi-turn (`Environment.max_turns` > 1): their episodes are played on the
@@ -23,7 +29,7 @@ after its suite (and for `needle` adds its accuracy per cell).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ptx.data.arithmetic import ArithmeticTask
@@ -35,10 +41,13 @@ from ptx.envs.base import Environment
 from ptx.envs.calculator import CalculatorEnv, CalculatorTasks
 from ptx.envs.countdown import CountdownEnv, CountdownTask
 from ptx.envs.docqa import DocQAEnv, DocQATasks
+from ptx.envs import humaneval
+from ptx.envs.bfcl import BFCLEnv, BFCLTasks
 from ptx.envs.exact_answer import ExactAnswerEnv
 from ptx.envs.python_tests import PythonTestsEnv
 from ptx.envs.shell import ShellEnv
 from ptx.envs.terminal import TerminalTasks
+from ptx.envs.tools import family_format
 
 _BOXED = " Put the final answer in \\boxed{}."
 # name: (the environment for the policy's tokenizer, the task stream of a seed).
@@ -51,20 +60,35 @@ _GENERATED: dict[str, tuple[Callable[[Tokenizer], Environment], Callable[[int], 
     "terminal": (lambda _: ShellEnv(), lambda seed: TerminalTasks(seed=seed, split="held_out")),
     "docqa": (DocQAEnv, lambda seed: DocQATasks(seed=seed, split="held_out")),
 }
-# The generated suites whose environment counts the policy's tokens: they need its tokenizer.
-_TOKENIZED = ("docqa",)
-_FILES: dict[str, Callable[[], Environment]] = {
-    "math": lambda: ExactAnswerEnv(instruction=_BOXED), "code": PythonTestsEnv, "shell": ShellEnv,
+# The suites whose environment counts the policy's tokens, or writes tool calls in its family's form: they need its
+# tokenizer.
+_TOKENIZED = ("docqa", "bfcl")
+# name: the environment, of the `exact` suite's answer match ("math" or "text").
+_FILES: dict[str, Callable[[str], Environment]] = {
+    "math": lambda _: ExactAnswerEnv(instruction=_BOXED), "code": lambda _: PythonTestsEnv(),
+    "shell": lambda _: ShellEnv(),
     # Prompts used exactly as written (e.g. already rendered through a chat template), final answer checked.
-    "exact": ExactAnswerEnv,
+    "exact": lambda match: ExactAnswerEnv(match=match),
+}
+# Benchmarks whose data an installed package ships: name: (the environment for the policy's tokenizer, the records
+# in chat or completion form).
+_BENCHMARKS: dict[str, tuple[Callable[[Tokenizer], Environment], Callable[[bool], Sequence[dict[str, Any]]]]] = {
+    "humaneval": (lambda _: PythonTestsEnv(limits=humaneval.LIMITS),
+                  lambda chat: [humaneval.record(p, chat=chat) for p in humaneval.split("all")]),
+    "humaneval_held_out": (lambda _: PythonTestsEnv(limits=humaneval.LIMITS),
+                           lambda chat: [humaneval.record(p, chat=chat) for p in humaneval.split("held_out")]),
+    # Calls written in the form the policy's chat template teaches; the prompt shows the functions (chat or not).
+    "bfcl": (lambda tokenizer: BFCLEnv(tool_format=family_format(tokenizer)),
+             lambda _: [*BFCLTasks(seed=0, split="held_out")]),
 }
 # The suites that read task records from a file.
 FILE_SUITES = tuple(_FILES)
-NAMES = tuple(_GENERATED) + FILE_SUITES
+NAMES = tuple(_GENERATED) + tuple(_BENCHMARKS) + FILE_SUITES
 
 
 def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | None = None,
-         tokenizer: Tokenizer | None = None) -> tuple[Environment, list[dict[str, Any]]]:
+         tokenizer: Tokenizer | None = None, answer_match: str = "math",
+         chat: bool = False) -> tuple[Environment, list[dict[str, Any]]]:
   """Returns the environment and task records of suite `name`.
 
   Args:
@@ -74,39 +98,47 @@ def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | No
     path: the JSONL file of a file suite.
     tokenizer: the policy's tokenizer; `docqa` budgets its prompts and
       replies in its tokens, and needs it.
+    answer_match: how `exact` matches answers, "math" or "text" (`ExactAnswerEnv.match`).
+    chat: a benchmark's records in chat form (a request the chat template renders) rather than completion form.
 
   Returns:
     (environment, records).
   """
   if n < 1:
     raise ValueError(f"suites.load: n must be >= 1, got {n}")
+  if name in _TOKENIZED and tokenizer is None:
+    raise ValueError(f"suite {name!r} needs the policy's tokenizer (its token counts or its tool-call form)")
   if name in _GENERATED:
-    if name in _TOKENIZED and tokenizer is None:
-      raise ValueError(f"suite {name!r} counts its prompts and replies in the policy's tokens: pass tokenizer")
     make_env, make_tasks = _GENERATED[name]
     tasks = make_tasks(seed)
     return make_env(tokenizer), [tasks[i] for i in range(n)]
+  if name in _BENCHMARKS:
+    make_env, records = _BENCHMARKS[name]
+    return make_env(tokenizer), list(records(chat)[:n])
   if name not in _FILES:
     raise ValueError(f"unknown evaluation suite {name!r}; known: {', '.join(NAMES)}")
   if path is None:
     raise ValueError(f"suite {name!r} reads task records from a JSONL file: pass path")
   source = JsonlSource(path)
-  return _FILES[name](), [decode(source[i]) for i in range(min(n, len(source)))]
+  return _FILES[name](answer_match), [decode(source[i]) for i in range(min(n, len(source)))]
 
 
-def label(name: str, tasks: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any]:
+def label(name: str, env: Environment, tasks: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any]:
   """Returns suite `name`'s report (`ptx.episodes.evaluation`'s, of its `tasks`) labelled with the suite.
 
   Args:
     name: the suite's name, kept in the report as "suite".
+    env: its environment.
     tasks: its task records, in the report's order.
     report: `ptx.episodes.evaluation.evaluate`'s or `evaluate_episodes`' report.
 
   Returns:
-    The report with "suite" and, for needle, "cells" (accuracy per haystack
-    length and needle depth: long context is read per cell).
+    The report with "suite"; for a suite of exact answers, "answer_match" (how answers were matched, math or
+    text); for needle, "cells" (accuracy per haystack length and needle depth: long context is read per cell).
   """
   labelled = {"suite": name, **report}
+  if isinstance(env, ExactAnswerEnv):
+    labelled["answer_match"] = env.match
   if name == "needle":
     labelled["cells"] = needle.cells(labelled, tasks)
   return labelled

@@ -31,9 +31,10 @@ so a crash leaves the old file or the new one, never part of one.
 
 Several suites' reports form a directory of report directories, one per
 suite (`SUITE/eval.json` and its samples; `write_suites`, `read_suites`).
-A suite regressed when its pass@1 fell by more than a threshold
-(`regressed`): the one rule that checkpoint evaluations flag and
-`compare_suites` reports.
+A suite regressed when its headline statistic worsened by more than a
+threshold (`regressed`): pass@1 fell, or for a perplexity report
+(`ptx.episodes.likelihood`) bits per byte rose; the one rule that
+checkpoint evaluations flag and `compare_suites` reports.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> None:
 def read_report(path: str | os.PathLike) -> dict[str, Any]:
   """Reads the summary of a report written by `write_report` (without its samples)."""
   report = json.loads(paths.path(path).read_text())
-  for key in ("pass@k", "mean@k", "outcomes", "tasks", "k"):
+  for key in _PERPLEXITY if "bits_per_byte" in report else ("pass@k", "mean@k", "outcomes", "tasks", "k"):
     if key not in report:
       raise ValueError(f"{path} is not an evaluation report: it lacks {key!r}")
   return report
@@ -270,9 +271,31 @@ def read_suites(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
   return {c.name: read_report(c / REPORT_FILE) for c in children}
 
 
+# A perplexity report's statistics (`ptx.episodes.likelihood.perplexity_report`), the headline first.
+_PERPLEXITY = ("bits_per_byte", "byte_perplexity", "token_perplexity", "tasks")
+
+
+def headline(report: Mapping[str, Any]) -> tuple[str, float, bool]:
+  """(name, value, whether higher is better) of the statistic a report is compared by: pass@1, or bits per byte."""
+  if "bits_per_byte" in report:
+    return "bits_per_byte", report["bits_per_byte"], False
+  return "pass@1", report["pass@k"]["1"], True
+
+
 def regressed(before: Mapping[str, Any], after: Mapping[str, Any], threshold: float) -> bool:
-  """Whether `after`'s pass@1 is more than `threshold` below `before`'s."""
-  return _fell(before["pass@k"]["1"], after["pass@k"]["1"], threshold)
+  """Whether `after`'s headline is more than `threshold` worse than `before`'s (pass@1 below, bits per byte above)."""
+  _, a, higher = headline(before)
+  _, b, _ = headline(after)
+  return _fell(a, b, threshold) if higher else _fell(-a, -b, threshold)
+
+
+def _rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, float, float]]:
+  """(metric, A, B) of a suite in `compare_suites`, the headline first."""
+  if "bits_per_byte" in a:
+    return [(m, a[m], b[m]) for m in _PERPLEXITY[:3]]
+  k = str(max(int(j) for j in set(a["pass@k"]) & set(b["pass@k"])))
+  return [("pass@1", a["pass@k"]["1"], b["pass@k"]["1"]), (f"pass@{k}", a["pass@k"][k], b["pass@k"][k]),
+          ("mean@k", a["mean@k"], b["mean@k"])]
 
 
 def _fell(before: float, after: float, threshold: float) -> bool:
@@ -289,42 +312,48 @@ def compare_suites(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, 
   Args:
     before: reports by suite (`read_suites`), e.g. a run's baseline.
     after: reports by suite, e.g. its last checkpoint's.
-    threshold: the largest drop of pass@1 that is not a regression.
+    threshold: the largest drop of pass@1 (rise of bits per byte) that is not a regression.
 
   Raises:
     ValueError: A and B share no suite.
 
   Returns:
     (table, regressed): one row per suite and metric (pass@1, pass@k at the
-    largest k both reports have, mean@k: A, B, B - A), a suite's pass@1 row
-    marked REGRESSED when `regressed`; the names of those suites, sorted.
+    largest k both reports have, mean@k; a perplexity report's bits per byte,
+    byte and token perplexity: A, B, B - A), a suite's headline row marked
+    REGRESSED when `regressed`; the names of those suites, sorted.
   """
   if not set(before) & set(after):
     raise ValueError(f"A and B share no suite (A: {sorted(before)}, B: {sorted(after)})")
-  lines = [f"{'suite':<14}{'metric':<10}{'A':>10}{'B':>10}{'delta':>10}"]
+  lines = [f"{'suite':<14}{'metric':<16}{'A':>10}{'B':>10}{'delta':>10}"]
   worse, notes = [], []
   for name in sorted(set(before) & set(after)):
     a, b = before[name], after[name]
-    k = str(max(int(j) for j in set(a["pass@k"]) & set(b["pass@k"])))
+    if ("bits_per_byte" in a) != ("bits_per_byte" in b):
+      raise ValueError(f"suite {name}: one report is a perplexity report and the other is not")
     flag = regressed(a, b, threshold)
     worse += [name] if flag else []
-    for metric, x, y in (("pass@1", a["pass@k"]["1"], b["pass@k"]["1"]),
-                         (f"pass@{k}", a["pass@k"][k], b["pass@k"][k]), ("mean@k", a["mean@k"], b["mean@k"])):
-      mark = "  REGRESSED" if flag and metric == "pass@1" else ""
-      lines.append(f"{name:<14}{metric:<10}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{mark}")
-    if (a["tasks"], a["k"]) != (b["tasks"], b["k"]):
-      notes.append(f"NOTE: {name}: A has {a['tasks']} tasks x {a['k']}, B {b['tasks']} x {b['k']}")
+    for row, (metric, x, y) in enumerate(_rows(a, b)):
+      mark = "  REGRESSED" if flag and row == 0 else ""
+      lines.append(f"{name:<14}{metric:<16}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{mark}")
+    if (a["tasks"], a.get("k")) != (b["tasks"], b.get("k")):
+      notes.append(f"NOTE: {name}: A has {a['tasks']} tasks x {a.get('k', 1)}, B {b['tasks']} x {b.get('k', 1)}")
   for side, names in (("A", set(before) - set(after)), ("B", set(after) - set(before))):
     if names:
       notes.append(f"only in {side}: {', '.join(sorted(names))}")
-  return "\n".join(lines + notes + [verdict(worse, threshold)]), worse
+  perplexity = any("bits_per_byte" in before[name] for name in set(before) & set(after))
+  return "\n".join(lines + notes + [verdict(worse, threshold, perplexity)]), worse
 
 
-def verdict(worse: Sequence[str], threshold: float) -> str:
-  """The closing line of a comparison: the suites that regressed (`regressed`), or that none did."""
+def verdict(worse: Sequence[str], threshold: float, perplexity: bool = False) -> str:
+  """The closing line of a comparison: the suites that regressed (`regressed`), or that none did.
+
+  `perplexity`: perplexity reports were compared, by bits per byte.
+  """
+  rule = "pass@1 fell, or bits_per_byte rose," if perplexity else "pass@1 fell"
   if worse:
-    return f"REGRESSED (pass@1 fell by more than {threshold:g}): {', '.join(worse)}"
-  return f"no regression (no pass@1 fell by more than {threshold:g})"
+    return f"REGRESSED ({rule} by more than {threshold:g}): {', '.join(worse)}"
+  return f"no regression (no {rule} by more than {threshold:g})"
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.0) -> str:
@@ -337,8 +366,16 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any], *, tolerance: float = 0.
 
   Returns:
     The table, one metric per line; a pass@k or mean@k that fell by more than
-    `tolerance`, or an "ok" rate that did, is marked REGRESSION.
+    `tolerance`, or an "ok" rate that did, is marked REGRESSION (for
+    perplexity reports: bits per byte, byte and token perplexity, bits per
+    byte marked when it rose by more than `tolerance`).
   """
+  if "bits_per_byte" in a or "bits_per_byte" in b:
+    lines = [f"{'metric':<20}{'A':>10}{'B':>10}{'delta':>10}"]
+    for row, (name, x, y) in enumerate(_rows(a, b)):
+      flag = "  REGRESSION" if row == 0 and regressed(a, b, tolerance) else ""
+      lines.append(f"{name:<20}{x:>10.4f}{y:>10.4f}{y - x:>+10.4f}{flag}")
+    return "\n".join(lines)
   rows = [(f"pass@{j}", a["pass@k"].get(j), b["pass@k"].get(j)) for j in sorted(
       set(a["pass@k"]) | set(b["pass@k"]), key=int)]
   rows.append(("mean@k", a["mean@k"], b["mean@k"]))

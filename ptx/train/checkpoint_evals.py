@@ -6,6 +6,9 @@ compiles: each named suite's environment and task records
 (`ptx.envs.suites`) and the sampler's settings. An unknown suite, a file
 suite without its file or a file without its suite is a `ConfigError`
 naming the field. `ptx eval` evaluates a model through the same object.
+The likelihood suites (`choice`, `perplexity`: `ptx.episodes.likelihood`)
+read their file too, and score the parameters as they are (whatever
+`rollout.mode`) in windows of `SuiteEvals.max_length` positions.
 
 `fit(..., evals=...)` runs it through `CheckpointEvals`:
 
@@ -16,8 +19,10 @@ naming the field. `ptx eval` evaluates a model through the same object.
   last, into OUT/evals/step_<n>/<suite>/eval.json; not at a preemption
   stop, which must end quickly;
 - each evaluation logs `eval/<suite>/pass@1`, `eval/<suite>/pass@k` (k =
-  `eval.k`), `eval/<suite>/mean@k` and `eval/<suite>/regressed` (1.0 when
-  pass@1 fell more than `eval.regression` below the baseline,
+  the report's k: `eval.k`, 1 for choice), `eval/<suite>/mean@k` (a
+  perplexity suite: `eval/<suite>/bits_per_byte`, `.../byte_perplexity`,
+  `.../token_perplexity`) and `eval/<suite>/regressed` (1.0 when pass@1 fell,
+  or bits per byte rose, more than `eval.regression` from the baseline,
   `ptx.episodes.evaluation.regressed`); a regression is also a warning naming
   the suite, the step and both values, and an entry of `regressions`.
 
@@ -63,7 +68,7 @@ from ptx.config import ConfigError, EvalConfig, LoRAConfig, RolloutConfig
 from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models import paged_kv_cache
-from ptx.episodes import evaluation
+from ptx.episodes import evaluation, likelihood
 from ptx.envs import suites
 from ptx.envs.base import Environment
 from ptx.episodes.turn_format import TurnFormat
@@ -95,15 +100,19 @@ class SuiteEvals:
   Attributes:
     source: the section it was built from (`fit` refuses it for another).
     suites: (name, environment, task records) of each suite, in the
-      section's order.
+      section's order; a likelihood suite has no environment (None) and its
+      records are `ptx.episodes.likelihood.SUITES`' (choice records, or texts).
     tokenizer: encodes prompts and decodes completions.
     mode: how suites are sampled (`rollout.mode`: standard or fast).
+    max_length: positions a likelihood suite's scored sequence may span (the
+      model's context; `ptx eval` reads the one the model declares).
   """
 
   source: EvalConfig
-  suites: tuple[tuple[str, Environment, tuple[dict[str, Any], ...]], ...]
+  suites: tuple[tuple[str, Environment | None, tuple[Any, ...]], ...]
   tokenizer: Tokenizer
   mode: RolloutMode = RolloutMode()
+  max_length: int = likelihood.WINDOW
 
   def evaluate(self, params: Any, model: ModelConfig, *, mesh: Mesh | None = None,
                rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict[str, dict[str, Any]]:
@@ -121,6 +130,10 @@ class SuiteEvals:
     section, reports = self.source, {}
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
     for name, env, tasks in self.suites:
+      if env is None:  # a likelihood suite scores the parameters themselves
+        scorer = likelihood.Scorer(params, model, self.tokenizer, max_length=self.max_length, mesh=mesh, rules=rules)
+        reports[name] = {"suite": name, **likelihood.SUITES[name][1](scorer, tasks)}
+        continue
       if env.max_turns > 1:
         report = self._episodes(sampled, model, env, list(tasks), mesh, rules)
       else:
@@ -130,7 +143,7 @@ class SuiteEvals:
           longest = max(len(sampler.encode(prompt)) for prompt in _prompts(env, tasks))
           sampler.engine = self._engine(model, longest + section.max_new_tokens, len(tasks), mesh, rules)
         report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
-      reports[name] = suites.label(name, list(tasks), report)
+      reports[name] = suites.label(name, env, list(tasks), report)
     return reports
 
   def _episodes(self, params: Any, model: ModelConfig, env: Environment, tasks: list[dict[str, Any]],
@@ -237,24 +250,29 @@ def build(section: EvalConfig, tokenizer: Tokenizer, rollout: RolloutConfig = Ro
   files = dict(entry.split("=") for entry in section.files)
   if len(files) != len(section.files):
     raise ConfigError(f"eval.files names a suite twice: {section.files}")
-  unknown = [name for name in section.suites if name not in suites.NAMES]
+  known, file_suites = suites.NAMES + tuple(likelihood.SUITES), suites.FILE_SUITES + tuple(likelihood.SUITES)
+  unknown = [name for name in section.suites if name not in known]
   if unknown:
-    raise ConfigError(f"eval.suites: unknown suite(s) {unknown}; known: {', '.join(suites.NAMES)}")
-  needs_file = [name for name in section.suites if name in suites.FILE_SUITES and name not in files]
+    raise ConfigError(f"eval.suites: unknown suite(s) {unknown}; known: {', '.join(known)}")
+  needs_file = [name for name in section.suites if name in file_suites and name not in files]
   if needs_file:
     entries = ", ".join(f"'{name}=PATH'" for name in needs_file)
     raise ConfigError(f"eval.suites: {needs_file} read their tasks from a JSONL file: add {entries} to eval.files")
-  stray = [name for name in files if name not in section.suites or name not in suites.FILE_SUITES]
+  stray = [name for name in files if name not in section.suites or name not in file_suites]
   if stray:
-    raise ConfigError(f"eval.files: {stray} are not file suites ({', '.join(suites.FILE_SUITES)}) named in "
+    raise ConfigError(f"eval.files: {stray} are not file suites ({', '.join(file_suites)}) named in "
                       f"eval.suites {section.suites}")
   if not section.suites:
     return None
   loaded = []
   for name in section.suites:
     try:
+      if name in likelihood.SUITES:
+        loaded.append((name, None, tuple(likelihood.SUITES[name][0](files[name], section.n))))
+        continue
       env, tasks = suites.load(name, n=section.n, seed=section.seed, path=files.get(name),
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, answer_match=section.answer_match,
+                              chat=section.chat)
     except (OSError, ValueError) as e:  # a missing file or a bad record: named with the field that points at it
       raise ConfigError(f"eval.files {name}={files[name]}: {e}" if name in files else f"eval.suites {name}: {e}") from e
     loaded.append((name, env, tuple(tasks)))
@@ -303,17 +321,23 @@ class CheckpointEvals:
     if self._primary:
       evaluation.write_suites(reports, self._out / EVALS / f"step_{step}")
     baseline = self._baseline or reports  # step 0 is its own baseline
-    threshold, k = self._evals.source.regression, str(self._evals.source.k)
+    threshold = self._evals.source.regression
     record: dict[str, Any] = {"step": step}
     for name, report in reports.items():
       flagged = evaluation.regressed(baseline[name], report, threshold)
-      before, now = baseline[name]["pass@k"]["1"], report["pass@k"]["1"]
-      record.update({f"eval/{name}/pass@1": now, f"eval/{name}/pass@k": report["pass@k"][k],
-                     f"eval/{name}/mean@k": report["mean@k"], f"eval/{name}/regressed": float(flagged)})
+      metric, now, _ = evaluation.headline(report)
+      before = evaluation.headline(baseline[name])[1]
+      if metric == "pass@1":
+        record.update({f"eval/{name}/pass@1": now, f"eval/{name}/pass@k": report["pass@k"][str(report["k"])],
+                       f"eval/{name}/mean@k": report["mean@k"]})
+      else:
+        record.update({f"eval/{name}/{m}": report[m] for m in ("bits_per_byte", "byte_perplexity",
+                                                               "token_perplexity")})
+      record[f"eval/{name}/regressed"] = float(flagged)
       if flagged:
-        self.regressions.append({"suite": name, "step": step, "baseline": before, "pass@1": now})
+        self.regressions.append({"suite": name, "step": step, "baseline": before, metric: now})
         if self._primary:
-          log.warning("eval: suite %s regressed at step %d: pass@1 %.4f, baseline %.4f (a drop of %.4f > "
-                      "eval.regression=%g)", name, step, now, before, before - now, threshold)
+          log.warning("eval: suite %s regressed at step %d: %s %.4f, baseline %.4f (a change of %+.4f beyond "
+                      "eval.regression=%g)", name, step, metric, now, before, now - before, threshold)
     self._writer.write(record)
     return reports

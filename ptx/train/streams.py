@@ -111,25 +111,27 @@ def rl_tasks(cfg: Config, tokenizer: Tokenizer, env: Environment, fields: Sequen
 SCAN = 256
 
 
-def check_episode_prompts(cfg: Config, tokenizer: Tokenizer, env: Environment, tasks: Any) -> None:
-  """Measures the first prompts of the first tasks a run plays (at most `SCAN`), before anything compiles.
+def check_builtin_prompts(cfg: Config, tokenizer: Tokenizer, env: Environment, tasks: Any, *, episodes: bool) -> None:
+  """Measures the prompts of the first built-in tasks a run reads (at most `SCAN`), before anything compiles.
 
   Args:
     cfg: the job config (`data.seq_len`, and `train.steps` x `data.batch_size` tasks a run reads).
     tokenizer: encodes the prompts.
-    env: the environment the tasks are played in.
+    env: the environment the tasks are scored or played in.
     tasks: random-access task records (built-in tasks, without a file to check whole).
+    episodes: the tasks are played as multi-turn episodes: the prompt that must fit is each episode's first.
 
   Raises:
     ConfigError: naming --data.seq_len and the tokens the longest takes, when one does not fit.
     RecordError: for a task `env` refuses, named by its index.
   """
   count = min(SCAN, max(1, cfg.train.steps) * cfg.data.batch_size)
-  index, n = longest_prompt(_encoder(tokenizer, env), tasks, count)
+  index, n = longest_prompt(_encoder(tokenizer, env if episodes else None), tasks, count)
   if n > cfg.data.seq_len:
-    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than the first prompt of an episode of task "
-                      f"{index}: {n} tokens, the longest of the first {count} tasks ({env.name}'s text in the chat "
-                      f"template): set data.seq_len={n} or more")
+    what = "the first prompt of an episode of" if episodes else "the prompt of"
+    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than {what} task {index}: {n} tokens, the "
+                      f"longest of the first {count} tasks ({env.name}'s text in the chat template): set "
+                      f"data.seq_len={n} or more")
 
 
 def grpo_prompts(cfg: Config, tokenizer: Tokenizer, tasks: Any, *, in_graph: bool,

@@ -60,7 +60,7 @@ def test_bad_names_and_missing_paths_are_explained():
     suites.load("nope")
   with pytest.raises(ValueError, match="pass path"):
     suites.load("code")
-  with pytest.raises(ValueError, match="'docqa' counts .* pass tokenizer"):
+  with pytest.raises(ValueError, match="'docqa' needs the policy's tokenizer"):
     suites.load("docqa")
 
 
@@ -81,10 +81,46 @@ def _no_idea(prompts, k):
 
 def test_a_suite_report_names_its_suite_and_needle_reads_per_cell():
   env, tasks = suites.load("arithmetic", n=2)
-  report = suites.label("arithmetic", tasks, evaluation.evaluate(_no_idea, env, tasks, k=2))
+  report = suites.label("arithmetic", env, tasks, evaluation.evaluate(_no_idea, env, tasks, k=2))
   assert report["suite"] == "arithmetic" and report["tasks"] == 2 and "cells" not in report
+  assert report["answer_match"] == "math"
   env, tasks = suites.load("needle", n=3)
-  report = suites.label("needle", tasks, evaluation.evaluate(_no_idea, env, tasks, k=1))
+  report = suites.label("needle", env, tasks, evaluation.evaluate(_no_idea, env, tasks, k=1))
   want = {(str(t["length"]), str(t["depth"])) for t in tasks}
   got = {(length, depth): v for length, row in report["cells"].items() for depth, v in row.items()}
   assert report["suite"] == "needle" and set(got) == want and set(got.values()) == {0.0}
+
+
+def test_the_exact_suite_matches_words_when_asked_and_says_so(tmp_path):
+  path = tmp_path / "capitals.jsonl"
+  path.write_text('{"prompt": "Capital of France?", "answer": "Paris"}\n'
+                  '{"prompt": "Capital of Italy?", "answer": "Rome"}\n')
+  replies = {"Capital of France?": "Paris.", "Capital of Italy?": "Rome!"}
+
+  def say(prompts, k):
+    return [[replies[p]] * k for p in prompts]
+
+  for match, passed in (("math", 0.0), ("text", 1.0)):
+    env, tasks = suites.load("exact", n=2, path=path, answer_match=match)
+    report = suites.label("exact", env, tasks, evaluation.evaluate(say, env, tasks, k=1))
+    assert report["answer_match"] == match and report["pass@k"]["1"] == passed, report
+
+
+def test_the_bfcl_suite_is_its_held_out_split_called_in_the_policys_form():
+  pytest.importorskip("bfcl_eval")  # a --no-deps fixture `make test` installs
+  from ptx.envs import bfcl
+  from ptx.envs.tools import render_calls
+
+  with pytest.raises(ValueError, match="needs the policy's tokenizer"):
+    suites.load("bfcl", n=2)
+  env, tasks = suites.load("bfcl", n=1000, tokenizer=TOK)
+  assert env.tool_format == "hermes" and len(tasks) == len(bfcl.BFCLTasks(split="held_out")) == 252
+  train = bfcl.BFCLTasks(split="train")
+  assert {t["id"] for t in tasks}.isdisjoint(train[i]["id"] for i in range(len(train)))
+  replies = {t["id"]: render_calls("hermes", bfcl.ground_truth(t)) for t in tasks[:8]}
+
+  def call(prompts, k):
+    return [[replies[t["id"]]] * k for t in tasks[:8]]
+
+  report = suites.label("bfcl", env, tasks[:8], evaluation.evaluate(call, env, tasks[:8], k=1))
+  assert report["pass@k"]["1"] == 1.0, report["per_task"]

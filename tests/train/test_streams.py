@@ -96,8 +96,8 @@ def test_built_in_episode_tasks_too_long_for_seq_len_are_refused_naming_the_flag
   lengths = [len(_episode_prompt(env, tasks[i])) for i in range(streams.SCAN)]
   longest = max(lengths)
   with pytest.raises(ConfigError) as e:
-    streams.check_episode_prompts(cfg, TOK, env, tasks)
+    streams.check_builtin_prompts(cfg, TOK, env, tasks, episodes=True)
   assert str(e.value) == (f"data.seq_len=8 is shorter than the first prompt of an episode of task "
                           f"{lengths.index(longest)}: {longest} tokens, the longest of the first {streams.SCAN} tasks "
                           f"(calculator's text in the chat template): set data.seq_len={longest} or more")
-  streams.check_episode_prompts(_cfg(seq_len=longest), TOK, env, tasks)
+  streams.check_builtin_prompts(_cfg(seq_len=longest), TOK, env, tasks, episodes=True)
