@@ -30,7 +30,7 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
                        "or on rl records"}
 # `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones (episodes).
-_ENVIRONMENTS = ("exact_answer", "code", "calculator", "terminal", "docqa", "bfcl")
+_ENVIRONMENTS = ("exact_answer", "code", "reasoning_gym", "calculator", "terminal", "docqa", "bfcl")
 # bfcl is single-turn, played as an episode because its prompt is the environment's (the functions, the call form).
 _EPISODES = ("calculator", "terminal", "docqa", "bfcl")
 
@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
   ev.add_argument("--model", type=paths.argument,
                   help="Hugging Face model directory (weights and tokenizer; local or gs://)")
   ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
-                  "retrieval), bfcl (function calls, BFCL's held-out split), humaneval (all 164 problems; "
+                  "retrieval), reasoning_gym (held-out problems of reasoning-gym families, see --families), bfcl "
+                  "(function calls, BFCL's held-out split), humaneval (all 164 problems; "
                   "completion form, or a request with --chat), humaneval_held_out (the 32 ptx grpo --env code never "
                   "trains on), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
                   "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
@@ -92,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                   help="how the exact suite matches answers: as math (the stated answer or last number, symbolically "
                   "equal) or as text (a word or phrase, normalised; a record's answer may list aliases); the report "
                   "says which")
+  ev.add_argument("--families", metavar="NAME[:WEIGHT],...",
+                  help="the reasoning_gym suite's families, comma-separated (default: a mix of 12 families)")
   ev.add_argument("--seed", type=int, default=0)
   ev.add_argument("--out", type=paths.argument, default="out/eval", help="report directory (local or gs://)")
   ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
@@ -125,12 +128,17 @@ def _parser() -> argparse.ArgumentParser:
                           "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
                           "without --data.train_files.")
       job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
-                       help="environment scoring rl records: exact_answer (final answer, as math or text), code "
+                       help="environment scoring rl records: exact_answer (final answer, as math or text), "
+                       "reasoning_gym (reasoning-gym families' own checkers; without --data.train_files: their "
+                       "problems, --families), code "
                        "(unit tests in the sandbox; without --data.train_files: HumanEval's first 132 problems); "
                        "multi-turn episodes: calculator (word problems, a calculator "
                        "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check), docqa "
                        "(questions about a long document, search and read tools) or bfcl (one turn of function "
                        "calls in the model family's form, BFCL's training split, AST-checked)")
+      job.add_argument("--families", metavar="NAME[:WEIGHT],...",
+                       help="--env reasoning_gym: the families a step's prompts are drawn from, by weight (default: "
+                       "a mix of 12; the reasoning_gym suite holds out other generator seeds of the same families)")
       job.add_argument("--answer-match", choices=("math", "text"), default="math",
                        help="--env exact_answer: match the final answer as math (the stated answer or last number, "
                        "symbolically equal) or as text (a word or phrase, normalised; the record's answer may "
@@ -310,6 +318,8 @@ def _grpo(cfg, tokenizer, args, params):
                      "rewards and --env calculator, docqa or bfcl run in this process")
   if args.answer_match != "math" and args.env != "exact_answer":
     raise ValueError(f"--answer-match sets how --env exact_answer matches answers; --env {args.env} has none")
+  if args.families and args.env != "reasoning_gym":
+    raise ValueError(f"--families chooses --env reasoning_gym's task families; --env {args.env} has none")
   if args.warm_pool and args.env != "terminal":
     raise ValueError(f"--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got --env {args.env}")
   if args.env in _EPISODES:
@@ -327,7 +337,16 @@ def _grpo(cfg, tokenizer, args, params):
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False, episodes=env), None
   from ptx.episodes.scoring import EnvReward
 
-  if args.env == "code" and not cfg.data.train_files:
+  if args.env == "reasoning_gym" and not cfg.data.train_files:
+    from ptx.envs import reasoning_gym
+
+    env = reasoning_gym.ReasoningGymEnv()
+    tasks = reasoning_gym.ReasoningGymTasks(*reasoning_gym.parse_families(_families(args.families)),
+                                            seed=cfg.train.seed, split="train")
+    streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=False)
+    print(f"ptx grpo: no --data.train_files: training on reasoning-gym's {', '.join(tasks.families)} (train "
+          f"seeds; the reasoning_gym suite's are held out)", flush=True)
+  elif args.env == "code" and not cfg.data.train_files:
     from ptx.envs import humaneval
     from ptx.envs.python_tests import PythonTestsEnv
 
@@ -380,6 +399,10 @@ def _environment(name: str, answer_match: str):
 
   if name == "exact_answer":
     return ExactAnswerEnv(match=answer_match), ("answer",)
+  if name == "reasoning_gym":
+    from ptx.envs.reasoning_gym import ReasoningGymEnv
+
+    return ReasoningGymEnv(), ("family", "entry")
   return PythonTestsEnv(), ("tests",)  # --env code
 
 
@@ -418,7 +441,7 @@ def _evaluate(args, overrides: list[str], error) -> int:
   try:  # a bad flag, a missing or cut file, a tokenizer larger than the model, a bad task record: named
     section = EvalConfig(suites=names, files=_task_files(names, args.tasks_file or ()), n=args.n, k=args.k,
                          max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat,
-                         answer_match=args.answer_match)
+                         answer_match=args.answer_match, families=_families(args.families))
     tokenizer = load_tokenizer(args.model)
     evals = checkpoint_evals.build(section, tokenizer, rollout)
     # Likelihood suites score sequences up to the context the model declares.
@@ -436,6 +459,11 @@ def _evaluate(args, overrides: list[str], error) -> int:
   for report in reports.values():
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
   return 0
+
+
+def _families(flag: str | None) -> tuple[str, ...]:
+  """`--families NAME[:WEIGHT],...` as entries (empty: the default mix)."""
+  return tuple(entry.strip() for entry in flag.split(",") if entry.strip()) if flag else ()
 
 
 def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:

@@ -374,9 +374,9 @@ class LoRAConfig:
 class EvalConfig:
   """Held-out suites evaluated at checkpoints against the stage a run started from (`ptx.train.checkpoint_evals`)."""
 
-  # Suites of `ptx.envs.suites` (arithmetic, countdown, needle, the benchmarks humaneval, humaneval_held_out and
-  # bfcl, and the multi-turn calculator, terminal and docqa; math, code, shell, exact read `files`) or of
-  # `ptx.episodes.likelihood` (choice, perplexity: `files` too); empty: none.
+  # Suites of `ptx.envs.suites` (arithmetic, countdown, needle, reasoning_gym, the benchmarks humaneval,
+  # humaneval_held_out and bfcl, and the multi-turn calculator, terminal and docqa; math, code, shell, exact read
+  # `files`) or of `ptx.episodes.likelihood` (choice, perplexity: `files` too); empty: none.
   suites: tuple[str, ...] = ()
   # Task files of the file suites, each "suite=path.jsonl" (e.g. ("math=held_out.jsonl",)).
   files: tuple[str, ...] = ()
@@ -397,6 +397,8 @@ class EvalConfig:
   # How the `exact` suite matches answers: "math" (the stated answer or last number, symbolically equal) or "text"
   # (a word or phrase, normalised string equality with the answer or one of its aliases; `ptx.envs.exact_answer`).
   answer_match: Literal["math", "text"] = "math"
+  # The reasoning_gym suite's families, "NAME" or "NAME:WEIGHT" (`ptx.envs.reasoning_gym`); empty: its default mix.
+  families: tuple[str, ...] = ()
   # Evaluate every this many steps (None: train.checkpoint_every), after the last step, and before the first.
   every: int | None = None
   # Flag a suite whose pass@1 falls more than this below the run's starting value.

