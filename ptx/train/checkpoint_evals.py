@@ -39,8 +39,11 @@ samples the parameters as they are; fast samples their int8 derivation
 (made once per evaluation) on a speculative engine with n-gram drafts.
 
 A single-turn suite is sampled by a `TextSampler` (`eval.max_new_tokens`
-per completion) with `generate` in standard mode, on the mode's engine
-(sized as a multi-turn suite's) in fast mode. A multi-turn suite
+per completion) on the mode's engine, sized as a multi-turn suite's: at
+most 32 completions decode at once, so a suite of hundreds of long prompts
+(BFCL's function docs) takes the memory of 32, and a finished completion
+frees its slot for the next task.
+A multi-turn suite
 (`Environment.max_turns` > 1) is played by
 `ptx.episodes.evaluation.evaluate_episodes` on the mode's engine over the same
 arrays, on the same mesh, token in, token out as training plays episodes,
@@ -139,9 +142,10 @@ class SuiteEvals:
       else:
         sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
                               sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
-        if not self.mode.standard:  # the fast mode samples on its engine
-          longest = max(len(sampler.encode(prompt)) for prompt in _prompts(env, tasks))
-          sampler.engine = self._engine(model, longest + section.max_new_tokens, len(tasks), mesh, rules)
+        # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however
+        # many tasks there are, and a finished completion frees its slot for the next.
+        longest = max(len(sampler.encode(prompt)) for prompt in _prompts(env, tasks))
+        sampler.engine = self._engine(model, longest + section.max_new_tokens, len(tasks), mesh, rules)
         report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
       reports[name] = suites.label(name, env, list(tasks), report)
     return reports

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ptx import cli, config_io
-from ptx.config import Config, ConfigError, DataConfig, EvalConfig, MeshConfig, TrainConfig
+from ptx.config import Config, ConfigError, DataConfig, EvalConfig, MeshConfig, SamplingConfig, TrainConfig
 from ptx.model_config import MODEL_PRESETS
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.pipeline import make_pipeline
@@ -144,6 +144,28 @@ def test_a_multi_turn_suite_gets_an_engine_of_whole_groups_on_every_block():
     engine.submit([1], max_new_tokens=4, samples=3)
   assert checkpoint_evals.episode_engine(1000, 4, 100, None).max_seqs == 32  # 8 groups of 4 at once
   assert checkpoint_evals.episode_engine(1000, 64, 2, None).max_seqs == 64  # at least one group
+
+
+def test_a_single_turn_suite_larger_than_the_engines_slots_samples_what_one_static_batch_would(monkeypatch):
+  # A suite is sampled on an engine of at most 32 slots, not in one batch of all its prompts (BFCL's 252 requests
+  # with their function docs took 31 GB as one batch): 40 greedy completions through 32 slots are the completions
+  # one static `generate` batch of all 40 gives.
+  from ptx.models import init_params
+  from ptx.sampling.text import TextSampler
+
+  section = EvalConfig(suites=("arithmetic",), n=40, k=1, max_new_tokens=4, sampling=SamplingConfig(greedy=True))
+  evals = checkpoint_evals.build(section, TOK)
+  params = init_params(BASE.model, jax.random.key(0))
+  built = []
+  original = checkpoint_evals.SuiteEvals._engine
+  monkeypatch.setattr(checkpoint_evals.SuiteEvals, "_engine",
+                      lambda self, *a: built.append(original(self, *a)) or built[-1])
+  report = evals.evaluate(params, BASE.model)["arithmetic"]
+  assert [engine.config.max_seqs for engine in built] == [32]
+  _, env, tasks = evals.suites[0]
+  static = TextSampler(params, BASE.model, TOK, max_new_tokens=4, sampling=section.sampling)
+  prompts = [env.reset(task).prompt for task in tasks]
+  assert [[s["completion"]] for s in report["samples"]] == static(prompts, 1)
 
 
 def test_a_resume_without_the_baseline_is_refused(runs, tmp_path):
