@@ -203,6 +203,7 @@ class PythonTestsEnv:
   def validate(self, task: Mapping[str, Any]) -> None:
     """Checks a `{"prompt", "tests"}` record's fields: the tests are parsed, not run."""
     self._sources(task)
+    self._completion_fields(task)
 
   def reset(self, task: Mapping[str, Any]) -> SingleTurn:
     """Starts an episode for a `{"prompt", "tests"}` record (optional "prefix" and "stop")."""
@@ -215,7 +216,6 @@ class PythonTestsEnv:
   def _sources(self, task: Mapping[str, Any]) -> tuple[str, ...]:
     """The record's tests as the grader runs them, its fields checked."""
     prompt_text(task, self.name)
-    self._completion_fields(task)
     return _rewrite(field(task, "tests", (str, list), self.name), self.name)
 
   def _completion_fields(self, task: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:

@@ -152,7 +152,11 @@ class Scorer:
 
   def rolling(self, texts: Sequence[str]) -> list[float]:
     """The log-likelihood of each text after the prefix token, scored in `rolling_windows` of `max_length`."""
-    windows = [rolling_windows(self.tokenizer.encode(t), self.prefix, self.max_length) for t in texts]
+    return self.rolling_tokens([self.tokenizer.encode(t) for t in texts])
+
+  def rolling_tokens(self, texts: Sequence[Sequence[int]]) -> list[float]:
+    """`rolling` of texts already encoded."""
+    windows = [rolling_windows(ids, self.prefix, self.max_length) for ids in texts]
     scores = iter(self.score_tokens([w for text in windows for w in text]))
     return [sum(next(scores)[0] for _ in text) for text in windows]
 
@@ -268,8 +272,9 @@ def choice_report(scorer: Scorer, records: Sequence[dict[str, Any]]) -> dict[str
 
 def perplexity_report(scorer: Scorer, texts: Sequence[str]) -> dict[str, Any]:
   """Scores each document in rolling windows; the report of token and byte perplexity and bits per byte."""
-  logls = scorer.rolling(texts)
-  tokens = [len(scorer.tokenizer.encode(t)) for t in texts]
+  encoded = [scorer.tokenizer.encode(t) for t in texts]
+  logls = scorer.rolling_tokens(encoded)
+  tokens = [len(ids) for ids in encoded]
   size = [len(t.encode("utf-8")) for t in texts]
   total = sum(logls)
   return {"env": "perplexity", "tasks": len(texts), "tokens": sum(tokens), "bytes": sum(size),
