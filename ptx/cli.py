@@ -33,6 +33,26 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
 _ENVIRONMENTS = ("exact_answer", "code", "reasoning_gym", "calculator", "terminal", "docqa", "bfcl")
 # bfcl is single-turn, played as an episode because its prompt is the environment's (the functions, the call form).
 _EPISODES = ("calculator", "terminal", "docqa", "bfcl")
+# Environments with built-in training tasks, which `--env A,B:W` mixes, played as episodes.
+_MIXABLE = ("reasoning_gym", "code") + _EPISODES
+
+
+def _env_flag(value: str) -> str:
+  """`--env`: one environment, or a comma list of mixable ones with optional weights (checked here, parsed later)."""
+  from ptx.envs.mixture import weighted_names
+
+  entries = [entry.strip() for entry in value.split(",")]
+  if len(entries) == 1 and entries[0] in _ENVIRONMENTS:
+    return entries[0]
+  try:
+    names, _ = weighted_names(entries, "--env's environments")
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  unknown = [n for n in names if n not in _MIXABLE]
+  if len(names) < 2 or unknown:
+    raise argparse.ArgumentTypeError(f"{value!r}: one of {_ENVIRONMENTS}, or several of {_MIXABLE} (those with "
+                                     "built-in training tasks) as NAME[:WEIGHT],... to mix")
+  return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                           "without them: HumanEval's training problems, scored on the host. --env calculator, "
                           "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
                           "without --data.train_files.")
-      job.add_argument("--env", choices=_ENVIRONMENTS, default="exact_answer",
+      job.add_argument("--env", type=_env_flag, default="exact_answer", metavar="ENV | ENV[:WEIGHT],...",
                        help="environment scoring rl records: exact_answer (final answer, as math or text), "
                        "reasoning_gym (reasoning-gym families' own checkers; without --data.train_files: their "
                        "problems, --families), code "
@@ -135,7 +155,10 @@ def _parser() -> argparse.ArgumentParser:
                        "multi-turn episodes: calculator (word problems, a calculator "
                        "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check), docqa "
                        "(questions about a long document, search and read tools) or bfcl (one turn of function "
-                       "calls in the model family's form, BFCL's training split, AST-checked)")
+                       "calls in the model family's form, BFCL's training split, AST-checked). Several, with weights "
+                       "(--env reasoning_gym:3,bfcl): a step draws each task from one of their built-in training "
+                       "tasks (or reads {\"env\", \"task\"} records), all played as episodes; metrics "
+                       "episodes/reward/<env> per environment")
       job.add_argument("--families", metavar="NAME[:WEIGHT],...",
                        help="--env reasoning_gym: the families a step's prompts are drawn from, by weight (default: "
                        "a mix of 12; the reasoning_gym suite holds out other generator seeds of the same families)")
@@ -307,24 +330,25 @@ def _supervised(cfg, tokenizer, args, params):
 
 def _grpo(cfg, tokenizer, args, params):
   """The fused job on built-in arithmetic, the host-reward job on rl records scored by --env, or the episode job of a
-  multi-turn --env; the records (`streams.rl_tasks`), or the built-in episodes' first prompts
+  multi-turn --env or of several; the records (`streams.rl_tasks`), or the built-in episodes' first prompts
   (`streams.check_builtin_prompts`), are checked before a job is built."""
   from ptx.train import job, presets, streams
 
-  in_process = args.env in ("calculator", "docqa", "bfcl") or (args.env == "exact_answer" and not cfg.data.train_files)
+  mixed = args.env not in _ENVIRONMENTS
+  in_process = mixed or args.env in ("calculator", "docqa", "bfcl") or (args.env == "exact_answer" and
+                                                                         not cfg.data.train_files)
   if args.executor != "local" and in_process:
     raise ValueError(f"--executor={args.executor} scores rl records on the host (--data.train_files with --env "
                      "exact_answer, --env code) and runs terminal episodes' commands (--env terminal); in-graph "
-                     "rewards and --env calculator, docqa or bfcl run in this process")
+                     "rewards, --env calculator, docqa or bfcl, and mixtures of environments run in this process")
   if args.answer_match != "math" and args.env != "exact_answer":
     raise ValueError(f"--answer-match sets how --env exact_answer matches answers; --env {args.env} has none")
-  if args.families and args.env != "reasoning_gym":
+  if args.families and "reasoning_gym" not in _mixed_names(args.env)[0]:
     raise ValueError(f"--families chooses --env reasoning_gym's task families; --env {args.env} has none")
   if args.warm_pool and args.env != "terminal":
     raise ValueError(f"--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got --env {args.env}")
-  if args.env in _EPISODES:
-    shell = scoring_flags.shell_options(args) if args.env == "terminal" else None
-    env, builtin, fields = _episode_environment(args.env, tokenizer, shell)
+  if mixed or args.env in _EPISODES:
+    env, builtin, fields = _mixture(args, tokenizer) if mixed else _builtin(args.env, args, tokenizer)
     # The prompts checked against data.seq_len are the episodes' first, as the environment poses them.
     if cfg.data.train_files:
       tasks = streams.rl_tasks(cfg, tokenizer, env, fields, episodes=True)
@@ -337,23 +361,18 @@ def _grpo(cfg, tokenizer, args, params):
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False, episodes=env), None
   from ptx.episodes.scoring import EnvReward
 
-  if args.env == "reasoning_gym" and not cfg.data.train_files:
-    from ptx.envs import reasoning_gym
-
-    env = reasoning_gym.ReasoningGymEnv()
-    tasks = reasoning_gym.ReasoningGymTasks(*reasoning_gym.parse_families(_families(args.families)),
-                                            seed=cfg.train.seed, split="train")
+  if args.env in ("reasoning_gym", "code") and not cfg.data.train_files:
+    env, builtin, _ = _builtin(args.env, args, tokenizer)
+    tasks = builtin(cfg.train.seed)
     streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=False)
-    print(f"ptx grpo: no --data.train_files: training on reasoning-gym's {', '.join(tasks.families)} (train "
-          f"seeds; the reasoning_gym suite's are held out)", flush=True)
-  elif args.env == "code" and not cfg.data.train_files:
-    from ptx.envs import humaneval
-    from ptx.envs.python_tests import PythonTestsEnv
+    if args.env == "reasoning_gym":
+      print(f"ptx grpo: no --data.train_files: training on reasoning-gym's {', '.join(tasks.families)} (train "
+            f"seeds; the reasoning_gym suite's are held out)", flush=True)
+    else:
+      from ptx.envs import humaneval
 
-    env, tasks = PythonTestsEnv(limits=humaneval.LIMITS), humaneval.HumanEvalTasks("train")
-    streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=False)
-    print(f"ptx grpo: no --data.train_files: training on HumanEval's first {len(tasks)} problems (the last "
-          f"{humaneval.HELD_OUT}, suite humaneval_held_out, are held out)", flush=True)
+      print(f"ptx grpo: no --data.train_files: training on HumanEval's first {len(tasks)} problems (the last "
+            f"{humaneval.HELD_OUT}, suite humaneval_held_out, are held out)", flush=True)
   elif not cfg.data.train_files:
     from ptx.data.arithmetic import ArithmeticTask
 
@@ -368,6 +387,41 @@ def _grpo(cfg, tokenizer, args, params):
   reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
   built = job.grpo_host_job(cfg, tokenizer, reward)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
+
+
+def _mixed_names(flag: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
+  """The environments of `--env` (one, or a mixture's) and their weights."""
+  from ptx.envs.mixture import weighted_names
+
+  return weighted_names([entry.strip() for entry in flag.split(",")], "--env's environments")
+
+
+def _mixture(args, tokenizer):
+  """(MixtureEnv, its built-in tasks of a seed: `MixedTasks` by `--env`'s weights, the fields its records need) of
+  `--env A[:W],B[:W],...`."""
+  from ptx.envs.mixture import MixedTasks, MixtureEnv
+
+  names, weights = _mixed_names(args.env)
+  envs, builtins, _ = zip(*(_builtin(name, args, tokenizer) for name in names))
+  return (MixtureEnv(names, envs), lambda seed: MixedTasks(names, tuple(b(seed) for b in builtins), weights, seed),
+          ("env", "task"))
+
+
+def _builtin(name: str, args, tokenizer):
+  """(environment, its built-in training tasks of a seed, the fields its records need) of `ptx grpo --env NAME`,
+  for the environments that have built-in tasks (`_MIXABLE`)."""
+  if name == "reasoning_gym":
+    from ptx.envs import reasoning_gym
+
+    families = reasoning_gym.parse_families(_families(args.families))
+    return (reasoning_gym.ReasoningGymEnv(),
+            lambda seed: reasoning_gym.ReasoningGymTasks(*families, seed=seed, split="train"), ("family", "entry"))
+  if name == "code":
+    from ptx.envs import humaneval
+    from ptx.envs.python_tests import PythonTestsEnv
+
+    return PythonTestsEnv(limits=humaneval.LIMITS), lambda seed: humaneval.HumanEvalTasks("train"), ("tests",)
+  return _episode_environment(name, tokenizer, scoring_flags.shell_options(args) if name == "terminal" else None)
 
 
 def _episode_environment(name: str, tokenizer, shell: dict | None = None):

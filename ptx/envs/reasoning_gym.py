@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ptx.envs.base import Outcome, SingleTurn, Step, field, prompt_text
+from ptx.envs.mixture import weighted_names
 
 INSTRUCTION = ("\n\nThink it through, then give only the final answer inside <answer></answer> tags, in the format "
                "the question asks for.")
@@ -108,20 +109,7 @@ def parse_families(entries: Sequence[str]) -> tuple[tuple[str, ...], tuple[float
   """
   if not entries:
     return DEFAULT_FAMILIES, (1.0,) * len(DEFAULT_FAMILIES)
-  families, weights = [], []
-  for entry in entries:
-    name, _, weight = entry.partition(":")
-    try:
-      value = float(weight) if weight else 1.0
-    except ValueError:
-      value = -1.0
-    if not name or not value > 0:
-      raise ValueError(f"reasoning-gym families are NAME or NAME:WEIGHT with a positive weight, got {entry!r}")
-    families.append(name)
-    weights.append(value)
-  if len(set(families)) != len(families):
-    raise ValueError(f"reasoning-gym families must be distinct, got {families}")
-  return tuple(families), tuple(weights)
+  return weighted_names(entries, "reasoning-gym families")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,3 +62,19 @@ def test_each_environment_fine_tunes_a_checkpoint_from_the_command_line(env, ptx
 @pytest.mark.slow
 def test_code_trains_a_fresh_model_from_the_command_line(tmp_path):
   _train(tmp_path, "code", "--model.n_layers=1", "--model.d_model=64", "--model.mlp_dim=128")
+
+
+@pytest.mark.slow
+def test_a_mixture_of_environments_fine_tunes_a_checkpoint_and_reports_each_ones_reward(ptx_checkpoint, tmp_path):
+  # The calculator run's shapes (its programs are compiled already in this worker), its tasks mixed 1:2 with
+  # reasoning-gym's: each step's metrics carry the mean reward of every environment its batch drew from.
+  pytest.importorskip("reasoning_gym")
+  from ptx.envs.calculator import CalculatorTasks
+  from ptx.envs.mixture import MixedTasks
+
+  record = _train(tmp_path, "calculator,reasoning_gym:2", "--families", "gcd", "--model-dir", str(ptx_checkpoint))
+  drawn = {MixedTasks(("calculator", "reasoning_gym"), (CalculatorTasks(0), CalculatorTasks(0)), (1.0, 2.0))[i]["env"]
+           for i in range(8)}  # the first batch's environments (the draw reads the weights, not the sources)
+  assert drawn == {"calculator", "reasoning_gym"}
+  rewards = {k.removeprefix("episodes/reward/"): v for k, v in record.items() if k.startswith("episodes/reward/")}
+  assert set(rewards) == drawn and all(0.0 <= v <= 1.0 for v in rewards.values())

@@ -15,7 +15,8 @@ Metrics add, per step: `episodes/turns_mean`, `episodes/tool_calls_mean` and
 `episodes/infra_error_frac`, the fraction of each outcome
 (`episodes/outcome/<name>`), tokens per episode by source
 (`episodes/tokens_<prompt|model|environment>_mean`), `timing_s/play` and
-`timing_s/step`. A step that `grpo.samples_every` selects keeps its first
+`timing_s/step`; in a mixture of environments (`ptx.envs.mixture`), each
+one's mean reward (`episodes/reward/<env>`). A step that `grpo.samples_every` selects keeps its first
 episodes' transcripts (`ptx.train.grpo.samples`): the conversation, reward,
 outcome and end reason.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -119,7 +120,8 @@ class EpisodeStep:
                            mesh=self._mesh, tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
     k = int(state.step)
     expect_next(self._env, self._tasks, G)
-    trajectories = play(engine, model_params(state, spec.lora), self._env, list(batch["task"]), self._fmt,
+    tasks = list(batch["task"])
+    trajectories = play(engine, model_params(state, spec.lora), self._env, tasks, self._fmt,
                         samples=G, max_turn_tokens=self._max_turn_tokens, max_episode_tokens=spec.max_new_tokens,
                         policy_version=k, tool_threads=self._tool_threads, lockstep=self._lockstep)
     played = time.perf_counter()
@@ -132,7 +134,9 @@ class EpisodeStep:
     end = time.perf_counter()
     wall = end - (start if self._last_return is None else self._last_return)
     self._last_return = end
-    return state, {**metrics, **episode_metrics(trajectories), "timing_s/step": wall,
+    label = getattr(self._env, "label", None)  # a mixture's: the environment each task was played in
+    labels = None if label is None else [label(tasks[t.task]) for t in trajectories]
+    return state, {**metrics, **episode_metrics(trajectories, labels), "timing_s/step": wall,
                    "timing_s/play": played - start}
 
   def take_samples(self, wait: bool = False) -> dict[int, bytes]:
@@ -159,9 +163,15 @@ def expect_next(env: Environment, tasks: Lookahead | None, samples: int) -> None
   env.expect(list(batch["task"]), samples)
 
 
-def episode_metrics(trajectories) -> dict[str, float]:
-  """Per-step means over a step's episodes: turns, tool time, tokens by source, outcome fractions."""
+def episode_metrics(trajectories, labels: Sequence[str] | None = None) -> dict[str, float]:
+  """Per-step means over a step's episodes: turns, tool time, tokens by source, outcome fractions; with `labels`
+  (one per episode: a mixture's environment), the mean reward of each label's episodes that were scored
+  (`episodes/reward/<label>`, present on the steps that played the label)."""
   n = len(trajectories)
+  by_label = collections.defaultdict(list)
+  for t, name in zip(trajectories, labels or ()):
+    if not t.infra_error:
+      by_label[name].append(t.reward)
   sources = collections.Counter()
   for t in trajectories:
     sources.update(t.source_tokens())
@@ -172,4 +182,5 @@ def episode_metrics(trajectories) -> dict[str, float]:
           "timing_s/tool_wait_mean": float(np.mean([t.tool_wait_s for t in trajectories])),
           "episodes/infra_error_frac": sum(t.infra_error for t in trajectories) / n,
           **{f"episodes/tokens_{source}_mean": count / n for source, count in sources.items()},
-          **{f"episodes/outcome/{name}": count / n for name, count in sorted(outcomes.items())}}
+          **{f"episodes/outcome/{name}": count / n for name, count in sorted(outcomes.items())},
+          **{f"episodes/reward/{name}": float(np.mean(rewards)) for name, rewards in sorted(by_label.items())}}
