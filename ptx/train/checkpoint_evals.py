@@ -39,22 +39,24 @@ samples the parameters as they are; fast samples their int8 derivation
 (made once per evaluation) on a speculative engine with n-gram drafts.
 
 A single-turn suite is sampled by a `TextSampler` (`eval.max_new_tokens`
-per completion) on the mode's engine, sized as a multi-turn suite's: at
-most 32 completions decode at once, so a suite of hundreds of long prompts
-(BFCL's function docs) takes the memory of 32, and a finished completion
-frees its slot for the next task.
-A multi-turn suite
-(`Environment.max_turns` > 1) is played by
+per completion) on the mode's engine: at most 32 completions decode at
+once, so a suite of hundreds of long prompts (BFCL's function docs) takes
+the memory of 32, and a finished completion frees its slot for the next
+task. A multi-turn suite (`Environment.max_turns` > 1) is played by
 `ptx.episodes.evaluation.evaluate_episodes` on the mode's engine over the same
 arrays, on the same mesh, token in, token out as training plays episodes,
 always through the chat template (the tokenizer's, else ChatML), whatever
 `eval.chat`: a reply is a turn of the conversation. Its sizes:
 `eval.max_new_tokens` per turn; an episode may add, after its first
 prompt, each turn's budget and each reply's allowance (`episode_tokens`), and ends with outcome "limit"
-beyond that; the engine's context is the suite's longest first prompt
-plus that, and it decodes whole groups of `eval.k`, at most 32 episodes
-at once but at least one group on each device that holds pages, with
-pages for every slot at its whole context (`episode_engine`).
+beyond that.
+
+Every suite gets a fresh engine of one shape (`SuiteEvals._shape`): the
+context of the longest first prompt of any suite plus what its completion
+or episode may add, whole groups of `eval.k`, at most 32 sequences at once
+but at least one group on each device that holds pages, with pages for
+every slot at its whole context (`episode_engine`). One shape compiles
+one set of engine programs for the whole run.
 """
 
 from __future__ import annotations
@@ -132,39 +134,55 @@ class SuiteEvals:
     """
     section, reports = self.source, {}
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
+    samplers = {name: TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+                                  sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh,
+                                  rules=rules)
+                for name, env, _ in self.suites if env is not None and env.max_turns == 1}
+    shape = self._shape(samplers, mesh, rules)
     for name, env, tasks in self.suites:
       if env is None:  # a likelihood suite scores the parameters themselves
         scorer = likelihood.Scorer(params, model, self.tokenizer, max_length=self.max_length, mesh=mesh, rules=rules)
         reports[name] = {"suite": name, **likelihood.SUITES[name][1](scorer, tasks)}
         continue
       if env.max_turns > 1:
-        report = self._episodes(sampled, model, env, list(tasks), mesh, rules)
+        check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
+        report = evaluation.evaluate_episodes(self._engine(model, shape, mesh, rules), sampled, env, list(tasks),
+                                              TurnFormat.of(self.tokenizer), k=section.k,
+                                              max_turn_tokens=section.max_new_tokens,
+                                              max_episode_tokens=episode_tokens(env, section.max_new_tokens))
       else:
-        sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
-                              sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh, rules=rules)
         # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however
         # many tasks there are, and a finished completion frees its slot for the next.
-        longest = max(len(sampler.encode(prompt)) for prompt in _prompts(env, tasks))
-        sampler.engine = self._engine(model, longest + section.max_new_tokens, len(tasks), mesh, rules)
-        report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
+        samplers[name].engine = self._engine(model, shape, mesh, rules)
+        report = evaluation.evaluate(samplers[name], env, list(tasks), k=section.k)
       reports[name] = suites.label(name, env, list(tasks), report)
     return reports
 
-  def _episodes(self, params: Any, model: ModelConfig, env: Environment, tasks: list[dict[str, Any]],
-                mesh: Mesh | None, rules: sharding.Rules) -> dict[str, Any]:
-    """A multi-turn suite's report: its episodes played on a fresh rollout engine seeded with `eval.seed`."""
-    section, fmt = self.source, TurnFormat.of(self.tokenizer)
-    check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
-    added = episode_tokens(env, section.max_new_tokens)
-    engine = self._engine(model, _longest_prompt(env, tasks, fmt) + added, len(tasks), mesh, rules)
-    return evaluation.evaluate_episodes(engine, params, env, tasks, fmt, k=section.k,
-                                        max_turn_tokens=section.max_new_tokens, max_episode_tokens=added)
+  def _shape(self, samplers: dict[str, TextSampler], mesh: Mesh | None, rules: sharding.Rules) -> EngineConfig | None:
+    """The one engine shape every sampled suite shares (`episode_engine` at their longest context and largest size).
 
-  def _engine(self, model: ModelConfig, context: int, tasks: int, mesh: Mesh | None, rules: sharding.Rules):
-    """The mode's engine for `tasks` groups of `eval.k` samples of `context` positions at most, seed `eval.seed`."""
+    One shape compiles one set of engine programs per run, whatever the suites and however many evaluations: a set
+    per suite grew with every suite, and each XLA:CPU executable of a 30-layer model maps thousands of memory
+    regions, so six suites of SmolLM2-135M crossed Linux's 65,530 per process and aborted in LLVM.
+    """
+    section, contexts, sizes = self.source, [], []
+    for name, env, tasks in self.suites:
+      if env is None:
+        continue
+      if env.max_turns > 1:
+        contexts.append(_longest_prompt(env, list(tasks), TurnFormat.of(self.tokenizer)) +
+                        episode_tokens(env, section.max_new_tokens))
+      else:
+        prompt = max((len(samplers[name].encode(p)) for p in _prompts(env, tasks)), default=0)
+        contexts.append(prompt + section.max_new_tokens)
+      sizes.append(len(tasks))
+    return episode_engine(max(contexts), section.k, max(sizes), mesh, rules) if contexts else None
+
+  def _engine(self, model: ModelConfig, shape: EngineConfig, mesh: Mesh | None, rules: sharding.Rules):
+    """A fresh engine of the mode over `shape`, seeded with `eval.seed`: every suite draws the same random numbers."""
     section = self.source
-    return self.mode.engine(model, episode_engine(context, section.k, tasks, mesh, rules), sampling=section.sampling,
-                            seed=section.seed, mesh=mesh, pad_id=self.tokenizer.pad_id, rules=rules)
+    return self.mode.engine(model, shape, sampling=section.sampling, seed=section.seed, mesh=mesh,
+                            pad_id=self.tokenizer.pad_id, rules=rules)
 
   def start(self, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig, lora: LoRAConfig | None,
             mesh: Mesh, rules: sharding.Rules, checkpoint_every: int, primary: bool) -> CheckpointEvals:

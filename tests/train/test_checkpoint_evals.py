@@ -168,6 +168,27 @@ def test_a_single_turn_suite_larger_than_the_engines_slots_samples_what_one_stat
   assert [[s["completion"]] for s in report["samples"]] == static(prompts, 1)
 
 
+def test_every_suite_of_an_evaluation_samples_on_engines_of_one_shape(monkeypatch):
+  # A shape per suite compiled a set of engine programs per suite, and XLA:CPU maps thousands of memory regions per
+  # executable of a 30-layer model: six suites of SmolLM2-135M crossed Linux's 65,530 and aborted in LLVM. One shape
+  # (the longest context of any suite: here the calculator's episodes) compiles one set for every suite.
+  from ptx.models import init_params
+
+  section = EvalConfig(suites=("arithmetic", "calculator"), n=2, k=1, max_new_tokens=4,
+                       sampling=SamplingConfig(greedy=True))
+  evals = checkpoint_evals.build(section, TOK)
+  built = []
+  original = checkpoint_evals.SuiteEvals._engine
+  monkeypatch.setattr(checkpoint_evals.SuiteEvals, "_engine",
+                      lambda self, *a: built.append(original(self, *a)) or built[-1])
+  reports = evals.evaluate(init_params(BASE.model, jax.random.key(0)), BASE.model)
+  assert set(reports) == {"arithmetic", "calculator"} and reports["calculator"]["tasks"] == 2
+  assert len(built) == 2 and built[0].config == built[1].config
+  _, calculator, tasks = evals.suites[1]
+  longest = checkpoint_evals._longest_prompt(calculator, list(tasks), checkpoint_evals.TurnFormat.of(TOK))
+  assert built[0].config.max_seq_len >= longest + checkpoint_evals.episode_tokens(calculator, 4) > 256
+
+
 def test_a_resume_without_the_baseline_is_refused(runs, tmp_path):
   out = tmp_path / "run"
   shutil.copytree(runs["out"], out)
