@@ -340,7 +340,7 @@ def _grpo(cfg, tokenizer, args, params):
   if args.executor != "local" and in_process:
     raise ValueError(f"--executor={args.executor} scores rl records on the host (--data.train_files with --env "
                      "exact_answer, --env code) and runs terminal episodes' commands (--env terminal); in-graph "
-                     "rewards, --env calculator, docqa or bfcl, and mixtures of environments run in this process")
+                     "rewards, mixtures of environments and --env calculator, docqa or bfcl run in this process")
   if args.answer_match != "math" and args.env != "exact_answer":
     raise ValueError(f"--answer-match sets how --env exact_answer matches answers; --env {args.env} has none")
   if args.families and "reasoning_gym" not in _mixed_names(args.env)[0]:

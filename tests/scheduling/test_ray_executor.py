@@ -206,6 +206,7 @@ def test_host_reward_grpo_trains_on_ray_with_the_local_executors_rewards(cluster
     (["--score-concurrency=0", "{data}"], "--score-concurrency must be >= 1, got 0"),
     (["--executor=ray", "--score-timeout-s=-1", "{data}"], "--score-timeout-s must be > 0, got -1.0"),
     (["--executor=ray", "--env=docqa"], "--env calculator, docqa or bfcl run in this process"),
+    (["--executor=ray", "--env=reasoning_gym,bfcl"], "mixtures of environments and --env calculator"),
     (["--warm-pool=2", "{data}"], "--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got "
                                   "--env exact_answer"),
     (["--env=terminal", "--warm-pool=-1"], "--warm-pool must be >= 0 (0: off), got -1"),
