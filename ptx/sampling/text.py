@@ -25,6 +25,15 @@ from ptx.sampling.generation import generate
 from ptx.sampling.rules import SamplingConfig
 
 
+def prompt_ids(tokenizer: Tokenizer, prompt: str, *, chat: bool) -> list[int]:
+  """The token ids a `TextSampler` feeds for `prompt`: a user turn of the chat template with the assistant header
+  (`chat`), else bos and the text."""
+  if chat:
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)[0]
+  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+  return bos + tokenizer.encode(prompt)
+
+
 class TextSampler:
   """Samples text continuations of text prompts from a parameter tree.
 
@@ -63,10 +72,7 @@ class TextSampler:
 
   def encode(self, prompt: str) -> list[int]:
     """The prompt's token ids, as the model will see them."""
-    if self.chat:
-      return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)[0]
-    bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
-    return bos + self.tokenizer.encode(prompt)
+    return prompt_ids(self.tokenizer, prompt, chat=self.chat)
 
   def __call__(self, prompts: list[str], k: int) -> list[list[str]]:
     """k completions of every prompt, in prompt order."""

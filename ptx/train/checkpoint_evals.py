@@ -51,7 +51,7 @@ always through the chat template (the tokenizer's, else ChatML), whatever
 prompt, each turn's budget and each reply's allowance (`episode_tokens`), and ends with outcome "limit"
 beyond that.
 
-Every suite gets a fresh engine of one shape (`SuiteEvals._shape`): the
+Every suite gets a fresh engine of one shape (`SuiteEvals._extent`): the
 context of the longest first prompt of any suite plus what its completion
 or episode may add, whole groups of `eval.k`, at most 32 sequences at once
 but at least one group on each device that holds pages, with pages for
@@ -62,6 +62,7 @@ one set of engine programs for the whole run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -79,7 +80,7 @@ from ptx.envs.base import Environment
 from ptx.episodes.turn_format import TurnFormat
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.mode import RolloutMode
-from ptx.sampling.text import TextSampler
+from ptx.sampling.text import TextSampler, prompt_ids
 from ptx.train.metrics import MetricsWriter
 from ptx.train.run_dir import RunDirError
 from ptx.train.state import TrainState
@@ -134,11 +135,8 @@ class SuiteEvals:
     """
     section, reports = self.source, {}
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
-    samplers = {name: TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
-                                  sampling=section.sampling, seed=section.seed, chat=section.chat, mesh=mesh,
-                                  rules=rules)
-                for name, env, _ in self.suites if env is not None and env.max_turns == 1}
-    shape = self._shape(samplers, mesh, rules)
+    context, size = self._extent
+    shape = episode_engine(context, section.k, size, mesh, rules)  # every sampled suite's
     for name, env, tasks in self.suites:
       if env is None:  # a likelihood suite scores the parameters themselves
         scorer = likelihood.Scorer(params, model, self.tokenizer, max_length=self.max_length, mesh=mesh, rules=rules)
@@ -153,30 +151,33 @@ class SuiteEvals:
       else:
         # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however
         # many tasks there are, and a finished completion frees its slot for the next.
-        samplers[name].engine = self._engine(model, shape, mesh, rules)
-        report = evaluation.evaluate(samplers[name], env, list(tasks), k=section.k)
+        sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+                              chat=section.chat, mesh=mesh, rules=rules, engine=self._engine(model, shape, mesh, rules))
+        report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
       reports[name] = suites.label(name, env, list(tasks), report)
     return reports
 
-  def _shape(self, samplers: dict[str, TextSampler], mesh: Mesh | None, rules: sharding.Rules) -> EngineConfig | None:
-    """The one engine shape every sampled suite shares (`episode_engine` at their longest context and largest size).
+  @functools.cached_property
+  def _extent(self) -> tuple[int, int]:
+    """(the longest context, the most tasks) of any sampled suite: the one engine shape they all share.
 
     One shape compiles one set of engine programs per run, whatever the suites and however many evaluations: a set
     per suite grew with every suite, and each XLA:CPU executable of a 30-layer model maps thousands of memory
-    regions, so six suites of SmolLM2-135M crossed Linux's 65,530 per process and aborted in LLVM.
+    regions, so six suites of SmolLM2-135M crossed Linux's 65,530 per process and aborted in LLVM. Measured once:
+    the prompts do not change between evaluations.
     """
-    section, contexts, sizes = self.source, [], []
-    for name, env, tasks in self.suites:
+    section, contexts, sizes = self.source, [1], [1]  # a shape even with no sampled suite (none is built then)
+    for _, env, tasks in self.suites:
       if env is None:
         continue
       if env.max_turns > 1:
         contexts.append(_longest_prompt(env, list(tasks), TurnFormat.of(self.tokenizer)) +
                         episode_tokens(env, section.max_new_tokens))
       else:
-        prompt = max((len(samplers[name].encode(p)) for p in _prompts(env, tasks)), default=0)
-        contexts.append(prompt + section.max_new_tokens)
+        contexts.append(max((len(prompt_ids(self.tokenizer, p, chat=section.chat)) for p in _prompts(env, tasks)),
+                            default=0) + section.max_new_tokens)
       sizes.append(len(tasks))
-    return episode_engine(max(contexts), section.k, max(sizes), mesh, rules) if contexts else None
+    return max(contexts), max(sizes)
 
   def _engine(self, model: ModelConfig, shape: EngineConfig, mesh: Mesh | None, rules: sharding.Rules):
     """A fresh engine of the mode over `shape`, seeded with `eval.seed`: every suite draws the same random numbers."""

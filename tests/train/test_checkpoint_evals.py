@@ -166,6 +166,9 @@ def test_a_single_turn_suite_larger_than_the_engines_slots_samples_what_one_stat
   static = TextSampler(params, BASE.model, TOK, max_new_tokens=4, sampling=section.sampling)
   prompts = [env.reset(task).prompt for task in tasks]
   assert [[s["completion"]] for s in report["samples"]] == static(prompts, 1)
+  # A second evaluation (the next checkpoint) reuses the measured shape: the prompts are not scanned again.
+  monkeypatch.setattr(checkpoint_evals, "_prompts", lambda *a: pytest.fail("the prompts were scanned again"))
+  assert evals.evaluate(params, BASE.model)["arithmetic"] == report and built[1].config == built[0].config
 
 
 def test_every_suite_of_an_evaluation_samples_on_engines_of_one_shape(monkeypatch):
