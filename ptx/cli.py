@@ -35,6 +35,8 @@ _ENVIRONMENTS = ("exact_answer", "code", "reasoning_gym", "calculator", "termina
 _EPISODES = ("calculator", "terminal", "docqa", "bfcl")
 # Environments with built-in training tasks, which `--env A,B:W` mixes, played as episodes.
 _MIXABLE = ("reasoning_gym", "code") + _EPISODES
+# Environments whose built-in training tasks `ptx demonstrations` solves (their `demonstration`).
+_DEMONSTRABLE = ("reasoning_gym", "calculator", "bfcl")
 
 
 def _env_flag(value: str) -> str:
@@ -122,6 +124,25 @@ def _parser() -> argparse.ArgumentParser:
                   "reports (pass@1, pass@k, mean@k per suite)")
   ev.add_argument("--threshold", type=float, default=EvalConfig().regression,
                   help="--compare: the largest drop of pass@1 that is not a regression (default: eval.regression's)")
+  demos = sub.add_parser("demonstrations", allow_abbrev=False,
+                         help="write SFT records of environments' training tasks solved right (to teach the "
+                         "answer form before RL)",
+                         description="Write --n chat records {\"messages\": [...]} of the built-in training tasks "
+                         "of --env, each the episode's prompt answered right (reasoning_gym: the family's answer in "
+                         "<answer></answer> tags, no reasoning; bfcl: the expected calls in the model family's form; "
+                         "calculator: a calculator call, its result, the answer), checked by the environment, "
+                         "for ptx sft --data.train_files. The tasks are the training split ptx grpo --env draws "
+                         "(the same seed, the same records); the eval suites' held-out tasks are never among them.")
+  demos.add_argument("--env", type=_env_flag, required=True, metavar="ENV | ENV[:WEIGHT],...",
+                     help=f"one of {_DEMONSTRABLE}, or several with weights, drawn as ptx grpo --env mixes them")
+  demos.add_argument("--n", type=int, required=True, help="number of records")
+  demos.add_argument("--model-dir", type=paths.argument,
+                     help="the model the records are for: its chat template picks the tool-call form (default: "
+                     "hermes)")
+  demos.add_argument("--families", metavar="NAME[:WEIGHT],...",
+                     help="--env reasoning_gym's families (default: a mix of 12)")
+  demos.add_argument("--seed", type=int, default=0, help="the task stream's seed (ptx grpo's --train.seed)")
+  demos.add_argument("--out", type=paths.argument, required=True, help="JSONL file to write (local or gs://)")
   for name, help_text in _ALGORITHMS.items():
     job = sub.add_parser(name, allow_abbrev=False, help=help_text,
                          description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'. Without "
@@ -216,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
   compile_cache.enable()  # before anything compiles
   if args.command == "eval":
     return _evaluate(args, overrides, parser.error)
+  if args.command == "demonstrations":
+    if overrides:
+      parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    try:
+      _demonstrations(args)
+    except (OSError, ValueError) as e:
+      parser.error(str(e))
+    return 0
   import jax
 
   # Pinned so RNG streams do not change when JAX's default does (STYLE 17).
@@ -405,6 +434,34 @@ def _mixture(args, tokenizer):
   envs, builtins, _ = zip(*(_builtin(name, args, tokenizer) for name in names))
   return (MixtureEnv(names, envs), lambda seed: MixedTasks(names, tuple(b(seed) for b in builtins), weights, seed),
           ("env", "task"))
+
+
+def _demonstrations(args) -> None:
+  """`ptx demonstrations`: writes --n solved training tasks of --env as SFT chat records, and prints their count per
+  environment."""
+  names, _ = _mixed_names(args.env)
+  refused = [name for name in names if name not in _DEMONSTRABLE]
+  if refused:
+    raise ValueError(f"--env {args.env}: {', '.join(refused)} has no demonstrations; environments with them: "
+                     f"{_DEMONSTRABLE}")
+  if args.n < 1:
+    raise ValueError(f"--n must be at least 1, got {args.n}")
+  tokenizer = None
+  if args.model_dir is not None:
+    from ptx.data.hf_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_dir)
+  env, builtin, _ = _mixture(args, tokenizer) if len(names) > 1 else _builtin(names[0], args, tokenizer)
+  tasks = builtin(args.seed)
+  lines, counts = [], dict.fromkeys(names, 0)
+  for i in range(args.n):
+    task = tasks[i]
+    lines.append(json.dumps({"messages": env.demonstration(task)}))
+    counts[env.label(task) if len(names) > 1 else names[0]] += 1
+  out = paths.path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  paths.write_atomic(out, "\n".join(lines) + "\n")
+  print(json.dumps({"demonstrations": args.n, "by_env": counts, "seed": args.seed, "out": str(out)}), flush=True)
 
 
 def _builtin(name: str, args, tokenizer):

@@ -26,6 +26,7 @@ TINY = {
              "--mesh.fsdp=4"],
     "eval": ["--n", "4", "--k", "2"],
     "convert": [],
+    "demonstrations": ["--n", "8"],
 }
 
 
@@ -79,3 +80,4 @@ def test_every_readme_command_line_runs_as_written(tmp_path, monkeypatch):
              for suite in ("arithmetic", "countdown")]
   assert all(report["tasks"] == 4 for report in reports), reports
   assert json.loads(pathlib.Path("smollm2_hf/config.json").read_text())["num_hidden_layers"] == 30
+  assert len(pathlib.Path("demos.jsonl").read_text().splitlines()) == 8

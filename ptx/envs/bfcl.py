@@ -371,6 +371,21 @@ class BFCLEnv:
             f"more, each with literal argument values, in this form (two calls shown):\n"
             f"{render_calls(self.tool_format, [example, example])}")
 
+  def demonstration(self, task: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The request answered right, as chat messages: the episode's prompt, then the expected calls
+    (`ground_truth`) in this environment's form.
+
+    Raises:
+      ValueError: for a record `validate` refuses, or whose expected calls this environment does not score 1.
+    """
+    episode = self.reset(task)
+    answer = render_calls(self.tool_format, ground_truth(task))
+    step = episode.step(answer)
+    if step.outcome != Outcome.OK:
+      raise ValueError(f"{self.name} task {task.get('id', '')!r}: its expected calls score {step.outcome}: "
+                       f"{step.reason}")
+    return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": answer}]
+
   def _score(self, task: Mapping[str, Any], action: str) -> Step:
     calls = parse_calls(action, self.tool_format)
     if not calls:

@@ -73,6 +73,17 @@ class MixtureEnv:
     """The first prompt the named environment shows for the record's task."""
     return first_prompt(self._named(task)[1], field(task, "task", dict, self.name))
 
+  def demonstration(self, task: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The named environment's demonstration of the record's task (chat messages), for SFT.
+
+    Raises:
+      ValueError: for a bad record, or an environment without demonstrations (named).
+    """
+    name, env = self._named(task)
+    if not hasattr(env, "demonstration"):
+      raise ValueError(f"{self.name}: environment {name!r} has no demonstrations")
+    return env.demonstration(field(task, "task", dict, self.name))
+
   def _named(self, task: Mapping[str, Any]) -> tuple[str, Environment]:
     name = field(task, "env", str, self.name)
     if name not in self.names:

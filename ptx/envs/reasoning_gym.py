@@ -5,6 +5,8 @@ own answer checker. A record is `{"prompt", "family", "entry"}`: the question wi
 `<answer></answer>` tags, the family's name, and reasoning-gym's entry (question, answer, metadata), which its
 checker reads. The reward is the checker's score of the last tagged answer (in [0, 1]; some families give partial
 credit, such as 0.01 for a well-formed wrong answer); a sample passes when it scores 1.
+`ReasoningGymEnv.demonstration(task)` is the question answered by reasoning-gym's own answer in tags, without
+reasoning: for teaching a model the answer form by SFT, not how to reason.
 
 `ReasoningGymTasks` mixes families by weight into one endless, random-access stream: task i's family is a seeded
 draw and its problem is item j of the family's generator, whose problems are pure functions of j. Training draws j
@@ -182,6 +184,19 @@ class ReasoningGymEnv:
     """Starts an episode for a `{"prompt", "family", "entry"}` record."""
     self.validate(task)
     return SingleTurn(prompt_text(task, self.name), lambda action: self._score(task, action))
+
+  def demonstration(self, task: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The question answered right, as chat messages: the prompt, then reasoning-gym's answer in tags.
+
+    Raises:
+      ValueError: for a record `validate` refuses, or whose answer the family's checker does not score 1.
+    """
+    episode = self.reset(task)
+    answer = f"<answer>{task['entry']['answer']}</answer>"
+    step = episode.step(answer)
+    if step.outcome != Outcome.OK:
+      raise ValueError(f"{self.name} task of {task['family']}: its own answer scores {step.outcome}: {step.reason}")
+    return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": answer}]
 
   def _score(self, task: Mapping[str, Any], action: str) -> Step:
     answer = tagged_answer(action)

@@ -142,7 +142,8 @@ def label(name: str, env: Environment, tasks: list[dict[str, Any]], report: dict
 
   Returns:
     The report with "suite"; for a suite of exact answers, "answer_match" (how answers were matched, math or
-    text); for reasoning_gym, "families" (accuracy per family); for needle, "cells" (accuracy per haystack length
+    text); for reasoning_gym, "families" (accuracy per family); for bfcl, "categories" (accuracy per BFCL
+    category: BFCL reports simple, multiple and parallel apart); for needle, "cells" (accuracy per haystack length
     and needle depth: long context is read per cell).
   """
   labelled = {"suite": name, **report}
@@ -150,6 +151,8 @@ def label(name: str, env: Environment, tasks: list[dict[str, Any]], report: dict
     labelled["answer_match"] = env.match
   if isinstance(env, ReasoningGymEnv):
     labelled["families"] = _accuracy_by(labelled, [t["family"] for t in tasks])
+  if isinstance(env, BFCLEnv):
+    labelled["categories"] = _accuracy_by(labelled, [t["category"] for t in tasks])
   if name == "needle":
     labelled["cells"] = needle.cells(labelled, tasks)
   return labelled

@@ -241,3 +241,38 @@ def test_every_records_ground_truth_scores_one_in_every_form():
     wrong = [(t["id"], step.reason) for t in tasks
              if (step := env.reset(t).step(render_calls(fmt, bfcl.ground_truth(t)))).reward != 1.0]
     assert wrong == [], (fmt, wrong[:3])
+
+
+def test_a_demonstration_is_the_request_answered_by_its_expected_calls_in_the_envs_form():
+  for fmt in ("smollm2", "gemma"):
+    env = bfcl.BFCLEnv(tool_format=fmt)
+    task = bfcl.BFCLTasks(seed=2)[5]
+    user, assistant = env.demonstration(task)
+    assert user == {"role": "user", "content": env.first_prompt(task)}
+    assert assistant == {"role": "assistant", "content": render_calls(fmt, bfcl.ground_truth(task))}
+    assert env.reset(task).step(assistant["content"]).outcome == Outcome.OK
+  with pytest.raises(ValueError, match="bfcl task record needs field 'functions'"):
+    bfcl.BFCLEnv().demonstration({k: v for k, v in task.items() if k != "functions"})
+
+
+def test_a_demonstration_the_env_would_not_score_one_is_refused(monkeypatch):
+  """`demonstration` plays its answer through the environment: expected calls it does not accept are an error, never
+  a wrong demonstration (here `ground_truth` made to drop the request's calls)."""
+  monkeypatch.setattr(bfcl, "ground_truth", lambda task: [])
+  with pytest.raises(ValueError, match="its expected calls score no_answer"):
+    bfcl.BFCLEnv().demonstration(bfcl.BFCLTasks()[0])
+
+
+def test_the_suite_reports_accuracy_per_category():
+  from ptx.data.tokenizer import ByteTokenizer
+  from ptx.envs import suites
+  from ptx.episodes import evaluation
+
+  env, tasks = suites.load("bfcl", n=40, tokenizer=ByteTokenizer())
+  # The expected calls for the simple requests, none for the others.
+  answers = {env.first_prompt(t): render_calls(env.tool_format, bfcl.ground_truth(t)) if t["category"] ==
+             "simple_python" else "no call" for t in tasks}
+  report = suites.label("bfcl", env, tasks, evaluation.evaluate(lambda prompts, k: [[answers[p]] * k for p in prompts],
+                                                                env, tasks, k=1))
+  categories = {t["category"] for t in tasks}
+  assert len(categories) == 4 and report["categories"] == {c: float(c == "simple_python") for c in sorted(categories)}

@@ -68,6 +68,14 @@ def test_records_are_validated_posed_and_scored_by_the_environment_they_name():
       env.validate(bad)
 
 
+def test_a_demonstration_is_the_named_environments_and_one_without_them_is_refused():
+  env = MixtureEnv(("calculator", "exact"), (CalculatorEnv(), ExactAnswerEnv()))
+  calc = CalculatorTasks(0)[3]
+  assert env.demonstration({"env": "calculator", "task": calc}) == CalculatorEnv().demonstration(calc)
+  with pytest.raises(ValueError, match="mixture: environment 'exact' has no demonstrations"):
+    env.demonstration({"env": "exact", "task": {"prompt": "What is 2 + 2?", "answer": "4"}})
+
+
 def test_an_environment_named_twice_is_refused():
   with pytest.raises(ValueError, match="distinct names"):
     MixtureEnv(("a", "a"), (ExactAnswerEnv(), ExactAnswerEnv()))

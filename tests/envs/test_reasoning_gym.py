@@ -126,3 +126,14 @@ def test_the_suite_reports_accuracy_per_family():
   report = suites.label("reasoning_gym", env, tasks,
                         evaluation.evaluate(lambda prompts, k: [[answers[p]] * k for p in prompts], env, tasks, k=1))
   assert report["families"] == {"gcd": 1.0, "lcm": 0.0}
+
+
+def test_a_demonstration_is_the_question_answered_in_tags_and_scores_one():
+  tasks = reasoning_gym.ReasoningGymTasks(seed=2)
+  for i in range(24):
+    user, assistant = ENV.demonstration(tasks[i])
+    assert user == {"role": "user", "content": tasks[i]["prompt"]}
+    assert assistant["content"] == f"<answer>{tasks[i]['entry']['answer']}</answer>"
+  wrong = {**tasks[0], "entry": {**tasks[0]["entry"], "answer": "<answer>"}}  # an answer its own tags would cut
+  with pytest.raises(ValueError, match="its own answer scores wrong"):
+    ENV.demonstration(wrong)
