@@ -1,4 +1,5 @@
-"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx grpo`, `ptx eval`, `ptx convert`.
+"""The `ptx` command line: `ptx version`, `ptx demo`, `ptx sft`, `ptx dpo`, `ptx grpo`, `ptx eval`, `ptx convert`,
+`ptx demonstrations` (`ptx eval` is `ptx.eval_command`; `--env` and demonstrations are `ptx.env_flags`).
 
 Every job takes `--out DIR`, an optional `--config FILE` (a JSON config tree,
 such as a run's saved config.json) and overrides `--section.field=value`
@@ -14,7 +15,6 @@ each command's Job and data (`ptx.train.job`, `ptx.train.streams`), and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import pathlib
@@ -22,6 +22,8 @@ import shlex
 import sys
 
 import ptx
+from ptx import env_flags
+from ptx import eval_command
 from ptx import paths
 from ptx import scoring_flags
 
@@ -29,32 +31,6 @@ _ALGORITHMS = {"sft": "SFT on prompt/completion or chat records",
                "dpo": "preference optimisation (DPO, cDPO, IPO, hinge, SimPO) on chosen/rejected records",
                "grpo": "GRPO-family RL (--grpo=grpo|dapo|dr_grpo|gspo|rloo|grpo_paper) on built-in arithmetic "
                        "or on rl records"}
-# `ptx grpo --env`: single-turn environments that score rl records on the host, and multi-turn ones (episodes).
-_ENVIRONMENTS = ("exact_answer", "code", "reasoning_gym", "calculator", "terminal", "docqa", "bfcl")
-# bfcl is single-turn, played as an episode because its prompt is the environment's (the functions, the call form).
-_EPISODES = ("calculator", "terminal", "docqa", "bfcl")
-# Environments with built-in training tasks, which `--env A,B:W` mixes, played as episodes.
-_MIXABLE = ("reasoning_gym", "code") + _EPISODES
-# Environments whose built-in training tasks `ptx demonstrations` solves (their `demonstration`).
-_DEMONSTRABLE = ("reasoning_gym", "calculator", "bfcl")
-
-
-def _env_flag(value: str) -> str:
-  """`--env`: one environment, or a comma list of mixable ones with optional weights (checked here, parsed later)."""
-  from ptx.envs.mixture import weighted_names
-
-  entries = [entry.strip() for entry in value.split(",")]
-  if len(entries) == 1 and entries[0] in _ENVIRONMENTS:
-    return entries[0]
-  try:
-    names, _ = weighted_names(entries, "--env's environments")
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-  unknown = [n for n in names if n not in _MIXABLE]
-  if len(names) < 2 or unknown:
-    raise argparse.ArgumentTypeError(f"{value!r}: one of {_ENVIRONMENTS}, or several of {_MIXABLE} (those with "
-                                     "built-in training tasks) as NAME[:WEIGHT],... to mix")
-  return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,71 +54,14 @@ def _parser() -> argparse.ArgumentParser:
   convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                        help="stored dtype (default bfloat16: half the size, but rounded; on SmolLM2-135M it moves "
                        "logits by up to 0.28 against float32. float32 keeps the dequantised weights exactly)")
-  from ptx.config import EvalConfig
+  eval_command.add_command(sub)
+  env_flags.add_demonstrations_command(sub)
+  _add_jobs(sub)
+  return parser
 
-  ev = sub.add_parser("eval", allow_abbrev=False,
-                      help="pass@k of a model on evaluation suites, or compare two reports or suite directories",
-                      description="Sample k completions per task, score them in each suite's environment and "
-                      "write OUT/eval.json (one suite) or OUT/SUITE/eval.json (several): pass@k, mean@k, outcome "
-                      "counts; choice and perplexity are scored by log-likelihood instead (acc, acc_norm; bits per "
-                      "byte, perplexity). Or --compare two reports, or two directories of suites (a run's "
-                      "OUT/evals/step_0 and OUT/evals/step_N): exit status 0, or 1 when a suite's pass@1 fell (bits "
-                      "per byte rose) by more than --threshold (2: bad arguments or reports). --rollout.mode=fast "
-                      "samples int8 weights with n-gram speculative decoding, as ptx grpo's fast rollouts do (the "
-                      "rollout section's other fields: --rollout.drafts, --rollout.verify_cost, --rollout.max_ngram).")
-  ev.add_argument("--model", type=paths.argument,
-                  help="Hugging Face model directory (weights and tokenizer; local or gs://)")
-  ev.add_argument("--task", help="suite names, comma-separated: arithmetic, countdown, needle (long-context "
-                  "retrieval), reasoning_gym (held-out problems of reasoning-gym families, see --families), bfcl "
-                  "(function calls, BFCL's held-out split), humaneval (all 164 problems; "
-                  "completion form, or a request with --chat), humaneval_held_out (the 32 ptx grpo --env code never "
-                  "trains on), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
-                  "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
-                  "about a long document through search tools), shell (your records); scored by log-likelihood: "
-                  "choice (multiple-choice records: acc, acc_norm), perplexity (text: bits per byte)")
-  ev.add_argument("--tasks-file", action="append", metavar="[SUITE=]PATH",
-                  help="JSONL task records of a file suite (math, code, shell, exact, choice: {\"context\", "
-                  "\"choices\", \"answer\"}; perplexity: {\"text\"} records, or a whole text file); SUITE= may "
-                  "be left out when --task names one file suite; repeat for several")
-  ev.add_argument("--n", type=int, default=100, help="number of tasks")
-  ev.add_argument("--k", type=int, default=8, help="samples per task")
-  ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens a completion may sample (each turn of a "
-                  "multi-turn suite)")
-  ev.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
-  ev.add_argument("--chat", action="store_true", help="render prompts through the model's chat template "
-                  "(multi-turn suites always are)")
-  ev.add_argument("--answer-match", choices=("math", "text"), default="math",
-                  help="how the exact suite matches answers: as math (the stated answer or last number, symbolically "
-                  "equal) or as text (a word or phrase, normalised; a record's answer may list aliases); the report "
-                  "says which")
-  ev.add_argument("--families", metavar="NAME[:WEIGHT],...",
-                  help="the reasoning_gym suite's families, comma-separated (default: a mix of 12 families)")
-  ev.add_argument("--seed", type=int, default=0)
-  ev.add_argument("--out", type=paths.argument, default="out/eval", help="report directory (local or gs://)")
-  ev.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
-                  help="print B against A: two report files (the full table), or two directories of per-suite "
-                  "reports (pass@1, pass@k, mean@k per suite)")
-  ev.add_argument("--threshold", type=float, default=EvalConfig().regression,
-                  help="--compare: the largest drop of pass@1 that is not a regression (default: eval.regression's)")
-  demos = sub.add_parser("demonstrations", allow_abbrev=False,
-                         help="write SFT records of environments' training tasks solved right (to teach the "
-                         "answer form before RL)",
-                         description="Write --n chat records {\"messages\": [...]} of the built-in training tasks "
-                         "of --env, each the episode's prompt answered right (reasoning_gym: the family's answer in "
-                         "<answer></answer> tags, no reasoning; bfcl: the expected calls in the model family's form; "
-                         "calculator: a calculator call, its result, the answer), checked by the environment, "
-                         "for ptx sft --data.train_files. The tasks are the training split ptx grpo --env draws "
-                         "(the same seed, the same records); the eval suites' held-out tasks are never among them.")
-  demos.add_argument("--env", type=_env_flag, required=True, metavar="ENV | ENV[:WEIGHT],...",
-                     help=f"one of {_DEMONSTRABLE}, or several with weights, drawn as ptx grpo --env mixes them")
-  demos.add_argument("--n", type=int, required=True, help="number of records")
-  demos.add_argument("--model-dir", type=paths.argument,
-                     help="the model the records are for: its chat template picks the tool-call form (default: "
-                     "hermes)")
-  demos.add_argument("--families", metavar="NAME[:WEIGHT],...",
-                     help="--env reasoning_gym's families (default: a mix of 12)")
-  demos.add_argument("--seed", type=int, default=0, help="the task stream's seed (ptx grpo's --train.seed)")
-  demos.add_argument("--out", type=paths.argument, required=True, help="JSONL file to write (local or gs://)")
+
+def _add_jobs(sub) -> None:
+  """Adds `ptx sft`, `dpo` and `grpo` and their flags to the subparsers `sub`."""
   for name, help_text in _ALGORITHMS.items():
     job = sub.add_parser(name, allow_abbrev=False, help=help_text,
                          description=f"{help_text}. Data: --data.train_files='[\"a.jsonl\"]'. Without "
@@ -162,35 +81,39 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--no-export", action="store_true",
                      help="skip writing OUT/hf (HF weights + tokenizer; with LoRA also OUT/adapter in PEFT layout)")
     if name == "grpo":
-      job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
-                          "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
-                          "With them: rl records scored on the host by --env (host-reward mode). --env code "
-                          "without them: HumanEval's training problems, scored on the host. --env calculator, "
-                          "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
-                          "without --data.train_files.")
-      job.add_argument("--env", type=_env_flag, default="exact_answer", metavar="ENV | ENV[:WEIGHT],...",
-                       help="environment scoring rl records: exact_answer (final answer, as math or text), "
-                       "reasoning_gym (reasoning-gym families' own checkers; without --data.train_files: their "
-                       "problems, --families), code "
-                       "(unit tests in the sandbox; without --data.train_files: HumanEval's first 132 problems); "
-                       "multi-turn episodes: calculator (word problems, a calculator "
-                       "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check), docqa "
-                       "(questions about a long document, search and read tools) or bfcl (one turn of function "
-                       "calls in the model family's form, BFCL's training split, AST-checked). Several, with weights "
-                       "(--env reasoning_gym:3,bfcl): a step draws each task from one of their built-in training "
-                       "tasks (or reads {\"env\", \"task\"} records), all played as episodes; metrics "
-                       "episodes/reward/<env> per environment")
-      job.add_argument("--families", metavar="NAME[:WEIGHT],...",
-                       help="--env reasoning_gym: the families a step's prompts are drawn from, by weight (default: "
-                       "a mix of 12; the reasoning_gym suite holds out other generator seeds of the same families)")
-      job.add_argument("--answer-match", choices=("math", "text"), default="math",
-                       help="--env exact_answer: match the final answer as math (the stated answer or last number, "
-                       "symbolically equal) or as text (a word or phrase, normalised; the record's answer may "
-                       "list aliases)")
-      scoring = job.add_argument_group("host scoring and terminal episodes (--env exact_answer or code on rl "
-                                       "records; --env terminal)")
-      scoring_flags.add_arguments(scoring)
-  return parser
+      _add_grpo_arguments(job)
+
+
+def _add_grpo_arguments(job: argparse.ArgumentParser) -> None:
+  """Adds what `ptx grpo` reads beside the job flags: its environments and their scoring."""
+  job.description += (" Without --data.train_files: 2-digit addition, exact match scored in-graph (fused "
+                      "mode; data.batch_size prompts of data.seq_len tokens, grpo.max_response_tokens new). "
+                      "With them: rl records scored on the host by --env (host-reward mode). --env code "
+                      "without them: HumanEval's training problems, scored on the host. --env calculator, "
+                      "terminal or docqa: multi-turn episodes in that environment, on its built-in tasks "
+                      "without --data.train_files.")
+  job.add_argument("--env", type=env_flags.env_flag, default="exact_answer", metavar="ENV | ENV[:WEIGHT],...",
+                   help="environment scoring rl records: exact_answer (final answer, as math or text), "
+                   "reasoning_gym (reasoning-gym families' own checkers; without --data.train_files: their "
+                   "problems, --families), code "
+                   "(unit tests in the sandbox; without --data.train_files: HumanEval's first 132 problems); "
+                   "multi-turn episodes: calculator (word problems, a calculator "
+                   "tool), terminal (fix a bug with shell commands in the sandbox, a hidden check), docqa "
+                   "(questions about a long document, search and read tools) or bfcl (one turn of function "
+                   "calls in the model family's form, BFCL's training split, AST-checked). Several, with weights "
+                   "(--env reasoning_gym:3,bfcl): a step draws each task from one of their built-in training "
+                   "tasks (or reads {\"env\", \"task\"} records), all played as episodes; metrics "
+                   "episodes/reward/<env> per environment")
+  job.add_argument("--families", metavar="NAME[:WEIGHT],...",
+                   help="--env reasoning_gym: the families a step's prompts are drawn from, by weight (default: "
+                   "a mix of 12; the reasoning_gym suite holds out other generator seeds of the same families)")
+  job.add_argument("--answer-match", choices=("math", "text"), default="math",
+                   help="--env exact_answer: match the final answer as math (the stated answer or last number, "
+                   "symbolically equal) or as text (a word or phrase, normalised; the record's answer may "
+                   "list aliases)")
+  scoring = job.add_argument_group("host scoring and terminal episodes (--env exact_answer or code on rl "
+                                   "records; --env terminal)")
+  scoring_flags.add_arguments(scoring)
 
 
 def _job_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -236,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
 
   compile_cache.enable()  # before anything compiles
   if args.command == "eval":
-    return _evaluate(args, overrides, parser.error)
+    return eval_command.run(args, overrides, parser.error)
   if args.command == "demonstrations":
     if overrides:
       parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     try:
-      _demonstrations(args)
+      env_flags.demonstrations(args)
     except (OSError, ValueError) as e:
       parser.error(str(e))
     return 0
@@ -363,7 +286,7 @@ def _grpo(cfg, tokenizer, args, params):
   (`streams.check_builtin_prompts`), are checked before a job is built."""
   from ptx.train import job, presets, streams
 
-  mixed = args.env not in _ENVIRONMENTS
+  mixed = args.env not in env_flags.ENVIRONMENTS
   in_process = mixed or args.env in ("calculator", "docqa", "bfcl") or (args.env == "exact_answer" and
                                                                          not cfg.data.train_files)
   if args.executor != "local" and in_process:
@@ -372,12 +295,13 @@ def _grpo(cfg, tokenizer, args, params):
                      "rewards, mixtures of environments and --env calculator, docqa or bfcl run in this process")
   if args.answer_match != "math" and args.env != "exact_answer":
     raise ValueError(f"--answer-match sets how --env exact_answer matches answers; --env {args.env} has none")
-  if args.families and "reasoning_gym" not in _mixed_names(args.env)[0]:
+  if args.families and "reasoning_gym" not in env_flags.mixed_names(args.env)[0]:
     raise ValueError(f"--families chooses --env reasoning_gym's task families; --env {args.env} has none")
   if args.warm_pool and args.env != "terminal":
     raise ValueError(f"--warm-pool needs --env terminal (it prepares terminal workspaces ahead), got --env {args.env}")
-  if mixed or args.env in _EPISODES:
-    env, builtin, fields = _mixture(args, tokenizer) if mixed else _builtin(args.env, args, tokenizer)
+  if mixed or args.env in env_flags.EPISODES:
+    env, builtin, fields = (env_flags.mixture(args, tokenizer) if mixed else
+                            env_flags.builtin(args.env, args, tokenizer))
     # The prompts checked against data.seq_len are the episodes' first, as the environment poses them.
     if cfg.data.train_files:
       tasks = streams.rl_tasks(cfg, tokenizer, env, fields, episodes=True)
@@ -391,7 +315,7 @@ def _grpo(cfg, tokenizer, args, params):
   from ptx.episodes.scoring import EnvReward
 
   if args.env in ("reasoning_gym", "code") and not cfg.data.train_files:
-    env, builtin, _ = _builtin(args.env, args, tokenizer)
+    env, builtin, _ = env_flags.builtin(args.env, args, tokenizer)
     tasks = builtin(cfg.train.seed)
     streams.check_builtin_prompts(cfg, tokenizer, env, tasks, episodes=False)
     if args.env == "reasoning_gym":
@@ -411,208 +335,15 @@ def _grpo(cfg, tokenizer, args, params):
     tasks = ArithmeticTask(presets.GRPO_SEED, presets.DIGITS)
     return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=True), None
   else:
-    env, fields = _environment(args.env, args.answer_match)
+    env, fields = env_flags.environment(args.env, args.answer_match)
     tasks = streams.rl_tasks(cfg, tokenizer, env, fields)
   reward = EnvReward(env, tokenizer, (tokenizer.eos_id,), cfg.grpo.group_size, **scoring_flags.reward_options(args))
   built = job.grpo_host_job(cfg, tokenizer, reward)
   return built, streams.grpo_prompts(cfg, tokenizer, tasks, in_graph=False), None
 
 
-def _mixed_names(flag: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
-  """The environments of `--env` (one, or a mixture's) and their weights."""
-  from ptx.envs.mixture import weighted_names
-
-  return weighted_names([entry.strip() for entry in flag.split(",")], "--env's environments")
-
-
-def _mixture(args, tokenizer):
-  """(MixtureEnv, its built-in tasks of a seed: `MixedTasks` by `--env`'s weights, the fields its records need) of
-  `--env A[:W],B[:W],...`."""
-  from ptx.envs.mixture import MixedTasks, MixtureEnv
-
-  names, weights = _mixed_names(args.env)
-  envs, builtins, _ = zip(*(_builtin(name, args, tokenizer) for name in names))
-  return (MixtureEnv(names, envs), lambda seed: MixedTasks(names, tuple(b(seed) for b in builtins), weights, seed),
-          ("env", "task"))
-
-
-def _demonstrations(args) -> None:
-  """`ptx demonstrations`: writes --n solved training tasks of --env as SFT chat records, and prints their count per
-  environment."""
-  names, _ = _mixed_names(args.env)
-  refused = [name for name in names if name not in _DEMONSTRABLE]
-  if refused:
-    raise ValueError(f"--env {args.env}: {', '.join(refused)} has no demonstrations; environments with them: "
-                     f"{_DEMONSTRABLE}")
-  if args.n < 1:
-    raise ValueError(f"--n must be at least 1, got {args.n}")
-  tokenizer = None
-  if args.model_dir is not None:
-    from ptx.data.hf_tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(args.model_dir)
-  env, builtin, _ = _mixture(args, tokenizer) if len(names) > 1 else _builtin(names[0], args, tokenizer)
-  tasks = builtin(args.seed)
-  lines, counts = [], dict.fromkeys(names, 0)
-  for i in range(args.n):
-    task = tasks[i]
-    lines.append(json.dumps({"messages": env.demonstration(task)}))
-    counts[env.label(task) if len(names) > 1 else names[0]] += 1
-  out = paths.path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  paths.write_atomic(out, "\n".join(lines) + "\n")
-  print(json.dumps({"demonstrations": args.n, "by_env": counts, "seed": args.seed, "out": str(out)}), flush=True)
-
-
-def _builtin(name: str, args, tokenizer):
-  """(environment, its built-in training tasks of a seed, the fields its records need) of `ptx grpo --env NAME`,
-  for the environments that have built-in tasks (`_MIXABLE`)."""
-  if name == "reasoning_gym":
-    from ptx.envs import reasoning_gym
-
-    families = reasoning_gym.parse_families(_families(args.families))
-    return (reasoning_gym.ReasoningGymEnv(),
-            lambda seed: reasoning_gym.ReasoningGymTasks(*families, seed=seed, split="train"), ("family", "entry"))
-  if name == "code":
-    from ptx.envs import humaneval
-    from ptx.envs.python_tests import PythonTestsEnv
-
-    return PythonTestsEnv(limits=humaneval.LIMITS), lambda seed: humaneval.HumanEvalTasks("train"), ("tests",)
-  return _episode_environment(name, tokenizer, scoring_flags.shell_options(args) if name == "terminal" else None)
-
-
-def _episode_environment(name: str, tokenizer, shell: dict | None = None):
-  """(environment, built-in tasks of a seed, the fields its records need) of `ptx grpo --env NAME` for episodes;
-  `shell`: the terminal's `ShellEnv` options (`scoring_flags.shell_options`: executor, warm pool)."""
-  if name == "calculator":
-    from ptx.envs.calculator import CalculatorEnv, CalculatorTasks
-
-    return CalculatorEnv(), CalculatorTasks, ("answer",)
-  if name == "terminal":
-    from ptx.envs.shell import ShellEnv
-    from ptx.envs.terminal import TerminalTasks
-
-    return ShellEnv(**(shell or {})), TerminalTasks, ("files", "check")
-  if name == "bfcl":
-    from ptx.envs.bfcl import BFCLEnv, BFCLTasks
-    from ptx.envs.tools import family_format
-
-    return BFCLEnv(tool_format=family_format(tokenizer)), BFCLTasks, ("prompt", "functions", "answer", "category")
-  from ptx.envs.docqa import DocQAEnv, DocQATasks
-
-  return DocQAEnv(tokenizer), DocQATasks, ("document", "question", "answer")
-
-
-def _environment(name: str, answer_match: str):
-  """(environment, the fields its records need) of `ptx grpo --env NAME`; `answer_match`: exact_answer's match."""
-  from ptx.envs.exact_answer import ExactAnswerEnv
-  from ptx.envs.python_tests import PythonTestsEnv
-
-  if name == "exact_answer":
-    return ExactAnswerEnv(match=answer_match), ("answer",)
-  if name == "reasoning_gym":
-    from ptx.envs.reasoning_gym import ReasoningGymEnv
-
-    return ReasoningGymEnv(), ("family", "entry")
-  return PythonTestsEnv(), ("tests",)  # --env code
-
-
 # `ptx sft|dpo|grpo`: (cfg, tokenizer, args, starting params) -> (Job, training data, held-out batches or None).
 _JOBS = {"sft": _supervised, "dpo": _supervised, "grpo": _grpo}
-
-
-def _evaluate(args, overrides: list[str], error) -> int:
-  """`ptx eval`: a model's reports on one or more suites, or `--compare`; returns the exit status.
-
-  Of the config overrides it takes the `rollout` section's (`--rollout.mode=fast`), as `ptx grpo` does.
-  """
-  from ptx import config_io
-  from ptx.config import Config, ConfigError
-  from ptx.episodes import evaluation
-
-  other = [o for o in overrides if not o.startswith("--rollout.")]
-  if other or (overrides and args.compare):
-    error(f"unrecognized arguments: {' '.join(other or overrides)} (ptx eval takes --rollout.* overrides only)")
-  try:
-    rollout = config_io.apply_overrides(Config(), overrides).rollout
-  except ConfigError as e:
-    error(str(e))
-  if args.compare:
-    return _compare(args.compare, args.threshold, error)
-  if args.model is None or args.task is None:
-    error("ptx eval needs --model DIR and --task NAME[,NAME...] (or --compare A B)")
-  from ptx.config import EvalConfig, SamplingConfig
-  from ptx.data.hf_tokenizer import load_tokenizer
-  from ptx.models import load_hf
-  from ptx.models.hf_generation import read_generation
-  from ptx.train import checkpoint_evals
-
-  names = tuple(args.task.split(","))
-  sampling = SamplingConfig(greedy=True) if args.temperature == 0 else SamplingConfig(temperature=args.temperature)
-  try:  # a bad flag, a missing or cut file, a tokenizer larger than the model, a bad task record: named
-    section = EvalConfig(suites=names, files=_task_files(names, args.tasks_file or ()), n=args.n, k=args.k,
-                         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, chat=args.chat,
-                         answer_match=args.answer_match, families=_families(args.families))
-    tokenizer = load_tokenizer(args.model)
-    evals = checkpoint_evals.build(section, tokenizer, rollout)
-    # Likelihood suites score sequences up to the context the model declares.
-    declared = read_generation(args.model).max_position_embeddings
-    evals = dataclasses.replace(evals, max_length=declared or evals.max_length)
-    model = load_hf(args.model)
-    reports = evals.evaluate(model.params, model.cfg)
-  except (OSError, ValueError) as e:
-    error(str(e))
-  if len(reports) == 1:
-    args.out.mkdir(parents=True, exist_ok=True)
-    evaluation.write_report(reports[names[0]], args.out / evaluation.REPORT_FILE)
-  else:
-    evaluation.write_suites(reports, args.out)
-  for report in reports.values():
-    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
-  return 0
-
-
-def _families(flag: str | None) -> tuple[str, ...]:
-  """`--families NAME[:WEIGHT],...` as entries (empty: the default mix)."""
-  return tuple(entry.strip() for entry in flag.split(",") if entry.strip()) if flag else ()
-
-
-def _task_files(names: tuple[str, ...], given) -> tuple[str, ...]:
-  """`--tasks-file` entries as `eval.files`: SUITE=PATH kept, a bare PATH given to the one file suite named."""
-  from ptx.envs import suites
-  from ptx.episodes import likelihood
-
-  file_suites = [name for name in names if name in suites.FILE_SUITES + tuple(likelihood.SUITES)]
-  entries = []
-  for entry in given:
-    if entry.split("=", 1)[0] in suites.NAMES + tuple(likelihood.SUITES):
-      entries.append(entry)
-    elif len(file_suites) == 1:
-      entries.append(f"{file_suites[0]}={entry}")
-    else:
-      raise ValueError(f"--tasks-file {entry}: say which suite reads it (SUITE=PATH); --task names the file suites "
-                       f"{file_suites}")
-  return tuple(entries)
-
-
-def _compare(pair, threshold: float, error) -> int:
-  """`ptx eval --compare A B`: prints B against A; 1 when a suite regressed (`evaluation.regressed`), else 0."""
-  from ptx.episodes import evaluation
-
-  a, b = pair
-  try:
-    if a.is_file() and b.is_file():  # two reports: the full table of each metric and outcome rate
-      before, after = evaluation.read_report(a), evaluation.read_report(b)
-      worse = [after.get("suite", str(b))] if evaluation.regressed(before, after, threshold) else []
-      print(evaluation.compare(before, after, tolerance=threshold))
-      print(evaluation.verdict(worse, threshold, perplexity="bits_per_byte" in before))
-    else:
-      table, worse = evaluation.compare_suites(evaluation.read_suites(a), evaluation.read_suites(b),
-                                               threshold=threshold)
-      print(table)
-  except (OSError, ValueError, KeyError) as e:
-    error(f"--compare: {e}")
-  return 1 if worse else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cli_runs import by_step, checkpoint_params, cut_after, files_flag, without_timing, write_jsonl
-from ptx import cli
+from ptx import cli, env_flags
 
 STEPS = 4
 # The entropy bonus and the KL term give gradients even while a random model earns no reward.
@@ -252,7 +252,7 @@ def test_grpo_on_calculator_episodes_refuses_staleness(tmp_path, capsys):
 def test_each_episode_environment_poses_its_built_in_tasks_and_names_the_fields_records_need(name):
   from ptx.data.tokenizer import ByteTokenizer
 
-  env, builtin, fields = cli._episode_environment(name, ByteTokenizer())
+  env, builtin, fields = env_flags.episode_environment(name, ByteTokenizer())
   record = builtin(0)[0]
   assert env.name in (name, "shell") and env.max_turns > 1 and set(fields) <= set(record)
   assert builtin(0)[0] == record and builtin(1)[0] != record  # seeded: the train split of `--train.seed`

@@ -1,6 +1,6 @@
 """Imports flow one way, room by room, and every program run by path imports only the standard library.
 
-The layers, top to bottom: entry points (cli, demo, scoring_flags) -> train
+The layers, top to bottom: entry points (cli, env_flags, eval_command, demo, scoring_flags) -> train
 -> train.grpo -> the training core (state, step, optimizer) -> episodes ->
 envs -> algorithms -> sampling -> models -> data -> sharding -> config; at the
 bottom the three rooms that import nothing else from ptx (sandbox,
@@ -33,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Higher layers may import lower ones and their own layer; never upwards. The longest matching prefix decides.
 LAYERS = {
-    "ptx.cli": 12, "ptx.demo": 12, "ptx.scoring_flags": 12, "ptx.lm_eval_model": 12,
+    "ptx.cli": 12, "ptx.demo": 12, "ptx.scoring_flags": 12, "ptx.lm_eval_model": 12, "ptx.env_flags": 12,
+    "ptx.eval_command": 12,
     "ptx.train": 11,
     "ptx.train.grpo": 10,
     "ptx.train.state": 9, "ptx.train.step": 9, "ptx.train.optimizer": 9,

@@ -228,3 +228,19 @@ class SingleTurn:
 
   def close(self) -> None:
     """Holds nothing."""
+
+  def demonstration(self, answer: str, refusal: str) -> list[dict[str, str]]:
+    """This episode answered by `answer`, as chat messages (the prompt, the answer), for SFT.
+
+    Args:
+      answer: the right answer, as the model would write it.
+      refusal: how the error starts when the episode does not score it 1, the outcome and reason following
+        ("bfcl task 'simple_3': its expected calls score").
+
+    Raises:
+      ValueError: when the episode does not score the answer 1.
+    """
+    step = self.step(answer)
+    if step.outcome != Outcome.OK:
+      raise ValueError(f"{refusal} {step.outcome}: {step.reason}")
+    return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": answer}]

@@ -378,13 +378,8 @@ class BFCLEnv:
     Raises:
       ValueError: for a record `validate` refuses, or whose expected calls this environment does not score 1.
     """
-    episode = self.reset(task)
-    answer = render_calls(self.tool_format, ground_truth(task))
-    step = episode.step(answer)
-    if step.outcome != Outcome.OK:
-      raise ValueError(f"{self.name} task {task.get('id', '')!r}: its expected calls score {step.outcome}: "
-                       f"{step.reason}")
-    return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": answer}]
+    return self.reset(task).demonstration(render_calls(self.tool_format, ground_truth(task)),
+                                          f"{self.name} task {task.get('id', '')!r}: its expected calls score")
 
   def _score(self, task: Mapping[str, Any], action: str) -> Step:
     calls = parse_calls(action, self.tool_format)

@@ -191,12 +191,8 @@ class ReasoningGymEnv:
     Raises:
       ValueError: for a record `validate` refuses, or whose answer the family's checker does not score 1.
     """
-    episode = self.reset(task)
-    answer = f"<answer>{task['entry']['answer']}</answer>"
-    step = episode.step(answer)
-    if step.outcome != Outcome.OK:
-      raise ValueError(f"{self.name} task of {task['family']}: its own answer scores {step.outcome}: {step.reason}")
-    return [{"role": "user", "content": episode.prompt}, {"role": "assistant", "content": answer}]
+    return self.reset(task).demonstration(f"<answer>{task['entry']['answer']}</answer>",
+                                          f"{self.name} task of {task['family']}: its own answer scores")
 
   def _score(self, task: Mapping[str, Any], action: str) -> Step:
     answer = tagged_answer(action)

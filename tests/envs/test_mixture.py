@@ -5,7 +5,7 @@ import collections
 
 import pytest
 
-from ptx import cli
+from ptx import cli, env_flags
 from ptx.envs.base import Outcome, first_prompt
 from ptx.envs.calculator import CalculatorEnv, CalculatorTasks
 from ptx.envs.exact_answer import ExactAnswerEnv
@@ -103,7 +103,7 @@ def test_a_mixture_of_the_built_in_training_tasks_never_draws_a_held_out_task():
   from ptx.envs import bfcl, reasoning_gym
 
   args = cli._parser().parse_args(["grpo", "--env", "reasoning_gym:2,bfcl", "--families", "gcd,lcm"])
-  env, builtin, fields = cli._mixture(args, ByteTokenizer())
+  env, builtin, fields = env_flags.mixture(args, ByteTokenizer())
   assert fields == ("env", "task") and env.names == ("reasoning_gym", "bfcl")
   tasks = builtin(0)
   records = [tasks[i] for i in range(300)]
