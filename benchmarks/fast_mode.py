@@ -150,9 +150,7 @@ def engine_config(prompts: list[list[int]], args) -> EngineConfig:
 
 def _compiled() -> int:
   """Programs the engines' jitted functions have compiled so far (a timed run should add none)."""
-  return sum(program._cache_size() for program in (
-      programs.prefill_program, programs.decode_program, programs.verify_program,
-      programs.speculate_program, programs.copy_program))
+  return programs.SHARED.compiled
 
 
 def run(engine_of, params, prompts: list[list[int]], new: int) -> dict:

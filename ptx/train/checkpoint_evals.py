@@ -56,7 +56,13 @@ context of the longest first prompt of any suite plus what its completion
 or episode may add, whole groups of `eval.k`, at most 32 sequences at once
 but at least one group on each device that holds pages, with pages for
 every slot at its whole context (`episode_engine`). One shape compiles
-one set of engine programs for the whole run.
+one set of engine programs per evaluation, its own
+(`ptx.sampling.engine.programs.Programs`), dropped when the evaluation
+ends: an XLA:CPU executable of a 30-layer model maps over a thousand memory
+regions, and an evaluation's programs kept beside training's crossed
+Linux's limit of 65,530 per process (`vm.max_map_count`), where LLVM
+aborts. Each evaluation compiles its programs again, or loads them from
+the persistent compilation cache (`ptx.compile_cache`, on in the commands).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from ptx.envs.base import Environment
 from ptx.episodes.turn_format import TurnFormat
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.mode import RolloutMode
+from ptx.sampling.engine.programs import Programs
 from ptx.sampling.text import TextSampler, prompt_ids
 from ptx.train.metrics import MetricsWriter
 from ptx.train.run_dir import RunDirError
@@ -137,34 +144,40 @@ class SuiteEvals:
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
     context, size = self._extent
     shape = episode_engine(context, section.k, size, mesh, rules)  # every sampled suite's
-    for name, env, tasks in self.suites:
-      if env is None:  # a likelihood suite scores the parameters themselves
-        scorer = likelihood.Scorer(params, model, self.tokenizer, max_length=self.max_length, mesh=mesh, rules=rules)
-        reports[name] = {"suite": name, **likelihood.SUITES[name][1](scorer, tasks)}
-        continue
-      if env.max_turns > 1:
-        check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
-        report = evaluation.evaluate_episodes(self._engine(model, shape, mesh, rules), sampled, env, list(tasks),
-                                              TurnFormat.of(self.tokenizer), k=section.k,
-                                              max_turn_tokens=section.max_new_tokens,
-                                              max_episode_tokens=episode_tokens(env, section.max_new_tokens))
-      else:
-        # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however
-        # many tasks there are, and a finished completion frees its slot for the next.
-        sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
-                              chat=section.chat, mesh=mesh, rules=rules, engine=self._engine(model, shape, mesh, rules))
-        report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
-      reports[name] = suites.label(name, env, list(tasks), report)
+    programs = Programs.own()  # the evaluation's own, released below: training never runs them
+    engine = functools.partial(self._engine, model, shape, programs, mesh, rules)  # a fresh one per suite
+    try:
+      for name, env, tasks in self.suites:
+        if env is None:  # a likelihood suite scores the parameters themselves
+          scorer = likelihood.Scorer(params, model, self.tokenizer, max_length=self.max_length, mesh=mesh,
+                                     rules=rules)
+          reports[name] = {"suite": name, **likelihood.SUITES[name][1](scorer, tasks)}
+          continue
+        if env.max_turns > 1:
+          check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
+          report = evaluation.evaluate_episodes(engine(), sampled, env, list(tasks), TurnFormat.of(self.tokenizer),
+                                                k=section.k,
+                                                max_turn_tokens=section.max_new_tokens,
+                                                max_episode_tokens=episode_tokens(env, section.max_new_tokens))
+        else:
+          # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however
+          # many tasks there are, and a finished completion frees its slot for the next.
+          sampler = TextSampler(sampled, model, self.tokenizer, max_new_tokens=section.max_new_tokens,
+                                chat=section.chat, mesh=mesh, rules=rules, engine=engine())
+          report = evaluation.evaluate(sampler, env, list(tasks), k=section.k)
+        reports[name] = suites.label(name, env, list(tasks), report)
+    finally:
+      programs.release()
     return reports
 
   @functools.cached_property
   def _extent(self) -> tuple[int, int]:
     """(the longest context, the most tasks) of any sampled suite: the one engine shape they all share.
 
-    One shape compiles one set of engine programs per run, whatever the suites and however many evaluations: a set
-    per suite grew with every suite, and each XLA:CPU executable of a 30-layer model maps thousands of memory
-    regions, so six suites of SmolLM2-135M crossed Linux's 65,530 per process and aborted in LLVM. Measured once:
-    the prompts do not change between evaluations.
+    One shape compiles one set of engine programs per evaluation, whatever the suites: a set per suite grew with
+    every suite, and each XLA:CPU executable of a 30-layer model maps over a thousand memory regions, so six suites
+    of SmolLM2-135M crossed Linux's 65,530 per process and aborted in LLVM. Measured once: the prompts do not change
+    between evaluations.
     """
     section, contexts, sizes = self.source, [1], [1]  # a shape even with no sampled suite (none is built then)
     for _, env, tasks in self.suites:
@@ -179,11 +192,12 @@ class SuiteEvals:
       sizes.append(len(tasks))
     return max(contexts), max(sizes)
 
-  def _engine(self, model: ModelConfig, shape: EngineConfig, mesh: Mesh | None, rules: sharding.Rules):
+  def _engine(self, model: ModelConfig, shape: EngineConfig, programs: Programs, mesh: Mesh | None,
+              rules: sharding.Rules):
     """A fresh engine of the mode over `shape`, seeded with `eval.seed`: every suite draws the same random numbers."""
     section = self.source
     return self.mode.engine(model, shape, sampling=section.sampling, seed=section.seed, mesh=mesh,
-                            pad_id=self.tokenizer.pad_id, rules=rules)
+                            pad_id=self.tokenizer.pad_id, rules=rules, programs=programs)
 
   def start(self, out: str | os.PathLike, writer: MetricsWriter, *, model: ModelConfig, lora: LoRAConfig | None,
             mesh: Mesh, rules: sharding.Rules, checkpoint_every: int, primary: bool) -> CheckpointEvals:

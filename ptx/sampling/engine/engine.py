@@ -60,8 +60,7 @@ from ptx.sampling import buckets
 from ptx.sampling.engine import sequences
 from ptx.sampling.engine.admission import Admission
 from ptx.sampling.engine.config import EngineConfig
-from ptx.sampling.engine.programs import (DecodeRows, copy_program, decode_program, init_pool_program,
-                                          prefill_program, reading_pairs)
+from ptx.sampling.engine.programs import SHARED, DecodeRows, Programs, init_pool_program, reading_pairs
 from ptx.sampling.engine.sequences import Completion, HostSequence, SeqState
 from ptx.sampling.engine.pages import PageAllocator
 from ptx.sampling.rules import SamplingConfig
@@ -93,7 +92,8 @@ class RolloutEngine:
 
   def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *,
                sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0, mesh: Mesh | None = None,
-               tempered_log_probs: bool = False, pad_id: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES):
+               tempered_log_probs: bool = False, pad_id: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES,
+               programs: Programs = SHARED):
     """Allocates the pool of pages (on `mesh`, pages over its batch axes and KV heads over `tensor`).
 
     Args:
@@ -106,6 +106,8 @@ class RolloutEngine:
         `sampling.temperature` (GRPO's), else the raw policy's.
       pad_id: the token written after a row's last one in the programs' outputs.
       rules: the sharding rules.
+      programs: the jitted programs it runs (`ptx.sampling.engine.programs`:
+        the shared set, or a set its caller releases).
 
     Raises:
       ValueError: when the slots, prefill rows or pages do not split over
@@ -113,6 +115,7 @@ class RolloutEngine:
         kernel that cannot read these pages (`paged_kv_cache.kernel_for`).
     """
     self.cfg, self.config, self.sampling, self.mesh, self.rules = cfg, config, sampling, mesh, rules
+    self.programs = programs
     int8 = config.kv_dtype == "int8"
     self._statics = dict(cfg=cfg, rules=rules, kernel=paged_kv_cache.kernel_for(cfg, config.page_size, int8))
     self._decode_statics = dict(sampling=sampling, steps=config.decode_steps, tempered_log_probs=tempered_log_probs,
@@ -373,9 +376,9 @@ class RolloutEngine:
         seq.cached += chunk
         reads[row] = seq.pages[:self._admission.pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
-      self._k, self._v = prefill_program(params, self._k, self._v, *self._rows(table, lengths, new),
-                                      paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
-                                      **self._statics)
+      self._k, self._v = self.programs.prefill(params, self._k, self._v, *self._rows(table, lengths, new),
+                                            paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
+                                            **self._statics)
 
   def _start_followers(self) -> None:
     """Gives every group whose leader is prefilled its prompt: shared full pages, a copy of the partial one."""
@@ -395,7 +398,7 @@ class RolloutEngine:
       if block_pairs:
         table[block, :len(block_pairs)] = block_pairs
     sources, targets = self._rows(table[..., 0].reshape(-1), table[..., 1].reshape(-1))
-    self._k, self._v = copy_program(self._k, self._v, sources, targets, rules=self.rules)
+    self._k, self._v = self.programs.copy(self._k, self._v, sources, targets, rules=self.rules)
 
   def _decode(self, params: Params, policy_version: int) -> list[Completion]:
     """One decode call over the live sequences; returns the turns that finished and frees what they held."""
@@ -407,8 +410,8 @@ class RolloutEngine:
       pending[packed.row_of[seq.seq_id]] = seq.pending
     rows = DecodeRows(*self._rows(packed.page_table, packed.lengths, pending, packed.live, packed.remaining,
                                   packed.stop_ids, packed.seq_ids, packed.sampled), packed.pairs)
-    self._k, self._v, out = decode_program(params, self._k, self._v, rows, self._key, **self._statics,
-                                        **self._decode_statics)
+    self._k, self._v, out = self.programs.decode(params, self._k, self._v, rows, self._key, **self._statics,
+                                                 **self._decode_statics)
     tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
     done = [self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(), int(finish[r]),
                        policy_version) for seq, r in ((seq, packed.row_of[seq.seq_id]) for seq in live)]

@@ -1,8 +1,9 @@
 """The rollout engine's device programs: prefill, decode, verify, speculate, copy over pages, and the pairs they read.
 
-Each is jitted once at module level and compiled once per shape bucket (the
-host side, `ptx.sampling.engine.engine`, packs its rows into power-of-two buckets);
-every program donates the pool it writes. Speculate takes its drafting as one
+A `Programs` set jits each once and compiles it once per shape bucket (the
+host side, `ptx.sampling.engine.engine`, packs its rows into power-of-two
+buckets); every engine runs the `SHARED` set unless given its own, which its
+owner can `release`. Every program donates the pool it writes. Speculate takes its drafting as one
 static `drafting.DeviceDrafter` (how rows draft, how their drafts are
 accepted), and a draft model's parameters as an argument beside it.
 `init_pool_program` gives the pool's allocation, compiled once per shape and
@@ -12,8 +13,9 @@ per step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -247,15 +249,63 @@ def _verified(logits_RTV: jax.Array, tokens_RT: jax.Array, accepted_R: jax.Array
   return Verified(tokens=tokens_RT, log_probs=log_probs_RT, accepted=accepted_R)
 
 
-prefill_program = jax.jit(prefill_pages, static_argnames=("cfg", "rules", "kernel"), donate_argnums=(1, 2))
-decode_program = jax.jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
-                                                     "rules", "kernel"), donate_argnums=(1, 2))
-verify_program = jax.jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
-                         donate_argnums=(1, 2))
-speculate_program = jax.jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
-                                                               "tempered_log_probs", "pad_id", "rules", "kernel"),
-                            donate_argnums=(1, 2))
-copy_program = jax.jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1))
+def _jit(fn: Callable, **options) -> Callable:
+  """`fn` jitted over a function object of its own: jax keys compiled programs by the function, so no other
+  `Programs` set shares them, and clearing this one's cache frees only its executables."""
+  own = functools.wraps(fn)(lambda *args, **kwargs: fn(*args, **kwargs))
+  return jax.jit(own, **options)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Programs:
+  """One set of the engine's jitted programs; each compiles once per shape bucket and keeps what it compiled.
+
+  Every engine runs `SHARED` unless given another: training's engines,
+  one per step, reuse its compiled programs for the process's life. A
+  caller whose engines run rarely, and at shapes of their own (checkpoint
+  evaluations), makes a set with `Programs.own()` and `release`s it after:
+  an XLA:CPU executable of a 30-layer model maps over a thousand memory
+  regions, and programs kept across a run's evaluations and its training
+  cross Linux's per-process limit (`vm.max_map_count`, 65,530 by default),
+  where LLVM aborts the process.
+  """
+
+  prefill: Callable
+  decode: Callable
+  verify: Callable
+  speculate: Callable
+  copy: Callable
+
+  @classmethod
+  def own(cls) -> "Programs":
+    """A new set whose compiled programs are its own (a second set compiles its shapes again)."""
+    return cls(
+        prefill=_jit(prefill_pages, static_argnames=("cfg", "rules", "kernel"), donate_argnums=(1, 2)),
+        decode=_jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
+                                                   "rules", "kernel"), donate_argnums=(1, 2)),
+        verify=_jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
+                    donate_argnums=(1, 2)),
+        speculate=_jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
+                                                         "tempered_log_probs", "pad_id", "rules", "kernel"),
+                       donate_argnums=(1, 2)),
+        copy=_jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1)))
+
+  @property
+  def compiled(self) -> int:
+    """Executables the set holds (one per program and shape bucket compiled so far)."""
+    return sum(program._cache_size() for program in self._programs())
+
+  def release(self) -> None:
+    """Drops every executable the set compiled (their memory maps with them); a later call compiles again."""
+    for program in self._programs():
+      program.clear_cache()
+
+  def _programs(self) -> tuple[Callable, ...]:
+    return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+
+# Every engine's programs unless it is given its own.
+SHARED = Programs.own()
 
 
 def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_cache.Pairs:

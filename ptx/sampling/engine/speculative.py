@@ -59,7 +59,7 @@ from ptx.sampling.engine.drafters import Drafter, DraftModel, NgramDrafter
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.sequences import Completion, HostSequence, SeqState
-from ptx.sampling.engine.programs import SpeculateRows, VerifyRows, speculate_program, verify_program
+from ptx.sampling.engine.programs import SpeculateRows, VerifyRows
 from ptx.sampling.generation import LENGTH, STOP
 
 
@@ -164,7 +164,7 @@ class SpeculativeEngine(RolloutEngine):
     rows = VerifyRows(*self._rows(packed.page_table, packed.lengths, tokens, n_drafts, packed.seq_ids, packed.sampled),
                       packed.pairs)
     statics = dict(self._statics, sampling=self.sampling, tempered_log_probs=self._decode_statics["tempered_log_probs"])
-    self._k, self._v, out = verify_program(params, self._k, self._v, rows, self._key, **statics)
+    self._k, self._v, out = self.programs.verify(params, self._k, self._v, rows, self._key, **statics)
     tokens, log_probs, accepted = jax.device_get(tuple(out))
     done = []
     for seq in live:
@@ -195,7 +195,7 @@ class SpeculativeEngine(RolloutEngine):
                                      packed.stop_ids, packed.seq_ids, packed.sampled), packed.pairs)
     statics = {name: value for name, value in self._decode_statics.items() if name != "steps"}
     model = self.drafter if isinstance(self.drafter, DraftModel) else None
-    self._k, self._v, out = speculate_program(
+    self._k, self._v, out = self.programs.speculate(
         params, self._k, self._v, rows, model.params if model else None, self._key, **self._statics, **statics,
         drafter=model.device_drafter if model else self.drafter, drafts=spec.drafts, rounds=spec.rounds)
     tokens, log_probs, emitted, finish, drafted, accepted, verifies = jax.device_get(tuple(out))
