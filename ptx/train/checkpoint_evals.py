@@ -144,7 +144,7 @@ class SuiteEvals:
     sampled = self.mode.params_fn(model, mesh, rules)(params)  # once per evaluation: the tree every suite samples
     context, size = self._extent
     shape = episode_engine(context, section.k, size, mesh, rules)  # every sampled suite's
-    programs = Programs.own()  # the evaluation's own, released below: training never runs them
+    programs = Programs()  # the evaluation's own, released below: training never runs them
     engine = functools.partial(self._engine, model, shape, programs, mesh, rules)  # a fresh one per suite
     try:
       for name, env, tasks in self.suites:

@@ -15,6 +15,7 @@ from model_variants import gemma_like
 from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP
+from ptx.sampling.engine import map_budget, programs
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.config import EngineConfig
 
@@ -38,6 +39,30 @@ def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, varia
   got = run_requests(RolloutEngine(cfg, config, sampling=GREEDY), params, rows, stops)
   assert all(len(completions) == 1 for completions in got.values())
   check_greedy(got, expected, range(len(PROMPTS)))
+
+
+def test_an_engine_whose_compilation_leaves_the_memory_maps_crowded_drops_its_programs_and_samples_on(
+    tiny_config, monkeypatch, caplog):
+  # Past vm.max_map_count LLVM aborts the process (the GRPO run of SmolLM2 with six evaluation suites did): a set of
+  # programs whose call compiled while the maps are crowded drops what it compiled, and compiles again when called.
+  cfg, params, stops, expected = greedy_case(tiny_config)
+  monkeypatch.setattr(map_budget, "crowded", lambda: True)
+  own = programs.Programs()
+  got = run_requests(RolloutEngine(cfg, SMALL, sampling=GREEDY, programs=own), params, range(len(PROMPTS)), stops)
+  check_greedy(got, expected, range(len(PROMPTS)))
+  assert own.compiled == 0 and own.releases >= 2  # a prefill and a decode at least, each dropped after compiling
+  assert "dropped the set's 1 compiled program(s)" in caplog.text
+  monkeypatch.setattr(map_budget, "crowded", lambda: False)
+  kept = programs.Programs()
+  run_requests(RolloutEngine(cfg, SMALL, sampling=GREEDY, programs=kept), params, range(len(PROMPTS)), stops)
+  assert kept.compiled >= 2 and kept.releases == 0  # kept while the maps have room
+
+
+def test_the_memory_maps_are_counted_against_the_systems_limit(monkeypatch, tmp_path):
+  assert map_budget.limit() > map_budget.held() > 0  # Linux: the limit is read, and this process's maps counted
+  assert map_budget.crowded(headroom=1.0) and not map_budget.crowded(headroom=0.0)
+  monkeypatch.setattr(map_budget, "LIMIT_FILE", tmp_path / "absent")
+  assert map_budget.limit() is None and not map_budget.crowded(headroom=1.0)  # no limit to cross
 
 
 def test_sharded_engine_equals_generate(tiny_config, mesh):

@@ -13,8 +13,8 @@ per step).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import logging
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -27,10 +27,13 @@ from ptx.model_config import ModelConfig
 from ptx.models import paged_kv_cache
 from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
 from ptx.sampling import buckets
+from ptx.sampling.engine import map_budget
 from ptx.sampling.engine.drafters import DeviceDrafter
 from ptx.sampling.generation import LENGTH, STOP
 from ptx.sampling.rules import SamplingConfig, sample_tokens
 from ptx.sampling.engine.acceptance import accept_deterministic, uniforms
+
+log = logging.getLogger(__name__)
 
 
 class DecodeRows(NamedTuple):
@@ -256,30 +259,30 @@ def _jit(fn: Callable, **options) -> Callable:
   return jax.jit(own, **options)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class Programs:
   """One set of the engine's jitted programs; each compiles once per shape bucket and keeps what it compiled.
 
   Every engine runs `SHARED` unless given another: training's engines,
-  one per step, reuse its compiled programs for the process's life. A
-  caller whose engines run rarely, and at shapes of their own (checkpoint
-  evaluations), makes a set with `Programs.own()` and `release`s it after:
-  an XLA:CPU executable of a 30-layer model maps over a thousand memory
-  regions, and programs kept across a run's evaluations and its training
-  cross Linux's per-process limit (`vm.max_map_count`, 65,530 by default),
-  where LLVM aborts the process.
+  one per step, reuse its compiled programs. A caller whose engines run
+  rarely, and at shapes of their own (checkpoint evaluations), makes a set
+  with `Programs()` and `release`s it after. An XLA:CPU executable of a
+  30-layer model maps over a thousand memory regions (`map_budget`), and
+  programs kept across a run's evaluations and its training crossed Linux's
+  per-process limit, where LLVM aborts the process. So, too, a call that
+  compiled releases the set when the process's maps are `crowded`: its
+  programs compile again as they are next called (or load from the
+  persistent compilation cache), where crossing the limit would end the run.
+
+  Attributes:
+    prefill, decode, verify, speculate, copy: the programs, called as the
+      functions they jit.
+    releases: how often the set has dropped its programs because the maps
+      were crowded.
   """
 
-  prefill: Callable
-  decode: Callable
-  verify: Callable
-  speculate: Callable
-  copy: Callable
-
-  @classmethod
-  def own(cls) -> "Programs":
+  def __init__(self):
     """A new set whose compiled programs are its own (a second set compiles its shapes again)."""
-    return cls(
+    self._jitted = dict(
         prefill=_jit(prefill_pages, static_argnames=("cfg", "rules", "kernel"), donate_argnums=(1, 2)),
         decode=_jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
                                                    "rules", "kernel"), donate_argnums=(1, 2)),
@@ -289,23 +292,36 @@ class Programs:
                                                          "tempered_log_probs", "pad_id", "rules", "kernel"),
                        donate_argnums=(1, 2)),
         copy=_jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1)))
+    self.releases = 0
+    for name, jitted in self._jitted.items():
+      setattr(self, name, functools.partial(self._call, jitted))
 
   @property
   def compiled(self) -> int:
     """Executables the set holds (one per program and shape bucket compiled so far)."""
-    return sum(program._cache_size() for program in self._programs())
+    return sum(jitted._cache_size() for jitted in self._jitted.values())
 
   def release(self) -> None:
     """Drops every executable the set compiled (their memory maps with them); a later call compiles again."""
-    for program in self._programs():
-      program.clear_cache()
+    for jitted in self._jitted.values():
+      jitted.clear_cache()
 
-  def _programs(self) -> tuple[Callable, ...]:
-    return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+  def _call(self, jitted: Callable, *args, **kwargs):
+    """`jitted(*args, **kwargs)`; when the call compiled and the process's maps are crowded, the set is released."""
+    held = jitted._cache_size()
+    out = jitted(*args, **kwargs)
+    if jitted._cache_size() > held and map_budget.crowded():
+      compiled, maps = self.compiled, map_budget.held()
+      self.release()
+      self.releases += 1
+      log.warning("engine programs: this process holds %d memory maps of the %s it may (vm.max_map_count); "
+                  "dropped the set's %d compiled program(s), which compile again when next called (release %d)",
+                  maps, map_budget.limit(), compiled, self.releases)
+    return out
 
 
 # Every engine's programs unless it is given its own.
-SHARED = Programs.own()
+SHARED = Programs()
 
 
 def reading_pairs(page_lists: Sequence[Sequence[int]], blocks: int) -> paged_kv_cache.Pairs:
