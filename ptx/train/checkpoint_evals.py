@@ -156,8 +156,7 @@ class SuiteEvals:
         if env.max_turns > 1:
           check_fits(self.tokenizer, model.vocab_size, "the evaluation's episodes")
           report = evaluation.evaluate_episodes(engine(), sampled, env, list(tasks), TurnFormat.of(self.tokenizer),
-                                                k=section.k,
-                                                max_turn_tokens=section.max_new_tokens,
+                                                k=section.k, max_turn_tokens=section.max_new_tokens,
                                                 max_episode_tokens=episode_tokens(env, section.max_new_tokens))
         else:
           # On an engine of bounded slots, not one batch of the whole suite: memory stays that of its slots however

@@ -192,17 +192,12 @@ def test_every_suite_of_an_evaluation_samples_on_engines_of_one_shape(monkeypatc
   assert built[0].config.max_seq_len >= longest + checkpoint_evals.episode_tokens(calculator, 4) > 256
 
 
-def _memory_maps() -> int:
-  with open("/proc/self/maps") as maps:
-    return sum(1 for _ in maps)
-
-
 def test_an_evaluation_drops_the_programs_it_compiled_when_it_ends(monkeypatch):
   # The GRPO run of SmolLM2-135M with six suites aborted in LLVM while compiling its training step after the step-0
   # evaluation: the evaluation's executables, kept, and training's crossed vm.max_map_count (65,530). An evaluation
   # compiles into its own programs and frees them (and their maps) when it ends; the shared set gains nothing.
   from ptx.models import init_params
-  from ptx.sampling.engine import programs
+  from ptx.sampling.engine import map_budget, programs
 
   model = dataclasses.replace(BASE.model, n_layers=2)  # enough kernels that a kept set stands out of the noise
   params = init_params(model, jax.random.key(0))
@@ -211,10 +206,10 @@ def test_an_evaluation_drops_the_programs_it_compiled_when_it_ends(monkeypatch):
   evals = checkpoint_evals.build(dataclasses.replace(section, max_new_tokens=300), TOK)  # another engine shape
   held, release = [], programs.Programs.release
   monkeypatch.setattr(programs.Programs, "release",
-                      lambda self: held.append((self.compiled, _memory_maps())) or release(self))
-  shared, before = programs.SHARED.compiled, _memory_maps()
+                      lambda self: held.append((self.compiled, map_budget.held())) or release(self))
+  shared, before = programs.SHARED.compiled, map_budget.held()
   evals.evaluate(params, model)
-  after = _memory_maps()
+  after = map_budget.held()
   [(compiled, during)] = held
   assert compiled >= 2 and programs.SHARED.compiled == shared  # a prefill and a decode, none in the shared set
   # Half of what the compiled set added: the rest of an evaluation (arrays, threads) maps a few regions at most.

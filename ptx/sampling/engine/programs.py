@@ -3,9 +3,10 @@
 A `Programs` set jits each once and compiles it once per shape bucket (the
 host side, `ptx.sampling.engine.engine`, packs its rows into power-of-two
 buckets); every engine runs the `SHARED` set unless given its own, which its
-owner can `release`. Every program donates the pool it writes. Speculate takes its drafting as one
-static `drafting.DeviceDrafter` (how rows draft, how their drafts are
-accepted), and a draft model's parameters as an argument beside it.
+owner can `release`. Every program donates the pool it writes. Speculate
+takes its drafting as one static `drafting.DeviceDrafter` (how rows draft,
+how their drafts are accepted), and a draft model's parameters as an
+argument beside it.
 `init_pool_program` gives the pool's allocation, compiled once per shape and
 placement, however many engines are built (a multi-turn GRPO job builds one
 per step).
