@@ -42,8 +42,44 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Mixture-of-Experts MLPs (`ptx.models.moe`): a router sends each token to k of E experts."""
+
+  # Routed experts per layer (0: every layer has the dense MLP of `mlp_dim`).
+  n_experts: int = 0
+  # Experts each token is routed to (HF `num_experts_per_tok`).
+  experts_per_token: int = 2
+  # Hidden width of each routed expert's gated MLP (HF `moe_intermediate_size`).
+  expert_mlp_dim: int = 0
+  # Hidden width of the gated MLP that every token also passes through (the shared experts, HF
+  # `n_shared_experts x moe_intermediate_size`); 0: none.
+  shared_mlp_dim: int = 0
+  # Divide the k routed gate weights by their sum (HF `norm_topk_prob`; Mixtral and gpt-oss always do).
+  norm_topk_prob: bool = True
+  # A trained bias on the router's logits (gpt-oss).
+  router_bias: bool = False
+
+  def __post_init__(self):
+    if self.n_experts < 0:
+      raise ValueError(f"model.moe.n_experts must be >= 0 (0: dense MLPs), got {self.n_experts}")
+    if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+      raise ValueError(f"model.moe.experts_per_token must be in [1, n_experts={self.n_experts}], "
+                       f"got {self.experts_per_token}")
+    if self.n_experts and self.expert_mlp_dim < 1:
+      raise ValueError(f"model.moe.expert_mlp_dim must be >= 1 with n_experts={self.n_experts}, "
+                       f"got {self.expert_mlp_dim}")
+    if self.shared_mlp_dim < 0:
+      raise ValueError(f"model.moe.shared_mlp_dim must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the layers' MLPs are Mixtures of Experts."""
+    return self.n_experts > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer covering Llama 3, Qwen2/2.5/3 and Gemma 2/3."""
+  """A decoder-only transformer covering Llama 3, Qwen2/2.5/3, Gemma 2/3 and Mixture-of-Experts MLPs."""
 
   # Vocabulary size (rows of the embedding table).
   vocab_size: int = 512
@@ -79,6 +115,8 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   # RoPE scaling for the global layers.
   rope_scaling: RopeScaling = RopeScaling()
+  # Mixture-of-Experts MLPs in every layer (n_experts 0: dense MLPs).
+  moe: MoeConfig = MoeConfig()
   # Gemma 3: RoPE base of the sliding-window layers (None: same as rope_theta).
   rope_local_theta: float | None = None
   # Sliding-window size of local layers in tokens (None: every layer is global).
@@ -114,6 +152,14 @@ class ModelConfig:
   # Ring attention: token order over the `seq` axis; "zigzag" balances causal work (losses reorder
   # their batch once, positions stay global), "contiguous" keeps the natural order.
   seq_layout: Literal["zigzag", "contiguous"] = "zigzag"
+  # How an MoE layer runs its experts (`ptx.models.moe`), all dropless and equal up to rounding: "dense"
+  # (every expert on every token, weighted: the reference, and fastest on CPU, where grouped matmuls compute
+  # densely anyway), "ragged" (token copies sorted by expert, grouped matmuls), "auto" (dense on CPU, else ragged).
+  moe_impl: Literal["auto", "dense", "ragged"] = "auto"
+  # Weights of the MoE layers' load-balancing and router z-losses in the training losses (SFT, DPO, GRPO); 0:
+  # off, the default (in RL a load-balancing loss fights the policy objective: NeMo-RL measured it degrading accuracy).
+  moe_balance_coef: float = 0.0
+  moe_z_coef: float = 0.0
   # Losses and log-prob passes (SFT, DPO, GRPO and their references) project to the vocabulary this many
   # tokens per device at a time, so float32 logits take chunk x V per device, never [B, T, V]
   # (0: every token at once). 1024 keeps a 152K vocabulary's logits chunk at 0.6 GB.
@@ -123,6 +169,9 @@ class ModelConfig:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
       if getattr(self, name) < 1:
         raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+    if self.moe_balance_coef < 0 or self.moe_z_coef < 0:
+      raise ValueError(f"model.moe_balance_coef and model.moe_z_coef must be >= 0, got {self.moe_balance_coef} and "
+                       f"{self.moe_z_coef}")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
 
@@ -130,7 +179,7 @@ class ModelConfig:
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
 # field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
 EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention_impl", "ring_heads_per_pass",
-                    "seq_layout", "logits_chunk")
+                    "seq_layout", "moe_impl", "moe_balance_coef", "moe_z_coef", "logits_chunk")
 
 
 def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:

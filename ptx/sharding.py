@@ -9,7 +9,8 @@ Logical axes:
   heads     query heads
   kv_heads  key/value heads
   head_dim  width of one attention head
-  mlp       hidden units of the MLP
+  mlp       hidden units of the MLP (and of each expert's)
+  experts   the experts of a Mixture-of-Experts layer's weights
   vocab     vocabulary entries
   layers    the stacked-layer axis of scanned parameters
   lora_rank the rank of a low-rank adapter (never sharded: it is small)
@@ -37,7 +38,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ptx.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor", "seq")
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "lora_rank")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "vocab", "layers",
+                "lora_rank")
 
 AxisRule = str | tuple[str, ...] | None
 Names = tuple[str | None, ...]

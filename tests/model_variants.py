@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from ptx.model_config import ModelConfig
+from ptx.model_config import ModelConfig, MoeConfig
 
 # The HF checkpoint of the CLI tests (`ptx_checkpoint` in conftest.py): a 2-layer Llama with a vocabulary the byte
 # tokenizer fits; dimensions distinct so a swapped axis fails to load.
@@ -16,3 +16,9 @@ def gemma_like(cfg):
       cfg, activation="gelu_tanh", norm_plus_one=True, post_norms=True, qk_norm=True, embed_scale=True,
       tie_embeddings=True, sliding_window=3, sliding_window_pattern=2, attn_logit_softcap=5.0,
       final_logit_softcap=3.0, query_pre_attn_scalar=20.0, rope_local_theta=100.0)
+
+
+def moe_like(cfg, *, impl="dense", shared_mlp_dim=24, router_bias=True):
+  """The tiny config with Mixture-of-Experts MLPs: 6 experts of width 16, 2 per token, shared experts, a router bias."""
+  return dataclasses.replace(cfg, moe_impl=impl, moe=MoeConfig(n_experts=6, experts_per_token=2, expert_mlp_dim=16,
+                                                               shared_mlp_dim=shared_mlp_dim, router_bias=router_bias))

@@ -31,31 +31,33 @@ from ptx import sharding
 from ptx.algorithms.sft import next_token_targets
 from ptx.config import DPOConfig
 from ptx.model_config import ModelConfig
+from ptx.models import moe
 from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, Any]
 
 
-def sequence_logps(params: Any, batch: Batch, model: ModelConfig, rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
-  """Summed target log-probs [B] and target counts [B] of a padded batch (the vocabulary projected in chunks)."""
-  stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
-                      segment_ids=batch["segment_ids"], rules=rules)
+def sequence_logps(params: Any, batch: Batch, model: ModelConfig,
+                   rules: sharding.Rules) -> tuple[jax.Array, jax.Array, moe.LayerStats]:
+  """Summed target log-probs [B], target counts [B] and the MoE statistics of a padded batch (chunked projection)."""
+  stats, moe_stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+                                 segment_ids=batch["segment_ids"], rules=rules)
   _, weights = next_token_targets(batch)
-  return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1)
+  return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1), moe_stats
 
 
 def _pair_logps(params, batch, model, rules):
-  """Log-probs of chosen and rejected in one forward pass over the stacked pair."""
+  """Log-probs of chosen and rejected in one forward pass over the stacked pair, and its MoE statistics."""
   both = jax.tree.map(lambda c, r: jnp.concatenate([c, r], axis=0), batch["chosen"], batch["rejected"])
-  logps, counts = sequence_logps(params, both, model, rules)
+  logps, counts, moe_stats = sequence_logps(params, both, model, rules)
   n = batch["chosen"]["tokens"].shape[0]
-  return logps[:n], logps[n:], counts[:n], counts[n:]
+  return logps[:n], logps[n:], counts[:n], counts[n:], moe_stats
 
 
 def prepare(ref_params: Any, batch: Batch, *, model: ModelConfig,
             rules: sharding.Rules = sharding.DEFAULT_RULES) -> Batch:
   """Adds the reference policy's `ref_chosen_logps` / `ref_rejected_logps` [B] to the batch."""
-  chosen, rejected, _, _ = _pair_logps(ref_params, batch, model, rules)
+  chosen, rejected, _, _, _ = _pair_logps(ref_params, batch, model, rules)
   return {**batch, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
 
@@ -100,10 +102,12 @@ def loss(params: Any, batch: Batch, rng: jax.Array, *, model: ModelConfig, dpo: 
   Returns:
     (loss, metrics): `loss`, `rewards/chosen`, `rewards/rejected`,
     `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`
-    (means over the real pairs), and `weight` (the number of real pairs).
+    (means over the real pairs), and `weight` (the number of real pairs); for
+    a Mixture of Experts `moe/...` statistics, their auxiliary losses added to
+    the value optimised (`model.moe_balance_coef`, `model.moe_z_coef`).
   """
   del rng
-  chosen, rejected, n_chosen, n_rejected = _pair_logps(params, batch, model, rules)
+  chosen, rejected, n_chosen, n_rejected, moe_stats = _pair_logps(params, batch, model, rules)
   if dpo.loss_type == "simpo":  # reference-free
     ref_chosen = ref_rejected = jnp.zeros_like(chosen)
   elif "ref_chosen_logps" not in batch:
@@ -117,7 +121,7 @@ def loss(params: Any, batch: Batch, rng: jax.Array, *, model: ModelConfig, dpo: 
   pairs = real.sum()
   mean = lambda x: (x * real).sum() / jnp.maximum(pairs, 1.0)  # a batch of padding only contributes 0
   value = mean(losses)
-  return value, {
+  return value + moe.aux_loss(moe_stats, model), {
       "loss": value,
       "rewards/chosen": mean(reward_chosen),
       "rewards/rejected": mean(reward_rejected),
@@ -126,4 +130,5 @@ def loss(params: Any, batch: Batch, rng: jax.Array, *, model: ModelConfig, dpo: 
       "logps/chosen": mean(chosen),
       "logps/rejected": mean(rejected),
       "weight": pairs,
+      **moe.metrics(moe_stats),
   }

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.config import GRPOConfig
 from ptx.model_config import ModelConfig
+from ptx.models import moe
 from ptx.models.shared_prefix import rollout_stats
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
@@ -153,13 +154,15 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     `actor/kl_loss` (KL in the loss), `actor/is_weight` (truncated IS), and
     `weight` = sum(w), all token averages under the same weights; with
     `sampler_logps` in the batch, `rollout/logp_diff_max`, the largest
-    |logp - sampler logp| of the micro-batch.
+    |logp - sampler logp| of the micro-batch; for a Mixture of Experts
+    `moe/...` statistics, their auxiliary losses added to the value optimised
+    (`model.moe_balance_coef`, `model.moe_z_coef`; off by default).
   """
   del rng
   # With prompt_len, the rows are whole groups of G over one prompt, which then runs once per group. The
   # log-probs and entropy come from the vocabulary projection in chunks (`model.logits_chunk`), never [N, S, V].
-  scored = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
-                         temperature=grpo.sampling.temperature, rules=rules)
+  scored, moe_stats = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
+                                    temperature=grpo.sampling.temperature, rules=rules)
   mask = batch["loss_mask"].astype(jnp.float32)
   w = batch["agg_weights"] * mask
   total = w.sum()
@@ -187,7 +190,8 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     per_token = per_token + grpo.beta * kl
     metrics["actor/kl_loss"] = mean(kl)
   value = batch["agg_total"][0] * mean(per_token)
-  return value, {"loss": value, **metrics, "weight": total}
+  metrics.update(moe.metrics(moe_stats))
+  return value + moe.aux_loss(moe_stats, model), {"loss": value, **metrics, "weight": total}
 
 
 def adaptive_kl_coef(beta: jax.Array, kl: jax.Array, n_steps: int, cfg: GRPOConfig) -> jax.Array:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
+from ptx.models import moe
 from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, jax.Array]
@@ -38,7 +39,7 @@ def loss(
     model: ModelConfig,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean next-token cross-entropy over the target tokens of `batch`.
+  """Mean next-token cross-entropy over the target tokens of `batch` (+ a Mixture of Experts' auxiliary losses).
 
   Args:
     params: the model's parameter tree.
@@ -48,15 +49,19 @@ def loss(
     rules: sharding rules for activation constraints.
 
   Returns:
-    (loss, metrics): `loss`, `accuracy` (argmax == target) and `weight` (the
-    number of target tokens, by which the trainer weights micro-batches).
+    (loss, metrics): `loss` (the cross-entropy), `accuracy` (argmax ==
+    target) and `weight` (the number of target tokens, by which the trainer
+    weights micro-batches); for a Mixture of Experts `moe/...` statistics
+    (`ptx.models.moe.metrics`), their auxiliary losses added to the value
+    optimised with `model.moe_balance_coef` and `model.moe_z_coef`.
   """
   del rng
-  stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
-                      segment_ids=batch["segment_ids"], rules=rules)
+  stats, moe_stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+                                 segment_ids=batch["segment_ids"], rules=rules)
   _, weights = next_token_targets(batch)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0
   mean_nll = -(stats.log_probs[:, 1:] * weights).sum() / denominator
   accuracy = (stats.correct[:, 1:] * weights).sum() / denominator
-  return mean_nll, {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens}
+  metrics = {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens, **moe.metrics(moe_stats)}
+  return mean_nll + moe.aux_loss(moe_stats, model), metrics

@@ -77,7 +77,7 @@ def continuation_scores(params: Any, tokens: jax.Array, segment_ids: jax.Array, 
     cfg: the model config.
     rules: the sharding rules.
   """
-  stats = token_stats(params, tokens, cfg, segment_ids=segment_ids, rules=rules)  # float32 log-probs
+  stats, _ = token_stats(params, tokens, cfg, segment_ids=segment_ids, rules=rules)  # float32 log-probs
   return jnp.where(scored, stats.log_probs, 0.0).sum(axis=-1), jnp.all(stats.correct | ~scored, axis=-1)
 
 

@@ -31,6 +31,7 @@ import ptx_kernels
 from ptx import sharding
 from ptx.model_config import ModelConfig
 from ptx.models.attention import resolve, sequence_shards
+from ptx.models import moe
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
 
@@ -51,7 +52,7 @@ def token_stats(
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     temperature: float = 1.0,
-) -> TokenStats:
+) -> tuple[TokenStats, moe.LayerStats]:
   """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
 
   Args:
@@ -65,7 +66,7 @@ def token_stats(
       entropy; the argmax does not move).
 
   Returns:
-    TokenStats of [B, T] arrays in the natural token order.
+    (TokenStats of [B, T] arrays in the natural token order, the MoE layers' statistics: empty when dense).
   """
   B, T = tokens.shape
   if positions is None:
@@ -75,11 +76,11 @@ def token_stats(
   # Position t predicts token t + 1; the last position's target is a dummy.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
   reorder, restore = _ring_order(cfg, rules, T)
-  x = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
-                    segment_ids=reorder(segment_ids), rules=rules)
+  x, moe_stats = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
+                               segment_ids=reorder(segment_ids), rules=rules)
   stats = project(params, x, reorder(targets), cfg, rules, temperature)
   # Shift by one so index t scores token t.
-  return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats))
+  return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats)), moe_stats
 
 
 def project(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,

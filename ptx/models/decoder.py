@@ -33,43 +33,18 @@ from ptx.model_config import ModelConfig
 from ptx.models import int8_weights
 from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import lora
+from ptx.models import moe
 from ptx.models import paged_kv_cache
 from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
 from ptx.models.dense import dense
+from ptx.models.gated_mlp import gated_mlp
 
 Params = dict[str, Any]
 # The caches the layers read and write: contiguous rows (sampling) or pages (the rollout engine); the layers reach
 # either through its `attend` and `advance` methods.
 Cache = kv_cache_lib.KVCache | paged_kv_cache.PagedKVCache
-
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gated_activation(activation: str, gate_BTF: jax.Array, up_BTF: jax.Array) -> jax.Array:
-  """`act(gate) * up` (SwiGLU, GeGLU), differentiated from gate and up alone.
-
-  Autodiff keeps act(gate) and its intermediates (SiLU's sigmoid) as
-  [B, T, F] residuals, each written in the forward and read back in the
-  backward. Recomputing them inside the backward's one elementwise pass is
-  cheaper on any backend: only gate and up stay as residuals.
-  """
-  return _ACTIVATIONS[activation](gate_BTF) * up_BTF
-
-
-def _gated_activation_fwd(activation: str, gate_BTF: jax.Array, up_BTF: jax.Array):
-  return gated_activation(activation, gate_BTF, up_BTF), (gate_BTF, up_BTF)
-
-
-def _gated_activation_bwd(activation: str, residuals, d_hidden_BTF: jax.Array):
-  gate_BTF, up_BTF = residuals
-  act_BTF, act_vjp = jax.vjp(_ACTIVATIONS[activation], gate_BTF)
-  return act_vjp(d_hidden_BTF * up_BTF)[0], d_hidden_BTF * act_BTF
-
-
-gated_activation.defvjp(_gated_activation_fwd, _gated_activation_bwd)
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -150,7 +125,7 @@ def forward(
   Returns:
     float32 logits [B, T, V].
   """
-  x = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
   return unembed(params, x, cfg, rules)
 
 
@@ -162,11 +137,13 @@ def hidden_states(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> jax.Array:
-  """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args).
+) -> tuple[jax.Array, moe.LayerStats]:
+  """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE stats.
 
   Losses over long sequences project it to the vocabulary chunk by chunk
-  (`ptx.models.chunked_logits`) instead of calling `forward`.
+  (`ptx.models.chunked_logits`) instead of calling `forward`; the second
+  result holds each Mixture-of-Experts layer's statistics (`ptx.models.moe`),
+  empty for a dense model.
   """
   x = embed(params, tokens, cfg, rules)
   return decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
@@ -248,7 +225,7 @@ def forward_with_cache(
   Returns:
     (float32 logits [B, T, V] or [B, 1, V], the cache with the tokens written).
   """
-  x, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules, angles=angles)
+  x, cache, _ = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules, angles=angles)
   if last_only:
     x = x[:, -1:]
   return unembed(params, x, cfg, rules), cache
@@ -263,12 +240,15 @@ def hidden_with_cache(
     positions: jax.Array,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, Cache]:
-  """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks."""
+) -> tuple[jax.Array, Cache, moe.LayerStats]:
+  """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks.
+
+  Returns (x, the cache, the MoE layers' statistics over the new tokens: empty for a dense model).
+  """
   x = embed(params, tokens, cfg, rules)
-  x, cache = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
-                         segment_ids=None, rules=rules, cache=cache, angles=angles)
-  return x, cache.advance(tokens.shape[1])
+  x, cache, stats = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
+                                segment_ids=None, rules=rules, cache=cache, angles=angles)
+  return x, cache.advance(tokens.shape[1]), stats
 
 
 def decode_layers(
@@ -279,11 +259,15 @@ def decode_layers(
     positions: jax.Array | None,
     segment_ids: jax.Array | None,
     rules: sharding.Rules,
-) -> jax.Array:
-  """Runs the stacked layers over the residual stream x [B, T, D]: a scan, or unrolled (`cfg.scan_layers`)."""
+) -> tuple[jax.Array, moe.LayerStats]:
+  """Runs the stacked layers over the residual stream x [B, T, D]: a scan, or unrolled (`cfg.scan_layers`).
+
+  Returns (x, each MoE layer's statistics stacked over the layers; empty for a dense model).
+  """
   if not cfg.scan_layers:
     layers = unstack_layers({"layers": layers}, cfg)["layers"]
-  return _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None)[0]
+  x, _, stats = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None)
+  return x, stats
 
 
 def _run_layers(
@@ -296,8 +280,8 @@ def _run_layers(
     rules: sharding.Rules,
     cache: Cache | None,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, Cache | None]:
-  """The layers of `decode_layers`, reading and writing `cache` when one is given.
+) -> tuple[jax.Array, Cache | None, moe.LayerStats]:
+  """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE stats [L]).
 
   Stacked `layers` run under a scan (cache None); a tuple of per-layer trees
   (`unstack_layers`) runs the same body once per layer, unrolled, as a cache
@@ -326,15 +310,18 @@ def _run_layers(
     # `jax.checkpoint` docs); a scan cannot merge them, and there the guard only costs.
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(4,))
   if unrolled:
+    per_layer = []
     for index, layer in enumerate(layers):
-      x, cache = body(x, cache, layer, None if windows is None else windows[index], index)
-    return x, cache
+      x, cache, stats = body(x, cache, layer, None if windows is None else windows[index], index)
+      per_layer.append(stats)
+    return x, cache, jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
 
   def scan_body(x, layer_and_window):
-    return body(x, None, *layer_and_window, None)[0], None
+    x, _, stats = body(x, None, *layer_and_window, None)
+    return x, stats
 
-  x, _ = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows)))
-  return x, cache
+  x, stats = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows)))
+  return x, cache, stats
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
@@ -364,12 +351,13 @@ def block(
     rules: sharding.Rules,
     cache: Cache | None = None,
     layer_index: int | None = None,
-) -> tuple[jax.Array, Cache | None]:
+) -> tuple[jax.Array, Cache | None, moe.LayerStats]:
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
   written into layer `layer_index` of the cache first and they attend over its
-  filled slots (`kv_cache.attend`). Returns (x, cache).
+  filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE
+  statistics: empty for a dense MLP).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
@@ -399,13 +387,16 @@ def block(
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
 
   h = rms_norm(x, p["mlp_norm"], cfg)
-  hidden = gated_activation(cfg.activation, lora.project("btd,df->btf", h, p["gate"], dtype),
-                            lora.project("btd,df->btf", h, p["up"], dtype))
-  hidden = sharding.constrain(hidden, ("batch", "seq", "mlp"), rules)
-  out = lora.project("btf,fd->btd", hidden, p["down"], dtype)
+  stats = {}
+  if "router" in p:
+    out, stats = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules)
+    if "gate" in p:  # shared experts
+      out = out + gated_mlp(p, h, cfg.activation, dtype, rules)
+  else:
+    out = gated_mlp(p, h, cfg.activation, dtype, rules)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
-  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache
+  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, stats
 
 
 class Decoder(nnx.Module):

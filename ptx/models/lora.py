@@ -94,6 +94,11 @@ def adapter_specs(model: ModelConfig, cfg: LoRAConfig) -> Params:
   if cfg.rank <= 0:
     raise ValueError(f"lora.rank must be positive to build adapters, got {cfg.rank}")
   layers, r = param_specs(model)["layers"], cfg.rank
+  absent = [name for name in cfg.targets if name not in layers]
+  if absent:
+    raise ValueError(f"lora.targets: {absent} are not weights of this model (its Mixture-of-Experts layers have no "
+                     "dense MLP: experts take no adapters, shared experts are gate/up/down when moe.shared_mlp_dim "
+                     f"> 0); its adaptable weights: {[name for name in INPUT_AXES if name in layers]}")
   specs = {}
   for name in cfg.targets:
     w, n = layers[name], 1 + INPUT_AXES[name]

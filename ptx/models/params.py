@@ -12,6 +12,10 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
           + q_bias [L, H, K], k_bias, v_bias [L, N, K]   (qkv_bias)
           + q_norm, k_norm [L, K]                         (qk_norm)
           + attn_post_norm, mlp_post_norm [L, D]          (post_norms)
+  Mixture-of-Experts layers (moe.n_experts E > 0, F' moe.expert_mlp_dim, ptx.models.moe) replace gate, up and
+  down with router [L, D, E]; expert_gate, expert_up [L, E, D, F']; expert_down [L, E, F', D]
+          + router_bias [L, E]                            (moe.router_bias)
+          + gate, up [L, D, S]; down [L, S, D]            (the shared experts, S moe.shared_mlp_dim > 0)
 """
 
 from __future__ import annotations
@@ -66,10 +70,21 @@ def param_specs(cfg: ModelConfig) -> Params:
       "v": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
       "o": layer((H, K, D), ("heads", "head_dim", "embed")),
       "mlp_norm": layer((D,), ("embed",), norm),
-      "gate": layer((D, F), ("embed", "mlp")),
-      "up": layer((D, F), ("embed", "mlp")),
-      "down": layer((F, D), ("mlp", "embed")),
   }
+  moe = cfg.moe
+  if moe.enabled:
+    E, F = moe.n_experts, moe.expert_mlp_dim
+    layers["router"] = layer((D, E), ("embed", None))
+    if moe.router_bias:
+      layers["router_bias"] = layer((E,), (None,), zeros)
+    layers["expert_gate"] = layer((E, D, F), ("experts", "embed", "mlp"))
+    layers["expert_up"] = layer((E, D, F), ("experts", "embed", "mlp"))
+    layers["expert_down"] = layer((E, F, D), ("experts", "mlp", "embed"))
+  if not moe.enabled or moe.shared_mlp_dim:
+    S = moe.shared_mlp_dim if moe.enabled else F
+    layers["gate"] = layer((D, S), ("embed", "mlp"))
+    layers["up"] = layer((D, S), ("embed", "mlp"))
+    layers["down"] = layer((S, D), ("mlp", "embed"))
   if cfg.qkv_bias:
     layers["q_bias"] = layer((H, K), ("heads", "head_dim"), zeros)
     layers["k_bias"] = layer((N, K), ("kv_heads", "head_dim"), zeros)
@@ -147,6 +162,13 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = shardi
 def count_params(cfg: ModelConfig) -> int:
   """Number of parameters, taken from `jax.eval_shape` of the real initialiser."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+def count_active_params(cfg: ModelConfig) -> int:
+  """Parameters one token runs through: all of them, less the routed experts it is not sent to."""
+  moe = cfg.moe
+  idle = moe.n_experts - moe.experts_per_token if moe.enabled else 0
+  return count_params(cfg) - cfg.n_layers * idle * 3 * cfg.d_model * moe.expert_mlp_dim
 
 
 def weight_decay_mask(cfg: ModelConfig) -> Params:

@@ -4,7 +4,8 @@
 from: each layer projection (q, k, v, o, gate, up, down) and the output
 projection become int8 `QArray`s, one float32 scale per output channel
 (`ptx.models.int8_weights.quantize`); norms and biases are referenced as they
-are. Nothing is written into `params`: training keeps its float arrays, and
+are, and so are a Mixture-of-Experts layer's router and experts (the grouped
+matmuls read float weights). Nothing is written into `params`: training keeps its float arrays, and
 the loss scores the rollouts with them (GRPO's recomputed old log-probs and
 truncated importance weights absorb the sampler's difference).
 
@@ -49,6 +50,8 @@ def rollout_params(params: Params, cfg: ModelConfig) -> Params:
   """
   layers = dict(params["layers"])
   for name, n_in in lora.INPUT_AXES.items():
+    if name not in layers:  # an MoE layer without shared experts has no dense MLP
+      continue
     if isinstance(layers[name], (lora.LoRAWeight, qwix.QArray)):
       raise TypeError(f"rollout_params: params['layers'][{name!r}] is a {type(layers[name]).__name__}, not a float "
                       "array; pass the training parameters, LoRA adapters merged (ptx.models.lora.merge)")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import kv_cache
+from ptx.models import kv_cache, moe
 from ptx.models.attention import resolve
 from ptx.models.chunked_logits import TokenStats, logit_stats, project, token_stats
 from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache
@@ -132,7 +132,7 @@ def rollout_stats(
     prompt_len: int | None,
     temperature: float = 1.0,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> TokenStats:
+) -> tuple[TokenStats, moe.LayerStats]:
   """Per-token log-probs and entropies [R, S] of a rollout batch (`tokens`, `positions`, `segment_ids`) for an RL loss.
 
   Index t scores token t at `temperature` (index 0 is 0). With `prompt_len`
@@ -140,7 +140,8 @@ def rollout_stats(
   `prompt_len` columns, and where that pays and is supported (module
   docstring) the prompts run once per group (`grouped_stats`); otherwise, and
   with `prompt_len` None, this is `chunked_logits.token_stats`. Both project to the vocabulary in
-  chunks of `cfg.logits_chunk` tokens.
+  chunks of `cfg.logits_chunk` tokens. The second result is the MoE layers' statistics (empty when dense):
+  of every token, or with prompts run once per group, of the completion columns.
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
   impl = resolve(cfg.attention_impl, q_len=tokens.shape[1], kv_len=tokens.shape[1], head_dim=cfg.head_dim,
@@ -165,7 +166,7 @@ def grouped_stats(
     temperature: float = 1.0,
     shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> TokenStats:
+) -> tuple[TokenStats, moe.LayerStats]:
   """TokenStats [R, S] as `token_stats` gives them at every completion column, each prompt run once per group.
 
   Args:
@@ -186,8 +187,9 @@ def grouped_stats(
     rules: the sharding rules.
 
   Returns:
-    TokenStats [R, S]: columns P .. S - 1 (the completion tokens) equal
-    `token_stats`'; the prompt columns, which no RL loss scores, are zero.
+    (TokenStats [R, S]: columns P .. S - 1 (the completion tokens) equal
+    `token_stats`'; the prompt columns, which no RL loss scores, are zero;
+    the MoE layers' statistics over the completion columns).
   """
   R, S = tokens.shape
   G, P = group_size, prompt_len
@@ -200,11 +202,11 @@ def grouped_stats(
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
   last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
                                   shared_prompts=shared_prompts, rules=rules)
-  x_RND, _ = hidden_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
+  x_RND, _, moe_stats = hidden_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
   # The prompt's last column predicts the first completion token; completion column t the token after it
   # (the last column's target is a dummy, dropped).
   first = logit_stats(last_RV[:, None], tokens[:, P:P + 1], temperature)
   targets = jnp.concatenate([tokens[:, P + 1:], jnp.zeros((R, 1), tokens.dtype)], axis=1)
   rest = project(params, x_RND, targets, cfg, rules, temperature)
   unscored = lambda a: jnp.zeros((R, P), a.dtype)
-  return TokenStats(*(jnp.concatenate([unscored(f), f, r[:, :-1]], axis=1) for f, r in zip(first, rest)))
+  return TokenStats(*(jnp.concatenate([unscored(f), f, r[:, :-1]], axis=1) for f, r in zip(first, rest))), moe_stats

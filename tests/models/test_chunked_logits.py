@@ -38,7 +38,7 @@ def test_chunked_equals_full_logits(tiny_config, mesh_cfg):
   chunked = dataclasses.replace(cfg, logits_chunk=10)
 
   def run(c):
-    stats = jax.jit(functools.partial(token_stats, cfg=c))(
+    stats, _ = jax.jit(functools.partial(token_stats, cfg=c))(
         params, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     loss_and_grad = jax.jit(jax.value_and_grad(functools.partial(sft.loss, model=c), has_aux=True))
     return stats, loss_and_grad(params, batch, None)
@@ -66,7 +66,7 @@ def test_token_stats_score_each_token_given_its_prefix(tiny_config):
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
   logp = jax.nn.log_softmax(forward(params, tokens, cfg), axis=-1)
   want = np.take_along_axis(np.asarray(logp[:, :-1]), np.asarray(tokens[:, 1:, None]), -1)[..., 0]
-  got = token_stats(params, tokens, cfg).log_probs
+  got = token_stats(params, tokens, cfg)[0].log_probs
   np.testing.assert_array_equal(got[:, 0], 0.0)
   # Chunked token stats vs jax.nn.log_softmax of the full logits: reordered float32 sums (seen 7% of this).
   np.testing.assert_allclose(got[:, 1:], want, rtol=1e-6, atol=1e-6)

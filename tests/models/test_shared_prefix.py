@@ -47,8 +47,8 @@ def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, varian
     return jnp.stack([stats.log_probs, stats.entropy]) * loss_mask[None, :, 1:]
 
   def shared(p, shared_prompts):
-    stats = grouped_stats(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P,
-                          temperature=temperature, shared_prompts=shared_prompts)
+    stats, _ = grouped_stats(p, tokens, positions, segment_ids, cfg, group_size=G, prompt_len=P,
+                             temperature=temperature, shared_prompts=shared_prompts)
     return jnp.stack([stats.log_probs, stats.entropy])[:, :, 1:] * loss_mask[None, :, 1:]
 
   def scored(stats):

@@ -11,7 +11,7 @@ from engine_setup import (BUDGETS, ENGINE_VS_TRAINER_ATOL, GREEDY, LONG_BUDGET, 
                           check_greedy, check_on_demand_greedy, forward_jit, greedy_case, greedy_tokens,
                           grouped_equals_copied, perturbed_params, right_padded, run_requests)
 
-from model_variants import gemma_like
+from model_variants import gemma_like, moe_like
 from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP
@@ -21,12 +21,12 @@ from ptx.sampling.engine.config import EngineConfig
 
 
 def _variant(tiny_config, variant):
-  """The tiny config, or its Gemma-like variant."""
-  return gemma_like(tiny_config) if variant == "gemma" else tiny_config
+  """The tiny config, or its Gemma-like or Mixture-of-Experts variant."""
+  return {"llama": tiny_config, "gemma": gemma_like(tiny_config), "moe": moe_like(tiny_config)}[variant]
 
 
 @pytest.mark.parametrize("variant, page_size, order", [
-    ("llama", 4, "submitted"), ("llama", 16, "reversed"), ("gemma", 3, "shuffled")])
+    ("llama", 4, "submitted"), ("llama", 16, "reversed"), ("gemma", 3, "shuffled"), ("moe", 4, "shuffled")])
 def test_greedy_equals_generate_under_any_order_and_page_size(tiny_config, variant, page_size, order):
   cfg, params, stops, expected = greedy_case(_variant(tiny_config, variant))
   rows = list(range(len(PROMPTS)))

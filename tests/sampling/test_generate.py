@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from engine_setup import GREEDY, argmax_reference, forward_jit, perturbed_params, right_padded
 
-from model_variants import gemma_like
+from model_variants import gemma_like, moe_like
 from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
@@ -20,9 +20,10 @@ PROMPTS = [[5, 17, 9], [200, 3, 3, 41, 7, 90, 11], [12], [64, 65]]
 SAMPLER_VS_TRAINER_ATOL = 3e-5
 
 
-@pytest.mark.parametrize("variant", ["llama", "gemma_sliding_window"])
+@pytest.mark.parametrize("variant", ["llama", "gemma_sliding_window", "moe_ragged"])
 def test_greedy_equals_full_forward_argmax(tiny_config, variant):
-  cfg = gemma_like(tiny_config) if variant == "gemma_sliding_window" else tiny_config
+  cfg = {"llama": tiny_config, "gemma_sliding_window": gemma_like(tiny_config),
+         "moe_ragged": moe_like(tiny_config, impl="ragged")}[variant]
   params = perturbed_params(cfg)
   n_new = 9  # past the window of 3, so the cache's window mask matters
   out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=GREEDY, rng=jax.random.key(0))

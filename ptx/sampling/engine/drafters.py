@@ -180,7 +180,7 @@ class ModelDrafter:
       window_RW, q_RKV = carry
       # Only the last real position's logits: the vocabulary projection of every window position would cost more
       # than the layers of a small draft model.
-      x_RWD = hidden_states(draft_params, window_RW, self.cfg, rules=rules)
+      x_RWD, _ = hidden_states(draft_params, window_RW, self.cfg, rules=rules)
       x_R1D = jnp.take_along_axis(x_RWD, (used_R + j - 1)[:, None, None], axis=1)
       q_RV = probabilities(unembed(draft_params, x_R1D, self.cfg, rules)[:, 0], sampling)
       window_RW = window_RW.at[jnp.arange(R), used_R + j].set(invert_cdf(q_RV, draft_u_RK[:, j]))

@@ -114,7 +114,7 @@ def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, len
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
                                       pairs=pairs, kernel=kernel)
   positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  _, cache = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
+  _, cache, _ = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
   return cache.k, cache.v
 
 

@@ -145,9 +145,9 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
 
 def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
   """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient)."""
-  stats = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
-                        prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
-                        rules=spec.rules)
+  stats, _ = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
+                           prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
+                           rules=spec.rules)
   return jax.lax.stop_gradient(stats.log_probs)
 
 

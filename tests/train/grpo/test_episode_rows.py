@@ -79,8 +79,11 @@ def test_replies_and_prompts_get_no_gradient_through_their_positions_loss(episod
   real_stats = grpo.rollout_stats
 
   def probed(probe):
-    monkeypatch.setattr(grpo, "rollout_stats", lambda *a, **k: real_stats(*a, **k)._replace(
-        log_probs=real_stats(*a, **k).log_probs + probe))
+    def stats_with_probe(*a, **k):
+      stats, moe_stats = real_stats(*a, **k)
+      return stats._replace(log_probs=stats.log_probs + probe), moe_stats
+
+    monkeypatch.setattr(grpo, "rollout_stats", stats_with_probe)
     value, _ = grpo.loss(params, batch, jax.random.key(0), model=CFG, grpo=cfg)
     return value
 

@@ -1,0 +1,227 @@
+"""Mixture-of-Experts MLPs: a router sends each token to k of E experts and sums their gated MLPs, weighted.
+
+One MoE layer's parameters (`ptx.models.params`; E experts, D d_model, F `moe.expert_mlp_dim`):
+  router [D, E] (+ router_bias [E] with `moe.router_bias`); expert_gate, expert_up [E, D, F]; expert_down [E, F, D]
+and, with shared experts (`moe.shared_mlp_dim`), the dense MLP's gate, up and down, run on every token.
+
+Routing (`route`): a softmax over the E float32 router logits, the k largest probabilities, divided by their sum
+when `moe.norm_topk_prob` (Qwen3-MoE; Mixtral's and gpt-oss's top-k-then-softmax is the same function).
+
+Implementations (`ModelConfig.moe_impl`), dropless and equal up to float rounding:
+  dense   every expert on every token, weighted by the gate weights (zero off a token's route): the
+          reference, and the fastest on a CPU, where a grouped matmul computes densely anyway (k times
+          dense's FLOPs).
+  ragged  each token copied k times, the copies sorted by expert and run through one grouped matmul per
+          projection (`jax.lax.ragged_dot`); under a mesh, on each device over its own tokens (`shard_map`),
+          so that sorting never moves tokens between devices.
+
+Statistics per layer (`moe_mlp`'s second result, float32 scalars over the tokens of `token_mask`): the load
+of the busiest expert over the mean load, the router's mean entropy, Switch's load-balancing loss
+E * sum_e f_e P_e (1 when balanced; f_e the fraction of token copies routed to e, P_e its mean probability)
+and the router z-loss mean(logsumexp(logits)^2).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ptx import sharding
+from ptx.model_config import ModelConfig, MoeConfig
+from ptx.models.dense import dense
+from ptx.models.gated_mlp import gated_activation
+
+Params = dict[str, Any]
+# Statistic name -> float32 value: one layer's scalars, or [L] stacked over a model's layers (empty when dense).
+LayerStats = dict[str, jax.Array]
+
+
+class Routes(NamedTuple):
+  """Each token's experts and their gate weights."""
+
+  ids: jax.Array  # int32 [B, T, k]
+  weights: jax.Array  # float32 [B, T, k]
+
+
+def resolve_impl(impl: str) -> str:
+  """The implementation `ModelConfig.moe_impl` names on this backend ("auto": dense on CPU, else ragged)."""
+  if impl == "auto":
+    return "dense" if jax.default_backend() == "cpu" else "ragged"
+  if impl not in ("dense", "ragged"):
+    raise ValueError(f"model.moe_impl must be 'auto', 'dense' or 'ragged', got {impl!r}")
+  return impl
+
+
+def router_logits(p: Params, h: jax.Array) -> jax.Array:
+  """Float32 router logits [B, T, E] of tokens h [B, T, D]: routes decided in float32 whatever the compute dtype."""
+  logits = dense("btd,de->bte", h.astype(jnp.float32), p["router"].astype(jnp.float32))
+  if "router_bias" in p:
+    logits = logits + p["router_bias"].astype(jnp.float32)[None, None]
+  return logits
+
+
+def route(logits: jax.Array, moe: MoeConfig) -> Routes:
+  """The k experts of each token and their gate weights, from float32 router logits [B, T, E] (module docstring)."""
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, ids = jax.lax.top_k(probs, moe.experts_per_token)
+  if moe.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return Routes(ids.astype(jnp.int32), weights)
+
+
+def moe_mlp(
+    p: Params,
+    h: jax.Array,
+    cfg: ModelConfig,
+    *,
+    token_mask: jax.Array,
+    rules: sharding.Rules,
+) -> tuple[jax.Array, LayerStats]:
+  """One layer's MoE MLP on h [B, T, D] (module docstring); the shared experts are added by the caller.
+
+  Args:
+    p: one layer's parameters (router, expert_gate, expert_up, expert_down, and router_bias if any).
+    h: the normed residual stream [B, T, D] in the compute dtype.
+    cfg: the model config (`cfg.moe`, `cfg.moe_impl`, `cfg.activation`).
+    token_mask: bool [B, T], the tokens the statistics count (padding excluded).
+    rules: the activation sharding rules.
+
+  Returns:
+    (the experts' weighted sum [B, T, D] in the compute dtype, the layer's statistics).
+  """
+  logits = router_logits(p, h)
+  routes = _token_local(functools.partial(route, moe=cfg.moe), logits, rules=rules)
+  experts = {name: p[name].astype(cfg.compute_dtype) for name in ("expert_gate", "expert_up", "expert_down")}
+  if resolve_impl(cfg.moe_impl) == "dense":
+    y = _dense_experts(h, routes, experts, cfg.activation)
+  else:
+    y = _ragged_on_devices(h, routes, experts, cfg.activation, rules)
+  y = sharding.constrain(y.astype(h.dtype), ("batch", "seq", "embed"), rules)
+  return y, statistics(logits, routes, token_mask)
+
+
+def statistics(logits: jax.Array, routes: Routes, token_mask: jax.Array) -> LayerStats:
+  """The layer's load, entropy, load-balancing and z-loss statistics over the tokens of `token_mask` (docstring)."""
+  E, k = logits.shape[-1], routes.ids.shape[-1]
+  mask = token_mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  counts = jnp.einsum("bt,btke->e", mask, jax.nn.one_hot(routes.ids, E, dtype=jnp.float32))
+  probs = jax.nn.softmax(logits, axis=-1)
+  mean_probs = jnp.einsum("bt,bte->e", mask, probs) / n
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  return {
+      "load_max_over_mean": jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1e-9),
+      "router_entropy": -jnp.sum(mask * jnp.sum(probs * log_probs, axis=-1)) / n,
+      "balance_loss": E * jnp.sum(counts / (n * k) * mean_probs),
+      "z_loss": jnp.sum(mask * jax.nn.logsumexp(logits, axis=-1) ** 2) / n,
+  }
+
+
+def aux_loss(stats: LayerStats, cfg: ModelConfig) -> jax.Array:
+  """`moe_balance_coef` x the layers' mean load-balancing loss + `moe_z_coef` x their mean z-loss (0 when dense)."""
+  if not stats:
+    return jnp.zeros((), jnp.float32)
+  return cfg.moe_balance_coef * jnp.mean(stats["balance_loss"]) + cfg.moe_z_coef * jnp.mean(stats["z_loss"])
+
+
+def metrics(stats: LayerStats) -> dict[str, jax.Array]:
+  """Training metrics of stacked statistics [L]: `moe/layerNN/<statistic>` per layer and `moe/<statistic>` means.
+
+  Empty for a dense model.
+  """
+  out = {}
+  for name, per_layer in stats.items():
+    out[f"moe/{name}"] = jnp.mean(per_layer)
+    out.update({f"moe/layer{i:02d}/{name}": per_layer[i] for i in range(per_layer.shape[0])})
+  return out
+
+
+def _token_local(fn, *arrays: jax.Array, rules: sharding.Rules):
+  """`fn` of [B, T, ...] arrays, per token, run on each device's tokens under the current mesh.
+
+  GSPMD partitions a top-k over the batch by gathering it onto every device first.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*arrays)
+  specs = [sharding.logical_to_spec(("batch", "seq") + (None,) * (x.ndim - 2), rules, shape=x.shape, mesh=mesh)
+           for x in arrays]
+  spec = specs[0]
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=spec)(*arrays)
+
+
+def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: str) -> jax.Array:
+  """Every expert on every token [B, T, D], combined by the gate weights (zero off the route): float32 [B, T, D]."""
+  E = w["expert_gate"].shape[0]
+  gate = jnp.einsum("btd,edf->ebtf", h, w["expert_gate"])
+  up = jnp.einsum("btd,edf->ebtf", h, w["expert_up"])
+  out = jnp.einsum("ebtf,efd->ebtd", gated_activation(activation, gate, up), w["expert_down"])
+  combine = jnp.einsum("btke,btk->bte", jax.nn.one_hot(routes.ids, E, dtype=jnp.float32), routes.weights)
+  return jnp.einsum("bte,ebtd->btd", combine, out.astype(jnp.float32))
+
+
+def _ragged_on_devices(h: jax.Array, routes: Routes, w: Params, activation: str, rules: sharding.Rules) -> jax.Array:
+  """`_ragged_experts` on each device's tokens under the current mesh (or on all of them without one): [B, T, D].
+
+  Tokens split over the batch and sequence axes stay where they are; the
+  experts' hidden units split over `tensor` as the dense MLP's do, each device
+  summing its slice's share of the output, then the shares summed over `tensor`.
+  """
+  ids, weights = routes
+  local = functools.partial(_ragged_local, activation=activation)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(h, ids, weights, w, tensor_axis=None)
+  spec = lambda names, x: sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+  tokens = spec(("batch", "seq", None), h)
+  hidden = spec((None, None, "mlp"), w["expert_gate"])
+  w_specs = {"expert_gate": hidden, "expert_up": hidden, "expert_down": PartitionSpec(None, hidden[2], None)}
+  return jax.shard_map(functools.partial(local, tensor_axis=hidden[2]), mesh=mesh,
+                       in_specs=(tokens, tokens, tokens, w_specs), out_specs=tokens)(h, ids, weights, w)
+
+
+def _ragged_local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activation: str,
+                  tensor_axis: str | tuple[str, ...] | None) -> jax.Array:
+  """Sorted token copies through grouped matmuls, on one device's tokens h [B, T, D]: [B, T, D] float32.
+
+  `tensor_axis`: the mesh axes the experts' hidden units are split over, whose partial outputs are summed.
+  """
+  B, T, D = h.shape
+  k, E = ids.shape[-1], w["expert_gate"].shape[0]
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  copies = _permute(jnp.repeat(h.reshape(B * T, D), k, axis=0), order, inverse)
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  gate = jax.lax.ragged_dot(copies, w["expert_gate"], sizes)
+  up = jax.lax.ragged_dot(copies, w["expert_up"], sizes)
+  out = jax.lax.ragged_dot(gated_activation(activation, gate, up), w["expert_down"], sizes)
+  out = _permute(out, inverse, order).reshape(B, T, k, D)
+  y = jnp.einsum("btkd,btk->btd", out.astype(jnp.float32), weights)
+  return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x[order] for a permutation `order` whose inverse is `inverse`.
+
+  Its gradient is the gather g[inverse]: autodiff's would scatter-add into
+  zeros, the slow form of the same thing on every backend.
+  """
+  return jnp.take(x, order, axis=0)
+
+
+def _permute_fwd(x, order, inverse):
+  return _permute(x, order, inverse), (order, inverse)
+
+
+def _permute_bwd(residuals, g):
+  order, inverse = residuals
+  return jnp.take(g, inverse, axis=0), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
