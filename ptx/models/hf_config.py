@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ptx.model_config import ModelConfig, RopeScaling
+from ptx.model_config import ModelConfig, MoeConfig, RopeScaling
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -51,6 +51,11 @@ class HFFamily:
   aliases: tuple[tuple[str, str], ...] = ()
   # Checkpoint name prefixes that belong to other towers and are skipped.
   ignored: tuple[str, ...] = ()
+  # Mixture-of-Experts families: MoeConfig field -> its config.json keys (the first is written; the others are
+  # older or newer spellings read too). Names of per-expert tensors hold "{e}", the expert.
+  moe_keys: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  # MoeConfig fields the family fixes (Mixtral always renormalises its k gate weights).
+  moe_fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -107,6 +112,9 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
   n_heads, d_model = need("num_attention_heads"), need("hidden_size")
   n_layers = need("num_hidden_layers")
   global_rope, local_rope = _rope(c, where)
+  if c.get("sliding_window") and "sliding_window" not in family.defaults and "use_sliding_window" not in c:
+    raise HFConfigError(f"{where}: sliding_window={c['sliding_window']} on every layer is not supported for "
+                        f"{family.model_type}")
   pattern = _window_pattern(_layer_types(c, n_layers), where)
   cfg = ModelConfig(
       vocab_size=need("vocab_size"), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
@@ -119,7 +127,26 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
       final_logit_softcap=c.get("final_logit_softcapping"), param_dtype=dtype, compute_dtype=dtype)
   if "query_pre_attn_scalar" in c:
     cfg = dataclasses.replace(cfg, query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
+  if family.moe_keys:
+    cfg = dataclasses.replace(cfg, moe=_moe(c, family, where))
   return dataclasses.replace(cfg, **family.features)
+
+
+def _moe(c: dict[str, Any], family: HFFamily, where: str) -> MoeConfig:
+  """The MoeConfig of a Mixture-of-Experts config.json (every layer sparse: mixed stacks are refused)."""
+  if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
+    raise HFConfigError(f"{where}: decoder_sparse_step={c.get('decoder_sparse_step')}, mlp_only_layers="
+                        f"{c.get('mlp_only_layers')}: dense layers among the MoE layers are not supported yet")
+  values = {}
+  for field, keys in family.moe_keys.items():
+    key = next((k for k in keys if c.get(k) is not None), None)
+    if key is None:
+      raise HFConfigError(f"{where}: missing {keys[0]!r}")
+    values[field] = c[key]
+  try:
+    return MoeConfig(**values, **family.moe_fixed)
+  except ValueError as e:
+    raise HFConfigError(f"{where}: {e}") from None
 
 
 def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
@@ -132,6 +159,13 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     if getattr(cfg, field) != value:
       raise HFConfigError(f"{family.model_type} needs model.{field}={value!r}, got {getattr(cfg, field)!r}")
   name = family.model_type
+  if cfg.moe.enabled != bool(family.moe_keys):
+    raise HFConfigError(f"{name} {'has' if family.moe_keys else 'has no'} Mixture-of-Experts layers; got "
+                        f"model.moe.n_experts={cfg.moe.n_experts}")
+  for field in MoeConfig.__dataclass_fields__:
+    expected = family.moe_fixed.get(field, MoeConfig.__dataclass_fields__[field].default)
+    if family.moe_keys and field not in family.moe_keys and getattr(cfg.moe, field) != expected:
+      raise HFConfigError(f"{name} needs model.moe.{field}={expected!r}, got {getattr(cfg.moe, field)!r}")
   if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
     raise HFConfigError(f"{name} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
   if "rope_local_base_freq" in family.defaults:
@@ -167,6 +201,7 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
   if "query_pre_attn_scalar" in family.defaults:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants int
+  out.update({keys[0]: getattr(cfg.moe, field) for field, keys in family.moe_keys.items()})
   return out
 
 

@@ -38,6 +38,13 @@ HF_LAYOUTS: dict[str, tuple[Group, ...]] = {
     "gate": (("mlp",), ("embed",)),
     "up": (("mlp",), ("embed",)),
     "down": (("embed",), ("mlp",)),
+    # Mixture-of-Experts layers: the router's expert axis is unnamed (None); each expert is its own HF tensor,
+    # laid out like the dense MLP's (the `experts` axis is taken off first, `ptx.models.hf_load`).
+    "router": ((None,), ("embed",)),
+    "router_bias": ((None,),),
+    "expert_gate": (("mlp",), ("embed",)),
+    "expert_up": (("mlp",), ("embed",)),
+    "expert_down": (("embed",), ("mlp",)),
 }
 
 

@@ -179,8 +179,12 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
     stacked = spec.logical_axes[0] == "layers"
     leaf = key.split("/")[-1]
     axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
+    experts = shape[0] if _per_expert(axes) else 1
+    if _per_expert(axes):  # one HF tensor per expert
+      axes, shape = axes[1:], shape[1:]
     want = hf_layout.hf_shape(leaf, axes, shape)
-    names = [family.names[key].format(i=i) for i in range(cfg.n_layers if stacked else 1)]
+    names = [family.names[key].format(i=i, e=e) for i in range(cfg.n_layers if stacked else 1)
+             for e in range(experts)]
     missing = [n for n in names if n not in found]
     if missing:
       raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (ptx {key}; {len(missing)} missing for it)")
@@ -189,7 +193,8 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
       if shape_found != want:
         raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape_found)}, expected {list(want)} "
                               f"for ptx {key} of the config")
-    sources[key] = [(found[n][1], found[n][0]) for n in names]
+    sources[key] = [[(found[n][1], found[n][0]) for n in names[i:i + experts]]
+                    for i in range(0, len(names), experts)]
     expected.update(names)
   for canonical, (name, file, _) in found.items():
     if canonical not in expected:
@@ -197,20 +202,30 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
   return sources
 
 
-def _load(spec: ParamSpec, leaf: str, sources: list[tuple[pathlib.Path, str]], target: jax.sharding.Sharding,
+def _load(spec: ParamSpec, leaf: str, sources: list[list[tuple[pathlib.Path, str]]], target: jax.sharding.Sharding,
           dtype: np.dtype) -> jax.Array:
-  """Builds one parameter on its sharding, reading each distinct device block once."""
+  """Builds one parameter on its sharding, reading each distinct device block once.
+
+  `sources[i]` lists layer i's HF tensors: one, or one per expert, of which a
+  block reads only the experts it holds.
+  """
   stacked = spec.logical_axes[0] == "layers"
   axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
   handles: dict[pathlib.Path, Any] = {}
   blocks: dict[tuple, np.ndarray] = {}
 
-  def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
-    file, name = sources[i]
+  def read_tensor(source: tuple[pathlib.Path, str], axes, shape, block: tuple[slice, ...]) -> np.ndarray:
+    file, name = source
     if file not in handles:
       handles[file] = _open(file)
     tensor = handles[file].get_slice(name)
     return hf_layout.read_block(lambda index: tensor[index], leaf, axes, shape, block)
+
+  def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
+    if not _per_expert(axes):
+      return read_tensor(sources[i][0], axes, shape, block)
+    return np.stack([read_tensor(sources[i][e], axes[1:], shape[1:], block[1:])
+                     for e in range(block[0].start, block[0].stop)])
 
   def callback(index: tuple[slice, ...]) -> np.ndarray:
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, spec.shape))
@@ -230,6 +245,11 @@ def _load(spec: ParamSpec, leaf: str, sources: list[tuple[pathlib.Path, str]], t
   finally:
     handles.clear()
     blocks.clear()
+
+
+def _per_expert(axes: tuple[str | None, ...]) -> bool:
+  """Whether a parameter with these axes (without `layers`) is stored as one HF tensor per expert."""
+  return bool(axes) and axes[0] == "experts"
 
 
 def _flat(specs: dict[str, Any]) -> list[tuple[str, ParamSpec]]:

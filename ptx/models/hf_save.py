@@ -77,6 +77,8 @@ def save_hf(model: Decoder, path: str | os.PathLike, *, model_type: str | None =
 
 def infer_model_type(cfg: ModelConfig) -> str:
   """The HF model_type whose architecture has exactly the config's features."""
+  if cfg.moe.enabled:
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
   if cfg.post_norms:
     return "gemma3_text" if cfg.qk_norm else "gemma2"
   if cfg.qk_norm:
@@ -156,7 +158,10 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
         yield "", host
         continue
       path = f"{key}/{leaf}" if isinstance(value, dict) else key
-      if spec.logical_axes[0] == "layers":
+      if spec.logical_axes[1:2] == ("experts",):  # one HF tensor per layer and expert
+        for i, e in np.ndindex(*host.shape[:2]):
+          yield family.names[path].format(i=i, e=e), hf_layout.to_hf(host[i, e], leaf, spec.logical_axes[2:])
+      elif spec.logical_axes[0] == "layers":
         for i in range(cfg.n_layers):
           yield family.names[path].format(i=i), hf_layout.to_hf(host[i], leaf, spec.logical_axes[1:])
       else:

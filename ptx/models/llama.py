@@ -19,6 +19,10 @@ HF_NAMES = {
     "layers/down": "model.layers.{i}.mlp.down_proj.weight",
 }
 
+# The dense MLP's parameters, and their HF projection names (Mixture-of-Experts families name their experts' alike).
+MLP_PATHS = ("layers/gate", "layers/up", "layers/down")
+MLP_NAMES = ("gate", "up", "down")
+
 HF_LLAMA = register(HFFamily(
     model_type="llama", architecture="LlamaForCausalLM", names=HF_NAMES,
     features={"qkv_bias": False, "qk_norm": False, "norm_plus_one": False, "post_norms": False,

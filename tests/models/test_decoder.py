@@ -12,12 +12,13 @@ import pytest
 from flax import nnx
 from ptx_kernels import xla_cpu_workarounds
 
-from model_variants import gemma_like
+from model_variants import gemma_like, moe_like
 from ptx.model_config import MODEL_PRESETS, RopeScaling
 from ptx import sharding
 from ptx.models import Decoder, count_params, init_params
+from ptx.models.params import count_active_params
 from ptx.models import forward as eager_forward
-from ptx.models import decoder
+from ptx.models import decoder, gated_mlp
 from ptx.models.decoder import decode_layers, unembed
 
 forward = jax.jit(eager_forward, static_argnames=("cfg",))
@@ -34,6 +35,7 @@ VARIANTS = {
     "llama31_rope": lambda c: dataclasses.replace(
         c, rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_positions=16)),
     "gemma": gemma_like,
+    "moe": moe_like,
 }
 
 
@@ -56,7 +58,7 @@ def test_causality_through_gradients(tiny_config, variant):
     x = onehot @ params["embed"]
     if cfg.embed_scale:
       x = x * jnp.sqrt(jnp.float32(cfg.d_model))
-    x = decode_layers(params["layers"], x, cfg, positions=None, segment_ids=None, rules=sharding.DEFAULT_RULES)
+    x, _ = decode_layers(params["layers"], x, cfg, positions=None, segment_ids=None, rules=sharding.DEFAULT_RULES)
     return unembed(params, x, cfg, sharding.DEFAULT_RULES)[:, t].sum()
 
   onehot = jax.nn.one_hot(tokens, cfg.vocab_size)
@@ -197,12 +199,23 @@ PUBLISHED = {
     "gemma2_2b": 2_614_341_888,
     "gemma2_9b": 9_241_705_984,
     "gemma3_1b": 999_885_952,
+    "qwen3_30b_a3b": 30_532_122_624,
+    "qwen3_235b_a22b": 235_093_634_560,
+    "mixtral_8x7b": 46_702_792_704,
 }
+# Active parameters of the Mixtures of Experts, as Qwen's model card rounds them ("3.3B activated", "22B") and as
+# the dense count of Mixtral's embeddings, attention and two of eight experts ("12.9B").
+PUBLISHED_ACTIVE = {"qwen3_30b_a3b": 3_353_032_704, "qwen3_235b_a22b": 22.2e9, "mixtral_8x7b": 12.9e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_parameter_counts_match_published(name):
   assert count_params(MODEL_PRESETS[name]()) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_moe_preset_active_parameter_counts(name):
+  assert count_active_params(MODEL_PRESETS[name]()) == pytest.approx(PUBLISHED_ACTIVE[name], rel=5e-3)
 
 
 def test_every_real_preset_has_a_published_count():
@@ -241,8 +254,8 @@ def test_cpu_forward_computes_rope_trig_once(tiny_config):
 def test_gated_activation_gradients_equal_autodiff(activation):
   """The written-out backward of act(gate) * up gives autodiff's gradients."""
   gate, up, d_out = jax.random.normal(jax.random.key(4), (3, 2, 5, 16)) * 3
-  plain = lambda g, u: decoder._ACTIVATIONS[activation](g) * u
-  fused = functools.partial(decoder.gated_activation, activation)
+  plain = lambda g, u: gated_mlp._ACTIVATIONS[activation](g) * u
+  fused = functools.partial(gated_mlp.gated_activation, activation)
   np.testing.assert_array_equal(jax.jit(fused)(gate, up), jax.jit(plain)(gate, up))  # the same elementwise ops
   want = jax.jit(lambda g, u, d: jax.vjp(plain, g, u)[1](d))(gate, up, d_out)
   got = jax.jit(lambda g, u, d: jax.vjp(fused, g, u)[1](d))(gate, up, d_out)

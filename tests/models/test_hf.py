@@ -39,6 +39,12 @@ FAMILIES = {
     "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "gemma3_text": ("gemma3_text", dict(_GEMMA, sliding_window_pattern=3, rope_local_base_freq=100.0,
                                         rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # Mixtures of Experts: 6 experts of width 16 (distinct from the model's other widths), 2 per token.
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    norm_topk_prob=True)),
+    "qwen3_moe_unnormalised": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16,
+                                                 norm_topk_prob=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=16)),
 }
 
 
@@ -89,6 +95,11 @@ def test_config_maps_features(checkpoint):
     assert (cfg.sliding_window_pattern, cfg.rope_local_theta, cfg.rope_scaling.factor) == (3, 100.0, 4.0)
   if name == "qwen2":
     assert cfg.qkv_bias and cfg.tie_embeddings
+  if name.startswith("qwen3_moe"):
+    assert cfg.qk_norm and (cfg.moe.n_experts, cfg.moe.expert_mlp_dim) == (6, 16)
+    assert cfg.moe.norm_topk_prob == (name == "qwen3_moe")
+  if name == "mixtral":
+    assert (cfg.moe.n_experts, cfg.moe.experts_per_token, cfg.moe.expert_mlp_dim) == (6, 2, 16)
 
 
 def test_save_hf_loads_in_transformers(checkpoint, tmp_path):
@@ -111,7 +122,8 @@ def test_sharded_load_matches_single_device(checkpoint):
   want = param_shardings(model.cfg, mesh)
   for (where, array), sharding in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(want)):
     assert array.sharding == sharding, where
-  assert model.params["layers"]["gate"].sharding.shard_shape(model.params["layers"]["gate"].shape)[-1] == 24
+  gate = model.params["layers"]["expert_gate" if model.cfg.moe.enabled else "gate"]
+  assert gate.sharding.shard_shape(gate.shape)[-1] == gate.shape[-1] // 4  # the MLP's hidden units over tensor
   # Sharded vs single-device forward of the same weights: float32 reduction order across shards, logits of O(1).
   np.testing.assert_allclose(_ptx_logits(model, tokens), _ptx_logits(load_hf(path), tokens), atol=1e-5, rtol=0)
   np.testing.assert_allclose(_ptx_logits(model, tokens), expected, atol=1e-4, rtol=0, err_msg=name)
