@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
       from ptx import demo
 
       cfg = config_io.apply_overrides(demo.default_config(), overrides)
+      _check_exportable(cfg.model)  # the demo writes OUT/sft/hf and OUT/grpo/hf
     elif args.fields:  # nothing is read, converted or written
       from ptx.train.job import SECTIONS
 
@@ -239,8 +240,22 @@ def _prepare(args, overrides: list[str]):
   from ptx.train import checkpoint_evals, pretrained
 
   cfg, params, tokenizer = pretrained.configure(_base_config(args), overrides, model_dir=args.model_dir, out=args.out)
+  if not args.no_export:  # refused before the run, not after it
+    _check_exportable(cfg.model)
   evals = checkpoint_evals.build(cfg.eval, tokenizer, cfg.rollout)
   return (cfg, params, tokenizer, *_JOBS[args.command](cfg, tokenizer, args, params), evals)
+
+
+def _check_exportable(model) -> None:
+  """Raises ConfigError when OUT/hf could not hold `model` (no HF family expresses it)."""
+  from ptx.config import ConfigError
+  from ptx.models.hf_config import HFConfigError
+  from ptx.models.hf_save import check_exportable
+
+  try:
+    check_exportable(model)
+  except HFConfigError as e:
+    raise ConfigError(f"OUT/hf cannot hold this model ({e}); pass --no-export to train it without the export") from None
 
 
 def _base_config(args):
@@ -261,6 +276,7 @@ def _base_config(args):
 def _train(args, cfg, params, tokenizer, job, train, evaluation, evals, progress: bool) -> None:
   """Runs the job, then writes OUT/hf (and OUT/adapter under LoRA) unless --no-export or preempted."""
   from ptx.train.loop import fit
+
 
   state, summary = fit(cfg, job, train_data=train, out=args.out, resume=args.resume, overwrite=args.overwrite,
                        eval_data=evaluation, init_params=params, evals=evals, progress=progress)

@@ -58,6 +58,16 @@ class MoeConfig:
   norm_topk_prob: bool = True
   # A trained bias on the router's logits (gpt-oss).
   router_bias: bool = False
+  # "softmax": the k most probable experts of a softmax (Qwen3-MoE, Mixtral, gpt-oss); "sigmoid": sigmoid scores,
+  # experts chosen by score + a correction bias that the optimizer never changes (DeepSeek-V3, Kimi K2: their
+  # auxiliary-loss-free balancing), gate weights the unbiased scores.
+  router: Literal["softmax", "sigmoid"] = "softmax"
+  # Sigmoid routing, group-limited: the experts split into n_groups groups, each scored by its two best experts'
+  # biased scores; tokens choose among the experts of the topk_groups best groups (HF `n_group`, `topk_group`).
+  n_groups: int = 1
+  topk_groups: int = 1
+  # Factor on the gate weights after any renormalisation (HF `routed_scaling_factor`).
+  routed_scale: float = 1.0
 
   def __post_init__(self):
     if self.n_experts < 0:
@@ -70,6 +80,15 @@ class MoeConfig:
                        f"got {self.expert_mlp_dim}")
     if self.shared_mlp_dim < 0:
       raise ValueError(f"model.moe.shared_mlp_dim must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
+    if self.n_groups < 1 or self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
+      raise ValueError(f"model.moe.n_groups={self.n_groups} must divide n_experts={self.n_experts}, and "
+                       f"model.moe.topk_groups={self.topk_groups} be in [1, n_groups]")
+    if self.n_groups > 1 and self.router != "sigmoid":
+      raise ValueError(f"model.moe.n_groups={self.n_groups}: group-limited routing is the sigmoid router's "
+                       f"(model.moe.router='sigmoid'), not {self.router!r}'s")
+    if self.n_groups > 1 and self.topk_groups * self.n_experts // self.n_groups < self.experts_per_token:
+      raise ValueError(f"model.moe.topk_groups={self.topk_groups} groups of {self.n_experts // self.n_groups} "
+                       f"experts hold fewer than experts_per_token={self.experts_per_token}")
 
   @property
   def enabled(self) -> bool:

@@ -75,6 +75,11 @@ def save_hf(model: Decoder, path: str | os.PathLike, *, model_type: str | None =
   return path
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+  """Raises HFConfigError, naming the field, when no HF family can express `cfg` (before a run that exports)."""
+  hf_config(cfg, FAMILIES[infer_model_type(cfg)])
+
+
 def infer_model_type(cfg: ModelConfig) -> str:
   """The HF model_type whose architecture has exactly the config's features."""
   if cfg.moe.enabled:

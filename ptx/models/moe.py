@@ -1,11 +1,17 @@
 """Mixture-of-Experts MLPs: a router sends each token to k of E experts and sums their gated MLPs, weighted.
 
 One MoE layer's parameters (`ptx.models.params`; E experts, D d_model, F `moe.expert_mlp_dim`):
-  router [D, E] (+ router_bias [E] with `moe.router_bias`); expert_gate, expert_up [E, D, F]; expert_down [E, F, D]
+  router [D, E] (+ router_bias [E] with `moe.router_bias`, router_correction [E] with the sigmoid router);
+  expert_gate, expert_up [E, D, F]; expert_down [E, F, D]
 and, with shared experts (`moe.shared_mlp_dim`), the dense MLP's gate, up and down, run on every token.
 
-Routing (`route`): a softmax over the E float32 router logits, the k largest probabilities, divided by their sum
-when `moe.norm_topk_prob` (Qwen3-MoE; Mixtral's and gpt-oss's top-k-then-softmax is the same function).
+Routing (`route`) from the E float32 router logits, by `moe.router`:
+  softmax  the k largest probabilities of a softmax (Qwen3-MoE; Mixtral's and gpt-oss's top-k-then-softmax
+           is the same function);
+  sigmoid  sigmoid scores; the k experts of the largest scores plus the correction bias, among the experts of
+           the `moe.topk_groups` groups whose two best biased scores sum highest (DeepSeek-V3, Kimi K2); the
+           gate weights are the unbiased scores.
+Either way the weights are divided by their sum when `moe.norm_topk_prob`, then scaled by `moe.routed_scale`.
 
 Implementations (`ModelConfig.moe_impl`), dropless and equal up to float rounding:
   dense   every expert on every token, weighted by the gate weights (zero off a token's route): the
@@ -64,13 +70,40 @@ def router_logits(p: Params, h: jax.Array) -> jax.Array:
   return logits
 
 
-def route(logits: jax.Array, moe: MoeConfig) -> Routes:
-  """The k experts of each token and their gate weights, from float32 router logits [B, T, E] (module docstring)."""
-  probs = jax.nn.softmax(logits, axis=-1)
-  weights, ids = jax.lax.top_k(probs, moe.experts_per_token)
+def route(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None = None) -> Routes:
+  """The k experts of each token and their gate weights, from float32 router logits [B, T, E] (module docstring).
+
+  Args:
+    logits: float32 router logits [B, T, E].
+    moe: the routing rule.
+    correction: the sigmoid router's selection bias [E] (`router_correction`); None for softmax.
+  """
+  k = moe.experts_per_token
+  if moe.router == "softmax":
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    bias = correction.astype(jnp.float32).reshape((1,) * (scores.ndim - 1) + correction.shape)
+    choice = jax.lax.stop_gradient(scores) + bias  # chooses; carries no gradient
+    if moe.n_groups > 1:
+      grouped = choice.reshape(*choice.shape[:-1], moe.n_groups, -1)
+      group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+      _, best = jax.lax.top_k(group_scores, moe.topk_groups)
+      kept = jnp.sum(jax.nn.one_hot(best, moe.n_groups, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
+      choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)  # the other groups' experts
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
   if moe.norm_topk_prob:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return Routes(ids.astype(jnp.int32), weights)
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if moe.router == "sigmoid" else 0.0))
+  return Routes(ids.astype(jnp.int32), weights * moe.routed_scale)
+
+
+def router_probs(logits: jax.Array, moe: MoeConfig) -> jax.Array:
+  """Each token's distribution over the experts [B, T, E]: the softmax, or the sigmoid scores normalised."""
+  if moe.router == "softmax":
+    return jax.nn.softmax(logits, axis=-1)
+  scores = jax.nn.sigmoid(logits)
+  return scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
 def moe_mlp(
@@ -94,25 +127,29 @@ def moe_mlp(
     (the experts' weighted sum [B, T, D] in the compute dtype, the layer's statistics).
   """
   logits = router_logits(p, h)
-  routes = _token_local(functools.partial(route, moe=cfg.moe), logits, rules=rules)
+  correction = p.get("router_correction")
+  routes = _token_local(lambda lg, c: route(lg, cfg.moe, c), logits, replicated=correction, rules=rules)
   experts = {name: p[name].astype(cfg.compute_dtype) for name in ("expert_gate", "expert_up", "expert_down")}
   if resolve_impl(cfg.moe_impl) == "dense":
     y = _dense_experts(h, routes, experts, cfg.activation)
   else:
     y = _ragged_on_devices(h, routes, experts, cfg.activation, rules)
   y = sharding.constrain(y.astype(h.dtype), ("batch", "seq", "embed"), rules)
-  return y, statistics(logits, routes, token_mask)
+  return y, statistics(logits, routes, token_mask, cfg.moe)
 
 
-def statistics(logits: jax.Array, routes: Routes, token_mask: jax.Array) -> LayerStats:
-  """The layer's load, entropy, load-balancing and z-loss statistics over the tokens of `token_mask` (docstring)."""
+def statistics(logits: jax.Array, routes: Routes, token_mask: jax.Array, moe: MoeConfig) -> LayerStats:
+  """The layer's load, entropy, load-balancing and z-loss statistics over the tokens of `token_mask` (docstring).
+
+  The router's distribution is its softmax, or its sigmoid scores normalised (`router_probs`).
+  """
   E, k = logits.shape[-1], routes.ids.shape[-1]
   mask = token_mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(mask), 1.0)
   counts = jnp.einsum("bt,btke->e", mask, jax.nn.one_hot(routes.ids, E, dtype=jnp.float32))
-  probs = jax.nn.softmax(logits, axis=-1)
+  probs = router_probs(logits, moe)
   mean_probs = jnp.einsum("bt,bte->e", mask, probs) / n
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  log_probs = jnp.log(jnp.maximum(probs, 1e-30))
   return {
       "load_max_over_mean": jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1e-9),
       "router_entropy": -jnp.sum(mask * jnp.sum(probs * log_probs, axis=-1)) / n,
@@ -140,18 +177,18 @@ def metrics(stats: LayerStats) -> dict[str, jax.Array]:
   return out
 
 
-def _token_local(fn, *arrays: jax.Array, rules: sharding.Rules):
-  """`fn` of [B, T, ...] arrays, per token, run on each device's tokens under the current mesh.
+def _token_local(fn, tokens: jax.Array, *, replicated: Any, rules: sharding.Rules):
+  """`fn(tokens, replicated)` of a per-token function, run on each device's tokens [B, T, ...] under the mesh.
 
-  GSPMD partitions a top-k over the batch by gathering it onto every device first.
+  GSPMD partitions a top-k over the batch by gathering it onto every device
+  first. `replicated` (any pytree, or None) is whole on every device.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return fn(*arrays)
-  specs = [sharding.logical_to_spec(("batch", "seq") + (None,) * (x.ndim - 2), rules, shape=x.shape, mesh=mesh)
-           for x in arrays]
-  spec = specs[0]
-  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=spec)(*arrays)
+    return fn(tokens, replicated)
+  spec = sharding.logical_to_spec(("batch", "seq") + (None,) * (tokens.ndim - 2), rules, shape=tokens.shape,
+                                  mesh=mesh)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(tokens, replicated)
 
 
 def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: str) -> jax.Array:

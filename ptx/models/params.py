@@ -15,6 +15,7 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
   Mixture-of-Experts layers (moe.n_experts E > 0, F' moe.expert_mlp_dim, ptx.models.moe) replace gate, up and
   down with router [L, D, E]; expert_gate, expert_up [L, E, D, F']; expert_down [L, E, F', D]
           + router_bias [L, E]                            (moe.router_bias)
+          + router_correction [L, E], not trainable       (moe.router "sigmoid")
           + gate, up [L, D, S]; down [L, S, D]            (the shared experts, S moe.shared_mlp_dim > 0)
 """
 
@@ -43,6 +44,8 @@ class ParamSpec:
   shape: tuple[int, ...]
   logical_axes: tuple[str | None, ...]
   init: Initializer
+  # False: saved, loaded and sharded like any parameter, never changed by the optimizer (nor decayed, nor adapted).
+  trainable: bool = True
 
   def __post_init__(self):
     if len(self.shape) != len(self.logical_axes):
@@ -77,6 +80,8 @@ def param_specs(cfg: ModelConfig) -> Params:
     layers["router"] = layer((D, E), ("embed", None))
     if moe.router_bias:
       layers["router_bias"] = layer((E,), (None,), zeros)
+    if moe.router == "sigmoid":  # chooses experts, never weights them; balanced by a rule, not by gradients
+      layers["router_correction"] = ParamSpec((L, E), ("layers", None), zeros, trainable=False)
     layers["expert_gate"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_up"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_down"] = layer((E, F, D), ("experts", "mlp", "embed"))
@@ -171,11 +176,17 @@ def count_active_params(cfg: ModelConfig) -> int:
   return count_params(cfg) - cfg.n_layers * idle * 3 * cfg.d_model * moe.expert_mlp_dim
 
 
+def trainable_mask(cfg: ModelConfig) -> Params | None:
+  """True for the parameters the optimizer updates; None when it updates all of them (every model without buffers)."""
+  mask = jax.tree.map(lambda spec: spec.trainable, param_specs(cfg), is_leaf=_is_spec)
+  return None if all(jax.tree.leaves(mask)) else mask
+
+
 def weight_decay_mask(cfg: ModelConfig) -> Params:
-  """True for matrices (decayed), False for norms and biases (not decayed)."""
+  """True for trainable matrices (decayed), False for norms, biases and what is not trainable (not decayed)."""
 
   def is_matrix(spec: ParamSpec) -> bool:
-    return sum(a not in ("layers", "head_dim") for a in spec.logical_axes) >= 2
+    return spec.trainable and sum(a not in ("layers", "head_dim") for a in spec.logical_axes) >= 2
 
   return jax.tree.map(is_matrix, param_specs(cfg), is_leaf=_is_spec)
 

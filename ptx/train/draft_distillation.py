@@ -30,7 +30,7 @@ from ptx.algorithms import sft
 from ptx.config import OptimizerConfig, SamplingConfig
 from ptx.model_config import ModelConfig
 from ptx.models.decoder import Params
-from ptx.models.params import weight_decay_mask
+from ptx.models.params import trainable_mask, weight_decay_mask
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sharding import batch_sharding
@@ -129,7 +129,7 @@ def distill(params: Params, cfg: ModelConfig, draft_cfg: ModelConfig, draft_para
   n = len(rows["tokens"])
   if d.batch_size > n:
     raise ValueError(f"Distillation.batch_size ({d.batch_size}) exceeds the {n} sampled rows (prompts x samples)")
-  optimizer = make_optimizer(d.optimizer, d.steps, weight_decay_mask(draft_cfg))
+  optimizer = make_optimizer(d.optimizer, d.steps, weight_decay_mask(draft_cfg), trainable_mask(draft_cfg))
   state = init_state(draft_cfg, optimizer, d.seed, mesh, params=draft_params)
   step = make_train_step(functools.partial(sft.loss, model=draft_cfg), optimizer, mesh=mesh,
                          state_shardings=state_shardings(draft_cfg, optimizer, mesh))

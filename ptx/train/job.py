@@ -40,7 +40,7 @@ from ptx.algorithms import dpo, sft
 from ptx.config import Config, OptimizerConfig
 from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
-from ptx.models.params import weight_decay_mask
+from ptx.models.params import trainable_mask, weight_decay_mask
 from ptx.train.grpo import token_rewards
 from ptx.envs.base import Environment
 from ptx.episodes.turn_format import TurnFormat
@@ -105,8 +105,10 @@ class Job:
 
   def optimizer(self) -> optax.GradientTransformation:
     """AdamW over `total_updates` (decaying matrices only; every adapter), then the step's own stage if any."""
-    mask = None if self.lora is not None else weight_decay_mask(self.model)  # adapters are all matrices
-    optimizer = make_optimizer(self.optim, self.total_updates, mask)
+    # Adapters are all matrices, all trained; a full model's buffers (a router's correction bias) never change.
+    full = self.lora is None
+    optimizer = make_optimizer(self.optim, self.total_updates, weight_decay_mask(self.model) if full else None,
+                               trainable_mask(self.model) if full else None)
     stage = self.step.optimizer_stage()
     return optimizer if stage is None else optax.chain(optimizer, stage)
 

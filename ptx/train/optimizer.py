@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from ptx.config import OptimizerConfig
@@ -17,7 +18,8 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
       end_value=cfg.lr * cfg.min_lr_ratio)
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = None,
+                   trainable_mask: Any = None) -> optax.GradientTransformation:
   """Builds the optimizer once, before jit; steps with non-finite gradients are skipped.
 
   Args:
@@ -25,10 +27,18 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, decay_mask: Any = Non
     total_steps: length of the schedule in optimizer steps.
     decay_mask: pytree of bools (True: apply weight decay), e.g.
       `ptx.models.params.weight_decay_mask(model_cfg)`; None decays everything.
+    trainable_mask: pytree of bools (False: the parameter never changes: its gradient is zeroed before
+      clipping and Adam, and `decay_mask` must leave it undecayed), e.g.
+      `ptx.models.params.trainable_mask(model_cfg)`; None trains everything.
   """
   adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
   inner = adamw if cfg.clip_norm <= 0 else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  if trainable_mask is not None:
+    # Zeroed gradients keep Adam's moments at 0 and its update at exactly 0; the moments' state keeps the layout
+    # of the parameters, which the checkpoint and sharding code maps over.
+    frozen = jax.tree.map(lambda trainable: not trainable, trainable_mask)
+    inner = optax.chain(optax.masked(optax.set_to_zero(), frozen), inner)
   # A step whose gradients are not finite leaves parameters and moments untouched
   # and is counted in the state (`skipped_steps`); it is never applied.
   return optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)

@@ -125,7 +125,7 @@ def test_statistics_count_only_the_masked_tokens():
   cfg = MoeConfig(n_experts=E, experts_per_token=2, expert_mlp_dim=3)
   routes = moe.route(logits, cfg)
   mask = jnp.asarray([[True] * 4 + [False] * 2])
-  stats = moe.statistics(logits, routes, mask)
+  stats = moe.statistics(logits, routes, mask, cfg)
   assert float(stats["load_max_over_mean"]) == pytest.approx(1.0)
   probs = jax.nn.softmax(logits[0, :4], axis=-1)
   assert float(stats["balance_loss"]) == pytest.approx(float(E * jnp.sum(0.25 * probs.mean(0))), rel=1e-6)
@@ -134,7 +134,7 @@ def test_statistics_count_only_the_masked_tokens():
   assert float(stats["z_loss"]) == pytest.approx(float(jnp.mean(lse ** 2)), rel=1e-6)
   entropy = -jnp.sum(probs * jnp.log(probs), axis=-1).mean()
   assert float(stats["router_entropy"]) == pytest.approx(float(entropy), rel=1e-6)
-  unbalanced = moe.statistics(logits, routes, jnp.asarray([[True, False, False, False, False, False]]))
+  unbalanced = moe.statistics(logits, routes, jnp.asarray([[True, False, False, False, False, False]]), cfg)
   assert float(unbalanced["load_max_over_mean"]) == pytest.approx(2.0)  # one token: 2 experts of 4 take a copy
 
 
@@ -207,3 +207,97 @@ def test_sft_loss_adds_the_weighted_auxiliary_losses_and_logs_every_layer(moe_cf
   # The balance loss alone moves the router: its gradient with the cross-entropy's removed is non-zero.
   grad = lambda cfg: jax.grad(lambda p: sft.loss(p, batch, None, model=cfg)[0])(params)["layers"]["router"]
   assert float(jnp.abs(grad(weighted) - grad(moe_cfg)).max()) > 0
+
+
+SIGMOID = MoeConfig(n_experts=8, experts_per_token=3, expert_mlp_dim=16, router="sigmoid", n_groups=4, topk_groups=2,
+                    routed_scale=2.5)
+
+
+def test_sigmoid_group_limited_routing_equals_transformers_deepseek_v3_router():
+  """The peer's own code: transformers' DeepseekV3TopkRouter, its weight and correction bias randomised."""
+  torch = pytest.importorskip("torch", reason="the reference router needs torch (installed by `make test`)")
+  deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+  config = deepseek.DeepseekV3Config(hidden_size=40, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                     topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+  reference = deepseek.DeepseekV3TopkRouter(config)
+  torch.manual_seed(0)
+  with torch.no_grad():
+    reference.weight.copy_(torch.randn_like(reference.weight))
+    reference.e_score_correction_bias.copy_(torch.randn(8) * 0.5)  # large enough to change which experts win
+  h = np.random.default_rng(0).standard_normal((24, 40)).astype(np.float32)
+  with torch.no_grad():
+    _, want_weights, want_ids = (t.numpy() for t in reference(torch.from_numpy(h)))
+  for norm in (True, False):
+    reference.norm_topk_prob = norm
+    with torch.no_grad():
+      _, want_weights, want_ids = (t.numpy() for t in reference(torch.from_numpy(h)))
+    p = {"router": jnp.asarray(reference.weight.detach().numpy().T)}
+    routes = moe.route(moe.router_logits(p, jnp.asarray(h)[None]), dataclasses.replace(SIGMOID, norm_topk_prob=norm),
+                       jnp.asarray(reference.e_score_correction_bias.numpy()))
+    # torch's top-k here is unsorted: compare each token's experts as sorted pairs. The weights: the logits (up to
+    # ~10) come from torch's matmul and XLA's, an ulp (9.5e-7) apart, which moves a sigmoid's tail by that much
+    # relative (seen 1.005e-6).
+    order = np.argsort(want_ids, axis=-1)
+    np.testing.assert_array_equal(np.sort(routes.ids[0], axis=-1), np.take_along_axis(want_ids, order, -1))
+    got_order = np.argsort(np.asarray(routes.ids[0]), axis=-1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(routes.weights[0]), got_order, -1),
+                               np.take_along_axis(want_weights, order, -1), rtol=1e-5)
+  biased = moe.route(moe.router_logits(p, jnp.asarray(h)[None]), SIGMOID, jnp.zeros(8))
+  assert (np.sort(biased.ids, -1) != np.sort(routes.ids, -1)).any()  # the correction bias does choose
+
+
+def test_a_sigmoid_routed_model_trains_every_weight_but_its_correction_bias(tiny_config):
+  """The correction bias is a buffer: saved and sharded like a weight, never moved by the optimizer."""
+  from ptx.config import OptimizerConfig
+  from ptx.algorithms import sft
+  from ptx.models.params import trainable_mask, weight_decay_mask
+  from ptx.train.optimizer import make_optimizer
+  import optax
+
+  cfg = dataclasses.replace(tiny_config, moe=SIGMOID)
+  assert trainable_mask(tiny_config) is None  # dense models keep their optimizer state as it was
+  mask = trainable_mask(cfg)
+  assert mask["layers"]["router_correction"] is False and mask["layers"]["router"] is True
+  params = init_params(cfg, jax.random.key(12))
+  params["layers"]["router_correction"] = jax.random.normal(jax.random.key(13), (cfg.n_layers, 8))
+  optimizer = make_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0), 10, weight_decay_mask(cfg),
+                             mask)
+  tokens = jax.random.randint(jax.random.key(14), (2, 8), 0, cfg.vocab_size)
+  batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens), "segment_ids": jnp.ones_like(tokens),
+           "positions": jnp.broadcast_to(jnp.arange(8), (2, 8))}
+  grads = jax.grad(lambda p: sft.loss(p, batch, None, model=cfg)[0])(params)
+  assert float(jnp.abs(grads["layers"]["router_correction"]).max()) == 0  # it only chooses: no gradient reaches it
+  # Were one to reach it (a frozen tower's would), the optimizer still would not move it; without the mask it would.
+  # Weight decay (0.1 here) does not touch it either.
+  grads["layers"]["router_correction"] = jnp.ones_like(params["layers"]["router_correction"])
+  state = optimizer.init(params)
+  updates, _ = optimizer.update(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["layers"]["router_correction"], params["layers"]["router_correction"])
+  assert float(jnp.abs(new["layers"]["router"] - params["layers"]["router"]).max()) > 0
+  plain = make_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0), 10, weight_decay_mask(cfg))
+  moved, _ = plain.update(grads, plain.init(params), params)
+  assert float(jnp.abs(moved["layers"]["router_correction"]).max()) > 0
+
+
+def test_sigmoid_routed_implementations_agree(tiny_config):
+  cfg = dataclasses.replace(tiny_config, moe=SIGMOID)
+  p = _layer(cfg)
+  h = jax.random.normal(jax.random.key(15), (2, 5, cfg.d_model))
+  loss = lambda impl: jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.sin(_mlp(p, h, cfg, impl)[0]))))(p)
+  want, got = loss("dense"), loss("ragged")
+  assert_close(got, want)
+  assert float(jnp.abs(got[1]["router"]).sum()) > 0  # gate weights are the scores: the router learns
+  assert float(jnp.abs(got[1]["router_correction"]).max()) == 0  # the bias only chooses
+
+
+def test_a_run_whose_model_no_hf_family_expresses_is_refused_before_it_trains(tmp_path, capsys):
+  from ptx import cli
+
+  out = tmp_path / "run"
+  args = ["sft", "--model=tiny", "--model.moe.n_experts=4", "--model.moe.expert_mlp_dim=8",
+          "--model.moe.router=sigmoid", f"--out={out}", '--data.train_files=["absent.jsonl"]']
+  with pytest.raises(SystemExit) as refused:
+    cli.main(args)
+  assert refused.value.code == 2 and not out.exists()
+  assert "OUT/hf cannot hold this model (mixtral needs model.moe.router='softmax'" in capsys.readouterr().err
