@@ -59,6 +59,12 @@ runs. Sections, each reusing the benchmark that measures it:
              (`play_lockstep`, multi-turn training's default) on the tiny
              anchor model, and the ratio's bound from the tool times alone
              (agent.rows; its lockstep turn-batches ran on the H200 12-04)
+  moe        (not in the default run: DEVICE_CHECK_SECTIONS="env:15
+             moe:240") issue #54's step times of SFT and the fused GRPO step
+             for SmolLM2-135M's shape beside its Mixture-of-Experts twin (8
+             experts, 2 per token, the same active MLP width) with the ragged
+             (grouped-matmul) experts (moe.measure at moe.py's shapes); the
+             issue's goal: the MoE step within 1.5x of the dense one
 
 The sections of issue #27 (all but rollout, fast and agent) take under 8 minutes together.
 
@@ -106,7 +112,8 @@ MODULES = {"kernels": ("ptx_kernels", "attention_gpu"), "attention": ("ptx_kerne
            "sft": ("ptx.models", "train"), "memory": ("long_context",), "grpo": ("ptx.train.grpo.update", "grpo"),
            "rollout": ("ptx.sampling.engine.engine", "rollout"),
            "fast": ("ptx.sampling.engine.speculative", "fast_mode"),
-           "stops": ("ptx.sampling.engine.engine", "rollout"), "agent": ("ptx.episodes.loop", "agent")}
+           "stops": ("ptx.sampling.engine.engine", "rollout"), "agent": ("ptx.episodes.loop", "agent"),
+           "moe": ("ptx.models.moe", "moe")}
 
 
 def _context() -> dict:
@@ -316,8 +323,21 @@ def agent(smoke: bool):
   yield from agent_bench.rows(agent_bench.parser().parse_args(argv))
 
 
+def moe(smoke: bool):
+  """Yields the SFT and GRPO step times of SmolLM2's shape and of its MoE twin, each with its ratio to dense."""
+  import moe as moe_bench
+  steps, warmup = (1, 1) if smoke else (5, 2)
+  dense = _smollm2(smoke, "xla" if smoke else "pallas")
+  for workload in ("sft", "grpo"):
+    base = None
+    for name, cfg in moe_bench.models(dense, ["ragged"]).items():
+      row = moe_bench.measure(name, cfg, workload, steps, warmup, smoke)
+      base = base or row["step_s_median"]
+      yield {**row, "over_dense": round(row["step_s_median"] / base, 3)}
+
+
 SECTIONS = {"env": env, "kernels": kernels, "attention": attention, "sft": sft, "memory": memory, "grpo": grpo,
-            "rollout": rollout, "stops": stops, "fast": fast, "agent": agent}
+            "rollout": rollout, "stops": stops, "fast": fast, "agent": agent, "moe": moe}
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ TOTAL_S=${DEVICE_CHECK_TOTAL_S:-570}
 # of 12-04 (env ~10 s, attention ~35, sft ~25, memory ~15, grpo ~40; kernels ~110 with float32 at its 64 x 32
 # default tiles, the Pallas checks first, and ~20 more for the paged kernel's checks, never run yet; fast ~55 per
 # mode), each with 5 s or more to spare. stops (#25's stop-ended workload) is not in the list: it trains a model and
-# compiles the engine's many buckets, minutes that the default run has no room for, so a call runs it alone.
+# compiles the engine's many buckets, minutes that the default run has no room for, so a call runs it alone;
+# so does moe (#54's dense-vs-MoE step times: four models compiled, SFT and GRPO each).
 SECTIONS=${DEVICE_CHECK_SECTIONS:-env:15 kernels:140 attention:45 sft:40 memory:30 grpo:50 rollout:60 agent:100 fast:90}
 
 SCRATCH=$(mktemp -d)

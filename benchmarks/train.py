@@ -34,6 +34,7 @@ from ptx.algorithms import sft
 from ptx.config import MeshConfig, OptimizerConfig
 from ptx.model_config import ModelConfig
 from ptx.models import count_params
+from ptx.models.params import count_active_params
 from ptx.sharding import make_mesh
 from ptx.train.optimizer import make_optimizer
 from ptx.train.state import init_state, state_shardings
@@ -41,8 +42,11 @@ from ptx.train.step import make_train_step
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Model FLOPs of one training token (forward + backward): 6 x parameters plus the attention scores' 12 L T d."""
-  return 6 * count_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
+  """Model FLOPs of one training token (forward + backward): 6 x active parameters + attention scores' 12 L T d.
+
+  A Mixture of Experts counts the experts a token is routed to (`count_active_params`), not all of them.
+  """
+  return 6 * count_active_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
 
 
 def measure(cfg: ModelConfig, batch_size: int, seq_len: int, warmup: int, steps: int, peak_gflops: float) -> dict:

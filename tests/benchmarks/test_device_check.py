@@ -18,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "rollout", "fast", "agent")
-OPT_IN = ("stops",)  # sections a call names in DEVICE_CHECK_SECTIONS; the default run leaves them out
+OPT_IN = ("stops", "moe")  # sections a call names in DEVICE_CHECK_SECTIONS; the default run leaves them out
 # ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
 NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
@@ -140,3 +140,15 @@ def test_the_opt_in_stops_section_compares_static_and_the_engine_on_stop_ended_r
   assert [(line["section"], line["method"]) for line in runs] == [("stops", "static"), ("stops", "engine_on_demand")]
   assert all(line["workload"] == "stops" and 0 < line["useful_tokens"] <= 8 * 64 for line in runs), runs
   assert summary["summary"] is True and summary["engine_on_demand_over_static_per_round"][0] > 0
+
+
+@pytest.mark.slow
+def test_the_opt_in_moe_section_times_dense_and_its_mixture_of_experts_twin(tmp_path):
+  _, lines = _run(tmp_path, sys.executable, "--smoke", DEVICE_CHECK_SECTIONS="moe:300", DEVICE_CHECK_TOTAL_S="300",
+                  XLA_FLAGS=SMOKE_XLA_FLAGS)
+  assert not [line for line in lines if "error" in line], lines
+  assert [(line["workload"], line["model"]) for line in lines] == [
+      ("sft", "dense"), ("sft", "moe_ragged"), ("grpo", "dense"), ("grpo", "moe_ragged")]
+  dense, twin = lines[0], lines[1]
+  assert twin["params"] > dense["params"] and twin["active_params"] - dense["active_params"] < 0.01 * dense["params"]
+  assert all(line["step_s_median"] > 0 and line["over_dense"] > 0 for line in lines)
