@@ -63,8 +63,9 @@ class MoeConfig:
   # auxiliary-loss-free balancing), gate weights the unbiased scores.
   router: Literal["softmax", "sigmoid"] = "softmax"
   # Sigmoid routing, group-limited: the experts split into n_groups groups, each scored by its two best experts'
-  # biased scores; tokens choose among the experts of the topk_groups best groups (HF `n_group`, `topk_group`).
+  # biased scores (HF `n_group`; 1: no groups).
   n_groups: int = 1
+  # Sigmoid routing: tokens choose among the experts of this many best groups (HF `topk_group`).
   topk_groups: int = 1
   # Factor on the gate weights after any renormalisation (HF `routed_scaling_factor`).
   routed_scale: float = 1.0
@@ -175,9 +176,10 @@ class ModelConfig:
   # (every expert on every token, weighted: the reference, and fastest on CPU, where grouped matmuls compute
   # densely anyway), "ragged" (token copies sorted by expert, grouped matmuls), "auto" (dense on CPU, else ragged).
   moe_impl: Literal["auto", "dense", "ragged"] = "auto"
-  # Weights of the MoE layers' load-balancing and router z-losses in the training losses (SFT, DPO, GRPO); 0:
-  # off, the default (in RL a load-balancing loss fights the policy objective: NeMo-RL measured it degrading accuracy).
+  # Weight of the MoE layers' mean load-balancing loss in the training losses (SFT, DPO, GRPO); 0: off, the
+  # default (in RL a load-balancing loss fights the policy objective: NeMo-RL measured it degrading accuracy).
   moe_balance_coef: float = 0.0
+  # Weight of the MoE layers' mean router z-loss in the training losses; 0: off, the default.
   moe_z_coef: float = 0.0
   # Losses and log-prob passes (SFT, DPO, GRPO and their references) project to the vocabulary this many
   # tokens per device at a time, so float32 logits take chunk x V per device, never [B, T, V]

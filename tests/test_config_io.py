@@ -9,7 +9,7 @@ import ptx.models  # noqa: F401  (registers the presets)
 from ptx import config as config_lib
 from ptx import config_io
 from ptx.config import Config, ConfigError, OptimizerConfig
-from ptx.model_config import ModelConfig, RopeScaling
+from ptx.model_config import ModelConfig, MoeConfig, RopeScaling
 from ptx.config_io import apply_overrides
 
 
@@ -93,7 +93,7 @@ def test_every_field_has_a_comment():
 
   for cls in (ModelConfig, config_lib.MeshConfig, config_lib.OptimizerConfig,
               config_lib.TrainConfig, config_lib.Config, RopeScaling, config_lib.GRPOConfig,
-              config_lib.SamplingConfig):
+              config_lib.SamplingConfig, MoeConfig):
     source = inspect.getsource(cls).splitlines()
     for field in dataclasses.fields(cls):
       line = next(i for i, l in enumerate(source) if l.strip().startswith(f"{field.name}:"))
