@@ -8,8 +8,9 @@ layer rematerialised (`remat="full"`) and the loss projected in chunks:
   state        parameters, gradients and two Adam moments (float32)
   checkpoints  the residual stream at each layer's input, saved for the backward
   layer        one layer's backward inputs: attention q, k, v, out and lse, the
-               MLP's gate and up pre-activations, and the residual-stream
-               gradient in and out
+               MLP's gate and up pre-activations (a Mixture of Experts': those
+               of the k routed experts and the shared ones), and the
+               residual-stream gradient in and out
   kv_blocks    ring attention's K/V blocks in flight for one head pass (the
                block being used and the one arriving) and, in the backward,
                the travelling float32 dK/dV of the same heads
@@ -41,12 +42,18 @@ def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shar
   parts = {
       "state": 4 * n_params * 4,
       "checkpoints": cfg.n_layers * tokens * cfg.d_model * act,
-      "layer": tokens * act * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.mlp_dim
+      "layer": tokens * act * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * _mlp_width(cfg)
                                + 2 * cfg.d_model) + tokens * cfg.n_heads * 4,
       "kv_blocks": tokens * kv_per_pass * cfg.head_dim * 2 * (2 * act + 2 * 4),
       "logits": 2 * chunk * cfg.vocab_size * 4,
   }
   return {**parts, "total": sum(parts.values())}
+
+
+def _mlp_width(cfg: ModelConfig) -> int:
+  """The MLP hidden units one token runs through: the dense MLP's, or its k experts' and the shared ones'."""
+  moe = cfg.moe
+  return moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim if moe.enabled else cfg.mlp_dim
 
 
 def grpo_floor_bytes(cfg: ModelConfig, *, rows: int, seq_len: int, seq_shards: int,

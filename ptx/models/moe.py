@@ -117,7 +117,8 @@ def moe_mlp(
   """One layer's MoE MLP on h [B, T, D] (module docstring); the shared experts are added by the caller.
 
   Args:
-    p: one layer's parameters (router, expert_gate, expert_up, expert_down, and router_bias if any).
+    p: one layer's parameters (router, expert_gate, expert_up, expert_down; router_bias and router_correction
+      when the config has them).
     h: the normed residual stream [B, T, D] in the compute dtype.
     cfg: the model config (`cfg.moe`, `cfg.moe_impl`, `cfg.activation`).
     token_mask: bool [B, T], the tokens the statistics count (padding excluded).

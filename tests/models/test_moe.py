@@ -316,3 +316,12 @@ def test_bfloat16_experts_stay_near_float32(moe_cfg):
     # bf16 keeps 8 bits of mantissa: products and sums of O(1) values within a few percent of float32 (seen 0.68%);
     # a token whose two best experts tie within bf16 rounding could route elsewhere, none here.
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < 0.05 * float(jnp.abs(want).max())
+
+
+def test_the_memory_floor_counts_the_experts_a_token_runs_through(moe_cfg):
+  from ptx.models.memory_floor import training_floor_bytes
+
+  dense = dataclasses.replace(moe_cfg, moe=MoeConfig(), mlp_dim=2 * 16 + 24)  # k x expert width + shared width
+  shared = moe_like(moe_cfg)
+  floor = lambda cfg: training_floor_bytes(cfg, batch=2, seq_len=64, seq_shards=1)["layer"]
+  assert floor(shared) == floor(dense)
