@@ -121,3 +121,30 @@ def test_a_gguf_file_is_converted_once_and_fine_tuned(tmp_path):
   assert saved["data"]["tokenizer"] == str(out / "pretrained") and (out / "pretrained" / "tokenizer.json").exists()
   record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
   assert record["step"] == 1 and np.isfinite(record["loss"])
+
+
+def test_a_mixture_of_experts_checkpoint_fine_tunes_and_evaluates(tmp_path, capsys):
+  """A random Qwen3MoeForCausalLM of transformers: SFT from it on 8 devices trains its router and experts too."""
+  torch = pytest.importorskip("torch", reason="needs torch (`make test` installs it)")
+  transformers = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
+  torch.manual_seed(0)
+  config = transformers.Qwen3MoeConfig(vocab_size=ARCH.vocab_size, hidden_size=ARCH.d_model, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=ARCH.n_heads,
+                                       num_key_value_heads=ARCH.n_kv_heads, head_dim=ARCH.head_dim, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+  checkpoint = tmp_path / "qwen3_moe"
+  transformers.Qwen3MoeForCausalLM(config).save_pretrained(checkpoint)
+  ByteTokenizer().save_hf(checkpoint)
+  data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(32)])
+  cli.main(["sft", "--model-dir", str(checkpoint), "--out", str(tmp_path / "sft"), data, "--optim.lr=1e-3",
+            "--optim.warmup_steps=0", "--data.seq_len=16", *COMMON])
+  moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _weights(tmp_path / "sft" / "hf"),
+                       _weights(checkpoint))
+  assert min(jax.tree.leaves(moved["layers"])) > 0, "some weights did not train"
+  assert set(moved["layers"]) >= {"router", "expert_gate", "expert_up", "expert_down"}
+  last = json.loads((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()[-1])
+  assert {"moe/layer00/load_max_over_mean", "moe/layer01/router_entropy"} <= set(last)
+  capsys.readouterr()
+  assert cli.main(["eval", "--model", str(tmp_path / "sft" / "hf"), "--task", "arithmetic", "--n", "2", "--k", "1",
+                   "--out", str(tmp_path / "eval")]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tasks"] == 2
