@@ -236,3 +236,28 @@ def test_save_refuses_what_the_family_cannot_express(tiny_config):
     hf_config.hf_config(dataclasses.replace(tiny_config, qkv_bias=True), llama)
   with pytest.raises(hf_config.HFConfigError, match="sliding_window"):
     hf_config.hf_config(dataclasses.replace(tiny_config, sliding_window=8), llama)
+
+
+def test_a_device_block_reads_only_the_experts_it_holds(tmp_path, monkeypatch):
+  """Experts split over `tensor` by the rules: each block of an expert weight reads its own experts' HF tensors."""
+  from ptx import sharding
+  from ptx.models import hf_layout, hf_load  # noqa: F401  (hf_load.hf_layout is patched)
+
+  config = transformers.CONFIG_MAPPING["qwen3_moe"](**{**_COMMON, "num_hidden_layers": 2, "num_experts": 8,
+                                                       "num_experts_per_tok": 2, "moe_intermediate_size": 16})
+  model = _randomize(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"), 0)
+  model.save_pretrained(tmp_path)
+  tokens = np.random.default_rng(1).integers(0, _COMMON["vocab_size"], (2, T))
+  rules = sharding.rules_of(MeshConfig(param_rules=("experts=tensor", "mlp=")))
+  mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+  reads = []
+  real_read = hf_layout.read_block
+  monkeypatch.setattr(hf_load.hf_layout, "read_block", lambda read, leaf, *a: reads.append(leaf) or
+                      real_read(read, leaf, *a))
+  loaded = load_hf(tmp_path, mesh=mesh, rules=rules)
+  gate = loaded.params["layers"]["expert_gate"]
+  assert gate.sharding.shard_shape(gate.shape)[1] == 2  # 8 experts over tensor 4
+  # 4 distinct blocks (each replicated over data), each reading its own 2 experts of each of the 2 layers: 16 reads
+  # of expert tensors, each expert's once; a block reading every expert would make 64.
+  assert reads.count("expert_gate") == 2 * 8
+  np.testing.assert_allclose(_ptx_logits(loaded, tokens), _hf_logits(model, tokens), atol=1e-4, rtol=0)
