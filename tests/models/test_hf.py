@@ -110,7 +110,9 @@ def test_save_hf_loads_in_transformers(checkpoint, tmp_path):
   assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
   np.testing.assert_allclose(_hf_logits(reloaded.eval(), tokens), expected, atol=1e-4, rtol=0, err_msg=name)
-  assert load_hf(tmp_path).cfg == model.cfg
+  reloaded_ptx = load_hf(tmp_path)
+  assert reloaded_ptx.cfg == model.cfg
+  jax.tree.map(np.testing.assert_array_equal, reloaded_ptx.params, model.params)  # load -> save -> load: bit-exact
   with pytest.raises(hf_config.HFConfigError, match="not 'gemma3'"):
     save_hf(model, tmp_path / "multimodal", model_type="gemma3")
 
