@@ -1,11 +1,14 @@
 """Generation: greedy equals full-forward argmax, log-probs equal training's, sharding changes nothing."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from engine_setup import GREEDY, argmax_reference, forward_jit, perturbed_params, right_padded
 
 from model_variants import gemma_like, moe_like
+from ptx.model_config import MoeConfig
 from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP, SamplingConfig, generate
@@ -20,10 +23,13 @@ PROMPTS = [[5, 17, 9], [200, 3, 3, 41, 7, 90, 11], [12], [64, 65]]
 SAMPLER_VS_TRAINER_ATOL = 3e-5
 
 
-@pytest.mark.parametrize("variant", ["llama", "gemma_sliding_window", "moe_ragged"])
+@pytest.mark.parametrize("variant", ["llama", "gemma_sliding_window", "moe_ragged", "moe_sigmoid_groups"])
 def test_greedy_equals_full_forward_argmax(tiny_config, variant):
+  sigmoid = MoeConfig(n_experts=8, experts_per_token=2, expert_mlp_dim=16, router="sigmoid", n_groups=4,
+                      topk_groups=2, routed_scale=2.5)
   cfg = {"llama": tiny_config, "gemma_sliding_window": gemma_like(tiny_config),
-         "moe_ragged": moe_like(tiny_config, impl="ragged")}[variant]
+         "moe_ragged": moe_like(tiny_config, impl="ragged"),
+         "moe_sigmoid_groups": dataclasses.replace(tiny_config, moe=sigmoid)}[variant]
   params = perturbed_params(cfg)
   n_new = 9  # past the window of 3, so the cache's window mask matters
   out = generate(params, PROMPTS, cfg=cfg, max_new_tokens=n_new, sampling=GREEDY, rng=jax.random.key(0))
