@@ -1,8 +1,9 @@
 """The decoder: a pure `forward(params, tokens, cfg)` and its Flax NNX module.
 
 One decoder covers the Llama 3, Qwen2/2.5/3 and Gemma 2/3 families, and
-their Mixture-of-Experts kin (`ptx.models.moe`), through `ModelConfig`. The hot path is `forward`, a pure function of the parameter
-dict declared in `ptx.models.params`; layers run under `lax.scan` over the
+their Mixture-of-Experts kin (`ptx.models.moe`), through `ModelConfig`. The
+hot path is `forward`, a pure function of the parameter dict declared in
+`ptx.models.params`; layers run under `lax.scan` over the
 stacked `layers` axis, each optionally rematerialised. `Decoder` is the NNX
 module users hold: `model(tokens)` works eagerly, and
 `nnx.split(model)` / `nnx.state(model)` give the same parameter tree that
