@@ -162,10 +162,10 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
   if cfg.moe.enabled != bool(family.moe_keys):
     raise HFConfigError(f"{name} {'has' if family.moe_keys else 'has no'} Mixture-of-Experts layers; got "
                         f"model.moe.n_experts={cfg.moe.n_experts}")
-  for field in MoeConfig.__dataclass_fields__:
-    expected = family.moe_fixed.get(field, MoeConfig.__dataclass_fields__[field].default)
-    if family.moe_keys and field not in family.moe_keys and getattr(cfg.moe, field) != expected:
-      raise HFConfigError(f"{name} needs model.moe.{field}={expected!r}, got {getattr(cfg.moe, field)!r}")
+  for field in dataclasses.fields(MoeConfig):
+    expected = family.moe_fixed.get(field.name, field.default)
+    if family.moe_keys and field.name not in family.moe_keys and getattr(cfg.moe, field.name) != expected:
+      raise HFConfigError(f"{name} needs model.moe.{field.name}={expected!r}, got {getattr(cfg.moe, field.name)!r}")
   if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
     raise HFConfigError(f"{name} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
   if "rope_local_base_freq" in family.defaults:

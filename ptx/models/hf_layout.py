@@ -48,6 +48,11 @@ HF_LAYOUTS: dict[str, tuple[Group, ...]] = {
 }
 
 
+def per_expert(axes: tuple[str | None, ...]) -> bool:
+  """Whether a parameter with these axes (without `layers`) is stored as one HF tensor per expert."""
+  return bool(axes) and axes[0] == "experts"
+
+
 def hf_shape(leaf: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
   """The HF tensor shape of one layer of ptx parameter `leaf` (axes and shape without `layers`)."""
   sizes = dict(zip(axes, shape))

@@ -179,8 +179,8 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
     stacked = spec.logical_axes[0] == "layers"
     leaf = key.split("/")[-1]
     axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
-    experts = shape[0] if _per_expert(axes) else 1
-    if _per_expert(axes):  # one HF tensor per expert
+    experts = shape[0] if hf_layout.per_expert(axes) else 1
+    if hf_layout.per_expert(axes):  # one HF tensor per expert
       axes, shape = axes[1:], shape[1:]
     want = hf_layout.hf_shape(leaf, axes, shape)
     names = [family.names[key].format(i=i, e=e) for i in range(cfg.n_layers if stacked else 1)
@@ -222,7 +222,7 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[tuple[pathlib.Path, str
     return hf_layout.read_block(lambda index: tensor[index], leaf, axes, shape, block)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
-    if not _per_expert(axes):
+    if not hf_layout.per_expert(axes):
       return read_tensor(sources[i][0], axes, shape, block)
     return np.stack([read_tensor(sources[i][e], axes[1:], shape[1:], block[1:])
                      for e in range(block[0].start, block[0].stop)])
@@ -245,11 +245,6 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[tuple[pathlib.Path, str
   finally:
     handles.clear()
     blocks.clear()
-
-
-def _per_expert(axes: tuple[str | None, ...]) -> bool:
-  """Whether a parameter with these axes (without `layers`) is stored as one HF tensor per expert."""
-  return bool(axes) and axes[0] == "experts"
 
 
 def _flat(specs: dict[str, Any]) -> list[tuple[str, ParamSpec]]:

@@ -163,7 +163,7 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
         yield "", host
         continue
       path = f"{key}/{leaf}" if isinstance(value, dict) else key
-      if spec.logical_axes[1:2] == ("experts",):  # one HF tensor per layer and expert
+      if hf_layout.per_expert(spec.logical_axes[1:]):  # one HF tensor per layer and expert
         for i, e in np.ndindex(*host.shape[:2]):
           yield family.names[path].format(i=i, e=e), hf_layout.to_hf(host[i, e], leaf, spec.logical_axes[2:])
       elif spec.logical_axes[0] == "layers":

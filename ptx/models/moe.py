@@ -203,7 +203,7 @@ def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: str) -> 
 
 
 def _ragged_on_devices(h: jax.Array, routes: Routes, w: Params, activation: str, rules: sharding.Rules) -> jax.Array:
-  """`_ragged_experts` on each device's tokens under the current mesh (or on all of them without one): [B, T, D].
+  """`_ragged_local` on each device's tokens under the current mesh (or on all of them without one): [B, T, D].
 
   Tokens split over the batch and sequence axes stay where they are; the
   experts' hidden units split over `tensor` as the dense MLP's do, each device
