@@ -27,6 +27,9 @@ class MeshConfig:
   data: int = 1
   # Data parallelism with parameters and optimizer state sharded (FSDP/ZeRO-3).
   fsdp: int = -1
+  # Expert parallelism: Mixture-of-Experts layers' experts split over it, their tokens exchanged by all-to-all
+  # (model.moe_impl "expert_parallel"); every other weight and the batch shard over it as over fsdp. 1: none.
+  expert: int = 1
   # Tensor (model) parallelism over heads, MLP and vocabulary.
   tensor: int = 1
   # Sequence (context) parallelism, used by ring attention.
@@ -253,6 +256,11 @@ class GRPOConfig:
   # Host-reward mode's sampler: "static" (`generate` on each batch) or "engine" (`ptx.sampling.engine`: continuous
   # batching over paged KV, groups scored as they finish, partial rollouts across updates; `ptx.train.grpo.engine`).
   rollouts: Literal["static", "engine"] = "static"
+  # Mixture-of-Experts routing replay: "none" (each forward routes its tokens itself); "rollout" (R3: the policy's
+  # forwards of the update use the experts the sampler chose for each token, in any rollout mode, gate weights from
+  # the live router, so it still learns); "old_policy" (R2: the experts a forward at the step's starting parameters
+  # chose, one forward more when on-policy). The reference routes itself.
+  routing_replay: Literal["none", "rollout", "old_policy"] = "none"
   # Multi-turn environments (`ptx grpo --env calculator`): tokens the model samples in one turn at most;
   # max_response_tokens bounds all an episode adds after its prompt, its turns and the environment's replies.
   turn_tokens: int = 64

@@ -147,6 +147,17 @@ def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
     raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
 
 
+def check_routing_replay(cfg: GRPOConfig, model: ModelConfig) -> None:
+  """Routing replay needs experts to replay.
+
+  Raises:
+    ConfigError: naming the fields.
+  """
+  if cfg.routing_replay != "none" and not model.moe.enabled:
+    raise ConfigError(f"grpo.routing_replay={cfg.routing_replay!r} replays a Mixture of Experts' routes; this model "
+                      "has none (model.moe.n_experts = 0): use grpo.routing_replay='none'")
+
+
 def check_engine_rollouts(cfg: GRPOConfig) -> None:
   """The GRPO options engine rollouts cannot serve (read by `check_grpo` and by the engine step itself).
 

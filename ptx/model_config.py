@@ -172,10 +172,17 @@ class ModelConfig:
   # Ring attention: token order over the `seq` axis; "zigzag" balances causal work (losses reorder
   # their batch once, positions stay global), "contiguous" keeps the natural order.
   seq_layout: Literal["zigzag", "contiguous"] = "zigzag"
-  # How an MoE layer runs its experts (`ptx.models.moe`), all dropless and equal up to rounding: "dense"
-  # (every expert on every token, weighted: the reference, and fastest on CPU, where grouped matmuls compute
-  # densely anyway), "ragged" (token copies sorted by expert, grouped matmuls), "auto" (dense on CPU, else ragged).
-  moe_impl: Literal["auto", "dense", "ragged"] = "auto"
+  # How an MoE layer runs its experts (`ptx.models.moe`), equal up to rounding: "dense" (every expert on every
+  # token, weighted: the reference, and fastest on CPU, where grouped matmuls compute densely anyway), "ragged"
+  # (token copies sorted by expert, grouped matmuls), "expert_parallel" (experts split over the `expert` mesh axis,
+  # token copies sent to them and back by two all-to-alls, at most moe_capacity_factor's capacity per expert:
+  # `ptx.models.expert_parallel`), "auto" (expert_parallel on a mesh whose `expert` axis is over 1, else dense in
+  # CPU programs, ragged elsewhere).
+  moe_impl: Literal["auto", "dense", "ragged", "expert_parallel"] = "auto"
+  # moe_impl "expert_parallel": each device sends each expert at most ceil(factor x its tokens x k / E) token
+  # copies and drops the rest (counted: the statistic `tokens_dropped`). None: as many as the device has tokens,
+  # the most one expert can receive (a token's k experts are distinct), so no copy is ever dropped.
+  moe_capacity_factor: float | None = None
   # Weight of the MoE layers' mean load-balancing loss in the training losses (SFT, DPO, GRPO); 0: off, the
   # default (in RL a load-balancing loss fights the policy objective: NeMo-RL measured it degrading accuracy).
   moe_balance_coef: float = 0.0
@@ -193,14 +200,21 @@ class ModelConfig:
     if self.moe_balance_coef < 0 or self.moe_z_coef < 0:
       raise ValueError(f"model.moe_balance_coef and model.moe_z_coef must be >= 0, got {self.moe_balance_coef} and "
                        f"{self.moe_z_coef}")
+    if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+      raise ValueError(f"model.moe_capacity_factor must be > 0 (None: no copy dropped), got {self.moe_capacity_factor}")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
+
+  @property
+  def n_moe_layers(self) -> int:
+    """The layers whose MLP is a Mixture of Experts: the L of recorded routes [B, T, L, k] (0 for a dense model)."""
+    return self.n_layers if self.moe.enabled else 0
 
 
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
 # field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
 EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention_impl", "ring_heads_per_pass",
-                    "seq_layout", "moe_impl", "moe_balance_coef", "moe_z_coef", "logits_chunk")
+                    "seq_layout", "moe_impl", "moe_capacity_factor", "moe_balance_coef", "moe_z_coef", "logits_chunk")
 
 
 def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:

@@ -17,13 +17,23 @@ Logical axes:
 
 Mesh axes, outermost first: `data` (replicated-parameter data parallelism),
 `fsdp` (data parallelism with sharded parameters and optimizer state),
-`tensor` (model parallelism) and `seq` (context parallelism).
+`expert` (expert parallelism), `tensor` (model parallelism) and `seq`
+(context parallelism).
 
 Parameters and activations follow separate rules of one `Rules` table: with
 FSDP the parameter rule shards `embed` over `fsdp` while activations stay
 batch-sharded over (`data`, `fsdp`). A mesh axis that does not divide a
 dimension is dropped for that array (it is replicated along it) instead of
 failing, so a model with 2 KV heads runs on `tensor` = 4.
+
+Expert parallelism (MaxText's layout): expert weights split their `experts`
+dimension over `expert`; every other weight shards `embed` over (`fsdp`,
+`expert`) and the batch splits over (`data`, `fsdp`, `expert`), so the axis
+doubles as an FSDP axis and nothing is replicated along it. An array's
+`experts` dimension claims its mesh axes first: the other dimensions of that
+array leave them out (an expert weight's `embed` splits over `fsdp` alone).
+An `expert` axis of size 1 is left out of every spec, so a mesh without
+expert parallelism lays every array out as before the axis existed.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ptx.config import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor", "seq")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "seq")
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "vocab", "layers",
                 "lora_rank")
 
@@ -45,7 +55,8 @@ AxisRule = str | tuple[str, ...] | None
 Names = tuple[str | None, ...]
 
 
-def _as_tuple(rule: AxisRule) -> tuple[str, ...]:
+def as_tuple(rule: AxisRule) -> tuple[str, ...]:
+  """The mesh axes of a rule or of a PartitionSpec entry (None, one axis or several), as a tuple."""
   if rule is None:
     return ()
   return (rule,) if isinstance(rule, str) else tuple(rule)
@@ -68,21 +79,22 @@ class Rules:
       for name, rule in table.items():
         if name not in LOGICAL_AXES:
           raise ValueError(f"Rules.{kind}: unknown logical axis {name!r}; known: {LOGICAL_AXES}")
-        for axis in _as_tuple(rule):
+        for axis in as_tuple(rule):
           if axis not in MESH_AXES:
             raise ValueError(f"Rules.{kind}[{name!r}]: unknown mesh axis {axis!r}; known: {MESH_AXES}")
 
 
 DEFAULT_RULES = Rules(
     params={
-        "embed": "fsdp",
+        "embed": ("fsdp", "expert"),
+        "experts": "expert",
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",
         "vocab": "tensor",
     },
     activations={
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
         "seq": "seq",
         "heads": "tensor",
         "kv_heads": "tensor",
@@ -134,7 +146,7 @@ def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the ("data", "fsdp", "tensor", "seq") mesh with Auto axis types.
+  """Builds the ("data", "fsdp", "expert", "tensor", "seq") mesh with Auto axis types.
 
   Args:
     cfg: axis sizes; one may be -1 for "the remaining devices".
@@ -162,21 +174,25 @@ def logical_to_spec(
   """Maps logical axis names to a PartitionSpec.
 
   With `shape` and `mesh`, mesh axes that do not divide their dimension (or
-  are absent from the mesh) are dropped, replicating that dimension.
+  are absent from the mesh, or are `expert` of size 1) are dropped,
+  replicating that dimension. An `experts` dimension claims its mesh axes
+  first; the other dimensions leave them out (module docstring).
 
   Raises:
     ValueError: when two logical axes map to the same mesh axis, or a name is
       not in the glossary.
   """
   table = getattr(rules, kind)
+  for name in names:
+    if name is not None and name not in LOGICAL_AXES:
+      raise ValueError(f"unknown logical axis {name!r}; known: {LOGICAL_AXES}")
+  fit = lambda i, axes: axes if mesh is None else _fitting_axes(axes, None if shape is None else shape[i], mesh)
+  claimed = {axis for i, name in enumerate(names) if name == "experts" for axis in fit(i, as_tuple(table.get(name)))}
   used: dict[str, str] = {}
   spec = []
   for i, name in enumerate(names):
-    if name is not None and name not in LOGICAL_AXES:
-      raise ValueError(f"unknown logical axis {name!r}; known: {LOGICAL_AXES}")
-    axes = _as_tuple(table.get(name)) if name is not None else ()
-    if mesh is not None:
-      axes = _fitting_axes(axes, None if shape is None else shape[i], mesh)
+    axes = as_tuple(table.get(name))
+    axes = fit(i, axes if name == "experts" else tuple(axis for axis in axes if axis not in claimed))
     for axis in axes:
       if axis in used:
         raise ValueError(
@@ -230,16 +246,18 @@ def constrain(x: jax.Array, names: Names, rules: Rules = DEFAULT_RULES) -> jax.A
 def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   """The sharding of a [batch, seq, ...] input array."""
   names = ("batch", "seq") + (None,) * (ndim - 2)
-  return NamedSharding(mesh, logical_to_spec(names[:ndim], rules, kind="activations"))
+  return NamedSharding(mesh, logical_to_spec(names[:ndim], rules, kind="activations", mesh=mesh))
 
 
 def _fitting_axes(axes: tuple[str, ...], dim: int | None, mesh) -> tuple[str, ...]:
-  """The longest prefix of `axes` present in `mesh` whose product divides `dim`."""
+  """The longest prefix of `axes` present in `mesh` whose product divides `dim`, less an `expert` axis of size 1."""
   kept, size = [], 1
   for axis in axes:
     if axis not in mesh.axis_names:
       break
     n = mesh.shape[axis]
+    if axis == "expert" and n == 1:
+      continue
     if dim is not None and dim % (size * n):
       break
     kept.append(axis)

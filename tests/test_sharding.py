@@ -10,7 +10,7 @@ from ptx.config import MeshConfig
 
 def test_mesh_fills_the_free_axis_and_is_auto():
   mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2, seq=1))
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "seq": 1}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2, "seq": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
@@ -27,8 +27,25 @@ def test_bad_mesh_sizes(cfg, message):
 
 def test_parameter_and_activation_rules_differ(mesh):
   names = ("batch", "seq", "embed")
-  assert sharding.logical_to_spec(names, kind="activations") == P(("data", "fsdp"), "seq", None)
-  assert sharding.logical_to_spec(("embed", "mlp"), kind="params") == P("fsdp", "tensor")
+  assert sharding.logical_to_spec(names, kind="activations") == P(("data", "fsdp", "expert"), "seq", None)
+  assert sharding.logical_to_spec(("embed", "mlp"), kind="params") == P(("fsdp", "expert"), "tensor")
+  # The fixture's mesh has no expert parallelism (expert=1): the specs are those of a mesh without the axis.
+  assert sharding.logical_to_spec(names, shape=(4, 8, 16), mesh=mesh) == P(("data", "fsdp"), "seq", None)
+  assert sharding.logical_to_spec(("embed", "mlp"), kind="params", shape=(16, 8), mesh=mesh) == P("fsdp", "tensor")
+
+
+def test_expert_axis_splits_experts_first_and_doubles_as_fsdp_elsewhere():
+  """MaxText's layout: experts over `expert`; other weights' embed and the batch over it too, never twice per array."""
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1, seq=1))
+  spec = lambda names, shape, kind="params": sharding.logical_to_spec(names, kind=kind, shape=shape, mesh=mesh)
+  assert spec(("experts", "embed", "mlp"), (8, 16, 6)) == P("expert", "fsdp", "tensor")
+  assert spec(("experts", "mlp", "embed"), (8, 6, 16)) == P("expert", "tensor", "fsdp")
+  assert spec(("embed", "mlp"), (16, 6)) == P(("fsdp", "expert"), "tensor")
+  assert spec(("batch", "seq"), (8, 5), "activations") == P(("data", "fsdp", "expert"), "seq")
+  # 6 experts do not split over 4 devices: the expert weight is replicated along `expert` by experts, and its
+  # embed dimension takes the axis instead, as every other weight's does.
+  assert spec(("experts", "embed", "mlp"), (6, 16, 6)) == P(None, ("fsdp", "expert"), "tensor")
+  assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), "seq")
 
 
 def test_collisions_raise():

@@ -40,10 +40,10 @@ Batch = dict[str, Any]
 def sequence_logps(params: Any, batch: Batch, model: ModelConfig,
                    rules: sharding.Rules) -> tuple[jax.Array, jax.Array, moe.LayerStats]:
   """Summed target log-probs [B], target counts [B] and the MoE statistics of a padded batch (chunked projection)."""
-  stats, moe_stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+  stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
                                  segment_ids=batch["segment_ids"], rules=rules)
   _, weights = next_token_targets(batch)
-  return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1), moe_stats
+  return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1), trace.stats
 
 
 def _pair_logps(params, batch, model, rules):

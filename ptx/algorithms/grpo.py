@@ -161,7 +161,7 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   del rng
   # With prompt_len, the rows are whole groups of G over one prompt, which then runs once per group. The
   # log-probs and entropy come from the vocabulary projection in chunks (`model.logits_chunk`), never [N, S, V].
-  scored, moe_stats = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
+  scored, trace = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
                                     temperature=grpo.sampling.temperature, rules=rules)
   mask = batch["loss_mask"].astype(jnp.float32)
   w = batch["agg_weights"] * mask
@@ -190,8 +190,8 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
     per_token = per_token + grpo.beta * kl
     metrics["actor/kl_loss"] = mean(kl)
   value = batch["agg_total"][0] * mean(per_token)
-  metrics.update(moe.metrics(moe_stats))
-  return value + moe.aux_loss(moe_stats, model), {"loss": value, **metrics, "weight": total}
+  metrics.update(moe.metrics(trace.stats))
+  return value + moe.aux_loss(trace.stats, model), {"loss": value, **metrics, "weight": total}
 
 
 def adaptive_kl_coef(beta: jax.Array, kl: jax.Array, n_steps: int, cfg: GRPOConfig) -> jax.Array:

@@ -56,12 +56,12 @@ def loss(
     optimised with `model.moe_balance_coef` and `model.moe_z_coef`.
   """
   del rng
-  stats, moe_stats = token_stats(params, batch["tokens"], model, positions=batch["positions"],
+  stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
                                  segment_ids=batch["segment_ids"], rules=rules)
   _, weights = next_token_targets(batch)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0
   mean_nll = -(stats.log_probs[:, 1:] * weights).sum() / denominator
   accuracy = (stats.correct[:, 1:] * weights).sum() / denominator
-  metrics = {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens, **moe.metrics(moe_stats)}
-  return mean_nll + moe.aux_loss(moe_stats, model), metrics
+  metrics = {"loss": mean_nll, "accuracy": accuracy, "weight": n_tokens, **moe.metrics(trace.stats)}
+  return mean_nll + moe.aux_loss(trace.stats, model), metrics

@@ -52,7 +52,8 @@ def token_stats(
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     temperature: float = 1.0,
-) -> tuple[TokenStats, moe.LayerStats]:
+    routes: jax.Array | None = None,
+) -> tuple[TokenStats, moe.Trace]:
   """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
 
   Args:
@@ -64,9 +65,11 @@ def token_stats(
     rules: the sharding rules for activation constraints.
     temperature: score under softmax(logits / temperature) (log-probs and
       entropy; the argmax does not move).
+    routes: `moe.ROUTE_DTYPE` [B, T, L, k] experts to replay (`decoder.hidden_states`); None: the routers choose.
 
   Returns:
-    (TokenStats of [B, T] arrays in the natural token order, the MoE layers' statistics: empty when dense).
+    (TokenStats of [B, T] arrays in the natural token order, the MoE layers' trace (`moe.Trace`), its routes in the
+    natural order too).
   """
   B, T = tokens.shape
   if positions is None:
@@ -76,11 +79,13 @@ def token_stats(
   # Position t predicts token t + 1; the last position's target is a dummy.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
   reorder, restore = _ring_order(cfg, rules, T)
-  x, moe_stats = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
-                               segment_ids=reorder(segment_ids), rules=rules)
+  x, trace = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
+                           segment_ids=reorder(segment_ids), rules=rules,
+                           routes=None if routes is None else reorder(routes))
   stats = project(params, x, reorder(targets), cfg, rules, temperature)
+  trace = trace._replace(routes=None if trace.routes is None else restore(trace.routes))
   # Shift by one so index t scores token t.
-  return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats)), moe_stats
+  return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats)), trace
 
 
 def project(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,

@@ -138,16 +138,19 @@ def hidden_states(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> tuple[jax.Array, moe.LayerStats]:
-  """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE stats.
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, moe.Trace]:
+  """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE trace.
 
   Losses over long sequences project it to the vocabulary chunk by chunk
   (`ptx.models.chunked_logits`) instead of calling `forward`; the second
-  result holds each Mixture-of-Experts layer's statistics (`ptx.models.moe`),
-  empty for a dense model.
+  result holds each Mixture-of-Experts layer's statistics and chosen experts
+  (`ptx.models.moe.Trace`). `routes` (`moe.ROUTE_DTYPE` [B, T, L, k]) replays
+  recorded experts (`moe.moe_mlp`'s `replay`).
   """
   x = embed(params, tokens, cfg, rules)
-  return decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  return decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules,
+                       routes=routes)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
@@ -241,15 +244,17 @@ def hidden_with_cache(
     positions: jax.Array,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, Cache, moe.LayerStats]:
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, Cache, moe.Trace]:
   """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks.
 
-  Returns (x, the cache, the MoE layers' statistics over the new tokens: empty for a dense model).
+  Returns (x, the cache, the MoE trace of the new tokens: `moe.Trace`). `routes` replays recorded experts
+  ([B, T, L, k], as `hidden_states` takes them).
   """
   x = embed(params, tokens, cfg, rules)
-  x, cache, stats = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
-                                segment_ids=None, rules=rules, cache=cache, angles=angles)
-  return x, cache.advance(tokens.shape[1]), stats
+  x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
+                                segment_ids=None, rules=rules, cache=cache, angles=angles, routes=routes)
+  return x, cache.advance(tokens.shape[1]), trace
 
 
 def decode_layers(
@@ -260,15 +265,17 @@ def decode_layers(
     positions: jax.Array | None,
     segment_ids: jax.Array | None,
     rules: sharding.Rules,
-) -> tuple[jax.Array, moe.LayerStats]:
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, moe.Trace]:
   """Runs the stacked layers over the residual stream x [B, T, D]: a scan, or unrolled (`cfg.scan_layers`).
 
-  Returns (x, each MoE layer's statistics stacked over the layers; empty for a dense model).
+  Returns (x, the MoE layers' trace, `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]).
   """
   if not cfg.scan_layers:
     layers = unstack_layers({"layers": layers}, cfg)["layers"]
-  x, _, stats = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None)
-  return x, stats
+  x, _, trace = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None,
+                            routes=routes)
+  return x, trace
 
 
 def _run_layers(
@@ -281,13 +288,14 @@ def _run_layers(
     rules: sharding.Rules,
     cache: Cache | None,
     angles: RopeAngles | None = None,
-) -> tuple[jax.Array, Cache | None, moe.LayerStats]:
-  """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE stats [L]).
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, Cache | None, moe.Trace]:
+  """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE trace).
 
   Stacked `layers` run under a scan (cache None); a tuple of per-layer trees
   (`unstack_layers`) runs the same body once per layer, unrolled, as a cache
   of one array per layer requires. `angles` are `layer_rope(positions)`
-  when the caller has them already.
+  when the caller has them already; `routes` [B, T, L, k] are replayed, layer l reading [:, :, l].
   """
   B, T, _ = x.shape
   if positions is None:
@@ -297,32 +305,34 @@ def _run_layers(
   global_rope, local_rope = layer_rope(positions, cfg) if angles is None else angles
   windows = layer_windows(cfg)
 
-  def body(x, cache, layer, window, index):
+  def body(x, cache, layer, window, replay, index):
     # Global layers have an int32-max window, so "is local" is a traced flag.
     is_local = False if window is None else window < jnp.iinfo(jnp.int32).max
     sin, cos = (jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, global_rope))
     return block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
-                 segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index)
+                 segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index, replay=replay)
 
   unrolled = isinstance(layers, tuple)
   if cfg.remat != "none":
     # The layer index stays a Python int: it picks the cache's per-layer arrays. Unrolled, the guard keeps XLA
     # from merging the backward's recomputation into the forward (CSE), which would undo the remat (JAX's
     # `jax.checkpoint` docs); a scan cannot merge them, and there the guard only costs.
-    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(4,))
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(5,))
+  replays = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]: scanned, or indexed per layer
   if unrolled:
     per_layer = []
     for index, layer in enumerate(layers):
-      x, cache, stats = body(x, cache, layer, None if windows is None else windows[index], index)
-      per_layer.append(stats)
-    return x, cache, jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
+      x, cache, stats, ids = body(x, cache, layer, None if windows is None else windows[index],
+                                  None if replays is None else replays[index], index)
+      per_layer.append((stats, ids))
+    stats, ids = jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
+  else:
+    def scan_body(x, per_layer):
+      x, _, stats, ids = body(x, None, *per_layer, None)
+      return x, (stats, ids)
 
-  def scan_body(x, layer_and_window):
-    x, _, stats = body(x, None, *layer_and_window, None)
-    return x, stats
-
-  x, stats = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows)))
-  return x, cache, stats
+    x, (stats, ids) = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows), replays))
+  return x, cache, moe.Trace(stats, None if ids is None else jnp.moveaxis(ids, 0, 2))
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
@@ -352,13 +362,14 @@ def block(
     rules: sharding.Rules,
     cache: Cache | None = None,
     layer_index: int | None = None,
-) -> tuple[jax.Array, Cache | None, moe.LayerStats]:
+    replay: jax.Array | None = None,
+) -> tuple[jax.Array, Cache | None, moe.LayerStats, jax.Array | None]:
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
   written into layer `layer_index` of the cache first and they attend over its
   filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE
-  statistics: empty for a dense MLP).
+  statistics and experts [B, T, k] (`moe.moe_mlp`, which `replay` is passed to): {} and None for a dense MLP).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
@@ -388,16 +399,16 @@ def block(
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
 
   h = rms_norm(x, p["mlp_norm"], cfg)
-  stats = {}
+  stats, ids = {}, None
   if "router" in p:
-    out, stats = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules)
+    out, stats, ids = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules, replay=replay)
     if "gate" in p:  # shared experts
       out = out + gated_mlp(p, h, cfg.activation, dtype, rules)
   else:
     out = gated_mlp(p, h, cfg.activation, dtype, rules)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
-  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, stats
+  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, stats, ids
 
 
 class Decoder(nnx.Module):

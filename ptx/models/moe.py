@@ -13,18 +13,27 @@ Routing (`route`) from the E float32 router logits, by `moe.router`:
            gate weights are the unbiased scores.
 Either way the weights are divided by their sum when `moe.norm_topk_prob`, then scaled by `moe.routed_scale`.
 
-Implementations (`ModelConfig.moe_impl`), dropless and equal up to float rounding:
+Implementations (`ModelConfig.moe_impl`), equal up to float rounding (and dropless at expert_parallel's default):
   dense   every expert on every token, weighted by the gate weights (zero off a token's route): the
           reference, and the fastest on a CPU, where a grouped matmul computes densely anyway (k times
           dense's FLOPs).
   ragged  each token copied k times, the copies sorted by expert and run through one grouped matmul per
           projection (`jax.lax.ragged_dot`); under a mesh, on each device over its own tokens (`shard_map`),
           so that sorting never moves tokens between devices.
+  expert_parallel  experts split over the `expert` mesh axis, each device's token copies sent to them and back
+          by two all-to-alls, at most C per expert (`model.moe_capacity_factor`; None: dropless), drops counted
+          as `tokens_dropped` (`ptx.models.expert_parallel`).
+
+Routing replay (`moe_mlp`'s `replay`): experts recorded for the tokens (the sampler's, `Generation.routes`, or
+an earlier forward's) are used instead of the router's choice, their gate weights read from the live router's full
+scores (`gate_weights`), so the router keeps learning; `moe_mlp` returns the experts it used either way, which a
+forward reports in its `Trace`.
 
 Statistics per layer (`moe_mlp`'s second result, float32 scalars over the tokens of `token_mask`): the load
 of the busiest expert over the mean load, the router's mean entropy, Switch's load-balancing loss
 E * sum_e f_e P_e (1 when balanced; f_e the fraction of token copies routed to e, P_e its mean probability)
-and the router z-loss mean(logsumexp(logits)^2).
+and the router z-loss mean(logsumexp(logits)^2); under replay, `route_flips`, the fraction of the replayed experts
+of the recorded tokens that the router's own top-k leaves out.
 """
 
 from __future__ import annotations
@@ -35,15 +44,30 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.model_config import ModelConfig, MoeConfig
+from ptx.models import expert_parallel
 from ptx.models.dense import dense
 from ptx.models.gated_mlp import gated_activation
 
 Params = dict[str, Any]
 # Statistic name -> float32 value: one layer's scalars, or [L] stacked over a model's layers (empty when dense).
 LayerStats = dict[str, jax.Array]
+
+
+# Recorded routes: expert ids (E <= 32,767) in int16, NO_ROUTE where a token has none (padding, or a column the
+# sampler never fed back), never expert 0.
+ROUTE_DTYPE = jnp.int16
+NO_ROUTE = -1
+
+
+class Trace(NamedTuple):
+  """What a forward's MoE layers report: their statistics and the experts they chose."""
+
+  stats: LayerStats  # name -> float32 [L] over the MoE layers; empty for a dense model
+  routes: jax.Array | None  # ROUTE_DTYPE [B, T, L, k]: MoE layer l's experts of token (b, t); None when dense
 
 
 class Routes(NamedTuple):
@@ -54,11 +78,22 @@ class Routes(NamedTuple):
 
 
 def resolve_impl(impl: str) -> str:
-  """The implementation `ModelConfig.moe_impl` names on this backend ("auto": dense on CPU, else ragged)."""
+  """The implementation `ModelConfig.moe_impl` names here.
+
+  "auto" is expert_parallel under a mesh whose `expert` axis is over 1, else dense in CPU programs (an XLA:CPU
+  workaround, `ptx_kernels.xla_cpu_workarounds`: off, as for a pod's programs compiled on CPU, it is ragged) and
+  ragged elsewhere.
+
+  Raises:
+    ValueError: naming model.moe_impl, for an unknown name.
+  """
   if impl == "auto":
-    return "dense" if jax.default_backend() == "cpu" else "ragged"
-  if impl not in ("dense", "ragged"):
-    raise ValueError(f"model.moe_impl must be 'auto', 'dense' or 'ragged', got {impl!r}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and dict(mesh.shape).get("expert", 1) > 1:
+      return "expert_parallel"
+    return "dense" if xla_cpu_workarounds.active() else "ragged"
+  if impl not in ("dense", "ragged", "expert_parallel"):
+    raise ValueError(f"model.moe_impl must be 'auto', 'dense', 'ragged' or 'expert_parallel', got {impl!r}")
   return impl
 
 
@@ -70,8 +105,8 @@ def router_logits(p: Params, h: jax.Array) -> jax.Array:
   return logits
 
 
-def route(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None = None) -> Routes:
-  """The k experts of each token and their gate weights, from float32 router logits [B, T, E] (module docstring).
+def choose(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None = None) -> jax.Array:
+  """The k experts of each token, int32 [B, T, k], from float32 router logits [B, T, E] (module docstring).
 
   Args:
     logits: float32 router logits [B, T, E].
@@ -80,22 +115,36 @@ def route(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None = None
   """
   k = moe.experts_per_token
   if moe.router == "softmax":
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-  else:
-    scores = jax.nn.sigmoid(logits)
-    bias = correction.astype(jnp.float32).reshape((1,) * (scores.ndim - 1) + correction.shape)
-    choice = jax.lax.stop_gradient(scores) + bias  # chooses; carries no gradient
-    if moe.n_groups > 1:
-      grouped = choice.reshape(*choice.shape[:-1], moe.n_groups, -1)
-      group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
-      _, best = jax.lax.top_k(group_scores, moe.topk_groups)
-      kept = jnp.sum(jax.nn.one_hot(best, moe.n_groups, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
-      choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)  # the other groups' experts
-    _, ids = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    # Of the probabilities, as transformers picks them: logits whose softmax rounds to a tie rank as it does.
+    return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[1].astype(jnp.int32)
+  choice = jax.nn.sigmoid(logits) + correction.astype(jnp.float32).reshape((1,) * (logits.ndim - 1) + (-1,))
+  if moe.n_groups > 1:
+    grouped = choice.reshape(*choice.shape[:-1], moe.n_groups, -1)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, moe.topk_groups)
+    kept = jnp.sum(jax.nn.one_hot(best, moe.n_groups, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
+    choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)  # the other groups' experts
+  return jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+
+
+def gate_weights(logits: jax.Array, ids: jax.Array, moe: MoeConfig) -> jax.Array:
+  """The gate weights float32 [B, T, k] of experts `ids` [B, T, k], read from the full softmax or sigmoid scores.
+
+  Read from every expert's score, never from top-k-zeroed ones, so that a
+  replayed expert the live router would not pick still gets its weight and
+  its gradient.
+  """
+  scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
+  weights = jnp.take_along_axis(scores, ids, axis=-1)
   if moe.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if moe.router == "sigmoid" else 0.0))
-  return Routes(ids.astype(jnp.int32), weights * moe.routed_scale)
+  return weights * moe.routed_scale
+
+
+def route(logits: jax.Array, moe: MoeConfig, correction: jax.Array | None = None) -> Routes:
+  """Each token's experts (`choose`) and their gate weights (`gate_weights`) from float32 logits [B, T, E]."""
+  ids = choose(jax.lax.stop_gradient(logits), moe, correction)
+  return Routes(ids, gate_weights(logits, ids, moe))
 
 
 def router_probs(logits: jax.Array, moe: MoeConfig) -> jax.Array:
@@ -113,7 +162,8 @@ def moe_mlp(
     *,
     token_mask: jax.Array,
     rules: sharding.Rules,
-) -> tuple[jax.Array, LayerStats]:
+    replay: jax.Array | None = None,
+) -> tuple[jax.Array, LayerStats, jax.Array]:
   """One layer's MoE MLP on h [B, T, D] (module docstring); the shared experts are added by the caller.
 
   Args:
@@ -123,20 +173,55 @@ def moe_mlp(
     cfg: the model config (`cfg.moe`, `cfg.moe_impl`, `cfg.activation`).
     token_mask: bool [B, T], the tokens the statistics count (padding excluded).
     rules: the activation sharding rules.
+    replay: ROUTE_DTYPE [B, T, k]: experts recorded for these tokens (routing replay), used instead of the
+      router's choice wherever recorded (not NO_ROUTE); the gate weights still come from the live router.
+      Adds the statistic `route_flips`. None: the router chooses.
 
   Returns:
-    (the experts' weighted sum [B, T, D] in the compute dtype, the layer's statistics).
+    (the experts' weighted sum [B, T, D] in the compute dtype, the layer's statistics, the experts used:
+    ROUTE_DTYPE [B, T, k]).
   """
   logits = router_logits(p, h)
   correction = p.get("router_correction")
-  routes = _token_local(lambda lg, c: route(lg, cfg.moe, c), logits, replicated=correction, rules=rules)
+  if replay is None:
+    routes = _token_local(lambda lg, c: route(lg, cfg.moe, c), (logits,), replicated=correction, rules=rules)
+    flips = None
+  else:
+    routes, flips = _token_local(lambda lg, rp, c: _replayed(lg, rp, cfg.moe, c), (logits, replay),
+                                 replicated=correction, rules=rules)
   experts = {name: p[name].astype(cfg.compute_dtype) for name in ("expert_gate", "expert_up", "expert_down")}
+  dropped = None
   if resolve_impl(cfg.moe_impl) == "dense":
     y = _dense_experts(h, routes, experts, cfg.activation)
+  elif resolve_impl(cfg.moe_impl) == "expert_parallel":
+    y, dropped = expert_parallel.experts(h, routes, experts, cfg.activation, cfg.moe_capacity_factor, rules)
   else:
     y = _ragged_on_devices(h, routes, experts, cfg.activation, rules)
   y = sharding.constrain(y.astype(h.dtype), ("batch", "seq", "embed"), rules)
-  return y, statistics(logits, routes, token_mask, cfg.moe)
+  stats = statistics(logits, routes, token_mask, cfg.moe)
+  if dropped is not None:
+    stats["tokens_dropped"] = expert_parallel.dropped_fraction(dropped, token_mask, cfg.moe.experts_per_token)
+  if flips is not None:
+    recorded = token_mask & (replay[..., 0] != NO_ROUTE)
+    stats["route_flips"] = _masked_mean(jnp.mean(flips, axis=-1), recorded)
+  return y, stats, routes.ids.astype(ROUTE_DTYPE)
+
+
+def _replayed(logits: jax.Array, replay: jax.Array, moe: MoeConfig,
+              correction: jax.Array | None) -> tuple[Routes, jax.Array]:
+  """(Routes with the recorded experts where there are some, float32 [B, T, k] 1 where the router's own choice
+  leaves a recorded expert out: its flips)."""
+  own = choose(jax.lax.stop_gradient(logits), moe, correction)
+  recorded = replay.astype(jnp.int32)
+  flips = ~jnp.any(own[..., :, None] == recorded[..., None, :], axis=-1)
+  ids = jnp.where(recorded[..., :1] != NO_ROUTE, recorded, own)
+  return Routes(ids, gate_weights(logits, ids, moe)), flips.astype(jnp.float32)
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """The mean of x [B, T] over the tokens of bool `mask` [B, T] (0 when none)."""
+  m = mask.astype(jnp.float32)
+  return jnp.sum(m * x) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def statistics(logits: jax.Array, routes: Routes, token_mask: jax.Array, moe: MoeConfig) -> LayerStats:
@@ -178,18 +263,20 @@ def metrics(stats: LayerStats) -> dict[str, jax.Array]:
   return out
 
 
-def _token_local(fn, tokens: jax.Array, *, replicated: Any, rules: sharding.Rules):
-  """`fn(tokens, replicated)` of a per-token function, run on each device's tokens [B, T, ...] under the mesh.
+def _token_local(fn, tokens: tuple[jax.Array, ...], *, replicated: Any, rules: sharding.Rules):
+  """`fn(*tokens, replicated)` of a per-token function, run on each device's tokens under the mesh.
 
-  GSPMD partitions a top-k over the batch by gathering it onto every device
-  first. `replicated` (any pytree, or None) is whole on every device.
+  Every array of `tokens` and of the result is [B, T, ...] of the same rank
+  (3), split over the batch and sequence axes. GSPMD partitions a top-k over
+  the batch by gathering it onto every device first. `replicated` (any
+  pytree, or None) is whole on every device.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return fn(tokens, replicated)
-  spec = sharding.logical_to_spec(("batch", "seq") + (None,) * (tokens.ndim - 2), rules, shape=tokens.shape,
-                                  mesh=mesh)
-  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(tokens, replicated)
+    return fn(*tokens, replicated)
+  spec = sharding.logical_to_spec(("batch", "seq", None), rules, shape=tokens[0].shape, mesh=mesh)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(tokens) + (PartitionSpec(),),
+                       out_specs=spec)(*tokens, replicated)
 
 
 def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: str) -> jax.Array:

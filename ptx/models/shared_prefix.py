@@ -39,7 +39,7 @@ from ptx.model_config import ModelConfig
 from ptx.models import kv_cache, moe
 from ptx.models.attention import resolve
 from ptx.models.chunked_logits import TokenStats, logit_stats, project, token_stats
-from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache
+from ptx.models.decoder import Params, hidden_with_cache, unembed
 
 
 # Prompt columns from which a group's rows share one copy of their prompt's K/V rather than each holding one:
@@ -76,7 +76,8 @@ def fits(prompt_len: int, seq_len: int, group_size: int, shared_prompts: bool | 
 def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cfg: ModelConfig,
                    group_size: int, *, new_slots: int, chunk: int | None = None, kv_int8: bool = False,
                    slot_multiple: int = 1, shared_prompts: bool | None = None,
-                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, kv_cache.KVCache]:
+                   rules: sharding.Rules = sharding.DEFAULT_RULES,
+                   routes: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache, jax.Array | None]:
   """Prefills B left-padded prompts [B, P] once each into a KV cache that their G rows read.
 
   Args:
@@ -93,12 +94,14 @@ def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax
     shared_prompts: one copy of each prompt's K/V for its rows (True), a
       copy per row (False), or by prompt length (None, `shares_prompt_cache`).
     rules: sharding rules.
+    routes: `moe.ROUTE_DTYPE` [B, P, L, k] experts of the prompt tokens to replay; None: the routers choose.
 
   Returns:
     (float32 logits [B * G, V] of each prompt's last token, the cache of
-    B * G rows, row b * G + g reading prompt b). A row's first new token
-    goes to slot 0 of its own slots when the prompts are shared
-    (`shares_prompt_cache`: the cache has a `prefix`), else to slot P.
+    B * G rows, row b * G + g reading prompt b, the experts the prompts' tokens
+    used: [B, P, L, k], `moe.NO_ROUTE` on padding; None for a dense model). A
+    row's first new token goes to slot 0 of its own slots when the prompts are
+    shared (`shares_prompt_cache`: the cache has a `prefix`), else to slot P.
   """
   B, P = prompt_tokens.shape
   chunk = min(chunk or P, P)
@@ -109,18 +112,26 @@ def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax
   # Padding columns get position 0; their slots lie before the row's start and are never attended to.
   positions_BP = jnp.maximum(jnp.arange(P, dtype=jnp.int32)[None, :] - (P - prompt_lengths)[:, None], 0)
 
-  def run(first: jax.Array | int, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+  def run(first: jax.Array | int, cache: kv_cache.KVCache, used: jax.Array | None):
     columns = lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk, axis=1)  # noqa: E731
-    return forward_with_cache(params, columns(prompt_tokens), cfg, cache, positions=columns(positions_BP),
-                              last_only=True, rules=rules)
+    x, cache, trace = hidden_with_cache(params, columns(prompt_tokens), cfg, cache, positions=columns(positions_BP),
+                                        rules=rules, routes=None if routes is None else columns(routes))
+    if used is not None:
+      used = jax.lax.dynamic_update_slice_in_dim(used, trace.routes, first, axis=1)
+    return unembed(params, x[:, -1:], cfg, rules), cache, used
 
+  used = (jnp.full((B, P, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE, moe.ROUTE_DTYPE)
+          if cfg.moe.enabled else None)
   # Only the last chunk's logits are used; the loop's are dead code.
-  cache = jax.lax.fori_loop(0, P // chunk - 1, lambda i, cache: run(i * chunk, cache)[1], cache)
-  logits_B1V, cache = run(P - chunk, cache)
+  cache, used = jax.lax.fori_loop(0, P // chunk - 1, lambda i, carry: run(i * chunk, *carry)[1:], (cache, used))
+  logits_B1V, cache, used = run(P - chunk, cache, used)
+  if used is not None:  # the padding columns' routes, of pad tokens no real token attends to, are not recorded
+    padding = jnp.arange(P)[None, :] < (P - prompt_lengths)[:, None]
+    used = jnp.where(padding[:, :, None, None], moe.NO_ROUTE, used)
   logits_RV = jnp.repeat(logits_B1V[:, 0], group_size, axis=0)
   if shared:
-    return logits_RV, kv_cache.share_prefix(cache, group_size, round_up(new_slots), rules)
-  return logits_RV, kv_cache.repeat(cache, group_size, rules)
+    return logits_RV, kv_cache.share_prefix(cache, group_size, round_up(new_slots), rules), used
+  return logits_RV, kv_cache.repeat(cache, group_size, rules), used
 
 
 def rollout_stats(
@@ -132,7 +143,7 @@ def rollout_stats(
     prompt_len: int | None,
     temperature: float = 1.0,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> tuple[TokenStats, moe.LayerStats]:
+) -> tuple[TokenStats, moe.Trace]:
   """Per-token log-probs and entropies [R, S] of a rollout batch (`tokens`, `positions`, `segment_ids`) for an RL loss.
 
   Index t scores token t at `temperature` (index 0 is 0). With `prompt_len`
@@ -140,18 +151,20 @@ def rollout_stats(
   `prompt_len` columns, and where that pays and is supported (module
   docstring) the prompts run once per group (`grouped_stats`); otherwise, and
   with `prompt_len` None, this is `chunked_logits.token_stats`. Both project to the vocabulary in
-  chunks of `cfg.logits_chunk` tokens. The second result is the MoE layers' statistics (empty when dense):
-  of every token, or with prompts run once per group, of the completion columns.
+  chunks of `cfg.logits_chunk` tokens. The second result is the MoE layers' trace: statistics of every token, or
+  with prompts run once per group, of the completion columns; the experts of every token. A batch with `routes`
+  ([R, S, L, k], `moe.ROUTE_DTYPE`) replays them (routing replay).
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+  routes = batch.get("routes")
   impl = resolve(cfg.attention_impl, q_len=tokens.shape[1], kv_len=tokens.shape[1], head_dim=cfg.head_dim,
                  rules=rules)
   if (prompt_len is None or group_size == 1 or impl != "xla" or cfg.remat != "none"
       or not fits(prompt_len, tokens.shape[1], group_size)):
     return token_stats(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules,
-                       temperature=temperature)
+                       temperature=temperature, routes=routes)
   return grouped_stats(params, tokens, positions, segment_ids, cfg, group_size=group_size, prompt_len=prompt_len,
-                       temperature=temperature, rules=rules)
+                       temperature=temperature, rules=rules, routes=routes)
 
 
 def grouped_stats(
@@ -166,7 +179,8 @@ def grouped_stats(
     temperature: float = 1.0,
     shared_prompts: bool | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
-) -> tuple[TokenStats, moe.LayerStats]:
+    routes: jax.Array | None = None,
+) -> tuple[TokenStats, moe.Trace]:
   """TokenStats [R, S] as `token_stats` gives them at every completion column, each prompt run once per group.
 
   Args:
@@ -185,11 +199,14 @@ def grouped_stats(
     temperature: score under softmax(logits / temperature).
     shared_prompts: as in `prefill_groups`.
     rules: the sharding rules.
+    routes: `moe.ROUTE_DTYPE` [R, S, L, k] experts to replay (a group's prompt
+      columns read from its first row); None: the routers choose.
 
   Returns:
     (TokenStats [R, S]: columns P .. S - 1 (the completion tokens) equal
     `token_stats`'; the prompt columns, which no RL loss scores, are zero;
-    the MoE layers' statistics over the completion columns).
+    the MoE layers' trace: statistics over the completion columns, the
+    experts of every column).
   """
   R, S = tokens.shape
   G, P = group_size, prompt_len
@@ -200,13 +217,17 @@ def grouped_stats(
                      f"block of {kv_cache.BLOCK_SLOTS} slots (the prompt and the completion one each when prompts "
                      f"are shared; check `fits` first)")
   prompt_lengths = jnp.sum(segment_ids[::G, :P] != 0, axis=1)
-  last_RV, cache = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
-                                  shared_prompts=shared_prompts, rules=rules)
-  x_RND, _, moe_stats = hidden_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules)
+  last_RV, cache, prompt_routes = prefill_groups(params, tokens[::G, :P], prompt_lengths, cfg, G, new_slots=S - P,
+                                                 shared_prompts=shared_prompts, rules=rules,
+                                                 routes=None if routes is None else routes[::G, :P])
+  x_RND, _, trace = hidden_with_cache(params, tokens[:, P:], cfg, cache, positions=positions[:, P:], rules=rules,
+                                      routes=None if routes is None else routes[:, P:])
+  if trace.routes is not None:
+    trace = trace._replace(routes=jnp.concatenate([jnp.repeat(prompt_routes, G, axis=0), trace.routes], axis=1))
   # The prompt's last column predicts the first completion token; completion column t the token after it
   # (the last column's target is a dummy, dropped).
   first = logit_stats(last_RV[:, None], tokens[:, P:P + 1], temperature)
   targets = jnp.concatenate([tokens[:, P + 1:], jnp.zeros((R, 1), tokens.dtype)], axis=1)
   rest = project(params, x_RND, targets, cfg, rules, temperature)
   unscored = lambda a: jnp.zeros((R, P), a.dtype)
-  return TokenStats(*(jnp.concatenate([unscored(f), f, r[:, :-1]], axis=1) for f, r in zip(first, rest))), moe_stats
+  return TokenStats(*(jnp.concatenate([unscored(f), f, r[:, :-1]], axis=1) for f, r in zip(first, rest))), trace

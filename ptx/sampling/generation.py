@@ -35,8 +35,8 @@ from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import kv_cache
-from ptx.models.decoder import Params, forward_with_cache, layer_rope, tempered, token_log_probs, unstack_layers
+from ptx.models import kv_cache, moe
+from ptx.models.decoder import Params, hidden_with_cache, layer_rope, tempered, token_log_probs, unembed, unstack_layers
 from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
@@ -65,6 +65,10 @@ class Generation:
   # no truncation), as the training forward computes it, or with `tempered_log_probs`
   # under the policy at the sampling temperature (GRPO's); 0 after a row's length.
   log_probs: jax.Array
+  # `moe.ROUTE_DTYPE` [R, P + N, L, k] with `record_routes`: the experts each MoE layer chose for each prompt
+  # column, then each generated token; `moe.NO_ROUTE` on prompt padding, after a row's length and on a last token
+  # that was never fed back (the budget's last, or the stop of the last row to stop). Else None.
+  routes: jax.Array | None = None
 
 
 class _Loop(NamedTuple):
@@ -76,6 +80,7 @@ class _Loop(NamedTuple):
   log_probs: jax.Array  # float32 [R, N]
   done: jax.Array  # bool [R]: the row has emitted a stop id
   lengths: jax.Array  # int32 [R]
+  routes: jax.Array | None  # [R, N, L, k]: the experts of generated token t, written when it is fed (step t + 1)
 
 
 def generate_padded(
@@ -95,6 +100,7 @@ def generate_padded(
     prefill_chunk: int | None = None,
     shared_prompts: bool | None = None,
     tempered_log_probs: bool = False,
+    record_routes: bool = False,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> Generation:
   """Samples up to `max_new_tokens` tokens after each of B left-padded prompts, G times each.
@@ -122,6 +128,8 @@ def generate_padded(
     tempered_log_probs: `log_probs` are those of softmax(logits /
       sampling.temperature), untruncated, as GRPO's loss takes them; False:
       the raw policy's.
+    record_routes: return the experts every MoE layer chose for every token
+      (`Generation.routes`, for routing replay); needs a MoE model.
     rules: sharding rules for activations and the cache (a mesh whose `seq`
       axis shards the cache's slots keeps it sharded: see `kv_cache`).
 
@@ -135,7 +143,9 @@ def generate_padded(
   # The slots before a row's first generated token: its prompt's, unless its group shares them as a prefix.
   offset, seq_devices = (0 if shares_prompt_cache(group_size, P, shared_prompts) else P), _seq_devices(rules)
   phases = _phase_slots(offset, budget, seq_devices)
-  prefill_logits_RV, cache = prefill_groups(params, prompt_tokens, prompt_lengths, cfg, group_size,
+  if record_routes and not cfg.moe.enabled:
+    raise ValueError("generate_padded: record_routes needs a Mixture-of-Experts model (model.moe.n_experts > 0)")
+  prefill_logits_RV, cache, prompt_routes = prefill_groups(params, prompt_tokens, prompt_lengths, cfg, group_size,
                                             new_slots=phases[0] - offset, chunk=prefill_chunk, kv_int8=kv_int8,
                                             slot_multiple=seq_devices, shared_prompts=shared_prompts, rules=rules)
   lengths_R = jnp.repeat(prompt_lengths, group_size)
@@ -166,9 +176,14 @@ def generate_padded(
     last_R1 = jax.lax.dynamic_slice_in_dim(loop.tokens, loop.t - 1, 1, axis=1)
     positions_R1 = (lengths_R + loop.t - 1)[:, None]
     angles_R1 = jax.tree.map(lambda table: jnp.take(table[0], positions_R1, axis=0), angle_table)
-    logits, cache = forward_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules,
-                                       angles=angles_R1)
-    return emit(loop._replace(cache=cache), logits[:, 0])
+    x, cache, trace = hidden_with_cache(params, last_R1, cfg, loop.cache, positions=positions_R1, rules=rules,
+                                        angles=angles_R1)
+    routes = loop.routes
+    if record_routes:  # token t - 1 is the row's own while the row has emitted more than t - 1 tokens
+      fed = (loop.t - 1 < loop.lengths)[:, None, None, None]
+      routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.where(fed, trace.routes, moe.NO_ROUTE), loop.t - 1,
+                                                   axis=1)
+    return emit(loop._replace(cache=cache, routes=routes), unembed(params, x, cfg, rules)[:, 0])
 
   def running(loop: _Loop) -> jax.Array:
     return (loop.t < max_new_tokens) & ~jnp.all(loop.done)
@@ -176,19 +191,25 @@ def generate_padded(
   start = _Loop(t=jnp.zeros((), jnp.int32), cache=cache,
                 tokens=jnp.full((R, budget), pad_id, jnp.int32),
                 log_probs=jnp.zeros((R, budget), jnp.float32),
-                done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32))
+                done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32),
+                routes=(jnp.full((R, budget, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE,
+                                 moe.ROUTE_DTYPE) if record_routes else None))
   loop = emit(start, prefill_logits_RV)
   for slots in phases:
     # Step t writes the K/V of token t - 1 at slot offset + t - 1, so this cache serves steps t <= slots - offset.
     loop = jax.lax.while_loop(lambda loop, slots=slots: running(loop) & (loop.t <= slots - offset), step,
                               loop._replace(cache=kv_cache.grow(loop.cache, slots, rules)))
+  routes = None
+  if record_routes:
+    routes = jnp.concatenate([jnp.repeat(prompt_routes, group_size, axis=0), loop.routes], axis=1)
   return Generation(tokens=loop.tokens, lengths=loop.lengths,
-                    finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs)
+                    finish_reasons=jnp.where(loop.done, STOP, LENGTH).astype(jnp.int32), log_probs=loop.log_probs,
+                    routes=routes)
 
 
 # The arguments of `generate_padded` that are static under jit.
 STATIC_ARGNAMES = ("cfg", "sampling", "budget", "group_size", "kv_int8", "pad_id", "prefill_chunk", "shared_prompts",
-                   "tempered_log_probs", "rules")
+                   "tempered_log_probs", "record_routes", "rules")
 _generate_jit = jax.jit(generate_padded, static_argnames=STATIC_ARGNAMES)
 
 

@@ -54,6 +54,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import pathlib
 import signal
 import textwrap
@@ -65,7 +66,7 @@ import jax
 import numpy as np
 import tqdm
 
-from ptx import config_io, paths
+from ptx import config_io, paths, sharding
 from ptx.config import Config
 from ptx.data.global_batch import to_global
 from ptx.sharding import make_mesh, rules_of
@@ -168,10 +169,11 @@ def fit(
     print(textwrap.fill(" ".join(changed) or "(none)", 118, initial_indent="  ", subsequent_indent="  ",
                         break_on_hyphens=False), flush=True)
   mesh = make_mesh(cfg.mesh)
-  batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_axes = sharding.as_tuple(sharding.logical_to_spec(("batch",), job.rules, mesh=mesh)[0])
+  batch_devices = math.prod(mesh.shape[axis] for axis in batch_axes)
   if cfg.data.batch_size % batch_devices:
     raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over the {batch_devices} devices of the "
-                     f"batch axes (mesh.data x mesh.fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})")
+                     f"batch axes ({' x '.join(f'mesh.{a} = {mesh.shape[a]}' for a in batch_axes)})")
   optimizer = job.optimizer()
   shardings = state_shardings(job.model, optimizer, mesh, job.rules, with_reference=job.with_reference, lora=job.lora)
   data = job.step.stream(iter(train_data))

@@ -77,7 +77,7 @@ def test_dense_reference_is_the_routed_sum_of_expert_mlps(moe_cfg):
   """The reference itself, token by token: sum over the k chosen experts of weight * down(silu(gate) * up)."""
   p = _layer(moe_cfg)
   h = jax.random.normal(jax.random.key(3), (2, 4, moe_cfg.d_model))
-  y, _ = _mlp(p, h, moe_cfg, "dense")
+  y, _, _ = _mlp(p, h, moe_cfg, "dense")
   routes = moe.route(moe.router_logits(p, h), moe_cfg.moe)
   h, ids, weights = np.asarray(h), np.asarray(routes.ids), np.asarray(routes.weights)
   want = np.zeros_like(h)
@@ -198,7 +198,7 @@ def test_sft_loss_adds_the_weighted_auxiliary_losses_and_logs_every_layer(moe_cf
   off, metrics = sft.loss(params, batch, None, model=moe_cfg)  # off by default: the cross-entropy alone
   assert float(off) == pytest.approx(float(metrics["loss"]))
   assert {f"moe/layer{i:02d}/load_max_over_mean" for i in range(moe_cfg.n_layers)} <= set(metrics)
-  _, stats = token_stats(params, tokens, moe_cfg, positions=batch["positions"], segment_ids=batch["segment_ids"])
+  stats = token_stats(params, tokens, moe_cfg, positions=batch["positions"], segment_ids=batch["segment_ids"])[1].stats
   assert stats["balance_loss"].shape == (moe_cfg.n_layers,)
   np.testing.assert_allclose(metrics["moe/balance_loss"], jnp.mean(stats["balance_loss"]), rtol=1e-6)
   weighted = dataclasses.replace(moe_cfg, moe_balance_coef=0.01, moe_z_coef=0.001)
@@ -311,7 +311,7 @@ def test_bfloat16_experts_stay_near_float32(moe_cfg):
   want = _mlp(p, h, moe_cfg, "dense")[0]
   low = dataclasses.replace(moe_cfg, compute_dtype="bfloat16")
   for impl in ("dense", "ragged"):
-    got, _ = _mlp(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), h.astype(jnp.bfloat16), low, impl)
+    got = _mlp(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), h.astype(jnp.bfloat16), low, impl)[0]
     assert got.dtype == jnp.bfloat16
     # bf16 keeps 8 bits of mantissa: products and sums of O(1) values within a few percent of float32 (seen 0.68%);
     # a token whose two best experts tie within bf16 rounding could route elsewhere, none here.

@@ -99,10 +99,10 @@ def test_long_prompts_are_held_once_per_group_short_ones_per_row(tiny_config):
   assert not shares_prompt_cache(G, P) and shares_prompt_cache(G, long) and not shares_prompt_cache(1, long)
   assert shares_prompt_cache(G, P, shared_prompts=True) and not shares_prompt_cache(G, long, shared_prompts=False)
   kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
-  copied_logits, copied = prefill(params, None)  # P = 6 columns: copied by default
+  copied_logits, copied, _ = prefill(params, None)  # P = 6 columns: copied by default
   assert copied.prefix is None and copied.k[0].shape == (B * G, kv_heads, P + N, head_dim)  # the prompt per row
 
-  logits, cache = prefill(params, True)
+  logits, cache, _ = prefill(params, True)
   assert cache.prefix.k[0].shape == (B, kv_heads, P, head_dim) and cache.group == G  # the prompts, once
   assert cache.k[0].shape == (B * G, kv_heads, N, head_dim)  # each row's own slots: its new tokens only
   np.testing.assert_array_equal(np.asarray(cache.starts), -np.repeat(np.asarray(lengths), G))

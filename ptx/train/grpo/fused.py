@@ -62,7 +62,8 @@ def sample_kept_groups(params: Any, batch: dict[str, Any], key: jax.Array, spec:
     rewards = reward_fn(gen, task)
     by_group = lambda x: x.reshape(B, G, *x.shape[1:])
     rows = {"batch": jax.tree.map(by_group, rollout_batch(prompts, lengths, gen, G)),
-            "gen": jax.tree.map(by_group, gen), "rewards": jax.tree.map(by_group, rewards)}
+            "gen": jax.tree.map(by_group, dataclasses.replace(gen, routes=None)),  # the batch holds them
+            "rewards": jax.tree.map(by_group, rewards)}
     return rows, adv_lib.groups_with_signal(adv_lib.total_reward(rewards, spec.grpo.reward_weights), G)
 
   first, signal = sample_round(0)

@@ -114,7 +114,7 @@ class HostRewardStep:
     def sample_fn(state, prompts, lengths, step):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         gen = sample(model_params(state, spec.lora), prompts, lengths, step_keys(state.replace(step=step))[0], spec)
-        return rollout_batch(prompts, lengths, gen, spec.grpo.group_size), gen
+        return rollout_batch(prompts, lengths, gen, spec.grpo.group_size), dataclasses.replace(gen, routes=None)
 
     self._sample = jax.jit(sample_fn, in_shardings=(state_shardings, None, None, None))
     self._learn = jit_learn(spec, optimizer, mesh, state_shardings, proximal=self.staleness > 0)
@@ -278,8 +278,8 @@ class HostRewardStep:
 
 
 def _fields(gen: Generation) -> dict[str, jax.Array]:
-  """A Generation's arrays by field name (the form a checkpoint stores)."""
-  return {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
+  """A Generation's arrays by field name (the form a checkpoint stores; a field that is None is left out)."""
+  return {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen) if getattr(gen, f.name) is not None}
 
 
 class _Watch:

@@ -79,6 +79,7 @@ class RLSpec:
 
   def __post_init__(self):
     config_rules.check_grpo(self.grpo, self.lora)
+    config_rules.check_routing_replay(self.grpo, self.model)
 
 
 class Coefficients(NamedTuple):
@@ -120,35 +121,47 @@ def _next_entropy_coef(opt_state: Any, entropy: jax.Array, cfg: GRPOConfig) -> A
 
 def rollout_batch(prompts_BP: jax.Array, lengths_B: jax.Array, gen: Generation,
                   group_size: int) -> dict[str, jax.Array]:
-  """The [R, P + N] training batch of a generation: left-padded prompt, then the sampled tokens."""
+  """The [R, P + N] training batch of a generation: left-padded prompt, then the sampled tokens.
+
+  A generation that recorded its routes (`Generation.routes`) hands them on as `routes` [R, P + N, L, k], which
+  the loss's forwards replay (the caller may drop them from the Generation, which needs them no more).
+  """
   P, N = prompts_BP.shape[1], gen.tokens.shape[1]
   tokens = jnp.concatenate([jnp.repeat(prompts_BP, group_size, axis=0), gen.tokens], axis=1)
   columns = jnp.arange(P + N, dtype=jnp.int32)[None, :]
   first = (P - jnp.repeat(lengths_B, group_size))[:, None]
   end = P + gen.lengths[:, None]
-  return {
+  batch = {
       "tokens": tokens,
       "positions": jnp.maximum(columns - first, 0),
       "segment_ids": ((columns >= first) & (columns < end)).astype(jnp.int32),
       "loss_mask": ((columns >= P) & (columns < end)).astype(jnp.int32),
       "sampler_logps": jnp.concatenate([jnp.zeros((tokens.shape[0], P), jnp.float32), gen.log_probs], axis=1),
   }
+  if gen.routes is not None:
+    batch["routes"] = gen.routes
+  return batch
 
 
 def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, spec: RLSpec) -> Generation:
-  """G completions of each left-padded prompt [B, P] from the model parameters `params` (call under the mesh)."""
+  """G completions of each left-padded prompt [B, P] from the model parameters `params` (call under the mesh).
+
+  With `grpo.routing_replay="rollout"` the Generation carries the experts every MoE layer chose (`routes`).
+  """
   stops = jnp.broadcast_to(jnp.asarray(spec.stop_ids, jnp.int32), (prompts.shape[0], len(spec.stop_ids)))
   return generate_padded(params, prompts, prompt_lengths, stops, key, spec.max_new_tokens, cfg=spec.model,
                          sampling=spec.grpo.sampling, budget=spec.max_new_tokens, group_size=spec.grpo.group_size,
-                         pad_id=spec.pad_id, tempered_log_probs=True, rules=spec.rules)
+                         pad_id=spec.pad_id, tempered_log_probs=True,
+                         record_routes=spec.grpo.routing_replay == "rollout", rules=spec.rules)
 
 
-def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> jax.Array:
-  """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient)."""
-  stats, _ = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
-                           prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
-                           rules=spec.rules)
-  return jax.lax.stop_gradient(stats.log_probs)
+def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> tuple[jax.Array, jax.Array | None]:
+  """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient),
+  and the experts its MoE layers used ([R, S, L, k]: the batch's `routes` where it has them; None when dense)."""
+  stats, trace = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
+                               prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
+                               rules=spec.rules)
+  return jax.lax.stop_gradient(stats.log_probs), trace.routes
 
 
 def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
@@ -245,9 +258,14 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
   batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
   mask = batch["loss_mask"].astype(jnp.float32)
   # On-policy the old log-probs are the sampler's, and the first update's forward
-  # measures the sampler-trainer difference: no extra forward pass.
+  # measures the sampler-trainer difference: no extra forward pass. Replay of the old policy's routes (R2) records
+  # them in a forward at the step's parameters: the one that recomputes the old log-probs when proximal.
+  if proximal or cfg.routing_replay == "old_policy":
+    old_logps, routes = batch_logps(model_params(state, spec.lora), batch, spec)
+    if cfg.routing_replay == "old_policy":
+      batch["routes"] = routes
   if proximal:
-    batch["old_logps"] = batch_logps(model_params(state, spec.lora), batch, spec)
+    batch["old_logps"] = old_logps
     metrics.update(logprob_gap(mask, batch["old_logps"], batch["sampler_logps"]))  # staleness and int8's gap
   else:
     batch["old_logps"] = batch["sampler_logps"]
@@ -256,7 +274,9 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
   beta = _coefficients(state.opt_state).kl_coef if cfg.kl_target is not None else cfg.beta
   seq_kl = None
   if cfg.uses_reference:  # static: the config decides whether a reference exists
-    batch["ref_logps"] = batch_logps(reference_params(state), batch, spec)
+    # The reference routes itself: replay is the policy's.
+    batch["ref_logps"], _ = batch_logps(reference_params(state), {k: v for k, v in batch.items() if k != "routes"},
+                                        spec)
     if cfg.kl_in_reward:
       seq_kl = (grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator) * mask).sum(axis=1)
       shaped = shaped - beta * seq_kl
