@@ -86,6 +86,11 @@ class Built:
     self.state, history = run_steps(self.step, self.state, self.data, steps)
     return self.state, history
 
+  def checkpoint(self) -> dict[str, Any]:
+    """What a checkpoint of the run holds now: a copy of the state, the pipeline as host arrays, the stream position."""
+    return {"state": jax.tree.map(jnp.copy, self.state),
+            "pipeline": jax.tree.map(np.asarray, self.step.pipeline_state()), "position": self.data.get_state()}
+
 
 def build(cfg: ModelConfig, grpo_cfg: GRPOConfig, reward: Any, *, kind: str = "fused", lora: LoRAConfig | None = None,
           eps: float = ADAM_EPS, mesh_cfg: MeshConfig = MESH, engine: EngineConfig | None = None,

@@ -36,6 +36,12 @@ prob 0, version -1), in order; nothing is decoded and encoded again. Tokens are
 reproducible: each sequence draws with its own id's stream (see
 `ptx.sampling.engine.engine`), and ids are given in task and sample order before
 anything runs, so tool timing never changes what is sampled.
+
+An engine that records routes (routing replay) gives each trajectory the
+experts every MoE layer chose for its tokens (`Trajectory.routes`): the
+prompt's and the replies' from the prefill that wrote them, each sampled
+token's from the forward that fed it; only the last token, never fed, has
+none.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import numpy as np
 
 from ptx.envs.base import Environment, Episode, Outcome, Step
 from ptx.episodes.turn_format import TurnFormat
+from ptx.models import moe
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.sequences import Completion
 from ptx.sampling.generation import STOP
@@ -76,6 +83,9 @@ class Trajectory:
   tool_wait_s: float  # seconds the episode's environment steps took, summed
   tool_calls: int  # tool calls the environment ran for the model (`Step.tool_calls`, summed)
   tool_errors: int  # of those, refused or failed
+  # `moe.ROUTE_DTYPE` [n, L, k] from an engine that records routes: each token's experts (`moe.NO_ROUTE` on the
+  # last, never fed); else None.
+  routes: np.ndarray | None = None
 
   @property
   def infra_error(self) -> bool:
@@ -107,6 +117,7 @@ class _Live:
   tool_wait_s: float = 0.0
   tool_calls: int = 0
   tool_errors: int = 0
+  routes: np.ndarray | None = None  # the last turn's `Completion.routes`: every token's but the last
 
   @property
   def length(self) -> int:
@@ -202,6 +213,7 @@ def _run(engine: RolloutEngine, params: Params, env: Environment, fmt: TurnForma
         state.mask += [1] * len(completion.tokens)
         state.log_probs += completion.log_probs.tolist()
         state.versions += completion.policy_versions.tolist()
+        state.routes = completion.routes
         state.turns += 1
         action = fmt.action(completion.tokens)
         state.messages.append({"role": "assistant", "content": action})
@@ -257,6 +269,9 @@ def _timed_step(episode: Episode, action: str) -> tuple[Step, float]:
 
 def _trajectory(state: _Live, step: Step) -> Trajectory:
   n = len(state.prompt)
+  routes = state.routes
+  if routes is not None:
+    routes = np.concatenate([routes, np.full_like(routes[:1], moe.NO_ROUTE)])
   return Trajectory(
       task=state.task, sample=state.sample, prompt_len=n,
       tokens=np.asarray(state.prompt + state.tokens, np.int32),
@@ -265,4 +280,4 @@ def _trajectory(state: _Live, step: Step) -> Trajectory:
       policy_versions=np.asarray([-1] * n + state.versions, np.int32),
       messages=tuple(state.messages), turns=state.turns, reward=float(step.reward),
       outcome=step.outcome or Outcome.INFRA_ERROR, reason=step.reason, tool_wait_s=state.tool_wait_s,
-      tool_calls=state.tool_calls, tool_errors=state.tool_errors)
+      tool_calls=state.tool_calls, tool_errors=state.tool_errors, routes=routes)

@@ -40,6 +40,14 @@ fold_in(fold_in(key(seed), i), t), so the same seed and submission order give
 the same tokens whatever the slots, pages, page size, preemptions or timing,
 up to float rounding: the rows a call packs set the order of its float32 sums,
 which over long rollouts can flip a near-tie (benchmarks/RESULTS.md).
+
+An engine built with `record_routes` (a Mixture-of-Experts model, for routing
+replay) has every program also return the experts each MoE layer chose for
+the tokens it fed, and keeps them per sequence on the host beside its cached
+tokens (`HostSequence.routes`, int16): a completion carries those of its whole
+context but the last token (`Completion.routes`). The device hands back
+R x decode_steps x L x k x 2 bytes more per decode call, and per prefill call
+its rows x prefill_chunk x L x k x 2.
 """
 
 from __future__ import annotations
@@ -93,7 +101,7 @@ class RolloutEngine:
   def __init__(self, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *,
                sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0, mesh: Mesh | None = None,
                tempered_log_probs: bool = False, pad_id: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES,
-               programs: Programs = SHARED):
+               programs: Programs = SHARED, record_routes: bool = False):
     """Allocates the pool of pages (on `mesh`, pages over its batch axes and KV heads over `tensor`).
 
     Args:
@@ -108,16 +116,22 @@ class RolloutEngine:
       rules: the sharding rules.
       programs: the jitted programs it runs (`ptx.sampling.engine.programs`:
         the shared set, or a set its caller releases).
+      record_routes: record the experts every MoE layer chose for every token
+        (`Completion.routes`, for routing replay); needs a MoE model.
 
     Raises:
       ValueError: when the slots, prefill rows or pages do not split over
         the mesh's batch axes, or `cfg.attention_impl` asks for a Pallas
-        kernel that cannot read these pages (`paged_kv_cache.kernel_for`).
+        kernel that cannot read these pages (`paged_kv_cache.kernel_for`), or
+        `record_routes` for a model without experts.
     """
+    if record_routes and not cfg.moe.enabled:
+      raise ValueError("RolloutEngine: record_routes needs a Mixture-of-Experts model (model.moe.n_experts > 0)")
     self.cfg, self.config, self.sampling, self.mesh, self.rules = cfg, config, sampling, mesh, rules
-    self.programs = programs
+    self.programs, self.record_routes = programs, record_routes
     int8 = config.kv_dtype == "int8"
-    self._statics = dict(cfg=cfg, rules=rules, kernel=paged_kv_cache.kernel_for(cfg, config.page_size, int8))
+    self._statics = dict(cfg=cfg, rules=rules, kernel=paged_kv_cache.kernel_for(cfg, config.page_size, int8),
+                         record_routes=record_routes)
     self._decode_statics = dict(sampling=sampling, steps=config.decode_steps, tempered_log_probs=tempered_log_probs,
                                 pad_id=pad_id)
     blocks = paged_kv_cache.page_blocks(config.pages, mesh, rules)
@@ -352,6 +366,7 @@ class RolloutEngine:
   def _prefill(self, params: Params) -> None:
     """Writes every admitted sequence's feed: up to `prefill_rows` rows and `prefill_chunk` tokens per call."""
     C, most = self.config.prefill_chunk, self.config.prefill_rows // self.allocator.blocks
+    recorded: list[tuple[jax.Array, list[tuple[HostSequence, int, int]]]] = []  # (routes, [(seq, row, tokens)])
     while True:
       waiting = self._admission.admitted(SeqState.PREFILL)
       taken, per_block = [], [0] * self.allocator.blocks
@@ -362,7 +377,7 @@ class RolloutEngine:
           taken.append(seq)
           per_block[seq.block] += 1
       if not taken:
-        return
+        break
       row_of, A = self._pack_rows(taken, most)
       tokens = np.zeros((A, C), np.int32)
       lengths, new = np.zeros((A,), np.int32), np.zeros((A,), np.int32)
@@ -376,9 +391,15 @@ class RolloutEngine:
         seq.cached += chunk
         reads[row] = seq.pages[:self._admission.pages_for(seq.length)]
       pairs = reading_pairs(reads, self.allocator.blocks)
-      self._k, self._v = self.programs.prefill(params, self._k, self._v, *self._rows(table, lengths, new),
-                                            paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens),
-                                            **self._statics)
+      out = self.programs.prefill(params, self._k, self._v, *self._rows(table, lengths, new),
+                                  paged_kv_cache.Pairs(*self._rows(*pairs)), *self._rows(tokens), **self._statics)
+      self._k, self._v = out[:2]
+      if self.record_routes:
+        recorded.append((out[2], [(seq, row_of[seq.seq_id], int(new[row_of[seq.seq_id]])) for seq in taken]))
+    # Fetched once, after every chunk is dispatched: the decode call that follows waits for the chunks anyway.
+    for routes, rows in zip(jax.device_get([routes for routes, _ in recorded]), (rows for _, rows in recorded)):
+      for seq, row, n in rows:
+        seq.routes.append(routes[row, :n].copy())  # a view would keep the call's whole array
 
   def _start_followers(self) -> None:
     """Gives every group whose leader is prefilled its prompt: shared full pages, a copy of the partial one."""
@@ -389,6 +410,7 @@ class RolloutEngine:
         if leader.length % self.config.page_size:
           pairs[seq.block].append((leader.pages[shared], seq.pages[shared]))
         seq.length, seq.state, seq.cached = leader.length, SeqState.LIVE, list(leader.cached)
+        seq.routes = list(leader.routes)
       leader.followers = []
     if not any(pairs):
       return
@@ -412,15 +434,19 @@ class RolloutEngine:
                                   packed.stop_ids, packed.seq_ids, packed.sampled), packed.pairs)
     self._k, self._v, out = self.programs.decode(params, self._k, self._v, rows, self._key, **self._statics,
                                                  **self._decode_statics)
-    tokens, log_probs, emitted, finish = jax.device_get(tuple(out))
+    tokens, log_probs, emitted, finish, routes = jax.device_get(tuple(out))
     done = [self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(), int(finish[r]),
-                       policy_version) for seq, r in ((seq, packed.row_of[seq.seq_id]) for seq in live)]
+                       policy_version, None if routes is None else routes[r, :emitted[r]].copy())
+            for seq, r in ((seq, packed.row_of[seq.seq_id]) for seq in live)]
     return [c for c in done if c is not None]
 
-  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int,
-            policy_version: int) -> Completion | None:
-    """Appends a call's tokens (one or more) to `seq`; returns its turn when `finish` ends it, freeing what it held."""
+  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int, policy_version: int,
+            routes: np.ndarray | None) -> Completion | None:
+    """Appends a call's tokens (one or more) to `seq`, and the routes [n, L, k] of the n tokens the call fed (when
+    recording); returns its turn when `finish` ends it, freeing what it held."""
     n = len(tokens)
+    if routes is not None:
+      seq.routes.append(routes)
     seq.tokens += tokens
     seq.log_probs += log_probs
     seq.versions += [policy_version] * n
@@ -430,7 +456,8 @@ class RolloutEngine:
       return None
     done = Completion(seq_id=seq.seq_id, tokens=np.asarray(seq.tokens, np.int32),
                       log_probs=np.asarray(seq.log_probs, np.float32),
-                      policy_versions=np.asarray(seq.versions, np.int32), finish_reason=finish)
+                      policy_versions=np.asarray(seq.versions, np.int32), finish_reason=finish,
+                      routes=seq.cached_routes() if self.record_routes else None)
     seq.tokens, seq.log_probs, seq.versions = [], [], []
     if seq.keep:
       seq.state = SeqState.HELD

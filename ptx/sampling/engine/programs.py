@@ -7,6 +7,10 @@ owner can `release`. Every program donates the pool it writes. Speculate
 takes its drafting as one static `drafting.DeviceDrafter` (how rows draft,
 how their drafts are accepted), and a draft model's parameters as an
 argument beside it.
+With the static `record_routes` (a Mixture-of-Experts model, for routing
+replay) prefill, decode, verify and speculate also return the experts each
+MoE layer chose for every token they fed (`moe.ROUTE_DTYPE` [rows, columns,
+L, k]); without it they compile what they compiled before.
 `init_pool_program` gives the pool's allocation, compiled once per shape and
 placement, however many engines are built (a multi-turn GRPO job builds one
 per step).
@@ -25,8 +29,8 @@ from ptx_kernels.implementation import Kernel
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import paged_kv_cache
-from ptx.models.decoder import Params, forward_with_cache, hidden_with_cache, tempered, token_log_probs, unstack_layers
+from ptx.models import moe, paged_kv_cache
+from ptx.models.decoder import Params, hidden_with_cache, tempered, token_log_probs, unembed, unstack_layers
 from ptx.sampling import buckets
 from ptx.sampling.engine import map_budget
 from ptx.sampling.engine.drafters import DeviceDrafter
@@ -58,6 +62,9 @@ class Decoded(NamedTuple):
   log_probs: jax.Array  # float32 [R, steps]
   emitted: jax.Array  # int32 [R]
   finish: jax.Array  # int32 [R]: STOP, LENGTH, or 0 for a row still live
+  # With record_routes, ROUTE_DTYPE [R, steps, L, k]: column i the experts of the token step i fed (the pending
+  # token, then each emitted one but the last); else None.
+  routes: jax.Array | None = None
 
 
 class VerifyRows(NamedTuple):
@@ -78,6 +85,7 @@ class Verified(NamedTuple):
   tokens: jax.Array  # int32 [R, K + 1]: the policy's token after each fed one
   log_probs: jax.Array  # float32 [R, K + 1]
   accepted: jax.Array  # int32 [R]: the leading drafts the policy's tokens equal
+  routes: jax.Array | None = None  # with record_routes, ROUTE_DTYPE [R, K + 1, L, k]: those of the fed tokens
 
 
 class SpeculateRows(NamedTuple):
@@ -105,22 +113,29 @@ class Speculated(NamedTuple):
   drafted: jax.Array  # int32 [R]: drafts verified
   accepted: jax.Array  # int32 [R]: drafts emitted
   verifies: jax.Array  # int32 [R]: rounds in which the row could draft (drafting on, room for a draft)
+  # With record_routes, ROUTE_DTYPE [R, rounds * (K + 1), L, k]: column c the experts of the token fed before
+  # emitted token c (as `Decoded.routes`); else None.
+  routes: jax.Array | None = None
 
 
 def prefill_pages(params: Params, k: tuple, v: tuple, page_table: jax.Array, lengths: jax.Array,
                   new_tokens: jax.Array, pairs: paged_kv_cache.Pairs, tokens: jax.Array, *, cfg: ModelConfig,
-                  rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple]:
-  """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t."""
+                  rules: sharding.Rules, kernel: Kernel | None, record_routes: bool = False) -> tuple:
+  """Writes the K/V of tokens [A, C] (the first new_tokens[a] of row a real) at positions lengths[a] + t.
+
+  Returns (k, v), and with `record_routes` the tokens' experts [A, C, L, k] after them.
+  """
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=page_table, lengths=lengths, new_tokens=new_tokens,
                                       pairs=pairs, kernel=kernel)
   positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  _, cache, _ = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
-  return cache.k, cache.v
+  _, cache, trace = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
+  return (cache.k, cache.v, trace.routes) if record_routes else (cache.k, cache.v)
 
 
 def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.Array, *, cfg: ModelConfig,
                  sampling: SamplingConfig, steps: int, tempered_log_probs: bool, pad_id: int,
-                 rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Decoded]:
+                 rules: sharding.Rules, kernel: Kernel | None,
+                 record_routes: bool = False) -> tuple[tuple, tuple, Decoded]:
   """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
   params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
   R = rows.lengths.shape[0]
@@ -133,13 +148,14 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
     i, k, v, lengths, pending, live, remaining, sampled, out, finish = carry
     cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=lengths,
                                         new_tokens=live.astype(jnp.int32), pairs=rows.pairs, kernel=kernel)
-    logits, cache = forward_with_cache(params, pending[:, None], cfg, cache, positions=lengths[:, None], rules=rules)
+    logits, cache, routes = _forward(params, pending[:, None], cfg, cache, lengths[:, None], rules, record_routes)
     logits_RV = sharding.constrain(logits[:, 0], ("batch", "vocab"), rules)
     token = sample_tokens(logits_RV, uniforms_RS[:, i], sampling)
     log_prob = token_log_probs(tempered(logits_RV, logprob_temperature)[:, None], token[:, None])[:, 0]
     token, log_prob = jnp.where(live, token, pad_id), jnp.where(live, log_prob, 0.0)
     out = Decoded(tokens=out.tokens.at[:, i].set(token), log_probs=out.log_probs.at[:, i].set(log_prob),
-                  emitted=out.emitted + live, finish=out.finish)
+                  emitted=out.emitted + live, finish=out.finish,
+                  routes=None if routes is None else out.routes.at[:, i].set(routes[:, 0]))
     stopped = live & jnp.any(token[:, None] == rows.stop_ids, axis=-1)
     exhausted = live & ~stopped & (remaining <= 1)
     finish = jnp.where(stopped, STOP, jnp.where(exhausted, LENGTH, finish))
@@ -147,7 +163,8 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
             remaining - live, sampled + live, out, finish)
 
   out = Decoded(tokens=jnp.full((R, steps), pad_id, jnp.int32), log_probs=jnp.zeros((R, steps), jnp.float32),
-                emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32))
+                emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32),
+                routes=_no_routes(R, steps, cfg) if record_routes else None)
   start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.pending, rows.live, rows.remaining, rows.sampled, out,
            jnp.zeros((R,), jnp.int32))
   carry = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[5]), step, start)
@@ -156,8 +173,8 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
 
 
 def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.Array, *, cfg: ModelConfig,
-                 sampling: SamplingConfig, tempered_log_probs: bool,
-                 rules: sharding.Rules, kernel: Kernel | None) -> tuple[tuple, tuple, Verified]:
+                 sampling: SamplingConfig, tempered_log_probs: bool, rules: sharding.Rules, kernel: Kernel | None,
+                 record_routes: bool = False) -> tuple[tuple, tuple, Verified]:
   """One forward over each row's pending token and drafts: the policy's token after each, and how many drafts hold.
 
   Row r's tokens go to positions lengths[r] .. lengths[r] + drafts[r], its
@@ -165,17 +182,19 @@ def verify_pages(params: Params, k: tuple, v: tuple, rows: VerifyRows, key: jax.
   uniform of token sampled[r] + j, the one a decode step would use there, so
   the emitted tokens are those decoding draws (`ptx.sampling.engine.acceptance`).
   """
-  logits_RTV, cache = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules, kernel=kernel)
+  logits_RTV, cache, routes = _policy_logits(params, k, v, rows, rows.tokens, cfg=cfg, rules=rules, kernel=kernel,
+                                             record_routes=record_routes)
   tokens_RT, accepted_R = accept_deterministic(logits_RTV, rows.tokens[:, 1:], jnp.maximum(rows.drafts, 0),
                                                uniforms(key, rows.seq_ids, rows.sampled, rows.tokens.shape[1]),
                                                sampling)
-  return cache.k, cache.v, _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
+  verified = _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
+  return cache.k, cache.v, verified._replace(routes=routes)
 
 
 def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, draft_params: Params | None,
                     key: jax.Array, *, cfg: ModelConfig, drafter: DeviceDrafter, drafts: int, rounds: int,
                     sampling: SamplingConfig, tempered_log_probs: bool, pad_id: int, rules: sharding.Rules,
-                    kernel: Kernel | None) -> tuple[tuple, tuple, Speculated]:
+                    kernel: Kernel | None, record_routes: bool = False) -> tuple[tuple, tuple, Speculated]:
   """Up to `rounds` verify rounds for every live row, drafting on the device: no host round trip between rounds.
 
   Each round, row r has `drafter` draft up to min(drafts[r], remaining - 1)
@@ -204,7 +223,8 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
     fed = VerifyRows(page_table=rows.page_table, lengths=lengths,
                      tokens=jnp.concatenate([pending_R[:, None], drafts_RK], axis=1),
                      drafts=jnp.where(live, n_R, -1), seq_ids=rows.seq_ids, sampled=sampled, pairs=rows.pairs)
-    logits_RTV, cache = _policy_logits(params, k, v, fed, fed.tokens, cfg=cfg, rules=rules, kernel=kernel)
+    logits_RTV, cache, routes = _policy_logits(params, k, v, fed, fed.tokens, cfg=cfg, rules=rules, kernel=kernel,
+                                               record_routes=record_routes)
     tokens_RT, accepted_R = drafter.accept(logits_RTV, drafts_RK, n_R, q, rows.seq_ids, sampled, key,
                                            sampling=sampling)
     verified = _verified(logits_RTV, tokens_RT, accepted_R, sampling, tempered_log_probs)
@@ -222,14 +242,16 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
                      log_probs=out.log_probs.at[R1, out_cols].set(verified.log_probs, mode="drop"),
                      emitted=out.emitted + emitted_R, finish=out.finish,
                      drafted=out.drafted + jnp.where(live, n_R, 0),
-                     accepted=out.accepted + jnp.maximum(emitted_R - 1, 0), verifies=out.verifies + could_R)
+                     accepted=out.accepted + jnp.maximum(emitted_R - 1, 0), verifies=out.verifies + could_R,
+                     routes=None if routes is None else out.routes.at[R1, out_cols].set(routes, mode="drop"))
     finish = jnp.where(stopped_R, STOP, jnp.where(exhausted_R, LENGTH, finish))
     return (i + 1, cache.k, cache.v, lengths + emitted_R, context.at[R1, context_cols].set(tokens_RT, mode="drop"),
             live & ~stopped_R & ~exhausted_R, remaining - emitted_R, sampled + emitted_R, finish, out)
 
   zeros_R = jnp.zeros((R,), jnp.int32)
   out = Speculated(tokens=jnp.full((R, N), pad_id, jnp.int32), log_probs=jnp.zeros((R, N), jnp.float32),
-                   emitted=zeros_R, finish=zeros_R, drafted=zeros_R, accepted=zeros_R, verifies=zeros_R)
+                   emitted=zeros_R, finish=zeros_R, drafted=zeros_R, accepted=zeros_R, verifies=zeros_R,
+                   routes=_no_routes(R, N, cfg) if record_routes else None)
   start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.context, rows.live, rows.remaining, rows.sampled,
            zeros_R, out)
   carry = jax.lax.while_loop(lambda c: (c[0] < rounds) & jnp.any(c[5]), round_, start)
@@ -238,12 +260,28 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
 
 
 def _policy_logits(params: Params, k: tuple, v: tuple, rows: VerifyRows, tokens_RT: jax.Array, *, cfg: ModelConfig,
-                   rules: sharding.Rules, kernel: Kernel | None) -> tuple[jax.Array, paged_kv_cache.PagedKVCache]:
-  """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]."""
+                   rules: sharding.Rules, kernel: Kernel | None,
+                   record_routes: bool) -> tuple[jax.Array, paged_kv_cache.PagedKVCache, jax.Array | None]:
+  """The policy's logits [R, T, V] after each of tokens_RT, written at positions lengths[r] + 0 .. drafts[r]
+  (`_forward`'s results)."""
   cache = paged_kv_cache.PagedKVCache(k=k, v=v, page_table=rows.page_table, lengths=rows.lengths,
                                       new_tokens=rows.drafts + 1, pairs=rows.pairs, kernel=kernel)
   positions = rows.lengths[:, None] + jnp.arange(tokens_RT.shape[1], dtype=jnp.int32)[None]
-  return forward_with_cache(params, tokens_RT, cfg, cache, positions=positions, rules=rules)
+  return _forward(params, tokens_RT, cfg, cache, positions, rules, record_routes)
+
+
+def _forward(params: Params, tokens: jax.Array, cfg: ModelConfig, cache: paged_kv_cache.PagedKVCache,
+             positions: jax.Array, rules: sharding.Rules,
+             record_routes: bool) -> tuple[jax.Array, paged_kv_cache.PagedKVCache, jax.Array | None]:
+  """`forward_with_cache`: (float32 logits [R, T, V], the cache), and the fed tokens' experts [R, T, L, k] with
+  `record_routes` (else None)."""
+  x, cache, trace = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
+  return unembed(params, x, cfg, rules), cache, trace.routes if record_routes else None
+
+
+def _no_routes(rows: int, columns: int, cfg: ModelConfig) -> jax.Array:
+  """NO_ROUTE routes [rows, columns, L, k]: a call's output before its steps fill them."""
+  return jnp.full((rows, columns, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE, moe.ROUTE_DTYPE)
 
 
 def _verified(logits_RTV: jax.Array, tokens_RT: jax.Array, accepted_R: jax.Array, sampling: SamplingConfig,
@@ -284,14 +322,15 @@ class Programs:
   def __init__(self):
     """A new set whose compiled programs are its own (a second set compiles its shapes again)."""
     self._jitted = dict(
-        prefill=_jit(prefill_pages, static_argnames=("cfg", "rules", "kernel"), donate_argnums=(1, 2)),
+        prefill=_jit(prefill_pages, static_argnames=("cfg", "rules", "kernel", "record_routes"),
+                     donate_argnums=(1, 2)),
         decode=_jit(decode_pages, static_argnames=("cfg", "sampling", "steps", "tempered_log_probs", "pad_id",
-                                                   "rules", "kernel"), donate_argnums=(1, 2)),
-        verify=_jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel"),
-                    donate_argnums=(1, 2)),
+                                                   "rules", "kernel", "record_routes"), donate_argnums=(1, 2)),
+        verify=_jit(verify_pages, static_argnames=("cfg", "sampling", "tempered_log_probs", "rules", "kernel",
+                                                   "record_routes"), donate_argnums=(1, 2)),
         speculate=_jit(speculate_pages, static_argnames=("cfg", "drafter", "drafts", "rounds", "sampling",
-                                                         "tempered_log_probs", "pad_id", "rules", "kernel"),
-                       donate_argnums=(1, 2)),
+                                                         "tempered_log_probs", "pad_id", "rules", "kernel",
+                                                         "record_routes"), donate_argnums=(1, 2)),
         copy=_jit(paged_kv_cache.copy_pages, static_argnames=("rules",), donate_argnums=(0, 1)))
     self.releases = 0
     for name, jitted in self._jitted.items():

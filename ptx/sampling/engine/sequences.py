@@ -6,6 +6,13 @@ and `restore` turn the unfinished sequences into flat host arrays and back,
 for a checkpoint: a sequence is saved as its context (the tokens its cache
 holds or is to hold), its pending token, what it sampled in this turn and its
 RNG counter, never its pages.
+
+An engine that records routes (routing replay) keeps beside `cached` the
+experts its MoE layers chose for each cached token (`HostSequence.routes`):
+whatever call wrote the token's K/V recorded them, so when the cache is
+written again (after an update, a preemption or a restore) the new ones
+replace them. A snapshot holds none: a restored engine prefills its contexts
+again and records them then.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ class Completion:
   # Drafts proposed in this turn, and those the policy accepted (`SpeculativeEngine`; 0 without drafting).
   drafted: int = 0
   accepted: int = 0
+  # `moe.ROUTE_DTYPE` [c, L, k] from an engine that records routes: the experts of each of the c tokens its cache
+  # holds, in position order (the sequence's whole context, prompt and earlier turns included, but the last token
+  # this turn sampled, which was never fed); else None.
+  routes: np.ndarray | None = None
 
 
 class SeqState(enum.Enum):
@@ -68,6 +79,7 @@ class HostSequence:
   tokens: list[int] = dataclasses.field(default_factory=list)
   log_probs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # recording: [n, L, k] pieces aligned with cached
 
   @property
   def remaining(self) -> int:
@@ -76,7 +88,12 @@ class HostSequence:
 
   def uncache(self) -> None:
     """Moves the cached tokens back to the feed: its cache is to be written again (new parameters, or preempted)."""
-    self.feed, self.cached, self.length = self.cached + self.feed, [], 0
+    self.feed, self.cached, self.length, self.routes = self.cached + self.feed, [], 0, []
+
+  def cached_routes(self) -> np.ndarray:
+    """The recorded routes of the cached tokens, one array (kept as the only piece, so later turns add to it)."""
+    self.routes = [np.concatenate(self.routes)] if len(self.routes) > 1 else self.routes
+    return self.routes[0]
 
 
 _RAGGED = ("context", "stop_ids", "tokens", "log_probs", "versions")

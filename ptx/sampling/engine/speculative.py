@@ -12,6 +12,10 @@ there. The row's length advances by what it emitted, so the K/V written for
 rejected drafts lies past it, where attention (bounded by each row's length
 and each query's position) never reads and the next round writes first.
 
+Recording routes (`RolloutEngine`'s `record_routes`), a verify keeps those
+of the tokens it fed and the row keeps (the pending token and the accepted
+drafts); a rejected draft's, like its K/V, are dropped.
+
 Device drafters (`drafting.DeviceDrafter`: an `NgramDrafter`, or a
 `DraftModel`'s `device_drafter`) draft and accept inside the call, so one
 call runs up to `SpeculativeConfig.rounds` rounds
@@ -165,7 +169,7 @@ class SpeculativeEngine(RolloutEngine):
                       packed.pairs)
     statics = dict(self._statics, sampling=self.sampling, tempered_log_probs=self._decode_statics["tempered_log_probs"])
     self._k, self._v, out = self.programs.verify(params, self._k, self._v, rows, self._key, **statics)
-    tokens, log_probs, accepted = jax.device_get(tuple(out))
+    tokens, log_probs, accepted, routes = jax.device_get(tuple(out))
     done = []
     for seq in live:
       r, k = packed.row_of[seq.seq_id], len(drafts[seq.seq_id])
@@ -175,7 +179,9 @@ class SpeculativeEngine(RolloutEngine):
       finish = STOP if stop is not None else LENGTH if n == seq.remaining else 0
       if k:
         self._count(seq, 1, k, n - 1)
-      done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version))
+      # The n tokens fed before the emitted ones (the pending token and the accepted drafts) recorded their routes.
+      done.append(self._emit(seq, run[:n], log_probs[r, :n].tolist(), finish, policy_version,
+                             None if routes is None else routes[r, :n].copy()))
     return [c for c in done if c is not None]
 
   def _speculate(self, params: Params, policy_version: int, live: list[HostSequence]) -> list[Completion]:
@@ -198,14 +204,14 @@ class SpeculativeEngine(RolloutEngine):
     self._k, self._v, out = self.programs.speculate(
         params, self._k, self._v, rows, model.params if model else None, self._key, **self._statics, **statics,
         drafter=model.device_drafter if model else self.drafter, drafts=spec.drafts, rounds=spec.rounds)
-    tokens, log_probs, emitted, finish, drafted, accepted, verifies = jax.device_get(tuple(out))
+    tokens, log_probs, emitted, finish, drafted, accepted, verifies, routes = jax.device_get(tuple(out))
     done = []
     for seq in live:
       r = packed.row_of[seq.seq_id]
       if verifies[r]:
         self._count(seq, int(verifies[r]), int(drafted[r]), int(accepted[r]))
       done.append(self._emit(seq, tokens[r, :emitted[r]].tolist(), log_probs[r, :emitted[r]].tolist(),
-                             int(finish[r]), policy_version))
+                             int(finish[r]), policy_version, None if routes is None else routes[r, :emitted[r]].copy()))
     return [c for c in done if c is not None]
 
   def _count(self, seq: HostSequence, verifies: int, drafted: int, accepted: int) -> None:
@@ -216,11 +222,11 @@ class SpeculativeEngine(RolloutEngine):
     spec = self.speculative
     record.off = record.verifies >= spec.min_verifies and 1 + record.accepted / record.verifies < spec.verify_cost
 
-  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int,
-            policy_version: int) -> Completion | None:
+  def _emit(self, seq: HostSequence, tokens: list[int], log_probs: list[float], finish: int, policy_version: int,
+            routes: np.ndarray | None) -> Completion | None:
     """The base engine's `_emit`, with the turn's drafted and accepted counts on its completion."""
     record = self._records.setdefault(seq.seq_id, _Record())
-    done = super()._emit(seq, tokens, log_probs, finish, policy_version)
+    done = super()._emit(seq, tokens, log_probs, finish, policy_version, routes)
     if done is None:
       return None
     done = dataclasses.replace(done, drafted=record.turn_drafted, accepted=record.turn_accepted)

@@ -37,6 +37,18 @@ the batches in flight; a resumed run restores them and trains on the same
 tokens as the uninterrupted one. DAPO's refill (`filter_groups="refill"`) is
 the static mode's only.
 
+Routing replay (`grpo.routing_replay="rollout"`, R3): the engine records the
+experts every MoE layer chose for each token it fed (`RolloutEngine`'s
+`record_routes`), and the rows carry them as `routes` [R, P + N, L, k]
+(`moe.NO_ROUTE` on padding and on each row's last token, never fed), which
+the update's forwards replay: R x (P + N) x L x k x 2 bytes host to device a
+step. A token's routes are those of the forward that last wrote its K/V: after
+an update the engine prefills its sequences again and records them anew, so a
+partial rollout replays the routes the policy that finished it read. In fast
+mode they are the int8 sampler's (its verify and decode forwards'). The
+pipeline's finished completions keep theirs in a checkpoint; unfinished
+sequences record theirs again when the restored engine prefills them.
+
 Metrics add `timing_s/step`, `timing_s/generate` (decoding until batch k
 finished), `timing_s/reward` (waiting for its last scores after that),
 `rollout/staleness` (the oldest token's age in updates),
@@ -68,6 +80,8 @@ from ptx.data.global_batch import to_global
 from ptx.data.lookahead import Lookahead
 from ptx.data.tokenizer import Tokenizer
 from ptx.episodes.scoring import HostReward
+from ptx.model_config import ModelConfig
+from ptx.models import moe
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.mode import RolloutMode
@@ -165,6 +179,7 @@ class EngineRewardStep:
     self._resumed: dict[str, Any] | None = None
     self._last_return: float | None = None
     self._samples = SampleLog(spec.grpo, tokenizer)
+    self._records_routes = spec.grpo.routing_replay == "rollout"
 
   @property
   def learner(self) -> Any:
@@ -235,6 +250,7 @@ class EngineRewardStep:
           "log_probs": _flat([b.done[s].log_probs for s in done], np.float32),
           "versions": _flat([b.done[s].policy_versions for s in done], np.int32),
           "finish": np.asarray([b.done[s].finish_reason for s in done], np.int32),
+          **(_flat_routes([b.done[s].routes for s in done], self._spec.model) if self._records_routes else {}),
           "scored_groups": np.asarray(groups, np.int32),
           "scores": jax.tree.map(lambda *x: np.stack(x), *scores) if scores else np.zeros((0,), np.float32)}
     # Orbax refuses zero-size arrays (no finished group yet, no token sampled): every array gains one row.
@@ -252,7 +268,8 @@ class EngineRewardStep:
     spec = self._spec
     self._engine = self._mode.engine(spec.model, self._engine_config, sampling=spec.grpo.sampling,
                                      seed=jax.random.fold_in(state.rng, _ENGINE_STREAM), mesh=self._mesh,
-                                     tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
+                                     tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules,
+                                     record_routes=self._records_routes)
     saved, self._resumed = self._resumed, None
     if saved is None:
       return
@@ -263,11 +280,13 @@ class EngineRewardStep:
       b = _Batch(index=int(s["index"]), prompts=np.asarray(s["prompts"]), lengths=np.asarray(s["lengths"]),
                  task=None, seq_ids=np.asarray(s["seq_ids"]).tolist())
       ends = np.cumsum(s["done_lengths"])[:-1]
-      for seq_id, tokens, log_probs, versions, finish in zip(
+      routes = (np.split(np.asarray(s["routes"]), np.cumsum(s["routes_lengths"])[:-1]) if "routes" in s
+                else [None] * len(s["finish"]))
+      for seq_id, tokens, log_probs, versions, finish, seq_routes in zip(
           np.asarray(s["done"]).tolist(), np.split(np.asarray(s["tokens"]), ends),
-          np.split(np.asarray(s["log_probs"]), ends), np.split(np.asarray(s["versions"]), ends), s["finish"]):
+          np.split(np.asarray(s["log_probs"]), ends), np.split(np.asarray(s["versions"]), ends), s["finish"], routes):
         b.done[seq_id] = Completion(seq_id=seq_id, tokens=tokens, log_probs=log_probs, policy_versions=versions,
-                                    finish_reason=int(finish))
+                                    finish_reason=int(finish), routes=seq_routes)
       for j, group in enumerate(np.asarray(s["scored_groups"]).tolist()):
         b.scores[group] = jax.tree.map(lambda x: np.asarray(x)[j], s["scores"])
       self._batches.append(b)
@@ -331,17 +350,28 @@ class EngineRewardStep:
     return jax.tree.map(lambda *x: np.concatenate(x), *groups)
 
   def _assemble(self, b: _Batch) -> tuple[dict[str, jax.Array], Generation, np.ndarray]:
-    """The batch's training rows and Generation, placed on the mesh, and each token's policy version [R, N] (-1 pad)."""
+    """The batch's training rows and Generation, placed on the mesh, and each token's policy version [R, N] (-1 pad).
+
+    Recording routes, the rows hold them (`rollout_batch`'s `routes`): each completion's context from its
+    prompt's first column on.
+    """
     G, N, R = self._spec.grpo.group_size, self._spec.max_new_tokens, b.prompts.shape[0] * self._spec.grpo.group_size
+    P, model = b.prompts.shape[1], self._spec.model
     tokens, log_probs = np.full((R, N), self._spec.pad_id, np.int32), np.zeros((R, N), np.float32)
     versions, lengths, finish = np.full((R, N), -1, np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
+    routes = (np.full((R, P + N, model.n_moe_layers, model.moe.experts_per_token), moe.NO_ROUTE, np.int16)
+              if self._records_routes else None)
     for r, seq_id in enumerate(s for ids in b.seq_ids for s in ids):
       c = b.done[seq_id]
       n = len(c.tokens)
       tokens[r, :n], log_probs[r, :n], versions[r, :n] = c.tokens, c.log_probs, c.policy_versions
       lengths[r], finish[r] = n, c.finish_reason
-    gen = Generation(tokens=tokens, lengths=lengths, finish_reasons=finish, log_probs=log_probs)
+      if routes is not None:  # the prompt and every sampled token but the last
+        first = P - int(b.lengths[r // G])
+        routes[r, first:first + len(c.routes)] = c.routes
+    gen = Generation(tokens=tokens, lengths=lengths, finish_reasons=finish, log_probs=log_probs, routes=routes)
     rows = jax.tree.map(np.asarray, rollout_batch(b.prompts, b.lengths, gen, G))
+    gen = dataclasses.replace(gen, routes=None)  # the rows hold them
     placed = to_global({"rows": rows, "gen": dataclasses.asdict(gen)}, self._mesh, self._spec.rules)
     return placed["rows"], Generation(**placed["gen"]), versions
 
@@ -349,3 +379,10 @@ class EngineRewardStep:
 def _flat(arrays: list[np.ndarray], dtype) -> np.ndarray:
   """The arrays end to end (their lengths are saved beside them)."""
   return np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros((0,), dtype)
+
+
+def _flat_routes(routes: list[np.ndarray], model: ModelConfig) -> dict[str, np.ndarray]:
+  """Completions' routes [c, L, k] end to end, with each one's c: a checkpoint's `routes` and `routes_lengths`."""
+  empty = np.zeros((0, model.n_moe_layers, model.moe.experts_per_token), np.int16)
+  return {"routes": np.concatenate(routes) if routes else empty,
+          "routes_lengths": np.asarray([len(r) for r in routes], np.int32)}

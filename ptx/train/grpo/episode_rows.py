@@ -8,6 +8,10 @@ aggregation mode, surrogate and KL placement. The row is the first prompt
 the model's turns and the environment's replies in order; the loss mask is 1
 on the model's sampled tokens only, so a reply's tokens are context for the
 turns after it and never a target. Sampler log-probs are the turns' own.
+Trajectories that recorded their routes (`Trajectory.routes`, routing
+replay) give the rows `routes` [R, P + N, L, k]: every token's experts, the
+replies' included (their prefill's: the cache the next turn read was built with
+them), `moe.NO_ROUTE` on padding and on an episode's last token.
 
 An episode whose environment failed (outcome INFRA_ERROR) gets a NaN reward:
 it leaves its group's mean and spread and the loss (`learn` masks NaN rows),
@@ -17,12 +21,14 @@ never scored 0. One that filled its context finishes as LENGTH (for
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from ptx.envs.base import Outcome
 from ptx.episodes.loop import Trajectory
+from ptx.models import moe
 from ptx.sampling.generation import LENGTH, STOP, Generation
 from ptx.train.grpo.update import rollout_batch
 
@@ -40,8 +46,8 @@ def episode_rollouts(trajectories: Sequence[Trajectory], group_size: int, *, pro
 
   Returns:
     (rows as `rollout_batch` lays them out, with the loss mask on the model's
-    tokens only; Generation of the N columns; rewards, NaN for infrastructure
-    errors).
+    tokens only, and `routes` when the trajectories recorded them; Generation
+    of the N columns; rewards, NaN for infrastructure errors).
 
   Raises:
     ValueError: when the trajectories are not whole groups of one task each,
@@ -54,6 +60,9 @@ def episode_rollouts(trajectories: Sequence[Trajectory], group_size: int, *, pro
   tokens, log_probs = np.full((R, width), pad_id, np.int32), np.zeros((R, width), np.float32)
   mask, lengths, finish = np.zeros((R, width), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
   rewards = np.zeros((R,), np.float32)
+  recorded = trajectories[0].routes
+  routes = (None if recorded is None else
+            np.full((R, prompt_width + width) + recorded.shape[1:], moe.NO_ROUTE, recorded.dtype))
   for r, t in enumerate(trajectories):
     b, prompt = r // group_size, t.tokens[:t.prompt_len]
     first = trajectories[b * group_size]
@@ -69,7 +78,10 @@ def episode_rollouts(trajectories: Sequence[Trajectory], group_size: int, *, pro
     mask[r, :n], lengths[r] = t.loss_mask[t.prompt_len:], n
     finish[r] = LENGTH if t.outcome == Outcome.LIMIT else STOP
     rewards[r] = np.nan if t.infra_error else t.reward
-  gen = Generation(tokens=tokens, lengths=lengths, finish_reasons=finish, log_probs=log_probs)
+    if routes is not None:
+      routes[r, prompt_width - t.prompt_len:prompt_width + n] = t.routes
+  gen = Generation(tokens=tokens, lengths=lengths, finish_reasons=finish, log_probs=log_probs, routes=routes)
   rows = {k: np.asarray(v) for k, v in rollout_batch(prompts, prompt_lengths, gen, group_size).items()}
+  gen = dataclasses.replace(gen, routes=None)  # the rows hold them
   rows["loss_mask"] = rows["loss_mask"] * np.concatenate([np.zeros((R, prompt_width), np.int32), mask], axis=1)
   return rows, gen, rewards

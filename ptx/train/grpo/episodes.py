@@ -6,7 +6,9 @@ plays the batch's tasks with the current parameters through
 `ptx.episodes.loop.play`, lays the trajectories out as the learner's rows
 (`ptx.train.grpo.episode_rows`: the loss on the model's sampled tokens only,
 infrastructure errors out of their group's baseline) and runs the same jitted
-update as the single-turn host mode. Rollouts are on-policy: nothing is in
+update as the single-turn host mode. With `grpo.routing_replay="rollout"`
+the engine records every token's experts and the update replays them
+(`ptx.train.grpo.episode_rows`). Rollouts are on-policy: nothing is in
 flight between steps, so a checkpoint needs nothing beyond the train state.
 
 Metrics add, per step: `episodes/turns_mean`, `episodes/tool_calls_mean` and
@@ -28,7 +30,6 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -117,7 +118,8 @@ class EpisodeStep:
     start = time.perf_counter()
     spec, G = self._spec, self._spec.grpo.group_size
     engine = RolloutEngine(spec.model, self._engine_config, sampling=spec.grpo.sampling, seed=step_keys(state)[0],
-                           mesh=self._mesh, tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules)
+                           mesh=self._mesh, tempered_log_probs=True, pad_id=spec.pad_id, rules=spec.rules,
+                           record_routes=spec.grpo.routing_replay == "rollout")
     k = int(state.step)
     expect_next(self._env, self._tasks, G)
     tasks = list(batch["task"])
