@@ -61,7 +61,7 @@ PRESETS: launch.Presets = {
         dataclasses.replace(ptx.GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512),
         steps=300, prompts=64, prompt_len=256),
 }
-EVAL_SIZE = {"tiny": 8, "small": 256, "qwen7b": 1319}  # GSM8K's test split has 1319 problems
+EVAL_SIZE = {"tiny": 8, "small": 256}  # other presets: GSM8K's whole test split, 1319 problems
 
 
 @dataclasses.dataclass
@@ -102,17 +102,17 @@ def synthetic_problems(split: str, n: int) -> list[dict]:
   return out
 
 
-def main(argv: list[str] | None = None) -> dict:
-  """Runs the recipe; returns fit's summary with greedy pass@1 before and after."""
-  args, cfg, params, hf_tokenizer = launch.data_recipe(__doc__, PRESETS, argv, synthetic_problems, 512,
-                                                       scoring="reward")
+def main(argv: list[str] | None = None, *, doc: str = __doc__, presets: launch.Presets = PRESETS) -> dict:
+  """Runs the recipe (or one that trains on the same data with its own `doc` and `presets`: `grpo_moe`); returns
+  fit's summary with greedy pass@1 before and after."""
+  args, cfg, params, hf_tokenizer = launch.data_recipe(doc, presets, argv, synthetic_problems, 512, scoring="reward")
   if params is None:  # a fresh model (the tiny preset): the parameters fit would start from
     params = ptx.initial_params(cfg.model, cfg.train.seed)
   tokenizer, env = launch.prompt_tokenizer(hf_tokenizer), ptx.ExactAnswerEnv()
   held_out = []
   if cfg.data.eval_files:
     problems = GSM8K(cfg.data.eval_files, tokenizer)
-    held_out = [problems[i] for i in range(min(EVAL_SIZE[args.preset], len(problems)))]
+    held_out = [problems[i] for i in range(min(EVAL_SIZE.get(args.preset, 1319), len(problems)))]
   before = rlvr.pass_at_1(params, cfg, tokenizer, env, held_out) if held_out else None
   state, summary = rlvr.train(args, cfg, params, tokenizer, GSM8K(cfg.data.train_files, tokenizer), env)
   after = rlvr.pass_at_1(state.params, cfg, tokenizer, env, held_out) if held_out else None

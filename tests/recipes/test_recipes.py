@@ -16,6 +16,7 @@ CASES = {
     "grpo_smollm2": "reward/mean",
     "grpo_agent": "episodes/tool_calls_mean",
     "grpo_math": "perf/device_wait_frac",
+    "grpo_moe": "moe/route_flips",
     "grpo_code": "perf/device_wait_frac",
 }
 # Packages a recipe needs beyond the core install (`make test` installs them).
