@@ -69,6 +69,9 @@ class MoeConfig:
   topk_groups: int = 1
   # Factor on the gate weights after any renormalisation (HF `routed_scaling_factor`).
   routed_scale: float = 1.0
+  # Layers (0-based, ascending) whose MLP stays the dense one of `mlp_dim`: HF Qwen3-MoE's `mlp_only_layers`
+  # and `decoder_sparse_step`, DeepSeek-V3's `first_k_dense_replace`. Their weights form a stack of their own.
+  dense_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.n_experts < 0:
@@ -204,11 +207,29 @@ class ModelConfig:
       raise ValueError(f"model.moe_capacity_factor must be > 0 (None: no copy dropped), got {self.moe_capacity_factor}")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
+    dense = self.moe.dense_layers
+    if dense and (not self.moe.enabled or list(dense) != sorted(set(dense)) or dense[0] < 0
+                  or dense[-1] >= self.n_layers or len(dense) == self.n_layers):
+      raise ValueError(f"model.moe.dense_layers={list(dense)} must be distinct ascending layer indices below "
+                       f"n_layers={self.n_layers}, not all of them, in a model with experts (model.moe.n_experts="
+                       f"{self.moe.n_experts})")
 
   @property
   def n_moe_layers(self) -> int:
     """The layers whose MLP is a Mixture of Experts: the L of recorded routes [B, T, L, k] (0 for a dense model)."""
-    return self.n_layers if self.moe.enabled else 0
+    return self.n_layers - len(self.moe.dense_layers) if self.moe.enabled else 0
+
+  def stack_layers(self, stack: str) -> tuple[int, ...]:
+    """The layers, in order, whose weights parameter stack `stack` holds (`ptx.models.params`).
+
+    "layers" holds every layer of a dense model and the MoE layers of a Mixture of Experts; "dense_layers" the
+    layers of `moe.dense_layers`.
+    """
+    if stack == "dense_layers":
+      return self.moe.dense_layers
+    if stack != "layers":
+      raise ValueError(f"no parameter stack {stack!r}: 'layers' or 'dense_layers'")
+    return tuple(i for i in range(self.n_layers) if i not in self.moe.dense_layers)
 
 
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other

@@ -4,7 +4,9 @@ One decoder covers the Llama 3, Qwen2/2.5/3 and Gemma 2/3 families, and
 their Mixture-of-Experts kin (`ptx.models.moe`), through `ModelConfig`. The
 hot path is `forward`, a pure function of the parameter dict declared in
 `ptx.models.params`; layers run under `lax.scan` over the
-stacked `layers` axis, each optionally rematerialised. `Decoder` is the NNX
+stacked `layers` axis (a Mixture of Experts with dense layers among its MoE
+layers has a second stack, `dense_layers`, run in its layers' places), each
+optionally rematerialised. `Decoder` is the NNX
 module users hold: `model(tokens)` works eagerly, and
 `nnx.split(model)` / `nnx.state(model)` give the same parameter tree that
 training jits over. `forward_with_cache` runs the same layers over new
@@ -149,8 +151,7 @@ def hidden_states(
   recorded experts (`moe.moe_mlp`'s `replay`).
   """
   x = embed(params, tokens, cfg, rules)
-  return decode_layers(params["layers"], x, cfg, positions=positions, segment_ids=segment_ids, rules=rules,
-                       routes=routes)
+  return decode_layers(params, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, routes=routes)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
@@ -258,7 +259,7 @@ def hidden_with_cache(
 
 
 def decode_layers(
-    layers: Params,
+    params: Params,
     x: jax.Array,
     cfg: ModelConfig,
     *,
@@ -267,15 +268,32 @@ def decode_layers(
     rules: sharding.Rules,
     routes: jax.Array | None = None,
 ) -> tuple[jax.Array, moe.Trace]:
-  """Runs the stacked layers over the residual stream x [B, T, D]: a scan, or unrolled (`cfg.scan_layers`).
+  """Runs the layers of `params` (its layer stacks; others are ignored) over the residual stream x [B, T, D].
 
-  Returns (x, the MoE layers' trace, `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]).
+  The stacks run under scans, or unrolled (`cfg.scan_layers`). Returns (x, the MoE layers' trace,
+  `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]).
   """
+  layers = {stack: params[stack] for stack in params_lib.STACKS if stack in params}
   if not cfg.scan_layers:
-    layers = unstack_layers({"layers": layers}, cfg)["layers"]
+    layers = unstack_layers(layers, cfg)["layers"]
   x, _, trace = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None,
                             routes=routes)
   return x, trace
+
+
+
+def _runs(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+  """The layers in order as runs of consecutive layers of one stack: (stack, first index in it, end index)."""
+  owner = {i: (stack, j) for stack in params_lib.STACKS[:1 + bool(cfg.moe.dense_layers)]
+           for j, i in enumerate(cfg.stack_layers(stack))}
+  runs: list[tuple[str, int, int]] = []
+  for i in range(cfg.n_layers):
+    stack, j = owner[i]
+    if runs and runs[-1][0] == stack and runs[-1][2] == j:
+      runs[-1] = (stack, runs[-1][1], j + 1)
+    else:
+      runs.append((stack, j, j + 1))
+  return runs
 
 
 def _run_layers(
@@ -292,10 +310,13 @@ def _run_layers(
 ) -> tuple[jax.Array, Cache | None, moe.Trace]:
   """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE trace).
 
-  Stacked `layers` run under a scan (cache None); a tuple of per-layer trees
-  (`unstack_layers`) runs the same body once per layer, unrolled, as a cache
-  of one array per layer requires. `angles` are `layer_rope(positions)`
-  when the caller has them already; `routes` [B, T, L, k] are replayed, layer l reading [:, :, l].
+  Stacks ({stack: stacked weights}) run as scans, one per run of
+  consecutive layers of one stack (`_runs`; cache None); a tuple of
+  per-layer trees in layer order (`unstack_layers`) runs the same body once
+  per layer, unrolled, as a cache of one array per layer requires. `angles`
+  are `layer_rope(positions)` when the caller has them already; `routes`
+  [B, T, L, k] are replayed, MoE layer l (of `cfg.stack_layers("layers")`)
+  reading [:, :, l].
   """
   B, T, _ = x.shape
   if positions is None:
@@ -319,24 +340,37 @@ def _run_layers(
     # `jax.checkpoint` docs); a scan cannot merge them, and there the guard only costs.
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(5,))
   replays = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]: scanned, or indexed per layer
+  moe_layers = cfg.stack_layers("layers") if cfg.moe.enabled else ()
+  traces = []  # (stats, ids) of the MoE layers, stacked: per layer unrolled, per run scanned
   if unrolled:
-    per_layer = []
     for index, layer in enumerate(layers):
-      x, cache, stats, ids = body(x, cache, layer, None if windows is None else windows[index],
-                                  None if replays is None else replays[index], index)
-      per_layer.append((stats, ids))
-    stats, ids = jax.tree.map(lambda *s: jnp.stack(s), *per_layer)
+      replay = None if replays is None or index not in moe_layers else replays[moe_layers.index(index)]
+      x, cache, stats, ids = body(x, cache, layer, None if windows is None else windows[index], replay, index)
+      if ids is not None:
+        traces.append(jax.tree.map(lambda a: a[None], (stats, ids)))
   else:
     def scan_body(x, per_layer):
       x, _, stats, ids = body(x, None, *per_layer, None)
       return x, (stats, ids)
 
-    x, (stats, ids) = jax.lax.scan(scan_body, x, (layers, None if windows is None else jnp.asarray(windows), replays))
-  return x, cache, moe.Trace(stats, None if ids is None else jnp.moveaxis(ids, 0, 2))
+    for stack, start, end in _runs(cfg):
+      indices = cfg.stack_layers(stack)[start:end]
+      weights = layers[stack]
+      if end - start < len(cfg.stack_layers(stack)):  # a copy of the run's layers: only a pattern that interleaves
+        weights = jax.tree.map(lambda w: w[start:end], weights)
+      run_replays = None if replays is None or stack != "layers" else replays[start:end]
+      x, (stats, ids) = jax.lax.scan(scan_body, x, (weights, None if windows is None else jnp.asarray(
+          windows[list(indices)]), run_replays))
+      if ids is not None:
+        traces.append((stats, ids))
+  if not traces:
+    return x, cache, moe.Trace({}, None)
+  stats, ids = jax.tree.map(lambda *a: jnp.concatenate(a), *traces)
+  return x, cache, moe.Trace(stats, jnp.moveaxis(ids, 0, 2))
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
-  """The parameter tree with `layers` as a tuple of per-layer trees, for decode loops.
+  """The parameter tree with `layers` as a tuple of per-layer trees in layer order (every stack's), for decode loops.
 
   Slicing one layer out of the stacked weights is a copy. Inside a decode
   loop a scan would repeat it for every token (XLA does not hoist slices out
@@ -345,8 +379,13 @@ def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
   """
   if isinstance(params["layers"], tuple):
     return params
-  layers = tuple(jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(cfg.n_layers))
-  return {**params, "layers": layers}
+  per_layer = {}
+  for stack in params_lib.STACKS:
+    if stack in params:
+      per_layer.update({i: jax.tree.map(lambda w, j=j: w[j], params[stack])
+                        for j, i in enumerate(cfg.stack_layers(stack))})
+  rest = {key: value for key, value in params.items() if key not in params_lib.STACKS}
+  return {**rest, "layers": tuple(per_layer[i] for i in range(cfg.n_layers))}
 
 
 def block(

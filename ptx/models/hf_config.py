@@ -56,6 +56,9 @@ class HFFamily:
   moe_keys: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # MoeConfig fields the family fixes (Mixtral always renormalises its k gate weights).
   moe_fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Whether config.json can place dense layers among the MoE layers (`moe.dense_layers`), as Qwen3-MoE's
+  # `mlp_only_layers` and `decoder_sparse_step` do; their weights are named by the "dense_layers/..." entries.
+  dense_layers: bool = False
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -128,16 +131,22 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
   if "query_pre_attn_scalar" in c:
     cfg = dataclasses.replace(cfg, query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
   if family.moe_keys:
-    cfg = dataclasses.replace(cfg, moe=_moe(c, family, where))
+    cfg = dataclasses.replace(cfg, moe=_moe(c, family, n_layers, where))
   return dataclasses.replace(cfg, **family.features)
 
 
-def _moe(c: dict[str, Any], family: HFFamily, where: str) -> MoeConfig:
-  """The MoeConfig of a Mixture-of-Experts config.json (every layer sparse: mixed stacks are refused)."""
-  if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-    raise HFConfigError(f"{where}: decoder_sparse_step={c.get('decoder_sparse_step')}, mlp_only_layers="
-                        f"{c.get('mlp_only_layers')}: dense layers among the MoE layers are not supported yet")
-  values = {}
+def _moe(c: dict[str, Any], family: HFFamily, n_layers: int, where: str) -> MoeConfig:
+  """The MoeConfig of a Mixture-of-Experts config.json.
+
+  Layer i keeps its dense MLP when it is in `mlp_only_layers` or (i + 1) is not a multiple of
+  `decoder_sparse_step` (transformers' Qwen3-MoE rule), for a family that has the keys (`dense_layers`).
+  """
+  step, only = c.get("decoder_sparse_step") or 1, c.get("mlp_only_layers") or []
+  dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+  if dense and not family.dense_layers:
+    raise HFConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={only}: {family.model_type} has no "
+                        "dense layers among its MoE layers")
+  values = {"dense_layers": dense} if dense else {}
   for field, keys in family.moe_keys.items():
     key = next((k for k in keys if c.get(k) is not None), None)
     if key is None:
@@ -164,7 +173,8 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
                         f"model.moe.n_experts={cfg.moe.n_experts}")
   for field in dataclasses.fields(MoeConfig):
     expected = family.moe_fixed.get(field.name, field.default)
-    if family.moe_keys and field.name not in family.moe_keys and getattr(cfg.moe, field.name) != expected:
+    free = field.name in family.moe_keys or (field.name == "dense_layers" and family.dense_layers)
+    if family.moe_keys and not free and getattr(cfg.moe, field.name) != expected:
       raise HFConfigError(f"{name} needs model.moe.{field.name}={expected!r}, got {getattr(cfg.moe, field.name)!r}")
   if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
     raise HFConfigError(f"{name} has no sliding-window layers; got model.sliding_window={cfg.sliding_window}")
@@ -202,6 +212,8 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants int
   out.update({keys[0]: getattr(cfg.moe, field) for field, keys in family.moe_keys.items()})
+  if family.dense_layers:
+    out.update(decoder_sparse_step=1, mlp_only_layers=list(cfg.moe.dense_layers))
   return out
 
 

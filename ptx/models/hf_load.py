@@ -80,7 +80,7 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     sources = _match(specs, cfg, family, _headers(local), local)
     params = {
         key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype)
-               for leaf in specs[key]} if key == "layers" else
+               for leaf in specs[key]} if isinstance(specs[key], dict) else
               _load(specs[key], key, sources[key], shardings[key], np_dtype))
         for key in specs
     }
@@ -183,8 +183,8 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
     if hf_layout.per_expert(axes):  # one HF tensor per expert
       axes, shape = axes[1:], shape[1:]
     want = hf_layout.hf_shape(leaf, axes, shape)
-    names = [family.names[key].format(i=i, e=e) for i in range(cfg.n_layers if stacked else 1)
-             for e in range(experts)]
+    layers = cfg.stack_layers(key.split("/")[0]) if stacked else (0,)
+    names = [family.names[key].format(i=i, e=e) for i in layers for e in range(experts)]
     missing = [n for n in names if n not in found]
     if missing:
       raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (ptx {key}; {len(missing)} missing for it)")

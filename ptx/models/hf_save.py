@@ -163,11 +163,13 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
         yield "", host
         continue
       path = f"{key}/{leaf}" if isinstance(value, dict) else key
-      if hf_layout.per_expert(spec.logical_axes[1:]):  # one HF tensor per layer and expert
-        for i, e in np.ndindex(*host.shape[:2]):
-          yield family.names[path].format(i=i, e=e), hf_layout.to_hf(host[i, e], leaf, spec.logical_axes[2:])
-      elif spec.logical_axes[0] == "layers":
-        for i in range(cfg.n_layers):
-          yield family.names[path].format(i=i), hf_layout.to_hf(host[i], leaf, spec.logical_axes[1:])
-      else:
+      if spec.logical_axes[0] != "layers":
         yield family.names[path], hf_layout.to_hf(host, leaf, spec.logical_axes)
+        continue
+      layers = cfg.stack_layers(key)  # the stack's position j holds layer layers[j]
+      if hf_layout.per_expert(spec.logical_axes[1:]):  # one HF tensor per layer and expert
+        for j, e in np.ndindex(*host.shape[:2]):
+          yield family.names[path].format(i=layers[j], e=e), hf_layout.to_hf(host[j, e], leaf, spec.logical_axes[2:])
+      else:
+        for j, i in enumerate(layers):
+          yield family.names[path].format(i=i), hf_layout.to_hf(host[j], leaf, spec.logical_axes[1:])

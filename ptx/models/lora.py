@@ -93,6 +93,9 @@ def adapter_specs(model: ModelConfig, cfg: LoRAConfig) -> Params:
   """`{target: {"a": ParamSpec, "b": ParamSpec}}`, derived from the specs of the adapted weights."""
   if cfg.rank <= 0:
     raise ValueError(f"lora.rank must be positive to build adapters, got {cfg.rank}")
+  if model.moe.dense_layers:
+    raise ValueError(f"lora: a Mixture of Experts with dense layers (model.moe.dense_layers="
+                     f"{list(model.moe.dense_layers)}) takes no adapters yet; train it in full (lora.rank=0)")
   layers, r = param_specs(model)["layers"], cfg.rank
   absent = [name for name in cfg.targets if name not in layers]
   if absent:

@@ -51,9 +51,13 @@ def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shar
 
 
 def _mlp_width(cfg: ModelConfig) -> int:
-  """The MLP hidden units one token runs through: the dense MLP's, or its k experts' and the shared ones'."""
+  """The MLP hidden units one token runs through in the widest layer: the dense MLP's, or its k experts' and the
+  shared ones' (or the dense layers' of a Mixture of Experts that has some, when wider)."""
   moe = cfg.moe
-  return moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim if moe.enabled else cfg.mlp_dim
+  if not moe.enabled:
+    return cfg.mlp_dim
+  routed = moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim
+  return max(routed, cfg.mlp_dim) if moe.dense_layers else routed
 
 
 def grpo_floor_bytes(cfg: ModelConfig, *, rows: int, seq_len: int, seq_shards: int,

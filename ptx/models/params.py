@@ -17,6 +17,8 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
           + router_bias [L, E]                            (moe.router_bias)
           + router_correction [L, E], not trainable       (moe.router "sigmoid")
           + gate, up [L, D, S]; down [L, S, D]            (the shared experts, S moe.shared_mlp_dim > 0)
+  dense_layers: the layers of `moe.dense_layers` in a Mixture of Experts, with the dense MLP's weights: a stack
+          of its own, run in its layers' places (`ModelConfig.stack_layers`); `layers` then holds the MoE layers.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from ptx.model_config import ModelConfig
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 Params = dict[str, Any]
+# The subtrees that hold stacked layers: every layer, or a Mixture of Experts' MoE layers; and a Mixture of
+# Experts' dense layers (`moe.dense_layers`). `ModelConfig.stack_layers` says which layers each holds.
+STACKS = ("layers", "dense_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +59,26 @@ class ParamSpec:
 
 def param_specs(cfg: ModelConfig) -> Params:
   """Returns the nested dict of ParamSpec for a decoder config."""
-  L, D, H, N, K = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  F, V = cfg.mlp_dim, cfg.vocab_size
-  if H % N:
-    raise ValueError(f"model.n_heads={H} must be a multiple of model.n_kv_heads={N}")
-  weight = jax.nn.initializers.normal(cfg.init_std)
-  zeros = jax.nn.initializers.zeros
-  # (1 + w) norms start at w = 0 so that both kinds start as the identity scale.
-  norm = zeros if cfg.norm_plus_one else jax.nn.initializers.ones
+  D, V = cfg.d_model, cfg.vocab_size
+  if cfg.n_heads % cfg.n_kv_heads:
+    raise ValueError(f"model.n_heads={cfg.n_heads} must be a multiple of model.n_kv_heads={cfg.n_kv_heads}")
+  weight, _, norm = _initializers(cfg)
+  specs = {
+      "embed": ParamSpec((V, D), ("vocab", "embed"), weight),
+      "layers": _layer_specs(cfg, len(cfg.stack_layers("layers")), moe_mlp=cfg.moe.enabled),
+      "final_norm": ParamSpec((D,), ("embed",), norm),
+  }
+  if cfg.moe.dense_layers:
+    specs["dense_layers"] = _layer_specs(cfg, len(cfg.moe.dense_layers), moe_mlp=False)
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), weight)
+  return specs
+
+
+def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamSpec]:
+  """The ParamSpecs of a stack of L layers, whose MLPs are Mixtures of Experts (`moe_mlp`) or dense."""
+  D, H, N, K, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+  weight, zeros, norm = _initializers(cfg)
 
   def layer(shape, axes, init=weight):
     return ParamSpec((L,) + shape, ("layers",) + axes, init)
@@ -75,7 +92,7 @@ def param_specs(cfg: ModelConfig) -> Params:
       "mlp_norm": layer((D,), ("embed",), norm),
   }
   moe = cfg.moe
-  if moe.enabled:
+  if moe_mlp:
     E, F = moe.n_experts, moe.expert_mlp_dim
     layers["router"] = layer((D, E), ("embed", None))
     if moe.router_bias:
@@ -85,8 +102,8 @@ def param_specs(cfg: ModelConfig) -> Params:
     layers["expert_gate"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_up"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_down"] = layer((E, F, D), ("experts", "mlp", "embed"))
-  if not moe.enabled or moe.shared_mlp_dim:
-    S = moe.shared_mlp_dim if moe.enabled else F
+  if not moe_mlp or moe.shared_mlp_dim:
+    S = moe.shared_mlp_dim if moe_mlp else F
     layers["gate"] = layer((D, S), ("embed", "mlp"))
     layers["up"] = layer((D, S), ("embed", "mlp"))
     layers["down"] = layer((S, D), ("mlp", "embed"))
@@ -100,14 +117,14 @@ def param_specs(cfg: ModelConfig) -> Params:
   if cfg.post_norms:
     layers["attn_post_norm"] = layer((D,), ("embed",), norm)
     layers["mlp_post_norm"] = layer((D,), ("embed",), norm)
-  specs = {
-      "embed": ParamSpec((V, D), ("vocab", "embed"), weight),
-      "layers": layers,
-      "final_norm": ParamSpec((D,), ("embed",), norm),
-  }
-  if not cfg.tie_embeddings:
-    specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), weight)
-  return specs
+  return layers
+
+
+def _initializers(cfg: ModelConfig) -> tuple[Initializer, Initializer, Initializer]:
+  """(weights, zeros, norms): normal(init_std) matrices; (1 + w) norms start at w = 0, so both kinds start as the
+  identity scale."""
+  zeros = jax.nn.initializers.zeros
+  return jax.nn.initializers.normal(cfg.init_std), zeros, zeros if cfg.norm_plus_one else jax.nn.initializers.ones
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
@@ -164,6 +181,23 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = shardi
   return sharding.named_shardings(logical_axes(cfg), shapes, mesh, rules, kind="params")
 
 
+def first_layers(params: Params, cfg: ModelConfig) -> Params:
+  """The parameters of a deeper model of the same kind cut to `cfg`'s layers: each stack's first ones.
+
+  Raises:
+    ValueError: when a stack holds fewer layers than `cfg` needs.
+  """
+  out = dict(params)
+  for stack in STACKS:
+    n = len(cfg.stack_layers(stack))
+    if stack in params:
+      have = jax.tree.leaves(params[stack])[0].shape[0]
+      if have < n:
+        raise ValueError(f"the parameters' {stack!r} stack holds {have} layers; the model config needs {n}")
+      out[stack] = jax.tree.map(lambda x, n=n: x[:n], params[stack])
+  return out
+
+
 def count_params(cfg: ModelConfig) -> int:
   """Number of parameters, taken from `jax.eval_shape` of the real initialiser."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
@@ -173,7 +207,7 @@ def count_active_params(cfg: ModelConfig) -> int:
   """Parameters one token runs through: all of them, less the routed experts it is not sent to."""
   moe = cfg.moe
   idle = moe.n_experts - moe.experts_per_token if moe.enabled else 0
-  return count_params(cfg) - cfg.n_layers * idle * 3 * cfg.d_model * moe.expert_mlp_dim
+  return count_params(cfg) - cfg.n_moe_layers * idle * 3 * cfg.d_model * moe.expert_mlp_dim
 
 
 def trainable_mask(cfg: ModelConfig) -> Params | None:

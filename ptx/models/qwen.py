@@ -18,15 +18,18 @@ HF_QWEN3 = register(HFFamily(
     names={**_LLAMA_NAMES, **{f"layers/{x}_norm": f"model.layers.{{i}}.self_attn.{x}_norm.weight" for x in "qk"}},
     features={**_FEATURES, "qkv_bias": False, "qk_norm": True}, defaults=_DEFAULTS))
 
-# Qwen3-MoE: Qwen3's attention; every layer's MLP is a Mixture of Experts (`ptx.models.moe`).
+# Qwen3-MoE: Qwen3's attention; each layer's MLP is a Mixture of Experts (`ptx.models.moe`), but for the layers
+# config.json keeps dense (`mlp_only_layers`, `decoder_sparse_step`), whose stack has Qwen3's names.
 _QWEN3_ATTENTION = {path: name for path, name in HF_QWEN3.names.items() if path not in MLP_PATHS}
 HF_QWEN3_MOE = register(HFFamily(
     model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
     names={**_QWEN3_ATTENTION, "layers/router": "model.layers.{i}.mlp.gate.weight",
-           **{f"layers/expert_{x}": f"model.layers.{{i}}.mlp.experts.{{e}}.{x}_proj.weight" for x in MLP_NAMES}},
+           **{f"layers/expert_{x}": f"model.layers.{{i}}.mlp.experts.{{e}}.{x}_proj.weight" for x in MLP_NAMES},
+           **{f"dense_{path}": name for path, name in HF_QWEN3.names.items() if path.startswith("layers/")}},
     features={**_FEATURES, "qkv_bias": False, "qk_norm": True}, defaults={**_DEFAULTS, "norm_topk_prob": False},
     moe_keys={"n_experts": ("num_experts", "num_local_experts"), "experts_per_token": ("num_experts_per_tok",),
-              "expert_mlp_dim": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",)}))
+              "expert_mlp_dim": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",)},
+    dense_layers=True))
 
 
 @register_preset("qwen2_5_0_5b")

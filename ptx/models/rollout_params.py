@@ -48,15 +48,18 @@ def rollout_params(params: Params, cfg: ModelConfig) -> Params:
   Raises:
     TypeError: when a projection is not a plain array (an applied adapter, or already int8).
   """
-  layers = dict(params["layers"])
-  for name, n_in in lora.INPUT_AXES.items():
-    if name not in layers:  # an MoE layer without shared experts has no dense MLP
+  out = dict(params)
+  for stack in params_lib.STACKS:
+    if stack not in params:
       continue
-    if isinstance(layers[name], (lora.LoRAWeight, qwix.QArray)):
-      raise TypeError(f"rollout_params: params['layers'][{name!r}] is a {type(layers[name]).__name__}, not a float "
-                      "array; pass the training parameters, LoRA adapters merged (ptx.models.lora.merge)")
-    layers[name] = int8_weights.quantize(layers[name], contracted=range(1, 1 + n_in))  # after the layers axis
-  out = {**params, "layers": layers}
+    layers = out[stack] = dict(params[stack])
+    for name, n_in in lora.INPUT_AXES.items():
+      if name not in layers:  # an MoE layer without shared experts has no dense MLP
+        continue
+      if isinstance(layers[name], (lora.LoRAWeight, qwix.QArray)):
+        raise TypeError(f"rollout_params: params[{stack!r}][{name!r}] is a {type(layers[name]).__name__}, not a "
+                        "float array; pass the training parameters, LoRA adapters merged (ptx.models.lora.merge)")
+      layers[name] = int8_weights.quantize(layers[name], contracted=range(1, 1 + n_in))  # after the layers axis
   if cfg.tie_embeddings:
     out["embed"] = int8_weights.quantize(params["embed"], contracted=(1,))  # [V, D]: the unembedding contracts D
   else:

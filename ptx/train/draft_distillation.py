@@ -30,7 +30,7 @@ from ptx.algorithms import sft
 from ptx.config import OptimizerConfig, SamplingConfig
 from ptx.model_config import ModelConfig
 from ptx.models.decoder import Params
-from ptx.models.params import trainable_mask, weight_decay_mask
+from ptx.models.params import first_layers, trainable_mask, weight_decay_mask
 from ptx.sampling.engine.engine import RolloutEngine
 from ptx.sampling.engine.config import EngineConfig
 from ptx.sharding import batch_sharding
@@ -52,8 +52,9 @@ def cut(params: Params, cfg: ModelConfig, n_layers: int) -> tuple[ModelConfig, P
   """
   if not 1 <= n_layers <= cfg.n_layers:
     raise ValueError(f"cut: n_layers must be in [1, {cfg.n_layers}] (the policy's layers), got {n_layers}")
-  return (dataclasses.replace(cfg, n_layers=n_layers),
-          {**params, "layers": jax.tree.map(lambda x: x[:n_layers], params["layers"])})
+  dense = tuple(i for i in cfg.moe.dense_layers if i < n_layers)
+  draft = dataclasses.replace(cfg, n_layers=n_layers, moe=dataclasses.replace(cfg.moe, dense_layers=dense))
+  return draft, first_layers(params, draft)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,6 @@ import dataclasses
 import os
 from typing import Any, NamedTuple
 
-import jax
-
 from ptx import model_config
 from ptx import paths
 from ptx import config_io
@@ -30,6 +28,7 @@ from ptx.config import Config, ConfigError
 from ptx.data.hf_tokenizer import load_tokenizer
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer, check_fits
 from ptx.models.hf_load import load_hf, read_model_config
+from ptx.models.params import first_layers
 from ptx.sharding import make_mesh, rules_of
 
 
@@ -84,7 +83,7 @@ def from_pretrained(model_dir: str | os.PathLike, cfg: Config, *, n_layers: int 
   check_fits(tokenizer, cfg.model.vocab_size, f"the tokenizer of {cfg.data.tokenizer} with {model_dir / 'config.json'}")
   params = load_hf(model_dir, mesh=make_mesh(cfg.mesh), dtype=cfg.model.param_dtype, rules=rules_of(cfg.mesh)).params
   if cfg.model.n_layers < checkpoint.n_layers:
-    params = {**params, "layers": jax.tree.map(lambda x: x[:cfg.model.n_layers], params["layers"])}
+    params = first_layers(params, cfg.model)
   return Pretrained(cfg, params, tokenizer)
 
 

@@ -58,7 +58,7 @@ def test_causality_through_gradients(tiny_config, variant):
     x = onehot @ params["embed"]
     if cfg.embed_scale:
       x = x * jnp.sqrt(jnp.float32(cfg.d_model))
-    x, _ = decode_layers(params["layers"], x, cfg, positions=None, segment_ids=None, rules=sharding.DEFAULT_RULES)
+    x, _ = decode_layers(params, x, cfg, positions=None, segment_ids=None, rules=sharding.DEFAULT_RULES)
     return unembed(params, x, cfg, sharding.DEFAULT_RULES)[:, t].sum()
 
   onehot = jax.nn.one_hot(tokens, cfg.vocab_size)

@@ -45,6 +45,10 @@ FAMILIES = {
     "qwen3_moe_unnormalised": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16,
                                                  norm_topk_prob=False)),
     "mixtral": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=16)),
+    # Dense layers among the MoE layers: 0 (mlp_only_layers) and 2 ((i + 1) % decoder_sparse_step): dense, MoE,
+    # dense, MoE, two stacks interleaved.
+    "qwen3_moe_mixed": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                          norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=2)),
 }
 
 
@@ -97,7 +101,8 @@ def test_config_maps_features(checkpoint):
     assert cfg.qkv_bias and cfg.tie_embeddings
   if name.startswith("qwen3_moe"):
     assert cfg.qk_norm and (cfg.moe.n_experts, cfg.moe.expert_mlp_dim) == (6, 16)
-    assert cfg.moe.norm_topk_prob == (name == "qwen3_moe")
+    assert cfg.moe.norm_topk_prob == (name != "qwen3_moe_unnormalised")
+    assert cfg.moe.dense_layers == ((0, 2) if name == "qwen3_moe_mixed" else ())
   if name == "mixtral":
     assert (cfg.moe.n_experts, cfg.moe.experts_per_token, cfg.moe.expert_mlp_dim) == (6, 2, 16)
 
