@@ -34,6 +34,7 @@ PODS = {
     ("grpo_code", "qwen7b"): ("v5p-64", "grpo_host", None, ()),
     ("long_context_sft", "llama3_8b_128k"): ("v5p-64", "sft", None, ()),
     ("grpo_smollm2", "full"): ("v5e-8", "grpo", "smollm2_135m", ("--data.batch_size=64", "--grpo.group_size=16")),
+    ("grpo_moe", "qwen3_30b_a3b"): ("v5p-64", "grpo_host", None, ()),
 }
 
 

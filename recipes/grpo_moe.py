@@ -25,6 +25,13 @@ every expert), bfloat16, full remat; 64 prompts x 8 samples per step, 512 new
 tokens; the frozen reference (beta 0.04) is a second sharded copy and routes
 itself. The load-balancing and z-losses stay off (`model.moe_balance_coef`,
 `model.moe_z_coef`: NeMo-RL measured the balancing loss degrading RL accuracy).
+Memory: not established. The pod-fit check (`python benchmarks/pod_fit.py
+--recipe grpo_moe --preset qwen3_30b_a3b`, 32 chips faked on CPU) gives the
+state exactly, 7.1 GiB per chip (parameters 1.8, Adam 3.6, reference 1.8), but
+its scratch, 137 GiB for the sampler and 450 GiB for the update, is XLA:CPU's
+lowering of `jax.lax.ragged_dot` as a dense product over all 128 experts, not
+the grouped matmul a TPU runs: a TPU compile, or a fit with expert
+parallelism (`--mesh.expert`), is still to be done before this launch.
 
 Expected step time (estimate, not measured: no TPU was available): the update
 is 6 x 3.35e9 active params x 512 rows x 768 tokens = 7.9e15 FLOP (1.3 s at 40%
