@@ -281,11 +281,9 @@ def decode_layers(
   return x, trace
 
 
-
 def _runs(cfg: ModelConfig) -> list[tuple[str, int, int]]:
   """The layers in order as runs of consecutive layers of one stack: (stack, first index in it, end index)."""
-  owner = {i: (stack, j) for stack in params_lib.STACKS[:1 + bool(cfg.moe.dense_layers)]
-           for j, i in enumerate(cfg.stack_layers(stack))}
+  owner = {i: (stack, j) for stack in params_lib.STACKS for j, i in enumerate(cfg.stack_layers(stack))}
   runs: list[tuple[str, int, int]] = []
   for i in range(cfg.n_layers):
     stack, j = owner[i]
