@@ -59,6 +59,8 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo", "grpo_host", "gr
     _check_grpo_kind(cfg, algorithm)
   elif data.batch_size % train.grad_accum:
     raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
+  if kind == "preference":
+    check_preference_model(cfg.model)
 
 
 def _check_grpo_kind(cfg: Config, algorithm: str) -> None:
@@ -145,6 +147,22 @@ def check_grpo(cfg: GRPOConfig, lora: LoRAConfig | None) -> None:
     raise ConfigError(f"grpo.turn_tokens must be >= 1, got {cfg.turn_tokens}")
   if cfg.max_response_tokens < 1:
     raise ConfigError(f"grpo.max_response_tokens must be >= 1, got {cfg.max_response_tokens}")
+
+
+def check_preference_model(model: ModelConfig) -> None:
+  """DPO's model runs its MoE layers dropless.
+
+  A lowered capacity drops other copies in the policy's forward than in the
+  reference's, so the two sequence log-prob sums that DPO compares would cover
+  different tokens.
+
+  Raises:
+    ConfigError: naming model.moe_capacity_factor.
+  """
+  if model.moe.enabled and model.moe_capacity_factor is not None:
+    raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor} drops token copies, differently in "
+                      "the policy's and the reference's forwards, whose sequence log-prob sums DPO compares: leave "
+                      "it None (dropless) for DPO")
 
 
 def check_routing_replay(cfg: GRPOConfig, model: ModelConfig) -> None:

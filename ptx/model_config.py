@@ -183,8 +183,9 @@ class ModelConfig:
   # CPU programs, ragged elsewhere).
   moe_impl: Literal["auto", "dense", "ragged", "expert_parallel"] = "auto"
   # moe_impl "expert_parallel": each device sends each expert at most ceil(factor x its tokens x k / E) token
-  # copies and drops the rest (counted: the statistic `tokens_dropped`). None: as many as the device has tokens,
-  # the most one expert can receive (a token's k experts are distinct), so no copy is ever dropped.
+  # copies and drops the rest (counted: the statistic `tokens_dropped`; the predictions of their positions leave
+  # the SFT and GRPO losses; DPO refuses it; samplers never drop). None: as many as the device has tokens, the
+  # most one expert can receive (a token's k experts are distinct), so no copy is ever dropped.
   moe_capacity_factor: float | None = None
   # Weight of the MoE layers' mean load-balancing loss in the training losses (SFT, DPO, GRPO); 0: off, the
   # default (in RL a load-balancing loss fights the policy objective: NeMo-RL measured it degrading accuracy).

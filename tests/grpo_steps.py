@@ -101,7 +101,8 @@ def build(cfg: ModelConfig, grpo_cfg: GRPOConfig, reward: Any, *, kind: str = "f
   the first devices `mesh_cfg` needs. With a `tokenizer` the step keeps transcripts (`grpo.samples_every`; the fused
   step as `fit` runs it, `FusedStep`), decoded by it.
   """
-  mesh = make_mesh(mesh_cfg, jax.devices()[:math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, mesh_cfg.seq))])
+  mesh = make_mesh(mesh_cfg, jax.devices()[:math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.expert, mesh_cfg.tensor,
+                                                       mesh_cfg.seq))])
   rules = rules_of(mesh_cfg)
   opt = optimizer(grpo_cfg, eps)
   with_ref = grpo_cfg.uses_reference

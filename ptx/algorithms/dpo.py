@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ptx import config_rules
 from ptx import sharding
 from ptx.algorithms.sft import next_token_targets
 from ptx.config import DPOConfig
@@ -39,7 +40,12 @@ Batch = dict[str, Any]
 
 def sequence_logps(params: Any, batch: Batch, model: ModelConfig,
                    rules: sharding.Rules) -> tuple[jax.Array, jax.Array, moe.LayerStats]:
-  """Summed target log-probs [B], target counts [B] and the MoE statistics of a padded batch (chunked projection)."""
+  """Summed target log-probs [B], target counts [B] and the MoE statistics of a padded batch (chunked projection).
+
+  Raises:
+    ConfigError: for a model whose MoE layers can drop token copies (`config_rules.check_preference_model`).
+  """
+  config_rules.check_preference_model(model)
   stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
                                  segment_ids=batch["segment_ids"], rules=rules)
   _, weights = next_token_targets(batch)

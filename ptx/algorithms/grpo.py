@@ -163,7 +163,9 @@ def loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *, model: Mod
   # log-probs and entropy come from the vocabulary projection in chunks (`model.logits_chunk`), never [N, S, V].
   scored, trace = rollout_stats(params, batch, model, group_size=grpo.group_size, prompt_len=prompt_len,
                                     temperature=grpo.sampling.temperature, rules=rules)
-  mask = batch["loss_mask"].astype(jnp.float32)
+  # A token whose predicting position dropped an MoE copy here leaves the loss (`moe.undropped`); the
+  # normalisers, taken over the mini-batch before this forward, still count it.
+  mask = moe.undropped(batch["loss_mask"].astype(jnp.float32), trace)
   w = batch["agg_weights"] * mask
   total = w.sum()
   denominator = jnp.where(total > 0, total, 1.0)

@@ -51,14 +51,15 @@ def loss(
   Returns:
     (loss, metrics): `loss` (the cross-entropy), `accuracy` (argmax ==
     target) and `weight` (the number of target tokens, by which the trainer
-    weights micro-batches); for a Mixture of Experts `moe/...` statistics
+    weights micro-batches; a token whose predicting position had an MoE copy
+    dropped is none, `moe.undropped`); for a Mixture of Experts `moe/...` statistics
     (`ptx.models.moe.metrics`), their auxiliary losses added to the value
     optimised with `model.moe_balance_coef` and `model.moe_z_coef`.
   """
   del rng
   stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
                                  segment_ids=batch["segment_ids"], rules=rules)
-  _, weights = next_token_targets(batch)
+  weights = moe.undropped(next_token_targets(batch)[1], trace)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0
   mean_nll = -(stats.log_probs[:, 1:] * weights).sum() / denominator

@@ -68,8 +68,8 @@ def token_stats(
     routes: `moe.ROUTE_DTYPE` [B, T, L, k] experts to replay (`decoder.hidden_states`); None: the routers choose.
 
   Returns:
-    (TokenStats of [B, T] arrays in the natural token order, the MoE layers' trace (`moe.Trace`), its routes in the
-    natural order too).
+    (TokenStats of [B, T] arrays in the natural token order, the MoE layers' trace (`moe.Trace`), its routes and
+    dropped tokens in the natural order too).
   """
   B, T = tokens.shape
   if positions is None:
@@ -83,7 +83,8 @@ def token_stats(
                            segment_ids=reorder(segment_ids), rules=rules,
                            routes=None if routes is None else reorder(routes))
   stats = project(params, x, reorder(targets), cfg, rules, temperature)
-  trace = trace._replace(routes=None if trace.routes is None else restore(trace.routes))
+  trace = trace._replace(routes=None if trace.routes is None else restore(trace.routes),
+                         dropped=None if trace.dropped is None else restore(trace.dropped))
   # Shift by one so index t scores token t.
   return TokenStats(*(jnp.pad(restore(s)[:, :-1], ((0, 0), (1, 0))) for s in stats)), trace
 

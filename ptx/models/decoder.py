@@ -19,6 +19,7 @@ float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -250,8 +251,12 @@ def hidden_with_cache(
   """`forward_with_cache`'s residual stream [B, T, D] before the final norm, for losses that project in chunks.
 
   Returns (x, the cache, the MoE trace of the new tokens: `moe.Trace`). `routes` replays recorded experts
-  ([B, T, L, k], as `hidden_states` takes them).
+  ([B, T, L, k], as `hidden_states` takes them). Every MoE layer runs dropless here, whatever
+  `cfg.moe_capacity_factor`: samplers decode through this forward, and a sampled token must not depend on which
+  other tokens share its device's batch. (The shared-prompt loss path, `shared_prefix.grouped_stats`, runs here
+  too, dropless as well.)
   """
+  cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
   x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
                                 segment_ids=None, rules=rules, cache=cache, angles=angles, routes=routes)
@@ -339,17 +344,17 @@ def _run_layers(
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(5,))
   replays = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]: scanned, or indexed per layer
   moe_layers = cfg.stack_layers("layers") if cfg.moe.enabled else ()
-  traces = []  # (stats, ids) of the MoE layers, stacked: per layer unrolled, per run scanned
+  traces = []  # the MoE layers' traces, stacked: per layer unrolled, per run scanned
   if unrolled:
     for index, layer in enumerate(layers):
       replay = None if replays is None or index not in moe_layers else replays[moe_layers.index(index)]
-      x, cache, stats, ids = body(x, cache, layer, None if windows is None else windows[index], replay, index)
-      if ids is not None:
-        traces.append(jax.tree.map(lambda a: a[None], (stats, ids)))
+      x, cache, trace = body(x, cache, layer, None if windows is None else windows[index], replay, index)
+      if trace.routes is not None:
+        traces.append(jax.tree.map(lambda a: a[None], trace))
   else:
     def scan_body(x, per_layer):
-      x, _, stats, ids = body(x, None, *per_layer, None)
-      return x, (stats, ids)
+      x, _, trace = body(x, None, *per_layer, None)
+      return x, trace
 
     for stack, start, end in _runs(cfg):
       indices = cfg.stack_layers(stack)[start:end]
@@ -357,14 +362,14 @@ def _run_layers(
       if end - start < len(cfg.stack_layers(stack)):  # a copy of the run's layers: only a pattern that interleaves
         weights = jax.tree.map(lambda w: w[start:end], weights)
       run_replays = None if replays is None or stack != "layers" else replays[start:end]
-      x, (stats, ids) = jax.lax.scan(scan_body, x, (weights, None if windows is None else jnp.asarray(
+      x, trace = jax.lax.scan(scan_body, x, (weights, None if windows is None else jnp.asarray(
           windows[list(indices)]), run_replays))
-      if ids is not None:
-        traces.append((stats, ids))
+      if trace.routes is not None:
+        traces.append(trace)
   if not traces:
     return x, cache, moe.Trace({}, None)
-  stats, ids = jax.tree.map(lambda *a: jnp.concatenate(a), *traces)
-  return x, cache, moe.Trace(stats, jnp.moveaxis(ids, 0, 2))
+  stats, ids, dropped = jax.tree.map(lambda *a: jnp.concatenate(a), *traces)
+  return x, cache, moe.Trace(stats, jnp.moveaxis(ids, 0, 2), None if dropped is None else jnp.any(dropped, axis=0))
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
@@ -400,13 +405,13 @@ def block(
     cache: Cache | None = None,
     layer_index: int | None = None,
     replay: jax.Array | None = None,
-) -> tuple[jax.Array, Cache | None, moe.LayerStats, jax.Array | None]:
+) -> tuple[jax.Array, Cache | None, moe.Trace]:
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
   written into layer `layer_index` of the cache first and they attend over its
-  filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE
-  statistics and experts [B, T, k] (`moe.moe_mlp`, which `replay` is passed to): {} and None for a dense MLP).
+  filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE trace: its statistics, experts [B, T, k]
+  and dropped tokens [B, T] (`moe.moe_mlp`, which `replay` is passed to); {}, None, None for a dense MLP).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
@@ -436,16 +441,17 @@ def block(
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
 
   h = rms_norm(x, p["mlp_norm"], cfg)
-  stats, ids = {}, None
+  trace = moe.Trace({}, None, None)
   if "router" in p:
-    out, stats, ids = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules, replay=replay)
+    out, *layer_trace = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules, replay=replay)
+    trace = moe.Trace(*layer_trace)
     if "gate" in p:  # shared experts
       out = out + gated_mlp(p, h, cfg.activation, dtype, rules)
   else:
     out = gated_mlp(p, h, cfg.activation, dtype, rules)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
-  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, stats, ids
+  return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, trace
 
 
 class Decoder(nnx.Module):

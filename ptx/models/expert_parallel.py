@@ -37,9 +37,13 @@ rounding, at a buffer of E x N rows per device (E / k times the copies). A
 factor c gives C = min(N, ceil(c N k / E)) (the GShard capacity: c = 1 is room
 for a perfectly balanced load) and drops the copies of a busy expert past C,
 later tokens first. Which copies drop depends on the other tokens of the
-device's batch, so a lowered capacity breaks sampler = trainer: `experts`
-returns each token's dropped copies, and the layer logs their fraction over
-the real tokens as the statistic `tokens_dropped` (0 at the default).
+device's batch, so a lowered capacity would break sampler = trainer: `experts`
+returns each token's dropped copies, the layer logs their fraction over the
+real tokens as the statistic `tokens_dropped` (0 at the default), and a
+forward reports the tokens (`moe.Trace.dropped`), whose predictions the SFT
+and GRPO losses leave out (`moe.undropped`; DPO refuses a lowered capacity).
+Forwards against a KV cache, which every sampler decodes through, always run
+dropless (`decoder.hidden_with_cache`).
 
 The dropless form, a `jax.lax.ragged_all_to_all` of exactly the routed copies
 (MaxText, Tunix), does not compile on XLA:CPU (its ThunkEmitter has no

@@ -22,7 +22,9 @@ Implementations (`ModelConfig.moe_impl`), equal up to float rounding (and drople
           so that sorting never moves tokens between devices.
   expert_parallel  experts split over the `expert` mesh axis, each device's token copies sent to them and back
           by two all-to-alls, at most C per expert (`model.moe_capacity_factor`; None: dropless), drops counted
-          as `tokens_dropped` (`ptx.models.expert_parallel`).
+          as `tokens_dropped`, the tokens reported in the forward's `Trace.dropped` and their predictions
+          left out of the losses (`undropped`); KV-cache forwards, the samplers', never drop
+          (`ptx.models.expert_parallel`).
 
 Routing replay (`moe_mlp`'s `replay`): experts recorded for the tokens (the sampler's, `Generation.routes`, or
 an earlier forward's) are used instead of the router's choice, their gate weights read from the live router's full
@@ -63,11 +65,19 @@ ROUTE_DTYPE = jnp.int16
 NO_ROUTE = -1
 
 
+def no_routes(rows: int, columns: int, cfg: ModelConfig) -> jax.Array:
+  """NO_ROUTE routes [rows, columns, L, k] of `cfg`'s MoE layers: a buffer before a forward or a sampler fills it."""
+  return jnp.full((rows, columns, cfg.n_moe_layers, cfg.moe.experts_per_token), NO_ROUTE, ROUTE_DTYPE)
+
+
 class Trace(NamedTuple):
-  """What a forward's MoE layers report: their statistics and the experts they chose."""
+  """What a forward's MoE layers report: their statistics, the experts they chose and the tokens they dropped."""
 
   stats: LayerStats  # name -> float32 [L] over the MoE layers; empty for a dense model
   routes: jax.Array | None  # ROUTE_DTYPE [B, T, L, k]: MoE layer l's experts of token (b, t); None when dense
+  # bool [B, T]: a token some MoE layer dropped a copy of (expert_parallel at a lowered capacity); None where no
+  # layer can drop one (dense, or dropless by construction).
+  dropped: jax.Array | None = None
 
 
 class Routes(NamedTuple):
@@ -163,7 +173,7 @@ def moe_mlp(
     token_mask: jax.Array,
     rules: sharding.Rules,
     replay: jax.Array | None = None,
-) -> tuple[jax.Array, LayerStats, jax.Array]:
+) -> tuple[jax.Array, LayerStats, jax.Array, jax.Array | None]:
   """One layer's MoE MLP on h [B, T, D] (module docstring); the shared experts are added by the caller.
 
   Args:
@@ -179,7 +189,8 @@ def moe_mlp(
 
   Returns:
     (the experts' weighted sum [B, T, D] in the compute dtype, the layer's statistics, the experts used:
-    ROUTE_DTYPE [B, T, k]).
+    ROUTE_DTYPE [B, T, k], the tokens with a dropped copy: bool [B, T], or None where none can drop: every
+    implementation but expert_parallel at a lowered `cfg.moe_capacity_factor`).
   """
   logits = router_logits(p, h)
   correction = p.get("router_correction")
@@ -204,7 +215,31 @@ def moe_mlp(
   if flips is not None:
     recorded = token_mask & (replay[..., 0] != NO_ROUTE)
     stats["route_flips"] = _masked_mean(jnp.mean(flips, axis=-1), recorded)
-  return y, stats, routes.ids.astype(ROUTE_DTYPE)
+  may_drop = dropped is not None and cfg.moe_capacity_factor is not None
+  return y, stats, routes.ids.astype(ROUTE_DTYPE), dropped > 0 if may_drop else None
+
+
+def undropped(mask: jax.Array, trace: Trace) -> jax.Array:
+  """`mask` without the predictions of positions that had a token copy dropped (`Trace.dropped`).
+
+  A dropped copy adds nothing to its token's MLP output, so the logits at that
+  position, and the log-prob of the next token, are not the policy's: a loss
+  must not train on them, nor compare them with a sampler's (which never
+  drops). Later tokens still attend to the position, as in GShard's and
+  MaxText's dropping layers.
+
+  Args:
+    mask: [B, T'] over a forward's last T' tokens, index t scoring token t as predicted at position t - 1
+      (`ptx.models.chunked_logits.TokenStats`' alignment; SFT's next-token weights are T' = T - 1).
+    trace: the forward's MoE trace.
+
+  Returns:
+    `mask` with zeros where the predicting position dropped a copy; `mask` itself when no layer can drop.
+  """
+  if trace.dropped is None:
+    return mask
+  before = jnp.pad(trace.dropped[:, :-1], ((0, 0), (1, 0)))[:, trace.dropped.shape[1] - mask.shape[1]:]
+  return jnp.where(before, jnp.zeros_like(mask), mask)
 
 
 def _replayed(logits: jax.Array, replay: jax.Array, moe: MoeConfig,

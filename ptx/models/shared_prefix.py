@@ -120,8 +120,7 @@ def prefill_groups(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax
       used = jax.lax.dynamic_update_slice_in_dim(used, trace.routes, first, axis=1)
     return unembed(params, x[:, -1:], cfg, rules), cache, used
 
-  used = (jnp.full((B, P, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE, moe.ROUTE_DTYPE)
-          if cfg.moe.enabled else None)
+  used = moe.no_routes(B, P, cfg) if cfg.moe.enabled else None
   # Only the last chunk's logits are used; the loop's are dead code.
   cache, used = jax.lax.fori_loop(0, P // chunk - 1, lambda i, carry: run(i * chunk, *carry)[1:], (cache, used))
   logits_B1V, cache, used = run(P - chunk, cache, used)

@@ -192,8 +192,7 @@ def generate_padded(
                 tokens=jnp.full((R, budget), pad_id, jnp.int32),
                 log_probs=jnp.zeros((R, budget), jnp.float32),
                 done=jnp.zeros((R,), bool), lengths=jnp.zeros((R,), jnp.int32),
-                routes=(jnp.full((R, budget, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE,
-                                 moe.ROUTE_DTYPE) if record_routes else None))
+                routes=moe.no_routes(R, budget, cfg) if record_routes else None)
   loop = emit(start, prefill_logits_RV)
   for slots in phases:
     # Step t writes the K/V of token t - 1 at slot offset + t - 1, so this cache serves steps t <= slots - offset.

@@ -1,4 +1,5 @@
-"""Expert parallelism: the all-to-all MoE layer against the dense reference, its collectives, its capacity."""
+"""Expert parallelism: the all-to-all MoE layer against the dense reference, its collectives, its capacity, and what
+the losses and samplers do with the tokens a lowered capacity drops."""
 
 import dataclasses
 import math
@@ -9,12 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ptx import sharding
-from ptx.config import MeshConfig
+from ptx import config_rules, sharding
+from ptx.algorithms import dpo, grpo, sft
+from ptx.config import Config, ConfigError, DPOConfig, GRPOConfig, MeshConfig
 from ptx.model_config import ModelConfig, MoeConfig
 from ptx.models import expert_parallel, init_params, moe
-from ptx.models.decoder import forward
+from ptx.models.chunked_logits import token_stats
+from ptx.models.decoder import forward, hidden_states, hidden_with_cache
+from ptx.models.kv_cache import init_cache
 from ptx.models.params import param_specs
+from ptx.sampling.generation import generate_padded
+from ptx.sampling.rules import SamplingConfig
 
 # Pairwise distinct: F 12 belongs to expert weights only, T 5 to token arrays only (the HLO test tells arrays apart
 # by them); B 8 splits over the 8 devices of every mesh below.
@@ -184,3 +190,129 @@ def test_the_step_has_two_all_to_alls_per_layer_and_gathers_no_experts_or_tokens
   for line in gathers:
     shape = [int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d]
     assert F not in shape and not {T, CFG.d_model} <= set(shape), line
+
+
+def _sequence_batch(seed):
+  tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, CFG.vocab_size)
+  return {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
+          "segment_ids": jnp.ones((B, T), jnp.int32), "loss_mask": jnp.ones((B, T), jnp.int32)}
+
+
+@pytest.fixture(scope="module")
+def lowered_capacity():
+  """A 2-layer MoE decoder at capacity factor 1 (C = 2 of a device's 10 copies) on data2_expert4: (mesh, cfg,
+  params placed, a batch placed, its token_stats and trace)."""
+  cfg = dataclasses.replace(CFG, moe_impl="expert_parallel", moe_capacity_factor=1.0)
+  mesh = _mesh("data2_expert4")
+  params = init_params(cfg, jax.random.key(6))
+  params = jax.device_put(params, sharding.named_shardings(jax.tree.map(lambda s: s.logical_axes, param_specs(cfg)),
+                                                           params, mesh))
+  batch = jax.device_put(_sequence_batch(7), sharding.batch_sharding(mesh))
+  with jax.set_mesh(mesh):
+    stats, trace = jax.jit(lambda p, b: token_stats(p, b["tokens"], cfg, positions=b["positions"],
+                                                    segment_ids=b["segment_ids"]))(params, batch)
+  return mesh, cfg, params, batch, stats, trace
+
+
+def test_a_forward_reports_each_token_any_of_whose_copies_a_layer_dropped(lowered_capacity):
+  *_, trace = lowered_capacity
+  C = expert_parallel.capacity(T, 2, 8, 1.0)
+  routes = np.asarray(trace.routes)  # [B, T, L, k]: each layer's experts, which the drops follow
+  want = np.any([_dropped_copies(routes[:, :, layer], 8, C).any(axis=-1) for layer in range(CFG.n_layers)], axis=0)
+  assert 0 < want.sum() < want.size
+  np.testing.assert_array_equal(np.asarray(trace.dropped), want)
+  assert forward_trace(dataclasses.replace(CFG, moe_impl="expert_parallel")).dropped is None  # dropless: nothing
+
+
+def forward_trace(cfg):
+  """The MoE trace of an unsharded 2-layer forward of `cfg`."""
+  params = init_params(cfg, jax.random.key(6))
+  return hidden_states(params, _sequence_batch(7)["tokens"], cfg)[1]
+
+
+def test_undropped_removes_the_predictions_of_a_position_that_dropped_a_copy():
+  dropped = np.zeros((2, 4), bool)
+  dropped[0, 1] = dropped[1, 3] = True  # the last position predicts no token of the batch
+  trace = moe.Trace({}, None, jnp.asarray(dropped))
+  got = moe.undropped(jnp.ones((2, 4)), trace)  # index t: token t, predicted at t - 1
+  np.testing.assert_array_equal(got, [[1, 1, 0, 1], [1, 1, 1, 1]])
+  np.testing.assert_array_equal(moe.undropped(jnp.ones((2, 3)), trace), [[1, 0, 1], [1, 1, 1]])  # SFT's T - 1
+  mask = jnp.ones((2, 4))
+  assert moe.undropped(mask, moe.Trace({}, None)) is mask
+
+
+def test_sft_and_grpo_losses_train_on_none_of_the_predictions_of_dropping_positions(lowered_capacity):
+  mesh, cfg, params, batch, stats, trace = lowered_capacity
+  kept = ~np.pad(np.asarray(trace.dropped)[:, :-1], ((0, 0), (1, 0)))  # token t's prediction kept: index as stats
+  targets = kept[:, 1:]
+  log_probs = np.asarray(stats.log_probs)
+  with jax.set_mesh(mesh):
+    value, metrics = jax.jit(lambda p, b: sft.loss(p, b, None, model=cfg))(params, batch)
+  assert metrics["weight"] == targets.sum() < targets.size
+  np.testing.assert_allclose(value, -(log_probs[:, 1:] * targets).sum() / targets.sum(), rtol=1e-5)
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0)
+  rl = {**batch, "loss_mask": batch["loss_mask"].at[:, 0].set(0), "advantages": jnp.linspace(-1, 1, B),
+        "old_logps": jnp.asarray(log_probs)}
+  rl.update(grpo.aggregation_inputs(rl["loss_mask"], grpo_cfg))
+  with jax.set_mesh(mesh):
+    _, metrics = jax.jit(lambda p, b: grpo.loss(p, b, None, model=cfg, grpo=grpo_cfg))(params, rl)
+  np.testing.assert_allclose(metrics["weight"], (np.asarray(rl["agg_weights"]) * kept).sum(), rtol=1e-6)
+  assert metrics["weight"] < np.asarray(rl["agg_weights"]).sum()
+
+
+def test_kv_cache_forwards_run_dropless_whatever_the_capacity(lowered_capacity):
+  """What every sampler decodes through: a lowered capacity must not change a sampled token's logits."""
+  mesh, cfg, params, batch, _, _ = lowered_capacity
+  dropless = dataclasses.replace(cfg, moe_capacity_factor=None)
+
+  def prefill(cfg):
+    cache = init_cache(cfg, B, T)
+    return hidden_with_cache(params, batch["tokens"], cfg, cache, positions=batch["positions"])
+
+  with jax.set_mesh(mesh):
+    (x, _, trace), (want, _, _) = jax.jit(prefill, static_argnums=0)(cfg), jax.jit(prefill, static_argnums=0)(dropless)
+  np.testing.assert_array_equal(x, want)
+  assert trace.dropped is None
+
+
+def test_dpo_refuses_a_capacity_that_drops_copies(lowered_capacity):
+  mesh, cfg, params, batch, _, _ = lowered_capacity
+  with pytest.raises(ConfigError, match="model.moe_capacity_factor=1.0 drops token copies.*DPO"):
+    dpo.loss(params, {"chosen": batch, "rejected": batch}, None, model=cfg, dpo=DPOConfig(loss_type="simpo"))
+  with pytest.raises(ConfigError, match="model.moe_capacity_factor=1.0"):
+    config_rules.check(Config(model=cfg, data=dataclasses.replace(Config().data, kind="preference", pack=False)), "dpo")
+
+
+def _collectives_by_loop(hlo: str) -> list[tuple[bool, str, tuple[int, ...]]]:
+  """Each collective of a compiled program: (inside a while loop's body, its op, its result shape)."""
+  bodies, found, computation = set(re.findall(r"body=%?([\w.\-]+)", hlo)), [], None
+  for line in hlo.splitlines():
+    if (m := re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)) and line.rstrip().endswith("{"):
+      computation = m.group(1)
+    op = re.search(r" (all-gather|all-to-all|all-reduce)\(", line)
+    if op:  # the result's shape: a tuple's first
+      shape = re.search(r"= \(?\w+\[([\d,]*)\]", line).group(1)
+      found.append((computation in bodies, op.group(1), tuple(int(d) for d in shape.split(",") if d)))
+  return found
+
+
+def test_decoding_moves_tokens_to_the_experts_and_gathers_no_expert_weight_per_step():
+  """generate_padded on fsdp2_expert4: the expert weights' fsdp gathers run once, before the decode loop; each step
+  sends its tokens to the experts and back (two all-to-alls per MoE layer), and gathers no expert weight."""
+  cfg = dataclasses.replace(CFG, moe_impl="expert_parallel")
+  mesh = _mesh("fsdp2_expert4")
+  params = init_params(cfg, jax.random.key(8))
+  params = jax.device_put(params, sharding.named_shardings(jax.tree.map(lambda s: s.logical_axes, param_specs(cfg)),
+                                                           params, mesh))
+  prompts = jax.device_put(jnp.ones((B, 4), jnp.int32), sharding.batch_sharding(mesh))
+  lengths, stops = jnp.full((B,), 4, jnp.int32), jnp.full((B, 1), 1, jnp.int32)
+  sample = jax.jit(lambda p, prompts: generate_padded(p, prompts, lengths, stops, jax.random.key(9), 6, cfg=cfg,
+                                                      sampling=SamplingConfig(), budget=6))
+  with jax.set_mesh(mesh):
+    found = _collectives_by_loop(sample.lower(params, prompts).compile().as_text())
+  expert_gathers = [(in_loop, shape) for in_loop, op, shape in found if op == "all-gather" and F in shape]
+  assert expert_gathers and not any(in_loop for in_loop, _ in expert_gathers), expert_gathers
+  in_loop = [(op, shape) for looped, op, shape in found if looped]
+  dispatches = [shape for op, shape in in_loop if op == "all-to-all" and CFG.d_model in shape]
+  assert len(dispatches) == 2 * CFG.n_layers, in_loop
+  assert not [shape for op, shape in in_loop if op == "all-gather" and CFG.d_model in shape], in_loop

@@ -35,8 +35,8 @@ def _reference(params, tokens, cfg):
   for i in range(cfg.n_layers):
     stack, j = ("dense_layers", dense.index(i)) if i in dense else ("layers", moe_layers.index(i))
     layer = jax.tree.map(lambda w: w[j], params[stack])
-    x, _, _, _ = decoder.block(layer, x, cfg, sin=sin, cos=cos, window=None, positions=positions,
-                               segment_ids=jnp.ones((B, T), jnp.int32), rules=sharding.DEFAULT_RULES)
+    x, _, _ = decoder.block(layer, x, cfg, sin=sin, cos=cos, window=None, positions=positions,
+                            segment_ids=jnp.ones((B, T), jnp.int32), rules=sharding.DEFAULT_RULES)
   return decoder.unembed(params, x, cfg, sharding.DEFAULT_RULES)
 
 

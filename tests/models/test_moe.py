@@ -77,7 +77,7 @@ def test_dense_reference_is_the_routed_sum_of_expert_mlps(moe_cfg):
   """The reference itself, token by token: sum over the k chosen experts of weight * down(silu(gate) * up)."""
   p = _layer(moe_cfg)
   h = jax.random.normal(jax.random.key(3), (2, 4, moe_cfg.d_model))
-  y, _, _ = _mlp(p, h, moe_cfg, "dense")
+  y, _, _, _ = _mlp(p, h, moe_cfg, "dense")
   routes = moe.route(moe.router_logits(p, h), moe_cfg.moe)
   h, ids, weights = np.asarray(h), np.asarray(routes.ids), np.asarray(routes.weights)
   want = np.zeros_like(h)

@@ -44,7 +44,7 @@ def test_replayed_experts_are_used_with_live_gate_weights_and_the_router_still_l
   cfg = _cfg(router)
   p = _layer(cfg)
   h = jax.random.normal(jax.random.key(2), (2, 5, cfg.d_model))
-  _, _, own = _mlp(p, h, cfg)
+  _, _, own, _ = _mlp(p, h, cfg)
   # Replaying the router's own choice changes nothing, forward or backward, and flips nothing.
   loss = lambda p, replay: jnp.sum(jnp.sin(_mlp(p, h, cfg, replay)[0]))
   # The same operations on the same experts; 1e-6 relative leaves room for XLA fusing them otherwise.
@@ -57,7 +57,7 @@ def test_replayed_experts_are_used_with_live_gate_weights_and_the_router_still_l
   replay = unpicked.reshape(own.shape).astype(np.int16)
   replay[0, 0] = [own[0, 0, 0], unpicked[0, 0]]
   replay[0, 1] = moe.NO_ROUTE
-  y, stats, used = _mlp(p, h, cfg, jnp.asarray(replay))
+  y, stats, used, _ = _mlp(p, h, cfg, jnp.asarray(replay))
   want_ids = replay.copy()
   want_ids[0, 1] = own[0, 1]
   np.testing.assert_array_equal(used, want_ids)

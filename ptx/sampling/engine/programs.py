@@ -164,7 +164,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
 
   out = Decoded(tokens=jnp.full((R, steps), pad_id, jnp.int32), log_probs=jnp.zeros((R, steps), jnp.float32),
                 emitted=jnp.zeros((R,), jnp.int32), finish=jnp.zeros((R,), jnp.int32),
-                routes=_no_routes(R, steps, cfg) if record_routes else None)
+                routes=moe.no_routes(R, steps, cfg) if record_routes else None)
   start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.pending, rows.live, rows.remaining, rows.sampled, out,
            jnp.zeros((R,), jnp.int32))
   carry = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[5]), step, start)
@@ -251,7 +251,7 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
   zeros_R = jnp.zeros((R,), jnp.int32)
   out = Speculated(tokens=jnp.full((R, N), pad_id, jnp.int32), log_probs=jnp.zeros((R, N), jnp.float32),
                    emitted=zeros_R, finish=zeros_R, drafted=zeros_R, accepted=zeros_R, verifies=zeros_R,
-                   routes=_no_routes(R, N, cfg) if record_routes else None)
+                   routes=moe.no_routes(R, N, cfg) if record_routes else None)
   start = (jnp.zeros((), jnp.int32), k, v, rows.lengths, rows.context, rows.live, rows.remaining, rows.sampled,
            zeros_R, out)
   carry = jax.lax.while_loop(lambda c: (c[0] < rounds) & jnp.any(c[5]), round_, start)
@@ -277,11 +277,6 @@ def _forward(params: Params, tokens: jax.Array, cfg: ModelConfig, cache: paged_k
   `record_routes` (else None)."""
   x, cache, trace = hidden_with_cache(params, tokens, cfg, cache, positions=positions, rules=rules)
   return unembed(params, x, cfg, rules), cache, trace.routes if record_routes else None
-
-
-def _no_routes(rows: int, columns: int, cfg: ModelConfig) -> jax.Array:
-  """NO_ROUTE routes [rows, columns, L, k]: a call's output before its steps fill them."""
-  return jnp.full((rows, columns, cfg.n_moe_layers, cfg.moe.experts_per_token), moe.NO_ROUTE, moe.ROUTE_DTYPE)
 
 
 def _verified(logits_RTV: jax.Array, tokens_RT: jax.Array, accepted_R: jax.Array, sampling: SamplingConfig,

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from ptx.algorithms import advantages as adv_lib
 from ptx.config import GRPOConfig

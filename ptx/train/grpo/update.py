@@ -45,6 +45,7 @@ from ptx.algorithms import advantages as adv_lib
 from ptx.algorithms import grpo
 from ptx.config import GRPOConfig, LoRAConfig
 from ptx.model_config import ModelConfig
+from ptx.models import moe
 from ptx.models.shared_prefix import rollout_stats
 from ptx.sampling.generation import LENGTH, Generation, generate_padded
 from ptx.train.optimizer import nonfinite_streak, skipped_steps
@@ -155,13 +156,14 @@ def sample(params: Any, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.
                          record_routes=spec.grpo.routing_replay == "rollout", rules=spec.rules)
 
 
-def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> tuple[jax.Array, jax.Array | None]:
+def batch_logps(params: Any, batch: dict[str, jax.Array], spec: RLSpec) -> tuple[jax.Array, moe.Trace]:
   """Per-token log-probs [R, S] of the batch's tokens under `params` at T = grpo.sampling.temperature (no gradient),
-  and the experts its MoE layers used ([R, S, L, k]: the batch's `routes` where it has them; None when dense)."""
+  and its MoE layers' trace: the experts they used ([R, S, L, k]: the batch's `routes` where it has them; None when
+  dense) and the tokens they dropped."""
   stats, trace = rollout_stats(params, batch, spec.model, group_size=spec.grpo.group_size,
                                prompt_len=_shared_prompt_len(batch, spec), temperature=spec.grpo.sampling.temperature,
                                rules=spec.rules)
-  return jax.lax.stop_gradient(stats.log_probs), trace.routes
+  return jax.lax.stop_gradient(stats.log_probs), trace
 
 
 def _shared_prompt_len(batch: dict[str, jax.Array], spec: RLSpec) -> int | None:
@@ -256,14 +258,21 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
   if cfg.mask_truncated:  # static: overlong filtering
     row_mask = row_mask & (gen.finish_reasons != LENGTH)
   batch["loss_mask"] = batch["loss_mask"] * row_mask[:, None].astype(batch["loss_mask"].dtype)
-  mask = batch["loss_mask"].astype(jnp.float32)
   # On-policy the old log-probs are the sampler's, and the first update's forward
   # measures the sampler-trainer difference: no extra forward pass. Replay of the old policy's routes (R2) records
   # them in a forward at the step's parameters: the one that recomputes the old log-probs when proximal.
   if proximal or cfg.routing_replay == "old_policy":
-    old_logps, routes = batch_logps(model_params(state, spec.lora), batch, spec)
+    old_logps, old_trace = batch_logps(model_params(state, spec.lora), batch, spec)
+    if proximal:  # the old log-probs are this forward's, not the policy's where it dropped a copy
+      batch["loss_mask"] = moe.undropped(batch["loss_mask"], old_trace)
     if cfg.routing_replay == "old_policy":
-      batch["routes"] = routes
+      batch["routes"] = old_trace.routes
+  if cfg.uses_reference:  # static: the config decides whether a reference exists
+    # The reference routes itself: replay is the policy's.
+    batch["ref_logps"], ref_trace = batch_logps(reference_params(state),
+                                                {k: v for k, v in batch.items() if k != "routes"}, spec)
+    batch["loss_mask"] = moe.undropped(batch["loss_mask"], ref_trace)
+  mask = batch["loss_mask"].astype(jnp.float32)
   if proximal:
     batch["old_logps"] = old_logps
     metrics.update(logprob_gap(mask, batch["old_logps"], batch["sampler_logps"]))  # staleness and int8's gap
@@ -273,10 +282,7 @@ def prepare_rollouts(state: TrainState, batch: dict[str, jax.Array], gen: Genera
                                                                       cfg.overlong_buffer)
   beta = _coefficients(state.opt_state).kl_coef if cfg.kl_target is not None else cfg.beta
   seq_kl = None
-  if cfg.uses_reference:  # static: the config decides whether a reference exists
-    # The reference routes itself: replay is the policy's.
-    batch["ref_logps"], _ = batch_logps(reference_params(state), {k: v for k, v in batch.items() if k != "routes"},
-                                        spec)
+  if cfg.uses_reference:
     if cfg.kl_in_reward:
       seq_kl = (grpo.kl_estimate(batch["old_logps"], batch["ref_logps"], cfg.kl_estimator) * mask).sum(axis=1)
       shaped = shaped - beta * seq_kl

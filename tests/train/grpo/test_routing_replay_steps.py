@@ -1,5 +1,6 @@
 """Routing replay in GRPO's steps: the fused and host-reward modes replay the sampler's routes (R3), any mode the old
-policy's (R2); a host pipeline holding routes resumes bitwise; the options a step cannot serve are refused."""
+policy's (R2); a host pipeline holding routes resumes bitwise; the options a step cannot serve are refused. And the
+expert-parallel update at a lowered capacity, whose dropped tokens leave the loss while the sampler drops none."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ import pytest
 from grpo_steps import MODEL, build, even_tokens, even_tokens_on_host
 from model_variants import moe_like
 from stepping import run_steps
-from ptx.config import ConfigError, GRPOConfig
+from ptx.config import ConfigError, GRPOConfig, MeshConfig
 from ptx.config_rules import check_engine_rollouts
 from ptx.sampling.rules import SamplingConfig
 from ptx.train.grpo.update import RLSpec
@@ -77,6 +78,22 @@ def test_a_host_pipeline_holding_routes_resumes_exactly():
     np.testing.assert_equal(drop(step_got), drop(step_want))
   assert all("moe/route_flips" in m for m in first + want)
   jax.tree.map(np.testing.assert_array_equal, state.params, run.state.params)
+
+
+def test_a_lowered_capacity_drops_copies_in_the_update_but_never_in_the_sampler():
+  # Capacity factor 1 splits 8 experts over data2 x expert4: the update's forward drops token copies (its
+  # `moe/tokens_dropped`), the sampler, which decodes through the KV-cache forward, none; the predictions of the
+  # dropping positions leave the loss, so the sampler-trainer gap over the tokens left stays at float32 rounding.
+  # Remat keeps the update off the shared-prompt path, a KV-cache forward and so dropless too.
+  model = dataclasses.replace(MOE, moe_impl="expert_parallel", moe_capacity_factor=1.0, remat="full")
+  # No reference: its forward, at the same parameters, would drop the same copies and mask them before the loss.
+  grpo_cfg = GRPOConfig(group_size=2, beta=0.0, sampling=SAMPLING, max_staleness=0)
+  _, history = build(model, grpo_cfg, even_tokens, mesh_cfg=MeshConfig(data=2, fsdp=1, expert=4)).run(1)
+  metrics = history[0]
+  assert metrics["moe/tokens_dropped"] > 0.05, metrics["moe/tokens_dropped"]
+  assert metrics["rollout/logp_diff_max"] < 1e-5 and np.isfinite(metrics["loss"])
+  print(f"capacity factor 1: {metrics['moe/tokens_dropped']:.3f} of the update's copies dropped, sampler-trainer gap "
+        f"{metrics['rollout/logp_diff_max']:.2e}")
 
 
 def test_replay_options_a_run_cannot_serve_are_refused_by_name():
