@@ -17,14 +17,23 @@ Invariants:
   * A directory on object storage (gs://, `ptx.paths`) is downloaded into a
     temporary local directory first (safetensors maps local files), deleted
     once the parameters are built; its config is read in place.
+
+FP8 checkpoints (config.json's `quantization_config` with quant_method "fp8"
+and a `weight_block_size`, as DeepSeek-V3, Kimi K2 and Qwen's *-FP8 ship)
+load dequantised: each float8 e4m3 weight is multiplied by the blocks of its
+`weight_scale_inv` that cover the device's slice (`ptx.models.fp8_blocks`),
+then cast to the parameter dtype; unquantised tensors load as they are. The
+scales' shapes are checked with the other tensors', and `save_hf` writes such
+a model unquantised, without a quantization_config.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +42,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ptx import paths, sharding
 from ptx.model_config import ModelConfig
-from ptx.models import hf_layout
+from ptx.models import fp8_blocks, hf_layout
 from ptx.models.decoder import Decoder
 from ptx.models.hf_config import HFFamily, family_of, model_config
 from ptx.models.params import ParamSpec, param_shardings, param_specs
@@ -44,6 +53,20 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class CheckpointError(ValueError):
   """A checkpoint whose files are unreadable or whose tensors do not match its config (names the tensor and file)."""
+
+
+class _Tensor(NamedTuple):
+  """A tensor of a safetensors file, as its header describes it."""
+
+  name: str
+  file: pathlib.Path
+  shape: tuple[int, ...]
+  dtype: str  # safetensors' name: "F32", "BF16", "F8_E4M3", ...
+  offset: int  # its first byte in the file
+
+
+# An HF tensor to read and its FP8 scale grid (None: stored unquantised).
+_Source = tuple[_Tensor, _Tensor | None]
 
 
 def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = None,
@@ -65,11 +88,11 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
   Raises:
     HFConfigError: for an unsupported model_type or config option.
     CheckpointError: for a cut or unreadable safetensors file, or a
-      missing, unexpected or wrongly shaped tensor.
+      missing, unexpected or wrongly shaped tensor (an FP8 scale too).
     FileNotFoundError: when the directory holds no config or weights.
   """
   path = paths.path(path)
-  cfg, family = _config(path, dtype)
+  cfg, family, block = _config(path, dtype)
   specs = param_specs(cfg)
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), specs, is_leaf=_is_spec)
@@ -77,11 +100,11 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     shardings = param_shardings(cfg, mesh, rules)
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
   with paths.local_copy(path) as local:
-    sources = _match(specs, cfg, family, _headers(local), local)
+    sources = _match(specs, cfg, family, _headers(local), local, block)
     params = {
-        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype)
+        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype, block)
                for leaf in specs[key]} if isinstance(specs[key], dict) else
-              _load(specs[key], key, sources[key], shardings[key], np_dtype))
+              _load(specs[key], key, sources[key], shardings[key], np_dtype, block))
         for key in specs
     }
   return Decoder(cfg, params=params, rules=rules)
@@ -91,13 +114,14 @@ def read_model_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelCon
   """The ModelConfig of an HF model directory's config.json, without reading any weights.
 
   Raises:
-    HFConfigError: for an unsupported model_type or config option.
+    HFConfigError: for an unsupported model_type, config option or quantization_config.
     FileNotFoundError: when the directory holds no config.json.
   """
   return _config(paths.path(path), dtype)[0]
 
 
-def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
+def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, tuple[int, int] | None]:
+  """The config, family and FP8 weight block size (None: unquantised) of a directory's config.json."""
   where = path / "config.json"
   if not where.is_file():
     raise FileNotFoundError(f"{where}: no such file (an HF model directory holds config.json and safetensors)")
@@ -106,11 +130,12 @@ def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily]:
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: not valid JSON ({e})") from e
   family = family_of(hf, str(where))
-  return model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(where)), family
+  cfg = model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(where))
+  return cfg, family, fp8_blocks.block_size(hf, str(where))
 
 
-def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
-  """Checkpoint tensor name -> (file, shape), read from the safetensors headers only."""
+def _headers(path: pathlib.Path) -> dict[str, _Tensor]:
+  """Checkpoint tensor name -> its description, read from the safetensors headers only."""
   index = path / "model.safetensors.index.json"
   if index.exists():
     weight_map = json.loads(index.read_text())["weight_map"]
@@ -121,18 +146,23 @@ def _headers(path: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
   out = {}
   for file in files:
-    _check_size(file)
-    with _open(file) as f:
-      for name in f.keys():
-        out[name] = (file, tuple(f.get_slice(name).get_shape()))
+    start, header = _read_header(file)
+    with _open(file):  # safetensors' own checks of the header (offsets, sizes against dtypes and shapes)
+      pass
+    for name, t in header.items():
+      if name != "__metadata__":
+        out[name] = _Tensor(name, file, tuple(t["shape"]), t["dtype"], start + t["data_offsets"][0])
   for name, file in (weight_map or {}).items():
-    if out.get(name, (None,))[0] != path / file:
+    if name not in out or out[name].file != path / file:
       raise CheckpointError(f"{index}: names tensor {name!r} in {file}, which does not hold it")
   return out
 
 
-def _check_size(file: pathlib.Path) -> None:
-  """Raises CheckpointError naming `file` when it is shorter than its safetensors header says."""
+def _read_header(file: pathlib.Path) -> tuple[int, dict[str, Any]]:
+  """The first data byte and the parsed header of a safetensors file.
+
+  Raises CheckpointError naming `file` when it is shorter than its header says.
+  """
   size = os.path.getsize(file)
   with open(file, "rb") as f:
     prefix = f.read(8)
@@ -149,6 +179,7 @@ def _check_size(file: pathlib.Path) -> None:
   if 8 + header_len + end > size:
     raise CheckpointError(f"{file}: {size} bytes, but its safetensors header describes {8 + header_len + end}: the "
                           "tensor data is cut short (an interrupted download or copy?)")
+  return 8 + header_len, header
 
 
 def _open(file: pathlib.Path) -> Any:
@@ -161,11 +192,11 @@ def _open(file: pathlib.Path) -> Any:
     raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
 
 
-def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
-           headers: dict[str, tuple[pathlib.Path, tuple[int, ...]]], path: pathlib.Path) -> dict[str, list[tuple]]:
-  """Pairs every ptx parameter with its per-layer (file, tensor name); checks names and shapes."""
+def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: dict[str, _Tensor],
+           path: pathlib.Path, block: tuple[int, int] | None) -> dict[str, list[list[_Source]]]:
+  """Pairs every ptx parameter with its per-layer HF tensors (and FP8 scales); checks names and shapes."""
   found = {}
-  for name, (file, shape) in headers.items():
+  for name, tensor in headers.items():
     canonical = name
     for old, new in family.aliases:
       if name.startswith(old):
@@ -173,7 +204,7 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
         break
     skip = name.startswith(family.ignored) or name.endswith(_SKIPPED_SUFFIXES)
     if not skip and not (cfg.tie_embeddings and canonical == family.names["lm_head"]):
-      found[canonical] = (name, file, shape)
+      found[canonical] = tensor
   sources, expected = {}, set()
   for key, spec in _flat(specs):
     stacked = spec.logical_axes[0] == "layers"
@@ -189,37 +220,68 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily,
     if missing:
       raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (ptx {key}; {len(missing)} missing for it)")
     for n in names:
-      name, file, shape_found = found[n]
-      if shape_found != want:
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape_found)}, expected {list(want)} "
-                              f"for ptx {key} of the config")
-    sources[key] = [[(found[n][1], found[n][0]) for n in names[i:i + experts]]
-                    for i in range(0, len(names), experts)]
+      if found[n].shape != want:
+        raise CheckpointError(f"{found[n].file}: tensor {found[n].name!r} has shape {list(found[n].shape)}, "
+                              f"expected {list(want)} for ptx {key} of the config")
+    pairs = [(found[n], _scale(found[n], found.get(n + fp8_blocks.SCALE_SUFFIX), block)) for n in names]
+    sources[key] = [pairs[i:i + experts] for i in range(0, len(pairs), experts)]
     expected.update(names)
-  for canonical, (name, file, _) in found.items():
+    expected.update(n + fp8_blocks.SCALE_SUFFIX for n, (_, scale) in zip(names, pairs) if scale is not None)
+  for canonical, tensor in found.items():
     if canonical not in expected:
-      raise CheckpointError(f"{file}: unexpected tensor {name!r} for {family.model_type} with this config")
+      raise CheckpointError(f"{tensor.file}: unexpected tensor {tensor.name!r} for {family.model_type} with this "
+                            "config")
   return sources
 
 
-def _load(spec: ParamSpec, leaf: str, sources: list[list[tuple[pathlib.Path, str]]], target: jax.sharding.Sharding,
-          dtype: np.dtype) -> jax.Array:
+def _scale(weight: _Tensor, scale: _Tensor | None, block: tuple[int, int] | None) -> _Tensor | None:
+  """The FP8 scale grid of `weight`, checked against it; None for an unquantised weight."""
+  if weight.dtype != fp8_blocks.E4M3:
+    if scale is not None and block is not None:
+      raise CheckpointError(f"{scale.file}: tensor {scale.name!r} scales {weight.name!r}, which is {weight.dtype}, "
+                            f"not float8 ({fp8_blocks.E4M3})")
+    return None  # unquantised; without a quantization_config, a scale is named as an unexpected tensor
+  if block is None:
+    raise CheckpointError(f"{weight.file}: tensor {weight.name!r} is float8 ({weight.dtype}), but config.json has no "
+                          "quantization_config (quant_method 'fp8', weight_block_size) to say how it is scaled")
+  if scale is None:
+    raise CheckpointError(f"{weight.file}: float8 tensor {weight.name!r} has no scales "
+                          f"{weight.name + fp8_blocks.SCALE_SUFFIX!r}")
+  want = fp8_blocks.scale_shape(weight.shape, block)
+  if scale.shape != want or scale.dtype not in fp8_blocks.SCALE_DTYPES:
+    raise CheckpointError(f"{scale.file}: tensor {scale.name!r} is {scale.dtype} of shape {list(scale.shape)}, "
+                          f"expected {' or '.join(fp8_blocks.SCALE_DTYPES)} of shape {list(want)}: the scales of "
+                          f"{weight.name!r} {list(weight.shape)} in {list(block)} blocks (config.json "
+                          "quantization_config weight_block_size)")
+  return scale
+
+
+def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.sharding.Sharding, dtype: np.dtype,
+          block_size: tuple[int, int] | None) -> jax.Array:
   """Builds one parameter on its sharding, reading each distinct device block once.
 
   `sources[i]` lists layer i's HF tensors: one, or one per expert, of which a
-  block reads only the experts it holds.
+  block reads only the experts it holds; each with its FP8 scales, or None.
   """
   stacked = spec.logical_axes[0] == "layers"
   axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
   handles: dict[pathlib.Path, Any] = {}
   blocks: dict[tuple, np.ndarray] = {}
 
-  def read_tensor(source: tuple[pathlib.Path, str], axes, shape, block: tuple[slice, ...]) -> np.ndarray:
-    file, name = source
-    if file not in handles:
-      handles[file] = _open(file)
-    tensor = handles[file].get_slice(name)
-    return hf_layout.read_block(lambda index: tensor[index], leaf, axes, shape, block)
+  def tensor_slice(tensor: _Tensor) -> Any:
+    if tensor.file not in handles:
+      handles[tensor.file] = _open(tensor.file)
+    return handles[tensor.file].get_slice(tensor.name)
+
+  def read_tensor(source: _Source, axes, shape, block: tuple[slice, ...]) -> np.ndarray:
+    weight, scale = source
+    if scale is None:
+      data = tensor_slice(weight)
+      return hf_layout.read_block(lambda index: data[index], leaf, axes, shape, block)
+    values = functools.partial(fp8_blocks.read_e4m3, weight.file, weight.offset, weight.shape)
+    scales = tensor_slice(scale)
+    return hf_layout.read_block(lambda index: fp8_blocks.read_slice(values, scales.__getitem__, index, block_size),
+                                leaf, axes, shape, block)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
     if not hf_layout.per_expert(axes):
