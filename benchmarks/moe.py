@@ -18,8 +18,14 @@ On a CPU "dense" (every expert on every token, 4x the active MLP FLOPs here)
 is what `moe_impl="auto"` picks; "ragged" is the accelerator's path, whose
 grouped matmul XLA:CPU computes densely over every group (8x).
 
+With `--pod-fit`, first a line per MoE pod preset (the recipes' presets of
+`benchmarks/pod_fit.py` whose model has experts): its per-device memory on
+its pod, as `benchmarks/pod_fit.py` measures it in a process of its own
+(compiled for the pod's chips faked on CPU, a minute or two each).
+
   .venv/bin/python benchmarks/moe.py --rounds 3
   .venv/bin/python benchmarks/moe.py --smoke    # tiny shapes, one step: the script runs
+  .venv/bin/python benchmarks/moe.py --pod-fit --rounds 0    # the pod presets' memory only
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 
 import jax
 
@@ -36,6 +44,7 @@ from ptx.model_config import ModelConfig, MoeConfig
 from ptx.models.params import count_active_params, count_params
 
 import grpo  # benchmarks/ is the script's folder, first on sys.path
+import pod_fit
 import train
 
 DENSE = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=64, mlp_dim=1024,
@@ -67,6 +76,18 @@ def measure(name: str, cfg: ModelConfig, workload: str, steps: int, warmup: int,
           "loadavg_1m": os.getloadavg()[0]}
 
 
+def moe_pod_presets() -> list[tuple[str, str]]:
+  """The (recipe, preset) pairs of `benchmarks/pod_fit.py` whose model is a Mixture of Experts."""
+  return [key for key in pod_fit.PODS if pod_fit.config(*key).model.moe.enabled]
+
+
+def pod_fit_record(recipe: str, preset: str) -> dict:
+  """The pod-fit JSON record of one preset, from `benchmarks/pod_fit.py` in a process faking the pod's chips."""
+  out = subprocess.run([sys.executable, pod_fit.__file__, "--recipe", recipe, "--preset", preset], check=True,
+                       stdout=subprocess.PIPE, text=True).stdout
+  return {"workload": "pod_fit", **json.loads(out.splitlines()[-1])}
+
+
 def summary(lines: list[dict]) -> list[dict]:
   """Per workload: every model's median over rounds of its per-round medians, and the ratio to dense."""
   out = []
@@ -83,7 +104,7 @@ def summary(lines: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-  """Runs the rounds and prints a JSON line per measurement, then one summary line per workload."""
+  """Prints the MoE pod presets' lines (--pod-fit), then a JSON line per measurement and a summary per workload."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--rounds", type=int, default=1)
   p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
@@ -91,7 +112,11 @@ def main() -> None:
   p.add_argument("--impls", default="dense,ragged", help="MoE implementations to time (model.moe_impl)")
   p.add_argument("--workloads", default="sft,grpo")
   p.add_argument("--smoke", action="store_true", help="tiny shapes, one step after one warm-up")
+  p.add_argument("--pod-fit", action="store_true", help="first, the per-device memory of the MoE pod presets")
   args = p.parse_args()
+  if args.pod_fit:
+    for recipe, preset in moe_pod_presets():
+      print(json.dumps(pod_fit_record(recipe, preset)), flush=True)
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   smoke_model = dataclasses.replace(DENSE, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=64)
   dense = smoke_model if args.smoke else DENSE

@@ -35,22 +35,31 @@ PODS = {
     ("long_context_sft", "llama3_8b_128k"): ("v5p-64", "sft", None, ()),
     ("grpo_smollm2", "full"): ("v5e-8", "grpo", "smollm2_135m", ("--data.batch_size=64", "--grpo.group_size=16")),
     ("grpo_moe", "qwen3_30b_a3b"): ("v5p-64", "grpo_host", None, ()),
+    ("sft_chat", "qwen3_235b_a22b"): ("v5p-128", "sft", None, ()),
 }
 
 
-def measure(recipe: str, preset: str) -> dict:
-  """The pod-fit record of one preset; this process must fake the pod's chips (`main` sets them)."""
+def config(recipe: str, preset: str):
+  """The Config a pod preset launches with: the recipe's preset, --model-dir's architecture, the launch overrides."""
   import ptx
   from ptx import model_config
-  from ptx.train import pod_fit
 
-  slice_name, algorithm, architecture, overrides = PODS[recipe, preset]
+  _, _, architecture, overrides = PODS[recipe, preset]
   if str(RECIPES) not in sys.path:  # recipes import `launch` from their folder
     sys.path.insert(0, str(RECIPES))
   cfg = runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="pod_fit")["PRESETS"][preset]()
   if architecture is not None:  # what --model-dir's config.json brings (`ptx.train.pretrained.configure`)
     cfg = dataclasses.replace(cfg, model=model_config.with_architecture(cfg.model, ptx.presets[architecture]()))
-  cfg = ptx.apply_overrides(cfg, list(overrides))
+  return ptx.apply_overrides(cfg, list(overrides))
+
+
+def measure(recipe: str, preset: str) -> dict:
+  """The pod-fit record of one preset; this process must fake the pod's chips (`main` sets them)."""
+  import ptx
+  from ptx.train import pod_fit
+
+  slice_name, algorithm, _, _ = PODS[recipe, preset]
+  cfg = config(recipe, preset)
   tokenizer = ptx.ByteTokenizer()  # the job reads only its eos and pad ids
   build = {"sft": ptx.sft_job, "dpo": ptx.dpo_job, "grpo": ptx.grpo_job,
            "grpo_host": lambda c, t: ptx.grpo_host_job(c, t, _never_called)}[algorithm]

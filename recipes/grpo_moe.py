@@ -20,25 +20,40 @@ every host):
       --data.train_files='["gs://bucket/gsm8k/train.jsonl"]' --data.eval_files='["gs://bucket/gsm8k/test.jsonl"]' \
       --out gs://bucket/runs/grpo_moe
 
-Topology: all 32 chips on `fsdp` (experts included: each chip holds 1/32 of
-every expert), bfloat16, full remat; 64 prompts x 8 samples per step, 512 new
-tokens; the frozen reference (beta 0.04) is a second sharded copy and routes
-itself. The load-balancing and z-losses stay off (`model.moe_balance_coef`,
-`model.moe_z_coef`: NeMo-RL measured the balancing loss degrading RL accuracy).
-Memory: not established. The pod-fit check (`python benchmarks/pod_fit.py
---recipe grpo_moe --preset qwen3_30b_a3b`, 32 chips faked on CPU) gives the
-state exactly, 7.1 GiB per chip (parameters 1.8, Adam 3.6, reference 1.8), but
-its scratch, 137 GiB for the sampler and 450 GiB for the update, is XLA:CPU's
-lowering of `jax.lax.ragged_dot` as a dense product over all 128 experts, not
-the grouped matmul a TPU runs: a TPU compile, or a fit with expert
-parallelism (`--mesh.expert`), is still to be done before this launch.
+Topology: `fsdp` 4 x `expert` 8 (`mesh.expert=8` in the preset): each chip holds
+16 of the 128 experts of every layer, their d_model split over the 4 chips of
+its fsdp group, and 1/32 of every other weight; a token's 8 expert copies go
+to their experts' chips and back by all-to-all (`model.moe_impl` "auto" is
+expert_parallel on this mesh, in the update and in the sampler alike). The
+update's experts take at most `model.moe_capacity_factor` 2.0 times a balanced
+load (1,536 of a chip's 12,288 tokens each): copies past a busy expert's
+capacity are dropped, counted (`moe/tokens_dropped`), and the predictions of
+their tokens leave the loss; the sampler never drops. Dropless (the factor
+None) fits too, but runs every expert on every slot, filled or not: 8 times
+the update's work at 2.0. bfloat16, full remat; 64 prompts x 8 samples per
+step, 512 new tokens; the frozen reference (beta 0.04) is a second sharded copy
+and routes itself. The load-balancing and z-losses stay off
+(`model.moe_balance_coef`, `model.moe_z_coef`: NeMo-RL measured the balancing
+loss degrading RL accuracy); watch `moe/tokens_dropped`, and raise the factor
+if it climbs.
+
+Memory (measured on CPU: `python benchmarks/pod_fit.py --recipe grpo_moe
+--preset qwen3_30b_a3b`, 32 chips faked): 44.2 GiB per chip of 95: the state
+7.1 GiB, exact (parameters 1.8, Adam 3.6, reference 1.8), the sampler's
+scratch 37.0 (each layer's 16 local experts gathered over fsdp once per
+rollout, not per decode step) and the update's 22.9. Dropless, the update's
+scratch is 83.3 (its all-to-all buffers hold 128 experts x 12,288 slots of
+d_model): 90.4 in all. XLA:CPU's figures, typically high for bfloat16
+(`ptx.train.pod_fit`); a TPU compile is still to confirm them.
 
 Expected step time (estimate, not measured: no TPU was available): the update
-is 6 x 3.35e9 active params x 512 rows x 768 tokens = 7.9e15 FLOP (1.3 s at 40%
-MFU of 32 x 459 TFLOP/s); decoding 512 tokens for 512 rows touches every expert
-at each step, so each step reads the whole 61 GB of bfloat16 weights, 1.9 GB
-per chip (0.7 ms at 2.8 TB/s) plus the KV cache: a few seconds, about 6 s per
-step in all. Expected scores (published figures, not measured): the Qwen3
+runs twice the active experts' work at capacity 2.0: 6 x 3.35e9 active params
+x 512 rows x 768 tokens = 7.9e15 FLOP, about 2 s at 40% MFU of 32 x 459
+TFLOP/s with the doubled expert share (dropless: 7.2e16, 12 s); decoding 512
+tokens for 512 rows reads, at each step, a chip's 16 experts (7.2 GB of
+bfloat16) and the 3.1 GB of other weights (3.7 ms at 2.8 TB/s) plus the KV
+cache: about 2 s for the 512 steps. With the reference's forward, about 6 s
+per step. Expected scores (published figures, not measured): the Qwen3
 technical report gives GSM8K in the low 90s for Qwen3-30B-A3B; GRPO on the
 train split holds or raises greedy pass@1 by a point or two.
 
@@ -69,10 +84,11 @@ def _tiny() -> ptx.Config:
 
 
 def _qwen3_30b_a3b() -> ptx.Config:
-  """Qwen3-30B-A3B (weights from --model-dir): `grpo_math`'s pod preset with this model and routing replay."""
+  """Qwen3-30B-A3B (weights from --model-dir): `grpo_math`'s pod preset, routing replay, 8-way experts at capacity 2."""
   cfg = rlvr.qwen7b(dataclasses.replace(ptx.GRPO_PRESETS["grpo_paper"], group_size=8, max_response_tokens=512,
                                         **REPLAY), steps=300, prompts=64, prompt_len=256)
-  return dataclasses.replace(cfg, model=dataclasses.replace(ptx.presets["qwen3_30b_a3b"](), remat="full"))
+  model = dataclasses.replace(ptx.presets["qwen3_30b_a3b"](), remat="full", moe_capacity_factor=2.0)
+  return dataclasses.replace(cfg, model=model, mesh=ptx.MeshConfig(expert=8))
 
 
 PRESETS: launch.Presets = {"tiny": _tiny, "qwen3_30b_a3b": _qwen3_30b_a3b}

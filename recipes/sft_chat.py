@@ -19,6 +19,36 @@ is data-dependent; on UltraChat-style data an 8B instruct model starts near
 1.2 nats/token and an epoch brings it to about 1.0 (published-range estimate,
 not measured here).
 
+Launch (Qwen3-235B-A22B, a Mixture of Experts, on a TPU v5p-128: 64 chips, 16
+hosts; the same command on every host):
+
+  python recipes/sft_chat.py --preset qwen3_235b_a22b --distributed --model-dir /ckpt/Qwen3-235B-A22B \
+      --data.train_files='["gs://bucket/chat/train.jsonl"]' --data.eval_files='["gs://bucket/chat/eval.jsonl"]' \
+      --out gs://bucket/runs/sft_chat_235b
+
+Topology: `fsdp` 8 x `expert` 8: each chip holds 16 of the 128 experts of
+every layer (their d_model split over the 8 chips of its fsdp group) and 1/64
+of every other weight; a token's 8 expert copies go to their experts' chips by
+all-to-all (`model.moe_impl` "auto" is expert_parallel on this mesh), at most
+512 from a chip to an expert (`model.moe_capacity_factor=2.0`: the copies past
+a busy expert's capacity are dropped, their fraction logged as
+`moe/tokens_dropped`, their tokens' predictions left out of the loss);
+bfloat16, full remat; 64 rows x 4096 packed tokens per step, one row per chip.
+Memory (measured on CPU: `python benchmarks/pod_fit.py --recipe sft_chat
+--preset qwen3_235b_a22b`, 64 chips faked): 55.7 GiB per chip of 95, the state
+20.5 exact (bfloat16 parameters and Adam moments, 1.28 TiB in all) and the
+step's scratch 35.1 (XLA:CPU's, typically high for bfloat16:
+`ptx.train.pod_fit`). Why 64 chips and the capacity: on a v5p-64 (state 41.1)
+it is 109.6; dropless (`--model.moe_capacity_factor=None`) it is 95.6, over by
+0.6, its all-to-all buffers holding 128 experts x 4096 slots of d_model.
+
+Expected step time (estimate, not measured): at capacity 2.0 the experts
+compute twice the active experts' work, 6 x (8.0e9 + 2 x 14.2e9) params x
+262k tokens = 5.7e16 FLOP per step, 4.9 s at 40% MFU of 64 x 459 TFLOP/s,
+plus the all-to-alls (0.5 GiB per chip each, 6 per layer: 282 GiB a step);
+dropless, every expert would run on every token (3.7e17 FLOP, 31 s).
+Expected scores: as the 8B's, eval/loss is data-dependent.
+
 Measured here (tiny preset, 2-core CPU, 8 fake devices, byte tokenizer): see
 recipes/README.md for the step time and the loss it reaches on the synthetic
 chats it writes to OUT/data.
@@ -41,6 +71,13 @@ PRESETS: launch.Presets = {
     "small": lambda: dataclasses.replace(ptx.FINETUNE["sft"](), data=ptx.DataConfig(batch_size=8, seq_len=1024)),
     "llama3_8b": lambda: ptx.Config(
         model=dataclasses.replace(ptx.presets["llama3_1_8b"](), remat="full"),
+        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
+        train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
+        data=ptx.DataConfig(batch_size=64, seq_len=4096)),
+    # Experts over the 8 chips of `expert`, at most twice a balanced load of copies per expert (header: why).
+    "qwen3_235b_a22b": lambda: ptx.Config(
+        model=dataclasses.replace(ptx.presets["qwen3_235b_a22b"](), remat="full", moe_capacity_factor=2.0),
+        mesh=ptx.MeshConfig(expert=8),
         optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
         train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
         data=ptx.DataConfig(batch_size=64, seq_len=4096)),

@@ -1,6 +1,11 @@
-"""benchmarks/moe.py: the MoE twin has the dense model's active parameters; the summary's medians and ratios."""
+"""benchmarks/moe.py: the MoE twin has the dense model's active parameters; the summary's ratios; --pod-fit's lines."""
+
+import pathlib
+import subprocess
 
 from ptx.models.params import count_active_params, count_params
+
+RECIPES = pathlib.Path(__file__).resolve().parents[2] / "recipes"
 
 
 def test_the_twin_runs_the_dense_models_active_mlp_width(import_benchmark):
@@ -22,3 +27,20 @@ def test_summary_takes_the_median_over_rounds_and_divides_by_dense(import_benchm
   assert line["workload"] == "sft"
   assert line["summary"]["dense"]["step_s_median"] == 1.5 and line["summary"]["moe_dense"]["step_s_median"] == 4.0
   assert line["summary"]["moe_dense"]["over_dense"] == 4.0 / 1.5 and line["summary"]["moe_dense"]["rounds"] == [3, 5, 4]
+
+
+def test_pod_fit_lines_are_pod_fit_py_records_of_the_moe_pod_presets(import_benchmark, monkeypatch):
+  moe = import_benchmark("moe")
+  monkeypatch.syspath_prepend(str(RECIPES))  # as benchmarks/pod_fit.py would put it, but for this test only
+  presets = moe.moe_pod_presets()
+  assert presets == [("grpo_moe", "qwen3_30b_a3b"), ("sft_chat", "qwen3_235b_a22b")]  # the dense presets left out
+  assert ("sft_chat", "llama3_8b") in moe.pod_fit.PODS
+  runs = []
+
+  def run(command, **kwargs):  # benchmarks/pod_fit.py's output: progress, then its record last
+    runs.append(command[1:])
+    return subprocess.CompletedProcess(command, 0, stdout='compiling\n{"bench": "pod_fit", "fits": true}\n')
+
+  monkeypatch.setattr(moe.subprocess, "run", run)
+  assert moe.pod_fit_record("sft_chat", "qwen3_235b_a22b") == {"workload": "pod_fit", "bench": "pod_fit", "fits": True}
+  assert runs == [[moe.pod_fit.__file__, "--recipe", "sft_chat", "--preset", "qwen3_235b_a22b"]]
