@@ -90,9 +90,12 @@ def check_attention(model: ModelConfig, backend: str) -> None:
   if backend not in ("gpu", "tpu"):
     raise ConfigError(f"model.attention_impl='pallas' runs the GPU or TPU Pallas kernel, and this backend is "
                       f"{backend!r}: use 'auto' (xla or blockwise here) or 'blockwise'")
-  if backend == "gpu" and not pallas_gpu.takes_head_dim(model.head_dim):
-    raise ConfigError(f"model.attention_impl='pallas' on GPU needs model.head_dim a power of two >= 16 (Triton's "
-                      f"tiles), got {model.head_dim}: use 'auto' (xla at this head width) or 'xla'")
+  widths = {model.qk_head_dim, model.v_head_dim}
+  if backend == "gpu" and not all(pallas_gpu.takes_head_dim(w) for w in widths):
+    what = "the query/key and value widths of model.mla" if model.mla.enabled else "model.head_dim"
+    got = sorted(widths) if model.mla.enabled else model.head_dim
+    raise ConfigError(f"model.attention_impl='pallas' on GPU needs {what} a power of two >= 16 (Triton's "
+                      f"tiles), got {got}: use 'auto' (xla at this head width) or 'xla'")
 
 
 def check_rollout_mode(cfg: Config) -> None:

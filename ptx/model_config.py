@@ -101,6 +101,42 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values through a shared low-rank latent.
+
+  Each head's query and key are a no-position part of `qk_nope_head_dim` and a rotary part of `model.head_dim`
+  (HF `qk_rope_head_dim`; the key's rotary part is one per token, shared by all heads), its value `v_head_dim`
+  wide. `ptx.models.params` lists the weights that replace q, k, v and o.
+  """
+
+  # Rank of the query's compression (HF `q_lora_rank`); 0: queries straight from the residual stream (HF None,
+  # DeepSeek-V2-Lite).
+  q_lora_rank: int = 0
+  # Rank of the key/value latent (HF `kv_lora_rank`); 0: no MLA, the layers have ordinary q, k, v and o.
+  kv_lora_rank: int = 0
+  # Width of each head's query and key part without rotary positions (HF `qk_nope_head_dim`).
+  qk_nope_head_dim: int = 0
+  # Width of each head's value (HF `v_head_dim`).
+  v_head_dim: int = 0
+
+  def __post_init__(self):
+    if self.q_lora_rank < 0 or self.kv_lora_rank < 0:
+      raise ValueError(f"model.mla.q_lora_rank and model.mla.kv_lora_rank must be >= 0 (0: off), got "
+                       f"{self.q_lora_rank} and {self.kv_lora_rank}")
+    if self.kv_lora_rank and (self.qk_nope_head_dim < 1 or self.v_head_dim < 1):
+      raise ValueError(f"model.mla.qk_nope_head_dim and model.mla.v_head_dim must be >= 1 with "
+                       f"kv_lora_rank={self.kv_lora_rank}, got {self.qk_nope_head_dim} and {self.v_head_dim}")
+    if not self.kv_lora_rank and (self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim):
+      raise ValueError(f"model.mla.kv_lora_rank=0 turns MLA off; model.mla.q_lora_rank={self.q_lora_rank}, "
+                       f"qk_nope_head_dim={self.qk_nope_head_dim} and v_head_dim={self.v_head_dim} must be 0 then")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the layers' attention is multi-head latent attention."""
+    return self.kv_lora_rank > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer covering Llama 3, Qwen2/2.5/3, Gemma 2/3 and Mixture-of-Experts MLPs."""
 
@@ -114,7 +150,7 @@ class ModelConfig:
   n_heads: int = 4
   # Key/value heads (grouped-query attention when fewer than n_heads).
   n_kv_heads: int = 4
-  # Width of each attention head.
+  # Width of each attention head; with MLA, the width of its rotary part (HF `qk_rope_head_dim`).
   head_dim: int = 32
   # Hidden width of the gated MLP.
   mlp_dim: int = 384
@@ -140,6 +176,8 @@ class ModelConfig:
   rope_scaling: RopeScaling = RopeScaling()
   # Mixture-of-Experts MLPs in every layer (n_experts 0: dense MLPs).
   moe: MoeConfig = MoeConfig()
+  # Multi-head latent attention in every layer (mla.kv_lora_rank 0: ordinary grouped-query attention).
+  mla: MlaConfig = MlaConfig()
   # Gemma 3: RoPE base of the sliding-window layers (None: same as rope_theta).
   rope_local_theta: float | None = None
   # Sliding-window size of local layers in tokens (None: every layer is global).
@@ -215,6 +253,19 @@ class ModelConfig:
                        f"n_layers={self.n_layers}, not all of them, in a model with experts (model.moe.n_experts="
                        f"{self.moe.n_experts})")
 
+    if self.mla.enabled:
+      _check_mla(self)
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Width of each head's queries and keys: head_dim, plus the part without positions under MLA."""
+    return self.head_dim + self.mla.qk_nope_head_dim
+
+  @property
+  def v_head_dim(self) -> int:
+    """Width of each head's values: head_dim, or MLA's own."""
+    return self.mla.v_head_dim if self.mla.enabled else self.head_dim
+
   @property
   def n_moe_layers(self) -> int:
     """The layers whose MLP is a Mixture of Experts: the L of recorded routes [B, T, L, k] (0 for a dense model)."""
@@ -231,6 +282,18 @@ class ModelConfig:
     if stack != "layers":
       raise ValueError(f"no parameter stack {stack!r}: 'layers' or 'dense_layers'")
     return tuple(i for i in range(self.n_layers) if i not in self.moe.dense_layers)
+
+
+def _check_mla(cfg: ModelConfig) -> None:
+  """Refuses, naming the fields, the options that MLA layers do not have."""
+  if cfg.n_kv_heads != cfg.n_heads:
+    raise ValueError(f"model.mla: every head has its own key and value from the latent, so model.n_kv_heads must "
+                     f"equal model.n_heads={cfg.n_heads}, got {cfg.n_kv_heads}")
+  if cfg.head_dim % 2:
+    raise ValueError(f"model.mla: model.head_dim (the rotary width) must be even, got {cfg.head_dim}")
+  for name in ("qkv_bias", "qk_norm", "query_pre_attn_scalar"):
+    if getattr(cfg, name):
+      raise ValueError(f"model.mla: MLA layers have no model.{name} (got {getattr(cfg, name)!r})")
 
 
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other

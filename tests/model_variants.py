@@ -22,3 +22,11 @@ def moe_like(cfg, *, impl="dense", shared_mlp_dim=24, router_bias=True):
   """The tiny config with Mixture-of-Experts MLPs: 6 experts of width 16, 2 per token, shared experts, a router bias."""
   return dataclasses.replace(cfg, moe_impl=impl, moe=MoeConfig(n_experts=6, experts_per_token=2, expert_mlp_dim=16,
                                                                shared_mlp_dim=shared_mlp_dim, router_bias=router_bias))
+
+
+def mla_like(cfg, *, q_lora_rank=20, rope=4, nope=10, v=6, kv_lora_rank=12):
+  """The tiny config with multi-head latent attention: one head per key/value head, a rotary width of 4."""
+  from ptx.model_config import MlaConfig
+
+  return dataclasses.replace(cfg, n_kv_heads=cfg.n_heads, head_dim=rope, mla=MlaConfig(
+      q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=nope, v_head_dim=v))

@@ -19,8 +19,10 @@ Implementations (`impl`):
 `interpret_pallas` lets CPU tests run the model's Pallas paths: inside it the
 platform's Pallas kernel is one of the two, run through the Pallas interpreter.
 
-Shapes: q [B, T, H, K]; k, v [B, S, N, K] with H a multiple of N (grouped
-queries share a KV head without K/V being repeated).
+Shapes: q [B, T, H, K]; k [B, S, N, K], v [B, S, N, Kv] with H a multiple of N
+(grouped queries share a KV head without K/V being repeated); every
+implementation takes values of another width than queries and keys (Kv != K,
+multi-head latent attention) as they are, unpadded.
 
 Under a mesh, blockwise and pallas run per device inside `shard_map` (batch
 and heads sharded as the activation rules say, the sequence whole): their
@@ -70,7 +72,7 @@ def interpret_pallas(kernel: str = "pallas_gpu"):
   return _INTERPRETED(kernel)
 
 
-def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int,
+def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int, v_head_dim: int | None = None,
             rules: sharding.Rules = sharding.DEFAULT_RULES) -> str:
   """The implementation `impl` runs as here: "auto" made concrete, any other name itself.
 
@@ -85,7 +87,8 @@ def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int,
     impl: one of IMPLEMENTATIONS.
     q_len: queries per row.
     kv_len: keys per row.
-    head_dim: the query (and value) head width.
+    head_dim: the query and key head width.
+    v_head_dim: the value head width (None: head_dim; multi-head latent attention's is narrower).
     rules: the activation rules (where the sequence is sharded).
 
   Returns:
@@ -100,7 +103,8 @@ def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int,
     return "ring"
   platform = platform_kernel()
   if platform is not None:
-    return "pallas" if platform.takes_head_dim(head_dim) else "xla"
+    takes = all(platform.takes_head_dim(d) for d in (head_dim, v_head_dim or head_dim))
+    return "pallas" if takes else "xla"
   return "xla" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
 
 
@@ -140,7 +144,7 @@ def attention(
   Args:
     q: queries [B, T, H, K].
     k: keys [B, S, N, K].
-    v: values [B, S, N, K].
+    v: values [B, S, N, Kv] (Kv may differ from K).
     segment_ids: int32 [B, T] segment of each query (0 marks padding).
     positions: int32 [B, T] position of each query within its sequence.
     impl: one of IMPLEMENTATIONS.
@@ -154,9 +158,10 @@ def attention(
     ring_heads_per_pass: query heads per ring pass (`ptx_kernels.ring_attention`).
 
   Returns:
-    The attention output [B, T, H, K] in the dtype of `q`.
+    The attention output [B, T, H, Kv] in the dtype of `q`.
   """
-  impl = resolve(impl, q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1], rules=rules)
+  impl = resolve(impl, q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                 rules=rules)
   masks = dict(q_segment_ids=segment_ids, q_positions=positions,
                kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids,
                kv_positions=positions if kv_positions is None else kv_positions,

@@ -152,7 +152,8 @@ def _shards(shape: tuple[int, ...], dim: int, rules: sharding.Rules) -> int:
 def _ring_order(cfg: ModelConfig, rules: sharding.Rules, length: int):
   """(reorder, restore) of the sequence axis of [B, T] arrays for ring attention's layout."""
   identity = lambda a: a
-  impl = resolve(cfg.attention_impl, q_len=length, kv_len=length, head_dim=cfg.head_dim, rules=rules)
+  impl = resolve(cfg.attention_impl, q_len=length, kv_len=length, head_dim=cfg.qk_head_dim,
+                 v_head_dim=cfg.v_head_dim, rules=rules)
   n = sequence_shards(rules)
   if impl != "ring" or cfg.seq_layout != "zigzag" or n == 1:
     return identity, identity

@@ -37,6 +37,7 @@ from ptx.model_config import ModelConfig
 from ptx.models import int8_weights
 from ptx.models import kv_cache as kv_cache_lib
 from ptx.models import lora
+from ptx.models import mla
 from ptx.models import moe
 from ptx.models import paged_kv_cache
 from ptx.models import params as params_lib
@@ -44,6 +45,7 @@ from ptx.models import rope
 from ptx.models.attention import attention
 from ptx.models.dense import dense
 from ptx.models.gated_mlp import gated_mlp
+from ptx.models.rms_norm import rms_norm
 
 Params = dict[str, Any]
 # The caches the layers read and write: contiguous rows (sampling) or pages (the rollout engine); the layers reach
@@ -55,14 +57,6 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """RMSNorm over the last axis, computed in float32; Gemma scales by (1 + w)."""
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
-  scale = weight.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
-  return (normed * scale.reshape((1,) * (x.ndim - 1) + scale.shape)).astype(x.dtype)
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
@@ -256,6 +250,7 @@ def hidden_with_cache(
   other tokens share its device's batch. (The shared-prompt loss path, `shared_prefix.grouped_stats`, runs here
   too, dropless as well.)
   """
+  mla.refuse_cache(cfg)
   cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
   x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
@@ -415,19 +410,15 @@ def block(
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
-  # lora.project is a plain einsum, plus the low-rank term of a LoRA-adapted weight.
-  q = lora.project("btd,dhk->bthk", h, p["q"], dtype)
-  k = lora.project("btd,dnk->btnk", h, p["k"], dtype)
-  v = lora.project("btd,dnk->btnk", h, p["v"], dtype)
-  if cfg.qkv_bias:
-    q, k, v = (x + p[f"{name}_bias"].astype(dtype)[None, None] for x, name in ((q, "q"), (k, "k"), (v, "v")))
-  if cfg.qk_norm:
-    q, k = rms_norm(q, p["q_norm"], cfg), rms_norm(k, p["k_norm"], cfg)
-  q, k = rope.apply_rope(q, sin, cos), rope.apply_rope(k, sin, cos)
+  if cfg.mla.enabled:
+    q, k, v = mla.queries_keys_values(p, h, cfg, sin=sin, cos=cos)
+    scale = mla.softmax_scale(cfg)
+  else:
+    q, k, v = _queries_keys_values(p, h, cfg, sin=sin, cos=cos)
+    scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
   q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), rules)
   k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
   v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
-  scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
   if cache is None:
     out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
                     window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
@@ -452,6 +443,21 @@ def block(
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
   return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, trace
+
+
+def _queries_keys_values(p: Params, h: jax.Array, cfg: ModelConfig, *, sin: jax.Array,
+                         cos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Grouped-query attention's q [B, T, H, K], k and v [B, T, N, K] from the normed residual h [B, T, D]."""
+  dtype = cfg.compute_dtype
+  # lora.project is a plain einsum, plus the low-rank term of a LoRA-adapted weight.
+  q = lora.project("btd,dhk->bthk", h, p["q"], dtype)
+  k = lora.project("btd,dnk->btnk", h, p["k"], dtype)
+  v = lora.project("btd,dnk->btnk", h, p["v"], dtype)
+  if cfg.qkv_bias:
+    q, k, v = (x + p[f"{name}_bias"].astype(dtype)[None, None] for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  if cfg.qk_norm:
+    q, k = rms_norm(q, p["q_norm"], cfg), rms_norm(k, p["k_norm"], cfg)
+  return rope.apply_rope(q, sin, cos), rope.apply_rope(k, sin, cos), v
 
 
 class Decoder(nnx.Module):

@@ -48,6 +48,7 @@ from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
+from ptx.models import mla
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")
@@ -102,6 +103,7 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
   Returns:
     A KVCache with every slot empty and `index` 0.
   """
+  mla.refuse_cache(cfg)
   shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
 
   def zeros(shape, dtype, names):

@@ -60,6 +60,7 @@ from ptx_kernels import implementation
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
+from ptx.models import mla
 from ptx.models.attention import platform_kernel
 from ptx.models.kv_cache import quantize
 
@@ -177,6 +178,7 @@ def kernel_for(cfg: ModelConfig, page_size: int, int8: bool = False) -> implemen
 
 def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) -> tuple[Arrays, Arrays]:
   """Empty K and V pools, L arrays [pages, N, page_size, K] each, or L `Int8Pages` (call under jit to place them)."""
+  mla.refuse_cache(cfg)
   shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
 
   def empty() -> Pool:

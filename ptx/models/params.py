@@ -17,6 +17,11 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
           + router_bias [L, E]                            (moe.router_bias)
           + router_correction [L, E], not trainable       (moe.router "sigmoid")
           + gate, up [L, D, S]; down [L, S, D]            (the shared experts, S moe.shared_mlp_dim > 0)
+  Multi-head latent attention layers (mla.kv_lora_rank C > 0, Q mla.q_lora_rank, Kn mla.qk_nope_head_dim, K
+  head_dim the rotary width, Kv mla.v_head_dim) replace q, k, v and o with
+          q_a [L, D, Q]; q_a_norm [L, Q]; q_b [L, Q, H, Kn + K]  (Q > 0; else q [L, D, H, Kn + K])
+          kv_a [L, D, C + K]; kv_a_norm [L, C]; kv_b [L, C, H, Kn + Kv]; o [L, H, Kv, D]
+  (a latent's rank is sharded like `embed` where it is a weight's input, and not sharded where it is its output)
   dense_layers: the layers of `moe.dense_layers` in a Mixture of Experts, with the dense MLP's weights: a stack
           of its own, run in its layers' places (`ModelConfig.stack_layers`); `layers` then holds the MoE layers.
 """
@@ -83,14 +88,17 @@ def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamS
   def layer(shape, axes, init=weight):
     return ParamSpec((L,) + shape, ("layers",) + axes, init)
 
-  layers = {
-      "attn_norm": layer((D,), ("embed",), norm),
-      "q": layer((D, H, K), ("embed", "heads", "head_dim")),
-      "k": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
-      "v": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
-      "o": layer((H, K, D), ("heads", "head_dim", "embed")),
-      "mlp_norm": layer((D,), ("embed",), norm),
-  }
+  layers = {"attn_norm": layer((D,), ("embed",), norm)}
+  if cfg.mla.enabled:
+    layers.update(_mla_specs(cfg, layer, norm))
+  else:
+    layers.update({
+        "q": layer((D, H, K), ("embed", "heads", "head_dim")),
+        "k": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
+        "v": layer((D, N, K), ("embed", "kv_heads", "head_dim")),
+        "o": layer((H, K, D), ("heads", "head_dim", "embed")),
+    })
+  layers["mlp_norm"] = layer((D,), ("embed",), norm)
   moe = cfg.moe
   if moe_mlp:
     E, F = moe.n_experts, moe.expert_mlp_dim
@@ -118,6 +126,23 @@ def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamS
     layers["attn_post_norm"] = layer((D,), ("embed",), norm)
     layers["mlp_post_norm"] = layer((D,), ("embed",), norm)
   return layers
+
+
+def _mla_specs(cfg: ModelConfig, layer: Callable[..., ParamSpec], norm: Initializer) -> dict[str, ParamSpec]:
+  """The attention weights of a multi-head latent attention layer (`layer` adds the stack's axis)."""
+  mla, D, H = cfg.mla, cfg.d_model, cfg.n_heads
+  out = {}
+  if mla.q_lora_rank:
+    out["q_a"] = layer((D, mla.q_lora_rank), ("embed", None))
+    out["q_a_norm"] = layer((mla.q_lora_rank,), (None,), norm)
+    out["q_b"] = layer((mla.q_lora_rank, H, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
+  else:
+    out["q"] = layer((D, H, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
+  out["kv_a"] = layer((D, mla.kv_lora_rank + cfg.head_dim), ("embed", None))
+  out["kv_a_norm"] = layer((mla.kv_lora_rank,), (None,), norm)
+  out["kv_b"] = layer((mla.kv_lora_rank, H, mla.qk_nope_head_dim + mla.v_head_dim), ("embed", "heads", "head_dim"))
+  out["o"] = layer((H, mla.v_head_dim, D), ("heads", "head_dim", "embed"))
+  return out
 
 
 def _initializers(cfg: ModelConfig) -> tuple[Initializer, Initializer, Initializer]:

@@ -35,13 +35,14 @@ def attention_factor(scaling: RopeScaling) -> float:
     return 1.0
   if scaling.attention_factor is not None:
     return scaling.attention_factor
-
-  def mscale(scale: float, m: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
   if scaling.mscale and scaling.mscale_all_dim:
-    return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
-  return mscale(scaling.factor)
+    return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+  return yarn_mscale(scaling.factor)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+  """YaRN's temperature 0.1 m ln(factor) + 1 of a context extended `factor` times (1 when not extended)."""
+  return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def _yarn_scaling(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:

@@ -156,8 +156,8 @@ def rollout_stats(
   """
   tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
   routes = batch.get("routes")
-  impl = resolve(cfg.attention_impl, q_len=tokens.shape[1], kv_len=tokens.shape[1], head_dim=cfg.head_dim,
-                 rules=rules)
+  impl = resolve(cfg.attention_impl, q_len=tokens.shape[1], kv_len=tokens.shape[1], head_dim=cfg.qk_head_dim,
+                 v_head_dim=cfg.v_head_dim, rules=rules)
   if (prompt_len is None or group_size == 1 or impl != "xla" or cfg.remat != "none"
       or not fits(prompt_len, tokens.shape[1], group_size)):
     return token_stats(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules,

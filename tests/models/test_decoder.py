@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from ptx_kernels import xla_cpu_workarounds
 
-from model_variants import gemma_like, moe_like
+from model_variants import gemma_like, mla_like, moe_like
 from ptx.model_config import MODEL_PRESETS, RopeScaling
 from ptx import sharding
 from ptx.models import Decoder, count_params, init_params
@@ -36,6 +36,7 @@ VARIANTS = {
         c, rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_positions=16)),
     "gemma": gemma_like,
     "moe": moe_like,
+    "mla": mla_like,
 }
 
 
