@@ -16,9 +16,11 @@ bias, a layer pattern that is not "every p-th layer global") raises
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
-from ptx.model_config import ModelConfig, MoeConfig, RopeScaling
+import numpy as np
+
+from ptx.model_config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -56,9 +58,17 @@ class HFFamily:
   moe_keys: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # MoeConfig fields the family fixes (Mixtral always renormalises its k gate weights).
   moe_fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
-  # Whether config.json can place dense layers among the MoE layers (`moe.dense_layers`), as Qwen3-MoE's
-  # `mlp_only_layers` and `decoder_sparse_step` do; their weights are named by the "dense_layers/..." entries.
-  dense_layers: bool = False
+  # How config.json places dense layers among the MoE layers (`moe.dense_layers`), whose weights are named by the
+  # "dense_layers/..." entries: "mlp_only_layers" (Qwen3-MoE: those layers, and those off `decoder_sparse_step`),
+  # "first_k_dense_replace" (DeepSeek-V3: the first k layers), or None (every layer's MLP is a Mixture of Experts).
+  dense_layers: Literal["mlp_only_layers", "first_k_dense_replace"] | None = None
+  # Multi-head latent attention (`model.mla`) from config.json's q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+  # qk_rope_head_dim (model.head_dim) and v_head_dim; the checkpoint's rotary rows of "layers/q", "layers/q_b" and
+  # "layers/kv_a" are GPT-J interleaved where `rope_interleave` is true (`interleaved_rope_rows`).
+  mla: bool = False
+  # config.json key counting extra layers after the last, whose tensors the decoder skips (DeepSeek-V3's
+  # multi-token prediction modules, `num_nextn_predict_layers`, as transformers skips them).
+  extra_layers_key: str | None = None
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -121,7 +131,8 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
   pattern = _window_pattern(_layer_types(c, n_layers), where)
   cfg = ModelConfig(
       vocab_size=need("vocab_size"), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-      n_kv_heads=c.get("num_key_value_heads") or n_heads, head_dim=c.get("head_dim") or d_model // n_heads,
+      n_kv_heads=c.get("num_key_value_heads") or n_heads,
+      head_dim=(need("qk_rope_head_dim") if family.mla else c.get("head_dim")) or d_model // n_heads,
       mlp_dim=need("intermediate_size"), activation=_ACTIVATIONS[activation], norm_eps=need("rms_norm_eps"),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_theta=float(global_rope[0]),
       rope_scaling=global_rope[1], rope_local_theta=None if local_rope is None else float(local_rope),
@@ -130,9 +141,18 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
       final_logit_softcap=c.get("final_logit_softcapping"), param_dtype=dtype, compute_dtype=dtype)
   if "query_pre_attn_scalar" in c:
     cfg = dataclasses.replace(cfg, query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
-  if family.moe_keys:
-    cfg = dataclasses.replace(cfg, moe=_moe(c, family, n_layers, where))
-  return dataclasses.replace(cfg, **family.features)
+  try:
+    if family.moe_keys:
+      cfg = dataclasses.replace(cfg, moe=_moe(c, family, n_layers, where))
+    if family.mla:
+      cfg = dataclasses.replace(cfg, mla=MlaConfig(
+          q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=need("kv_lora_rank"),
+          qk_nope_head_dim=need("qk_nope_head_dim"), v_head_dim=need("v_head_dim")))
+    return dataclasses.replace(cfg, **family.features)
+  except HFConfigError:
+    raise
+  except ValueError as e:
+    raise HFConfigError(f"{where}: {e}") from None
 
 
 def _moe(c: dict[str, Any], family: HFFamily, n_layers: int, where: str) -> MoeConfig:
@@ -141,8 +161,13 @@ def _moe(c: dict[str, Any], family: HFFamily, n_layers: int, where: str) -> MoeC
   Layer i keeps its dense MLP when it is in `mlp_only_layers` or (i + 1) is not a multiple of
   `decoder_sparse_step` (transformers' Qwen3-MoE rule), for a family that has the keys (`dense_layers`).
   """
-  step, only = c.get("decoder_sparse_step") or 1, c.get("mlp_only_layers") or []
-  dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+  step, only, first = c.get("decoder_sparse_step") or 1, c.get("mlp_only_layers") or [], 0
+  if family.dense_layers == "first_k_dense_replace":
+    first = c.get("first_k_dense_replace") or 0
+    for key, supported in (("moe_layer_freq", 1), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+      if c.get(key, supported) != supported:
+        raise HFConfigError(f"{where}: {key}={c[key]!r} is not supported ({family.model_type}: {supported!r})")
+  dense = tuple(i for i in range(n_layers) if i < first or i in only or (i + 1) % step)
   if dense and not family.dense_layers:
     raise HFConfigError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={only}: {family.model_type} has no "
                         "dense layers among its MoE layers")
@@ -152,10 +177,9 @@ def _moe(c: dict[str, Any], family: HFFamily, n_layers: int, where: str) -> MoeC
     if key is None:
       raise HFConfigError(f"{where}: missing {keys[0]!r}")
     values[field] = c[key]
-  try:
-    return MoeConfig(**values, **family.moe_fixed)
-  except ValueError as e:
-    raise HFConfigError(f"{where}: {e}") from None
+  if "n_shared_experts" in family.moe_keys.get("shared_mlp_dim", ()):  # shared experts counted in routed widths
+    values["shared_mlp_dim"] *= values["expert_mlp_dim"]
+  return MoeConfig(**values, **family.moe_fixed)
 
 
 def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
@@ -168,12 +192,15 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     if getattr(cfg, field) != value:
       raise HFConfigError(f"{family.model_type} needs model.{field}={value!r}, got {getattr(cfg, field)!r}")
   name = family.model_type
+  if cfg.mla.enabled != family.mla:
+    raise HFConfigError(f"{name} {'has' if family.mla else 'has no'} multi-head latent attention; got "
+                        f"model.mla.kv_lora_rank={cfg.mla.kv_lora_rank}")
   if cfg.moe.enabled != bool(family.moe_keys):
     raise HFConfigError(f"{name} {'has' if family.moe_keys else 'has no'} Mixture-of-Experts layers; got "
                         f"model.moe.n_experts={cfg.moe.n_experts}")
   for field in dataclasses.fields(MoeConfig):
     expected = family.moe_fixed.get(field.name, field.default)
-    free = field.name in family.moe_keys or (field.name == "dense_layers" and family.dense_layers)
+    free = field.name in family.moe_keys or (field.name == "dense_layers" and family.dense_layers is not None)
     if family.moe_keys and not free and getattr(cfg.moe, field.name) != expected:
       raise HFConfigError(f"{name} needs model.moe.{field.name}={expected!r}, got {getattr(cfg.moe, field.name)!r}")
   if cfg.sliding_window is not None and "sliding_window" not in family.defaults:
@@ -212,9 +239,45 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants int
   out.update({keys[0]: getattr(cfg.moe, field) for field, keys in family.moe_keys.items()})
-  if family.dense_layers:
-    out.update(decoder_sparse_step=1, mlp_only_layers=list(cfg.moe.dense_layers))
+  if "n_shared_experts" in out:
+    if cfg.moe.shared_mlp_dim % cfg.moe.expert_mlp_dim:
+      raise HFConfigError(f"{name} counts shared experts in routed experts' widths: model.moe.shared_mlp_dim="
+                          f"{cfg.moe.shared_mlp_dim} must be a multiple of expert_mlp_dim={cfg.moe.expert_mlp_dim}")
+    out["n_shared_experts"] = cfg.moe.shared_mlp_dim // cfg.moe.expert_mlp_dim
+  dense = cfg.moe.dense_layers
+  if family.dense_layers == "mlp_only_layers":
+    out.update(decoder_sparse_step=1, mlp_only_layers=list(dense))
+  elif family.dense_layers == "first_k_dense_replace":
+    if dense != tuple(range(len(dense))):
+      raise HFConfigError(f"{name} keeps only its first layers dense; got model.moe.dense_layers={list(dense)}")
+    out["first_k_dense_replace"] = len(dense)
+  if family.mla:
+    mla = cfg.mla
+    out.update(q_lora_rank=mla.q_lora_rank or None, kv_lora_rank=mla.kv_lora_rank,
+               qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=cfg.head_dim, v_head_dim=mla.v_head_dim,
+               rope_interleave=True)
   return out
+
+
+def interleaved_rope_rows(hf: dict[str, Any], family: HFFamily, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """ptx parameter path -> the checkpoint row (of its HF tensor's first axis) of each ptx-ordered row.
+
+  MLA checkpoints with `rope_interleave` (DeepSeek-V3's default) store each rotary part GPT-J interleaved, pairs
+  (x0, x1), (x2, x3), ...; ptx rotates halves (`ptx.models.rope`), so the loader reads rows in this order and the
+  saver writes them back through it (a permutation: bit-exact both ways). Empty for other checkpoints.
+  """
+  if not family.mla or not {**family.defaults, **hf}.get("rope_interleave", True):
+    return {}
+
+  def rows(n: int, block: int) -> np.ndarray:
+    rotary = np.arange(cfg.head_dim).reshape(-1, 2).T.reshape(-1)  # evens, then odds
+    per_block = np.concatenate([np.arange(block - cfg.head_dim), block - cfg.head_dim + rotary])
+    return (np.arange(0, n, block)[:, None] + per_block[None]).reshape(-1)
+
+  query, latent = ("q_b" if cfg.mla.q_lora_rank else "q"), cfg.mla.kv_lora_rank + cfg.head_dim
+  return {f"{stack}/{leaf}": order for stack in ("layers", "dense_layers")
+          for leaf, order in ((query, rows(cfg.n_heads * cfg.qk_head_dim, cfg.qk_head_dim)),
+                              ("kv_a", rows(latent, latent)))}
 
 
 def _rope(c: dict[str, Any], where: str) -> tuple[tuple[float, RopeScaling], float | None]:
@@ -243,7 +306,13 @@ def _scaling(rope: dict[str, Any], where: str) -> RopeScaling:
     return RopeScaling(kind="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
                        high_freq_factor=float(rope["high_freq_factor"]),
                        original_max_positions=int(rope["original_max_position_embeddings"]))
-  raise HFConfigError(f"{where}: rope_type {kind!r} is not supported (default, linear, llama3)")
+  if kind == "yarn":
+    return RopeScaling(kind="yarn", factor=float(rope["factor"]),
+                       original_max_positions=int(rope["original_max_position_embeddings"]),
+                       beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                       attention_factor=rope.get("attention_factor"), mscale=float(rope.get("mscale") or 0.0),
+                       mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0), truncate=rope.get("truncate", True))
+  raise HFConfigError(f"{where}: rope_type {kind!r} is not supported (default, linear, llama3, yarn)")
 
 
 def _rope_scaling_dict(s: RopeScaling) -> dict[str, Any] | None:
@@ -251,6 +320,11 @@ def _rope_scaling_dict(s: RopeScaling) -> dict[str, Any] | None:
     return None
   if s.kind == "linear":
     return {"rope_type": "linear", "factor": s.factor}
+  if s.kind == "yarn":
+    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_positions,
+           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+    optional = {"attention_factor": s.attention_factor, "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim}
+    return {**out, **{key: value for key, value in optional.items() if value}}
   return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
           "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_positions}
 

@@ -35,6 +35,13 @@ HF_LAYOUTS: dict[str, tuple[Group, ...]] = {
     "v_bias": (("kv_heads", "head_dim"),),
     "q_norm": (("head_dim",),),
     "k_norm": (("head_dim",),),
+    # Multi-head latent attention: a latent's rank is an unnamed (None) or `embed` axis (`ptx.models.params`).
+    "q_a": ((None,), ("embed",)),
+    "q_a_norm": ((None,),),
+    "q_b": (("heads", "head_dim"), ("embed",)),
+    "kv_a": ((None,), ("embed",)),
+    "kv_a_norm": ((None,),),
+    "kv_b": (("heads", "head_dim"), ("embed",)),
     "gate": (("mlp",), ("embed",)),
     "up": (("mlp",), ("embed",)),
     "down": (("embed",), ("mlp",)),
@@ -42,6 +49,7 @@ HF_LAYOUTS: dict[str, tuple[Group, ...]] = {
     # laid out like the dense MLP's (the `experts` axis is taken off first, `ptx.models.hf_load`).
     "router": ((None,), ("embed",)),
     "router_bias": ((None,),),
+    "router_correction": ((None,),),
     "expert_gate": (("mlp",), ("embed",)),
     "expert_up": (("mlp",), ("embed",)),
     "expert_down": (("embed",), ("mlp",)),

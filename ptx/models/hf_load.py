@@ -44,7 +44,7 @@ from ptx import paths, sharding
 from ptx.model_config import ModelConfig
 from ptx.models import fp8_blocks, hf_layout
 from ptx.models.decoder import Decoder
-from ptx.models.hf_config import HFFamily, family_of, model_config
+from ptx.models.hf_config import HFFamily, family_of, interleaved_rope_rows, model_config
 from ptx.models.params import ParamSpec, param_shardings, param_specs
 
 # Buffers that old checkpoints saved and that hold nothing to load.
@@ -92,7 +92,10 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     FileNotFoundError: when the directory holds no config or weights.
   """
   path = paths.path(path)
-  cfg, family, block = _config(path, dtype)
+  cfg, family, block, hf = _config(path, dtype)
+  rows = interleaved_rope_rows(hf, family, cfg)
+  extra = (hf.get(family.extra_layers_key) or 0) if family.extra_layers_key else 0
+  skipped = tuple(f"model.layers.{i}." for i in range(cfg.n_layers, cfg.n_layers + extra))
   specs = param_specs(cfg)
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), specs, is_leaf=_is_spec)
@@ -100,10 +103,10 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     shardings = param_shardings(cfg, mesh, rules)
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
   with paths.local_copy(path) as local:
-    sources = _match(specs, cfg, family, _headers(local), local, block)
+    sources = _match(specs, cfg, family, _headers(local), local, block, skipped)
     params = {
-        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype, block)
-               for leaf in specs[key]} if isinstance(specs[key], dict) else
+        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype, block,
+                           rows.get(f"{key}/{leaf}")) for leaf in specs[key]} if isinstance(specs[key], dict) else
               _load(specs[key], key, sources[key], shardings[key], np_dtype, block))
         for key in specs
     }
@@ -120,8 +123,8 @@ def read_model_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelCon
   return _config(paths.path(path), dtype)[0]
 
 
-def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, tuple[int, int] | None]:
-  """The config, family and FP8 weight block size (None: unquantised) of a directory's config.json."""
+def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, tuple[int, int] | None, dict[str, Any]]:
+  """The config, family, FP8 weight block size (None: unquantised) and parsed dict of a directory's config.json."""
   where = path / "config.json"
   if not where.is_file():
     raise FileNotFoundError(f"{where}: no such file (an HF model directory holds config.json and safetensors)")
@@ -131,7 +134,7 @@ def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, tuple[
     raise ValueError(f"{where}: not valid JSON ({e})") from e
   family = family_of(hf, str(where))
   cfg = model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(where))
-  return cfg, family, fp8_blocks.block_size(hf, str(where))
+  return cfg, family, fp8_blocks.block_size(hf, str(where)), hf
 
 
 def _headers(path: pathlib.Path) -> dict[str, _Tensor]:
@@ -193,8 +196,12 @@ def _open(file: pathlib.Path) -> Any:
 
 
 def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: dict[str, _Tensor],
-           path: pathlib.Path, block: tuple[int, int] | None) -> dict[str, list[list[_Source]]]:
-  """Pairs every ptx parameter with its per-layer HF tensors (and FP8 scales); checks names and shapes."""
+           path: pathlib.Path, block: tuple[int, int] | None,
+           skipped: tuple[str, ...] = ()) -> dict[str, list[list[_Source]]]:
+  """Pairs every ptx parameter with its per-layer HF tensors (and FP8 scales); checks names and shapes.
+
+  Tensors whose names start with a prefix of `skipped` (extra layers the decoder does not run) are left out.
+  """
   found = {}
   for name, tensor in headers.items():
     canonical = name
@@ -202,7 +209,7 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: d
       if name.startswith(old):
         canonical = new + name[len(old):]
         break
-    skip = name.startswith(family.ignored) or name.endswith(_SKIPPED_SUFFIXES)
+    skip = name.startswith(family.ignored + skipped) or name.endswith(_SKIPPED_SUFFIXES)
     if not skip and not (cfg.tie_embeddings and canonical == family.names["lm_head"]):
       found[canonical] = tensor
   sources, expected = {}, set()
@@ -257,11 +264,12 @@ def _scale(weight: _Tensor, scale: _Tensor | None, block: tuple[int, int] | None
 
 
 def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.sharding.Sharding, dtype: np.dtype,
-          block_size: tuple[int, int] | None) -> jax.Array:
+          block_size: tuple[int, int] | None, rows: np.ndarray | None = None) -> jax.Array:
   """Builds one parameter on its sharding, reading each distinct device block once.
 
   `sources[i]` lists layer i's HF tensors: one, or one per expert, of which a
   block reads only the experts it holds; each with its FP8 scales, or None.
+  `rows` reorders the HF tensors' first axis (`hf_config.interleaved_rope_rows`).
   """
   stacked = spec.logical_axes[0] == "layers"
   axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
@@ -277,11 +285,12 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
     weight, scale = source
     if scale is None:
       data = tensor_slice(weight)
-      return hf_layout.read_block(lambda index: data[index], leaf, axes, shape, block)
-    values = functools.partial(fp8_blocks.read_e4m3, weight.file, weight.offset, weight.shape)
-    scales = tensor_slice(scale)
-    return hf_layout.read_block(lambda index: fp8_blocks.read_slice(values, scales.__getitem__, index, block_size),
-                                leaf, axes, shape, block)
+      read = data.__getitem__
+    else:
+      values = functools.partial(fp8_blocks.read_e4m3, weight.file, weight.offset, weight.shape)
+      scales = tensor_slice(scale)
+      read = lambda index: fp8_blocks.read_slice(values, scales.__getitem__, index, block_size)
+    return hf_layout.read_block(read if rows is None else _reordered(read, rows), leaf, axes, shape, block)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
     if not hf_layout.per_expert(axes):
@@ -307,6 +316,17 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
   finally:
     handles.clear()
     blocks.clear()
+
+
+def _reordered(read: Any, rows: np.ndarray) -> Any:
+  """`read` of an HF tensor whose first axis is taken in the order `rows`: reads the span the rows cover, then picks."""
+
+  def read_rows(index: tuple[slice, ...]) -> np.ndarray:
+    wanted = rows[index[0]]
+    low, high = int(wanted.min()), int(wanted.max()) + 1
+    return read((slice(low, high),) + tuple(index[1:]))[wanted - low]
+
+  return read_rows
 
 
 def _flat(specs: dict[str, Any]) -> list[tuple[str, ParamSpec]]:

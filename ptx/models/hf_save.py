@@ -24,7 +24,7 @@ from ptx import paths
 from ptx.model_config import ModelConfig
 from ptx.models import hf_layout
 from ptx.models.decoder import Decoder
-from ptx.models.hf_config import FAMILIES, HFConfigError, HFFamily, hf_config
+from ptx.models.hf_config import FAMILIES, HFConfigError, HFFamily, hf_config, interleaved_rope_rows
 from ptx.models.hf_generation import GenerationInfo
 from ptx.models.params import param_specs
 
@@ -82,6 +82,8 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 def infer_model_type(cfg: ModelConfig) -> str:
   """The HF model_type whose architecture has exactly the config's features."""
+  if cfg.mla.enabled:
+    return "deepseek_v3"
   if cfg.moe.enabled:
     return "qwen3_moe" if cfg.qk_norm else "mixtral"
   if cfg.post_norms:
@@ -155,6 +157,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], file: paths.Path) -> None:
 def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (HF name, array) per layer and parameter, fetching one parameter at a time."""
   specs = param_specs(cfg)
+  rows = interleaved_rope_rows({}, family, cfg)  # save_hf writes rope_interleave=true where the family has it
   for key, value in specs.items():
     for leaf, spec in (value.items() if isinstance(value, dict) else [(key, value)]):
       array = params[key][leaf] if isinstance(value, dict) else params[key]
@@ -172,4 +175,7 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
           yield family.names[path].format(i=layers[j], e=e), hf_layout.to_hf(host[j, e], leaf, spec.logical_axes[2:])
       else:
         for j, i in enumerate(layers):
-          yield family.names[path].format(i=i), hf_layout.to_hf(host[j], leaf, spec.logical_axes[1:])
+          tensor = hf_layout.to_hf(host[j], leaf, spec.logical_axes[1:])
+          if path in rows:  # the checkpoint's row rows[r] holds ptx's row r
+            tensor = tensor[np.argsort(rows[path])]
+          yield family.names[path].format(i=i), tensor

@@ -29,7 +29,7 @@ HF_QWEN3_MOE = register(HFFamily(
     features={**_FEATURES, "qkv_bias": False, "qk_norm": True}, defaults={**_DEFAULTS, "norm_topk_prob": False},
     moe_keys={"n_experts": ("num_experts", "num_local_experts"), "experts_per_token": ("num_experts_per_tok",),
               "expert_mlp_dim": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",)},
-    dense_layers=True))
+    dense_layers="mlp_only_layers"))
 
 
 @register_preset("qwen2_5_0_5b")

@@ -203,10 +203,17 @@ PUBLISHED = {
     "qwen3_30b_a3b": 30_532_122_624,
     "qwen3_235b_a22b": 235_093_634_560,
     "mixtral_8x7b": 46_702_792_704,
+    # DeepSeek-V3's 671B (its report): the main model; the HF checkpoint's 685B adds the 14B MTP layer ptx skips.
+    "deepseek_v3_671b": 671_026_419_200,
+    # Kimi K2's model card says "1T"; this is the sum over its config.json's shapes (ptx/models/deepseek.py).
+    "kimi_k2": 1_026_408_232_448,
 }
 # Active parameters of the Mixtures of Experts, as Qwen's model card rounds them ("3.3B activated", "22B") and as
 # the dense count of Mixtral's embeddings, attention and two of eight experts ("12.9B").
 PUBLISHED_ACTIVE = {"qwen3_30b_a3b": 3_353_032_704, "qwen3_235b_a22b": 22.2e9, "mixtral_8x7b": 12.9e9}
+# DeepSeek-V3's report says "37B activated", Kimi K2's card "32B": the counts (37.55B, 32.86B, embedding and output
+# tables included) are within 3% of those rounded figures.
+ROUNDED_ACTIVE = {"deepseek_v3_671b": 37e9, "kimi_k2": 32e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -217,6 +224,11 @@ def test_preset_parameter_counts_match_published(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
 def test_moe_preset_active_parameter_counts(name):
   assert count_active_params(MODEL_PRESETS[name]()) == pytest.approx(PUBLISHED_ACTIVE[name], rel=5e-3)
+
+
+@pytest.mark.parametrize("name", sorted(ROUNDED_ACTIVE))
+def test_mla_preset_active_parameter_counts(name):
+  assert count_active_params(MODEL_PRESETS[name]()) == pytest.approx(ROUNDED_ACTIVE[name], rel=0.03)
 
 
 def test_every_real_preset_has_a_published_count():

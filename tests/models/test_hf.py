@@ -227,8 +227,8 @@ def test_unknown_model_type_and_options_are_refused(tmp_path):
   path = _tiny_llama(tmp_path)
   config = json.loads((path / "config.json").read_text())
   for change, message in (({"model_type": "mamba"}, "unsupported model_type 'mamba'"),
-                          ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-                           "rope_type 'yarn'"),
+                          ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+                           "rope_type 'longrope'"),
                           ({"attention_bias": True}, "attention_bias=true")):
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(hf_config.HFConfigError, match=message):
