@@ -12,7 +12,8 @@ import pytest
 
 from model_variants import mla_like
 from tolerances import assert_close_to_scale
-from ptx.config import MeshConfig
+from ptx import config_rules
+from ptx.config import Config, ConfigError, MeshConfig
 from ptx.model_config import MlaConfig, RopeScaling
 from ptx.models import count_params, forward, init_params
 from ptx.models import kv_cache, mla, paged_kv_cache
@@ -113,3 +114,7 @@ def test_sampling_with_a_kv_cache_is_refused_naming_the_field(tiny_config):
     hidden_with_cache(params, jnp.zeros((1, 2), jnp.int32), cfg, cache, positions=jnp.zeros((1, 2), jnp.int32))
   with pytest.raises(ValueError, match="model.mla .* KV cache is not built yet"):
     generate(params, [[1, 2, 3]], cfg=cfg, max_new_tokens=2, rng=jax.random.key(0))
+  # A GRPO job says so before anything compiles (config_rules.check, as every Job builder calls it).
+  rl = Config(model=cfg, data=dataclasses.replace(Config().data, kind="rl", pack=False))
+  with pytest.raises(ConfigError, match="model.mla .kv_lora_rank=12.: grpo samples its rollouts with a KV cache"):
+    config_rules.check(rl, "grpo")
