@@ -27,7 +27,7 @@ from ptx.config import (GRPO_PRESETS, Config, DataConfig, DPOConfig, EvalConfig,
                         OptimizerConfig, TrainConfig)
 from ptx.config_io import apply_overrides
 from ptx.model_config import MODEL_PRESETS as presets
-from ptx.model_config import ModelConfig, MoeConfig, RopeScaling
+from ptx.model_config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
 from ptx.data import JsonlSource, MemorySource, load_tokenizer
 from ptx.data.arithmetic import ArithmeticTask
 from ptx.data.tokenizer import ByteTokenizer, Tokenizer
@@ -63,11 +63,11 @@ _LAZY = {
 __all__ = [
     "ArithmeticTask", "ByteTokenizer", "Config", "DEFAULT_RULES", "DPOConfig", "DataConfig", "Decoder", "EnvReward",
     "EvalConfig", "ExactAnswerEnv", "FINETUNE", "GRPOConfig", "GRPO_PRESETS", "Job", "JsonlSource", "LoRAConfig",
-    "MemorySource", "MeshConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "PythonTestsEnv", "RopeScaling",
-    "Rules", "SamplingConfig", "TOY", "TextSampler", "Tokenizer", "TrainConfig", "TrainState", "advantages",
-    "apply_overrides", "attention", "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate", "export_hf",
-    "fit", "forward", "from_pretrained", "generate", "grpo", "grpo_episode_job", "grpo_host_job", "grpo_job",
-    "grpo_prompts", "init_params", "init_state", "initial_params", "load_hf", "load_tokenizer", "make_mesh",
+    "MemorySource", "MeshConfig", "MlaConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "PythonTestsEnv",
+    "RopeScaling", "Rules", "SamplingConfig", "TOY", "TextSampler", "Tokenizer", "TrainConfig", "TrainState",
+    "advantages", "apply_overrides", "attention", "convert_gguf", "count_params", "data", "dpo", "dpo_job", "evaluate",
+    "export_hf", "fit", "forward", "from_pretrained", "generate", "grpo", "grpo_episode_job", "grpo_host_job",
+    "grpo_job", "grpo_prompts", "init_params", "init_state", "initial_params", "load_hf", "load_tokenizer", "make_mesh",
     "make_optimizer", "make_pipeline", "make_train_step", "merge_lora", "models", "presets", "save_hf", "save_peft",
     "sft", "sft_job", "state_shardings", "supervised_data", "train_grpo",
 ]

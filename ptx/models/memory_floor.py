@@ -42,9 +42,10 @@ def training_floor_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, seq_shar
   parts = {
       "state": 4 * n_params * 4,
       "checkpoints": cfg.n_layers * tokens * cfg.d_model * act,
-      "layer": tokens * act * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * _mlp_width(cfg)
-                               + 2 * cfg.d_model) + tokens * cfg.n_heads * 4,
-      "kv_blocks": tokens * kv_per_pass * cfg.head_dim * 2 * (2 * act + 2 * 4),
+      # q and k at the query/key width, v and out at the value width (they differ under MLA).
+      "layer": tokens * act * ((cfg.n_heads + cfg.n_kv_heads) * (cfg.qk_head_dim + cfg.v_head_dim)
+                               + 2 * _mlp_width(cfg) + 2 * cfg.d_model) + tokens * cfg.n_heads * 4,
+      "kv_blocks": tokens * kv_per_pass * (cfg.qk_head_dim + cfg.v_head_dim) * (2 * act + 2 * 4),
       "logits": 2 * chunk * cfg.vocab_size * 4,
   }
   return {**parts, "total": sum(parts.values())}

@@ -19,6 +19,7 @@ from ptx.models import count_params, forward, init_params
 from ptx.models import kv_cache, mla, paged_kv_cache
 from ptx.models.attention import interpret_pallas
 from ptx.models.decoder import hidden_with_cache
+from ptx.models.memory_floor import training_floor_bytes
 from ptx.models.params import abstract_params
 from ptx.sampling.generation import generate
 from ptx.sharding import make_mesh
@@ -118,3 +119,12 @@ def test_sampling_with_a_kv_cache_is_refused_naming_the_field(tiny_config):
   rl = Config(model=cfg, data=dataclasses.replace(Config().data, kind="rl", pack=False))
   with pytest.raises(ConfigError, match="model.mla .kv_lora_rank=12.: grpo samples its rollouts with a KV cache"):
     config_rules.check(rl, "grpo")
+
+
+def test_the_memory_floor_counts_queries_and_keys_at_their_width_and_values_at_theirs(tiny_config):
+  cfg = mla_like(tiny_config)  # H = N heads, query/key width 4 + 10, value width 6
+  wide_values = mla_like(tiny_config, v=14)  # values as wide as queries and keys: 14-wide heads throughout
+  got, wide = (training_floor_bytes(c, batch=2, seq_len=8, seq_shards=1) for c in (cfg, wide_values))
+  tokens, act, H = 16, 4, cfg.n_heads  # float32 activations
+  assert wide["layer"] - got["layer"] == tokens * act * 2 * H * (14 - 6)  # v and out
+  assert wide["kv_blocks"] - got["kv_blocks"] == tokens * (14 - 6) * (2 * act + 2 * 4)  # one head per pass
