@@ -36,6 +36,7 @@ PODS = {
     ("grpo_smollm2", "full"): ("v5e-8", "grpo", "smollm2_135m", ("--data.batch_size=64", "--grpo.group_size=16")),
     ("grpo_moe", "qwen3_30b_a3b"): ("v5p-64", "grpo_host", None, ()),
     ("sft_chat", "qwen3_235b_a22b"): ("v5p-128", "sft", None, ()),
+    ("sft_chat", "kimi_k2"): ("v5p-1024", "sft", None, ()),
 }
 
 

@@ -42,7 +42,13 @@ def test_preset_execution_settings_survive_a_checkpoint(name, preset, tmp_path):
 
   recipe = runpy.run_path(str(RECIPES / f"{name}.py"), run_name="presets")
   base = recipe["PRESETS"][preset]()
-  architecture = dataclasses.replace(base.model, **TINY_DIMS, param_dtype="float32", compute_dtype="float32")
+  dims = dict(TINY_DIMS)
+  if base.model.mla.enabled:  # every head its own key and value from the latent
+    dims["n_kv_heads"] = dims["n_heads"]
+  if base.model.moe.enabled:  # hundreds of experts, each small
+    dims["moe"] = dataclasses.replace(base.model.moe, expert_mlp_dim=16, shared_mlp_dim=16 * bool(
+        base.model.moe.shared_mlp_dim))
+  architecture = dataclasses.replace(base.model, **dims, param_dtype="float32", compute_dtype="float32")
   checkpoint = tmp_path / "ckpt"
   save_hf(Decoder(architecture, params=init_params(architecture, jax.random.key(0))), checkpoint)
   # The byte tokenizer's files stand in for the model's tokenizer.
@@ -53,11 +59,12 @@ def test_preset_execution_settings_survive_a_checkpoint(name, preset, tmp_path):
   args, overrides = launch.parse(recipe["__doc__"], recipe["PRESETS"],
                                  ["--preset", preset, "--out", str(tmp_path / "run"), "--model-dir", str(checkpoint),
                                   # 8 CPU devices instead of the pod's chips, the preset's seq axis kept.
-                                  "--mesh.data=1", "--mesh.fsdp=-1", "--mesh.tensor=1", f"--mesh.seq={base.mesh.seq}"])
+                                  "--mesh.data=1", "--mesh.fsdp=-1", "--mesh.expert=1", "--mesh.tensor=1",
+                                  f"--mesh.seq={base.mesh.seq}"])
   cfg, params, _ = launch.configure(args, base, overrides)
   for field in model_config.EXECUTION_FIELDS:
     assert getattr(cfg.model, field) == getattr(base.model, field), f"{name} --preset {preset}: model.{field} lost"
   assert not model_config.architecture_differences(cfg.model, dataclasses.replace(architecture, **{
       f: getattr(base.model, f) for f in model_config.EXECUTION_FIELDS})), "the architecture is not the checkpoint's"
-  assert params["layers"]["q"].shape[0] == TINY_DIMS["n_layers"]
+  assert params["layers"]["o"].shape[0] == len(cfg.model.stack_layers("layers"))
   assert cfg.data.tokenizer == str(checkpoint)
