@@ -90,26 +90,22 @@ PRESETS: launch.Presets = {
         data=ptx.DataConfig(batch_size=16, seq_len=128)),
     # A small instruct model (SmolLM2-135M/360M, Qwen2.5-0.5B) on a laptop or a Colab runtime.
     "small": lambda: dataclasses.replace(ptx.FINETUNE["sft"](), data=ptx.DataConfig(batch_size=8, seq_len=1024)),
-    "llama3_8b": lambda: ptx.Config(
-        model=dataclasses.replace(ptx.presets["llama3_1_8b"](), remat="full"),
-        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
-        train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
-        data=ptx.DataConfig(batch_size=64, seq_len=4096)),
+    "llama3_8b": lambda: _pod("llama3_1_8b", ptx.MeshConfig(), batch_size=64),
     # Experts over the 8 chips of `expert`, at most twice a balanced load of copies per expert (header: why).
-    "qwen3_235b_a22b": lambda: ptx.Config(
-        model=dataclasses.replace(ptx.presets["qwen3_235b_a22b"](), remat="full", moe_capacity_factor=2.0),
-        mesh=ptx.MeshConfig(expert=8),
-        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
-        train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
-        data=ptx.DataConfig(batch_size=64, seq_len=4096)),
+    "qwen3_235b_a22b": lambda: _pod("qwen3_235b_a22b", ptx.MeshConfig(expert=8), batch_size=64,
+                                    moe_capacity_factor=2.0),
     # 6 of the 384 experts per chip over the 64 of `expert`, the capacity as the 235B's (header: memory).
-    "kimi_k2": lambda: ptx.Config(
-        model=dataclasses.replace(ptx.presets["kimi_k2"](), remat="full", moe_capacity_factor=2.0),
-        mesh=ptx.MeshConfig(expert=64),
-        optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
-        train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
-        data=ptx.DataConfig(batch_size=512, seq_len=4096)),
+    "kimi_k2": lambda: _pod("kimi_k2", ptx.MeshConfig(expert=64), batch_size=512, moe_capacity_factor=2.0),
 }
+
+
+def _pod(model: str, mesh: ptx.MeshConfig, *, batch_size: int, **model_fields) -> ptx.Config:
+  """A pod preset: `model` fully rematerialised with `model_fields`, 4,096-token rows, 2,000 steps at lr 1e-5."""
+  return ptx.Config(
+      model=dataclasses.replace(ptx.presets[model](), remat="full", **model_fields), mesh=mesh,
+      optim=ptx.OptimizerConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
+      train=ptx.TrainConfig(steps=2000, log_every=10, eval_every=200, checkpoint_every=200),
+      data=ptx.DataConfig(batch_size=batch_size, seq_len=4096))
 
 
 def synthetic_chats(split: str, n: int) -> list[dict]:
