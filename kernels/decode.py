@@ -8,7 +8,10 @@ a traced trip count runs an online softmax over them, so a decode step at
 fill f costs O(f), not O(S_max). XLA:CPU copies each block out of the
 cache before its products, so there the ptx sampler reads a single token's
 cache in one block and keeps it near the fill (`xla_cpu_workarounds`).
-An int8 cache is dequantised a block at a time. With a mesh, the cache is sharded along `axis_name`: every device runs
+An int8 cache is dequantised a block at a time. A cache without values
+(`v_cache` None) reads each block's values as the first `values_width`
+columns of its keys: multi-head latent attention's absorbed decode, whose
+one latent per slot is both. With a mesh, the cache is sharded along `axis_name`: every device runs
 the same loop over the filled blocks of its slice, with global slot indices,
 and the per-device partials (a few tokens each) are gathered and merged with
 `merge_lse`; the cache itself never moves.
@@ -24,8 +27,9 @@ from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
 
 
-def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *, causal, softcap, scale, block_kv):
-  """Online softmax over the filled blocks of one cache slice (k, v, k_scale, v_scale).
+def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *, causal, softcap, scale, block_kv,
+                      values_width):
+  """Online softmax over the filled blocks of one cache slice (k, v, k_scale, v_scale; v None: values in k).
 
   Returns (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T], the cache). The
   loop threads the cache through its carry untouched: a loop operand that
@@ -34,7 +38,7 @@ def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *,
   """
   b, kvh, g, t, _ = q_BKGTD.shape
   k_BKSD, v_BKSD = cache[:2]
-  s_loc, dv = k_BKSD.shape[2], v_BKSD.shape[-1]
+  s_loc, dv = k_BKSD.shape[2], values_width or v_BKSD.shape[-1]
   width = min(block_kv, s_loc)
   n_blocks = -(-s_loc // width)
   columns = jnp.arange(width, dtype=jnp.int32)
@@ -60,7 +64,8 @@ def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *,
     if window is not None:
       ok &= dist_BTC < window
     ok = ok[:, None, None]  # [B, 1, 1, T, C]
-    k_i, v_i = read(k_BKSD, k_scale, start), read(v_BKSD, v_scale, start)
+    k_i = read(k_BKSD, k_scale, start)
+    v_i = k_i[..., :dv] if v_BKSD is None else read(v_BKSD, v_scale, start)
     s = jnp.einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_i.astype(q_BKGTD.dtype),
                    preferred_element_type=jnp.float32) * scale
     if softcap is not None:
@@ -70,8 +75,7 @@ def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *,
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(s - m_safe[..., None])
     decay = jnp.exp(m - m_safe)
-    pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_BKSD.dtype if v_scale is None else jnp.float32),
-                    v_i, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
     return (m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv), (k_BKSD, v_BKSD, k_scale, v_scale)
 
   init = (jnp.full((b, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
@@ -86,13 +90,14 @@ def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *,
 
 
 def decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array | None, *,
     lengths: jax.Array, starts=None, q_positions=None, k_scale=None, v_scale=None,
     causal: bool = True, window=None, softcap: float | None = None, scale: float | None = None,
     block_kv: int = 512, mesh=None, axis_name: str = "seq",
     batch_axes: tuple[str, ...] = ("data", "fsdp"),
     head_axes: tuple[str, ...] = ("tensor",),
     return_cache: bool = False,
+    values_width: int | None = None,
 ) -> tuple[jax.Array, ...]:
   """Attention of T new tokens per row over the filled part of a (possibly seq-sharded) KV cache.
 
@@ -100,7 +105,9 @@ def decode_attention(
     q: queries [B, T, H, D] (T is small for sampling, a chunk for chunked
       prefill).
     k_cache: keys [B, S_max, KV, D], or int8 with `k_scale`.
-    v_cache: values [B, S_max, KV, Dv], or int8 with `v_scale`.
+    v_cache: values [B, S_max, KV, Dv], or int8 with `v_scale`; None: the
+      values are the first `values_width` columns of the keys (and
+      `v_scale` is None: the keys' scales serve them).
     lengths: int [B]: slots below lengths[b] may be valid, the T new tokens
       included; blocks at or past max(lengths) are never read.
     starts: int [B] first valid slot of each row; slot s holds position
@@ -120,25 +127,29 @@ def decode_attention(
       threaded through the block loop. A decode loop that carries these on,
       rather than its inputs, lets XLA update the cache in place; otherwise
       it copies the cache into the loop at every call.
+    values_width: Dv of a cache without values (`v_cache` None).
 
   Returns:
     (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32), then the cache
     arrays with `return_cache`.
   """
-  mask_lib.check_qkv(q, k_cache, v_cache)
+  mask_lib.check_qkv(q, k_cache, v_cache, values_width)
   b, t, h, d = q.shape
   kvh = k_cache.shape[2]
   lengths = _row_ints(lengths, "lengths", b)
   starts = jnp.zeros((b,), jnp.int32) if starts is None else _row_ints(starts, "starts", b)
-  if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_scale.shape != k_cache.shape[:3]):
-    raise ValueError(f"k_scale and v_scale must both be None or {k_cache.shape[:3]}")
+  paired = v_scale is None if v_cache is None else (k_scale is None) == (v_scale is None)
+  if not paired or (k_scale is not None and k_scale.shape != k_cache.shape[:3]):
+    raise ValueError(f"k_scale and v_scale must both be None or {k_cache.shape[:3]} (v_scale None for a cache "
+                     "without values)")
   if q_positions is None:
     q_positions = (lengths - starts)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
   window = mask_lib.check_window(window)
   n_dev = 1 if mesh is None else mesh.shape[axis_name]
   if k_cache.shape[1] % n_dev:
     raise ValueError(f"cache length {k_cache.shape[1]} must split into {n_dev} shards")
-  settings = dict(causal=causal, softcap=softcap, scale=d ** -0.5 if scale is None else scale, block_kv=block_kv)
+  settings = dict(causal=causal, softcap=softcap, scale=d ** -0.5 if scale is None else scale, block_kv=block_kv,
+                  values_width=values_width if v_cache is None else None)
   # Heads before slots: every block is a batched [G*T, D] x [D, C] product per (row, kv head).
   q_BKGTD = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
   cache = tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in (k_cache, v_cache, k_scale, v_scale))

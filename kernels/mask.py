@@ -29,13 +29,19 @@ class MaskInputs(NamedTuple):
   window: jax.Array | None  # int32 [] or None (no window)
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-  """Raises ValueError unless q [B,T,H,D], k [B,S,KV,D], v [B,S,KV,Dv] agree."""
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array | None, values_width: int | None = None) -> None:
+  """Raises ValueError unless q [B,T,H,D], k [B,S,KV,D], v [B,S,KV,Dv] agree.
+
+  v None: the values are the first `values_width` columns of k (a latent cache), 1 <= values_width <= D.
+  """
   for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.ndim != 4:
+    if x is not None and x.ndim != 4:
       raise ValueError(
           f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
-  if k.shape[:3] != v.shape[:3]:
+  if v is None and not (isinstance(values_width, int) and 1 <= values_width <= k.shape[3]):
+    raise ValueError(f"v None reads the values as the first values_width columns of k {k.shape}: values_width must "
+                     f"be in [1, {k.shape[3]}], got {values_width!r}")
+  if v is not None and k.shape[:3] != v.shape[:3]:
     raise ValueError(f"k {k.shape} and v {v.shape} differ in [batch, seq, heads]")
   if q.shape[0] != k.shape[0]:
     raise ValueError(f"batch differs: q {q.shape}, k {k.shape}")

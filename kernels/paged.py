@@ -20,7 +20,9 @@ at the end of the list (a bucketed pair count) costs nothing.
 Key slot s of pair i has position index[i] * S + s and is visible to query t
 of row r = rows[i] iff it is below lengths[r] and, as in `mask.py`, causal
 (q_position >= kv_position) and within the window. Float32 throughout; a row
-with no visible key gets out 0 and lse -inf.
+with no visible key gets out 0 and lse -inf. A pool without values
+(`v_pages` None) reads them as the first `values_width` columns of the keys:
+multi-head latent attention's one latent per slot.
 
 This loop ("xla") is the reference and the path off TPU/GPU; `impl` picks a
 Pallas kernel of the same computation instead (`paged_pallas`).
@@ -47,17 +49,19 @@ def _choose(impl: str, interpret: bool) -> implementation.Kernel:
 
 
 def paged_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, rows: jax.Array, pages: jax.Array,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None, *, rows: jax.Array, pages: jax.Array,
     index: jax.Array, lengths: jax.Array, q_positions: jax.Array, causal: bool = True, window=None,
     softcap: float | None = None, scale: float | None = None, block_pairs: int | None = None,
     impl: str = "xla", interpret: bool = False, k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+    values_width: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of T queries per row over the pages its (row, page) pairs name.
 
   Args:
     q: queries [R, T, H, D].
     k_pages: the key pool [P, KV, S, D].
-    v_pages: the value pool [P, KV, S, Dv].
+    v_pages: the value pool [P, KV, S, Dv]; None: the values are the first
+      `values_width` columns of the keys ("xla" only; `v_scales` None).
     rows: int32 [Q] the row of each pair, ascending.
     pages: int32 [Q] the page of each pair.
     index: int32 [Q] which page of its row the pair's page is (its first
@@ -76,6 +80,7 @@ def paged_attention(
     k_scales, v_scales: float32 [P, KV, S] per-slot, per-head scales of
       int8 pools (x ~ values * scale; "xla" only), or None for pools in a
       float dtype.
+    values_width: Dv of a pool without values (`v_pages` None).
 
   Returns:
     (out [R, T, H, Dv] in q.dtype, lse [R, H, T] float32).
@@ -86,28 +91,37 @@ def paged_attention(
       the chosen kernel cannot tile.
   """
   kernel = _choose(impl, interpret)
-  q, k_pages, v_pages, lengths, q_positions = map(jnp.asarray, (q, k_pages, v_pages, lengths, q_positions))
+  q, k_pages, lengths, q_positions = map(jnp.asarray, (q, k_pages, lengths, q_positions))
+  v_pages = None if v_pages is None else jnp.asarray(v_pages)
   r, t, h, d = q.shape
   kvh = k_pages.shape[1]
-  if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_pages.shape[:3]:
-    raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_pages.shape} do not fit together")
-  if (k_scales is None) != (v_scales is None) or (k_scales is not None and (
-      k_scales.shape != k_pages.shape[:3] or v_scales.shape != v_pages.shape[:3])):
-    raise ValueError(f"k_scales and v_scales must both be None or float32 {k_pages.shape[:3]}")
+  if v_pages is None and not (isinstance(values_width, int) and 1 <= values_width <= d and v_scales is None):
+    raise ValueError(f"v_pages None reads the values as the first values_width columns of the keys: values_width "
+                     f"must be in [1, {d}] (got {values_width!r}) and v_scales None")
+  values_width = values_width if v_pages is None else None
+  v_shape = k_pages.shape[:3] if v_pages is None else v_pages.shape[:3]
+  if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_shape:
+    raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_shape} do not fit together")
+  scale_shapes = {x.shape for x in (k_scales, v_scales) if x is not None}
+  paired = v_pages is None or (k_scales is None) == (v_scales is None)
+  if not paired or scale_shapes - {k_pages.shape[:3]}:
+    raise ValueError(f"k_scales and v_scales must both be None or float32 {k_pages.shape[:3]} (v_scales None for a "
+                     "pool without values)")
   window = mask_lib.check_window(window)
   scale = d ** -0.5 if scale is None else scale
   args = (q, k_pages, v_pages, rows, pages, index, lengths, q_positions)
   if kernel.name in implementation.PALLAS:
-    if k_scales is not None:
-      raise ValueError(f"int8 pages (k_scales, v_scales) are read by impl='xla' only, not {kernel.name!r}")
+    if k_scales is not None or v_pages is None:
+      raise ValueError(f"int8 pages (k_scales, v_scales) and pools without values (v_pages None) are read by "
+                       f"impl='xla' only, not {kernel.name!r}")
     paged_pallas.check(kernel, q, k_pages, v_pages)
     return paged_pallas.attention(*args, causal=causal, window=window, softcap=softcap, scale=scale, kernel=kernel)
   return _segments(*args, k_scales, v_scales, causal=causal, window=window, softcap=softcap, scale=scale,
-                   block_pairs=block_pairs)
+                   block_pairs=block_pairs, values_width=values_width)
 
 
 def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, k_scales, v_scales, *, causal, window,
-              softcap, scale, block_pairs):
+              softcap, scale, block_pairs, values_width):
   """The "xla" path: blocks of pairs folded into per-row accumulators by a segment softmax."""
   r, t, h, d = q.shape
   _, kvh, s, _ = k_pages.shape
@@ -127,9 +141,15 @@ def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, k_s
     m, l, acc = carry
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * block, block)  # noqa: E731
     rows_b, pages_b, index_b = take(rows), take(pages), take(index)
-    k_BKSD, v_BKSD = k_pages[pages_b].astype(jnp.float32), v_pages[pages_b].astype(jnp.float32)
+    k_BKSD = k_pages[pages_b].astype(jnp.float32)
     if k_scales is not None:  # int8 pages: dequantised as they are read
-      k_BKSD, v_BKSD = k_BKSD * k_scales[pages_b][..., None], v_BKSD * v_scales[pages_b][..., None]
+      k_BKSD = k_BKSD * k_scales[pages_b][..., None]
+    if v_pages is None:  # a latent pool: the values lead the keys
+      v_BKSD = k_BKSD[..., :values_width]
+    else:
+      v_BKSD = v_pages[pages_b].astype(jnp.float32)
+      if v_scales is not None:
+        v_BKSD = v_BKSD * v_scales[pages_b][..., None]
     scores = jnp.einsum("bkgtd,bksd->bkgts", q_RKGTD[rows_b], k_BKSD) * scale
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)
@@ -150,7 +170,7 @@ def _segments(q, k_pages, v_pages, rows, pages, index, lengths, q_positions, k_s
     return m_new, l, acc * decay[..., None] + pv
 
   init = (jnp.full((r, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((r, kvh, g, t), jnp.float32),
-          jnp.zeros((r, kvh, g, t, v_pages.shape[-1]), jnp.float32))
+          jnp.zeros((r, kvh, g, t, values_width or v_pages.shape[-1]), jnp.float32))
   if n_blocks <= UNROLLED_BLOCKS:
     carry = init
     for i in range(n_blocks):

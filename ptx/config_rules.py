@@ -47,10 +47,6 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo", "grpo_host", "gr
     raise ConfigError(f"data.kind={data.kind!r}, but {algorithm} reads {kind!r} records: set data.kind={kind}"
                       + ("" if kind == "sft" else " and data.pack=false"))
   if kind == "rl":
-    if cfg.model.mla.enabled:
-      raise ConfigError(f"model.mla (kv_lora_rank={cfg.model.mla.kv_lora_rank}): {algorithm} samples its rollouts "
-                        "with a KV cache, which multi-head latent attention does not have yet (its latent cache and "
-                        "absorbed decode come next); SFT and DPO run")
     check_grpo(cfg.grpo, cfg.lora if cfg.lora.rank > 0 else None)
     groups = data.batch_size // cfg.grpo.minibatches
     if data.batch_size % cfg.grpo.minibatches:

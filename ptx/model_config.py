@@ -267,6 +267,19 @@ class ModelConfig:
     return self.mla.v_head_dim if self.mla.enabled else self.head_dim
 
   @property
+  def cache_kv_heads(self) -> int:
+    """Heads a KV cache holds per slot: n_kv_heads, or MLA's one latent that every head reads."""
+    return 1 if self.mla.enabled else self.n_kv_heads
+
+  @property
+  def cache_head_dim(self) -> int:
+    """Width of a cached key: head_dim, or MLA's latent and rotary key (kv_lora_rank + head_dim).
+
+    An MLA cache holds no values: they are the first kv_lora_rank columns of its keys (`ptx.models.mla`).
+    """
+    return self.mla.kv_lora_rank + self.head_dim if self.mla.enabled else self.head_dim
+
+  @property
   def n_moe_layers(self) -> int:
     """The layers whose MLP is a Mixture of Experts: the L of recorded routes [B, T, L, k] (0 for a dense model)."""
     return self.n_layers - len(self.moe.dense_layers) if self.moe.enabled else 0

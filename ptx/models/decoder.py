@@ -250,7 +250,6 @@ def hidden_with_cache(
   other tokens share its device's batch. (The shared-prompt loss path, `shared_prefix.grouped_stats`, runs here
   too, dropless as well.)
   """
-  mla.refuse_cache(cfg)
   cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
   x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
@@ -410,7 +409,11 @@ def block(
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
-  if cfg.mla.enabled:
+  if cfg.mla.enabled and cache is not None:  # the absorbed form: one latent KV head, values its first C columns
+    q, k = mla.absorbed_queries_and_latents(p, h, cfg, sin=sin, cos=cos)
+    v = k[..., :cfg.mla.kv_lora_rank]
+    scale = mla.softmax_scale(cfg)
+  elif cfg.mla.enabled:
     q, k, v = mla.queries_keys_values(p, h, cfg, sin=sin, cos=cos)
     scale = mla.softmax_scale(cfg)
   else:
@@ -426,6 +429,8 @@ def block(
   else:
     out, cache = cache.attend(layer_index, q, k, v, positions=positions, window=window,
                               softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)
+    if cfg.mla.enabled:
+      out = mla.latent_values(p, out, cfg)
   out = lora.project("bthk,hkd->btd", out, p["o"], dtype)
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)

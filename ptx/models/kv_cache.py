@@ -5,6 +5,14 @@ Layout (L layers, B sequences, S slots, N kv heads, K head_dim):
   k, v              L arrays [B, N, S, K] in the compute dtype, or int8
   k_scale, v_scale  L arrays [B, N, S] float32 (int8 only): absmax / 127 of
                     each slot and head; None otherwise
+
+Multi-head latent attention caches one latent per slot (N = 1, K =
+kv_lora_rank + the rotary width: `ModelConfig.cache_kv_heads` and
+`cache_head_dim`) and no values: `v` and `v_scale` are None and attention
+reads the values as the first kv_lora_rank columns of `k`, the absorbed
+decode of `ptx.models.mla`. That is 35x (Kimi K2) to 71x (DeepSeek-V3)
+less cache than expanded per-head K/V.
+
   starts            int32 [B]: the first slot of each row; slot s of row b
                     holds the token at position s - starts[b]
   index             int32 []: the next slot to write, the same for every row
@@ -48,7 +56,6 @@ from ptx_kernels import xla_cpu_workarounds
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import mla
 
 KV_NAMES = ("batch", "kv_heads", "seq", "head_dim")
 SCALE_NAMES = ("batch", "kv_heads", "seq")
@@ -65,7 +72,7 @@ class KVCache:
   """K/V of every layer for B sequences of S slots (see the module docstring)."""
 
   k: Arrays
-  v: Arrays
+  v: Arrays | None
   k_scale: Arrays | None
   v_scale: Arrays | None
   starts: jax.Array
@@ -93,7 +100,8 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
   """An empty cache of `slots` slots for `batch` sequences (call under jit).
 
   Args:
-    cfg: the model config (layers, KV heads, head_dim, compute dtype).
+    cfg: the model config (layers, `cache_kv_heads`, `cache_head_dim`, compute dtype; an MLA model's cache has no
+      values).
     batch: number of sequences B.
     slots: number of slots S per sequence.
     starts: int32 [B] first slot of each row (its left padding); default 0.
@@ -103,8 +111,8 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
   Returns:
     A KVCache with every slot empty and `index` 0.
   """
-  mla.refuse_cache(cfg)
-  shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
+  shape = (batch, cfg.cache_kv_heads, slots, cfg.cache_head_dim)
+  values = not cfg.mla.enabled
 
   def zeros(shape, dtype, names):
     return tuple(sharding.constrain(jnp.zeros(shape, dtype), names, rules) for _ in range(cfg.n_layers))
@@ -112,9 +120,9 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
   dtype = jnp.int8 if int8 else jnp.dtype(cfg.compute_dtype)
   starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
   return KVCache(
-      k=zeros(shape, dtype, KV_NAMES), v=zeros(shape, dtype, KV_NAMES),
+      k=zeros(shape, dtype, KV_NAMES), v=zeros(shape, dtype, KV_NAMES) if values else None,
       k_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
-      v_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 else None,
+      v_scale=zeros(shape[:-1], jnp.float32, SCALE_NAMES) if int8 and values else None,
       starts=sharding.constrain(starts, ("batch",), rules), index=jnp.zeros((), jnp.int32))
 
 
@@ -174,10 +182,13 @@ def advance(cache: KVCache, n_tokens: int) -> KVCache:
 
 def write_layer(cache: KVCache, layer: int, k_BTNK: jax.Array, v_BTNK: jax.Array,
                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
-  """Writes layer `layer`'s new K/V [B, T, N, K] at slots [index, index + T)."""
+  """Writes layer `layer`'s new K/V [B, T, N, K] at slots [index, index + T) (the keys alone in a cache without
+  values)."""
   seq = _seq_sharding(cache.k[layer], rules)
 
-  def put(stack: Arrays, new_BNT: jax.Array, names) -> Arrays:
+  def put(stack: Arrays | None, new_BNT: jax.Array, names) -> Arrays | None:
+    if stack is None:
+      return None
     written = _write_slots(stack[layer], new_BNT.astype(stack[layer].dtype), cache.index, seq)
     return stack[:layer] + (sharding.constrain(written, names, rules),) + stack[layer + 1:]
 
@@ -233,7 +244,8 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
     layer: the layer index.
     q_BTHK: queries [B, T, H, K] (after RoPE).
     k_BTNK: the new keys [B, T, N, K] (after RoPE).
-    v_BTNK: the new values [B, T, N, K].
+    v_BTNK: the new values [B, T, N, Kv]; in a cache without values (MLA's latents) the first Kv columns of
+      k_BTNK, which they are: only their width is read.
     positions: int32 [B, T] positions of the new tokens.
     window: the layer's sliding window (None: all the past).
     softcap: tanh soft-cap on the logits.
@@ -241,8 +253,9 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
     rules: the sharding rules; a `seq`-sharded cache is attended in place.
 
   Returns:
-    (the attention output [B, T, H, K] in q's dtype, the cache with the K/V written).
+    (the attention output [B, T, H, Kv] in q's dtype, the cache with the K/V written).
   """
+  values_width = None if cache.v is not None else v_BTNK.shape[-1]
   cache = write_layer(cache, layer, k_BTNK, v_BTNK, rules)
   B, T = positions.shape
   view = lambda stack: _kernel_view(stack, layer)  # noqa: E731
@@ -250,7 +263,7 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
       q_BTHK, view(cache.k), view(cache.v), k_scale=view(cache.k_scale), v_scale=view(cache.v_scale),
       lengths=jnp.broadcast_to(cache.index + T, (B,)), starts=cache.starts, q_positions=positions,
       window=window, softcap=softcap, scale=scale, block_kv=_block_slots(T, cache.k[layer]), return_cache=True,
-      **_seq_sharding(cache.k[layer], rules))
+      values_width=values_width, **_seq_sharding(cache.k[layer], rules))
 
   def put(stack: Arrays | None, x_BSNK: jax.Array | None) -> Arrays | None:
     # Carry on with the arrays the kernel threaded through its loop, so the cache is never copied.
@@ -261,15 +274,15 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
   if cache.prefix is None:
     return out, cache
   out_prefix, lse_prefix = _attend_prefix(cache.prefix, cache.group, layer, q_BTHK, positions, window=window,
-                                          softcap=softcap, scale=scale, rules=rules)
+                                          softcap=softcap, scale=scale, values_width=values_width, rules=rules)
   out, _ = ptx_kernels.merge_lse([out, out_prefix], [lse, lse_prefix])
   return out.astype(q_BTHK.dtype), cache
 
 
 def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, positions_RT: jax.Array, *,
-                   window: jax.Array | int | None, softcap: float | None, scale: float,
+                   window: jax.Array | int | None, softcap: float | None, scale: float, values_width: int | None,
                    rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
-  """Attention of R = B * G rows' queries over their prompts' K/V: (out [R, T, H, K], lse [R, H, T])."""
+  """Attention of R = B * G rows' queries over their prompts' K/V: (out [R, T, H, Kv], lse [R, H, T])."""
   R, T, H, K = q_RTHK.shape
   B = R // group
   view = lambda stack: _kernel_view(stack, layer)  # noqa: E731
@@ -278,7 +291,7 @@ def _attend_prefix(prefix: KVCache, group: int, layer: int, q_RTHK: jax.Array, p
       q_RTHK.reshape(B, group * T, H, K), view(prefix.k), view(prefix.v), k_scale=view(prefix.k_scale),
       v_scale=view(prefix.v_scale), lengths=jnp.broadcast_to(prefix.index, (B,)), starts=prefix.starts,
       q_positions=positions_RT.reshape(B, group * T), window=window, softcap=softcap, scale=scale,
-      block_kv=_block_slots(T, prefix.k[layer]), **_seq_sharding(prefix.k[layer], rules))
+      block_kv=_block_slots(T, prefix.k[layer]), values_width=values_width, **_seq_sharding(prefix.k[layer], rules))
   lse_RHT = jnp.swapaxes(lse_BHQ.reshape(B, H, group, T), 1, 2).reshape(R, H, T)
   return out_BQHK.reshape(R, T, H, -1), lse_RHT
 

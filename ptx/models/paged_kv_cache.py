@@ -6,7 +6,10 @@ M pages per row, Q (row, page) pairs):
   k, v         L arrays [P, N, S, K] in the compute dtype (after RoPE); heads
                before slots, as in `kv_cache`, so pages feed the products untransposed;
                or L `Int8Pages`: int8 values [P, N, S, K] and float32 scales
-               [P, N, S] (absmax / 127 of each slot and head, `kv_cache.quantize`)
+               [P, N, S] (absmax / 127 of each slot and head, `kv_cache.quantize`).
+               Multi-head latent attention pages one latent per slot (N = 1,
+               K = `ModelConfig.cache_head_dim`) and no values: v is None and
+               attention reads them as the first kv_lora_rank columns of k
   page_table   int32 [R, M]: page m of row r holds its positions [m * S, (m + 1) * S)
   lengths      int32 [R]: positions of each row already cached
   new_tokens   int32 [R]: how many of this call's T tokens are real for each
@@ -50,6 +53,7 @@ device's own pages, so no page ever crosses devices. KV heads follow the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -60,7 +64,6 @@ from ptx_kernels import implementation
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import mla
 from ptx.models.attention import platform_kernel
 from ptx.models.kv_cache import quantize
 
@@ -93,7 +96,7 @@ class PagedKVCache:
   """K/V pages of every layer and the rows that read them (see the module docstring)."""
 
   k: Arrays
-  v: Arrays
+  v: Arrays | None
   page_table: jax.Array
   lengths: jax.Array
   new_tokens: jax.Array
@@ -110,7 +113,8 @@ class PagedKVCache:
       layer: the layer index.
       q_RTHK: queries [R, T, H, K] (after RoPE).
       k_RTNK: the new keys [R, T, N, K] (after RoPE).
-      v_RTNK: the new values [R, T, N, K].
+      v_RTNK: the new values [R, T, N, Kv] (in pages without values, MLA's latents, the first Kv columns of
+        k_RTNK, which they are: only their width is read).
       positions: int32 [R, T], lengths[:, None] + arange(T) (token t of row r
         goes to position lengths[r] + t).
       window: the layer's sliding window (None: all the past).
@@ -119,23 +123,27 @@ class PagedKVCache:
       rules: the sharding rules (under a mesh: which axes split pages and heads).
 
     Returns:
-      (the attention output [R, T, H, K] in q's dtype, the cache with the pages written).
+      (the attention output [R, T, H, Kv] in q's dtype, the cache with the pages written).
     """
     mesh = jax.sharding.get_abstract_mesh()
     page_axes, head_axes = (None, None) if mesh.empty else _pool_axes(self.k[layer], mesh, rules)
-    attend_local = lambda *args: _attend_local(*args, softcap=softcap, scale=scale, kernel=self.kernel)  # noqa: E731
-    args = (self.k[layer], self.v[layer], self.page_table, self.lengths, self.new_tokens, self.pairs, q_RTHK,
+    attend_local = functools.partial(_attend_local, softcap=softcap, scale=scale, kernel=self.kernel,
+                                     values_width=None if self.v is not None else v_RTNK.shape[-1])
+    v_pool = None if self.v is None else self.v[layer]
+    args = (self.k[layer], v_pool, self.page_table, self.lengths, self.new_tokens, self.pairs, q_RTHK,
             k_RTNK, v_RTNK, positions, window)
     if page_axes is None:
       out, k, v = attend_local(*args)
     else:
       pool, rows = _pool_spec(self.k[layer], page_axes, head_axes), PartitionSpec(page_axes)
+      v_spec = None if v_pool is None else pool
       new = PartitionSpec(page_axes, None, head_axes, None)
       pairs = Pairs(rows, rows, rows)
-      in_specs = (pool, pool, rows, rows, rows, pairs, new, new, new, rows, None if window is None else PartitionSpec())
-      out, k, v = jax.shard_map(attend_local, mesh=mesh, in_specs=in_specs, out_specs=(new, pool, pool),
+      in_specs = (pool, v_spec, rows, rows, rows, pairs, new, new, new, rows,
+                  None if window is None else PartitionSpec())
+      out, k, v = jax.shard_map(attend_local, mesh=mesh, in_specs=in_specs, out_specs=(new, pool, v_spec),
                                 check_vma=False)(*args)
-    put = lambda stack, x: stack[:layer] + (x,) + stack[layer + 1:]  # noqa: E731
+    put = lambda stack, x: None if stack is None else stack[:layer] + (x,) + stack[layer + 1:]  # noqa: E731
     return out, dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
 
   def advance(self, n_tokens: int) -> PagedKVCache:
@@ -169,6 +177,9 @@ def kernel_for(cfg: ModelConfig, page_size: int, int8: bool = False) -> implemen
   if int8:
     raise ValueError("ModelConfig.attention_impl='pallas' reads float pages only; EngineConfig.kv_dtype='int8' "
                      "pages are read by the pure-JAX path ('auto')")
+  if cfg.mla.enabled:
+    raise ValueError("ModelConfig.attention_impl='pallas': the Pallas paged kernels read separate K and V pages; "
+                     "model.mla's latent pages (values inside the keys) are read by the pure-JAX path ('auto')")
   for name, n in (("head_dim", cfg.head_dim), ("EngineConfig.page_size", page_size)):
     if not kernel.takes_head_dim(n):  # a page is the key tile of both dots: Triton tiles it as a head
       raise ValueError(f"ModelConfig.attention_impl='pallas': {kernel.name} needs {name} a power of two >= 16, "
@@ -176,24 +187,27 @@ def kernel_for(cfg: ModelConfig, page_size: int, int8: bool = False) -> implemen
   return kernel
 
 
-def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) -> tuple[Arrays, Arrays]:
-  """Empty K and V pools, L arrays [pages, N, page_size, K] each, or L `Int8Pages` (call under jit to place them)."""
-  mla.refuse_cache(cfg)
-  shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
+def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) -> tuple[Arrays, Arrays | None]:
+  """Empty K and V pools, L arrays [pages, N, page_size, K] each, or L `Int8Pages` (call under jit to place them).
+
+  An MLA model's V pool is None: its K pages hold latents, values included (module docstring).
+  """
+  shape = (pages, cfg.cache_kv_heads, page_size, cfg.cache_head_dim)
 
   def empty() -> Pool:
     if int8:
       return Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
     return jnp.zeros(shape, cfg.compute_dtype)
 
-  return tuple(empty() for _ in range(cfg.n_layers)), tuple(empty() for _ in range(cfg.n_layers))
+  values = None if cfg.mla.enabled else tuple(empty() for _ in range(cfg.n_layers))
+  return tuple(empty() for _ in range(cfg.n_layers)), values
 
 
 def pool_sharding(cfg: ModelConfig, pages: int, page_size: int, mesh: jax.sharding.Mesh,
                   rules: sharding.Rules = sharding.DEFAULT_RULES, int8: bool = False):
   """Where one layer's pool lives on `mesh` (a NamedSharding, or `Int8Pages` of them): pages over the batch axes,
   KV heads over `tensor`."""
-  shape = (pages, cfg.n_kv_heads, page_size, cfg.head_dim)
+  shape = (pages, cfg.cache_kv_heads, page_size, cfg.cache_head_dim)
   spec = sharding.logical_to_spec(POOL_NAMES, rules, shape=shape, mesh=mesh)
   placed = jax.sharding.NamedSharding(mesh, spec)
   return Int8Pages(placed, jax.sharding.NamedSharding(mesh, PartitionSpec(*spec[:3]))) if int8 else placed
@@ -211,8 +225,8 @@ def page_blocks(pages: int, mesh: jax.sharding.Mesh | None, rules: sharding.Rule
   return n
 
 
-def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
-               rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[Arrays, Arrays]:
+def copy_pages(k: Arrays, v: Arrays | None, sources: jax.Array, targets: jax.Array,
+               rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[Arrays, Arrays | None]:
   """Copies page sources[i] to targets[i] in every layer (ids local to their block; pairs of the sink are no-ops)."""
 
   def local(k, v, sources, targets):
@@ -224,13 +238,14 @@ def copy_pages(k: Arrays, v: Arrays, sources: jax.Array, targets: jax.Array,
   if page_axes is None:
     return local(k, v, sources, targets)
   pool, pairs = (_pool_spec(k[0], page_axes, head_axes),) * len(k), PartitionSpec(page_axes)
-  return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, pairs, pairs), out_specs=(pool, pool),
+  v_specs = None if v is None else pool
+  return jax.shard_map(local, mesh=mesh, in_specs=(pool, v_specs, pairs, pairs), out_specs=(pool, v_specs),
                        check_vma=False)(k, v, sources, targets)
 
 
 def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_RTNK, v_RTNK, positions_RT, window,
-                  *, softcap, scale, kernel):
-  """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool)."""
+                  *, softcap, scale, kernel, values_width):
+  """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool; v_pool None without values)."""
   R, T, N, K = k_RTNK.shape
   S = _values(k_pool).shape[2]
   real_RT = jnp.arange(T, dtype=jnp.int32)[None] < new_R[:, None]
@@ -248,18 +263,20 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_R
       return Int8Pages(pool.values.at[where].set(values), pool.scales.at[where].set(scales))
     return pool.at[where].set(new.astype(pool.dtype))
 
-  k_pool, v_pool = write(k_pool, k_RTNK), write(v_pool, v_RTNK)
+  k_pool = write(k_pool, k_RTNK)
+  v_pool = None if v_pool is None else write(v_pool, v_RTNK)
   scales = lambda pool: pool.scales if isinstance(pool, Int8Pages) else None  # noqa: E731
   impl = dict(impl="xla") if kernel is None else dict(impl=kernel.name, interpret=kernel.interpret)
   out, _ = ptx_kernels.paged_attention(q_RTHK, _values(k_pool), _values(v_pool), k_scales=scales(k_pool),
                                        v_scales=scales(v_pool), rows=pairs.rows, pages=pairs.pages,
                                        index=pairs.index, lengths=lengths_R + new_R, q_positions=positions_RT,
-                                       window=window, softcap=softcap, scale=scale, **impl)
+                                       window=window, softcap=softcap, scale=scale, values_width=values_width,
+                                       **impl)
   return out, k_pool, v_pool
 
 
-def _values(pool: Pool) -> jax.Array:
-  """One layer's pool array: its int8 values for `Int8Pages`."""
+def _values(pool: Pool | None) -> jax.Array | None:
+  """One layer's pool array: its int8 values for `Int8Pages` (None for no pool)."""
   return pool.values if isinstance(pool, Int8Pages) else pool
 
 

@@ -49,6 +49,28 @@ def test_matches_reference(helpers, mesh, t, kw, sharded):
   assert helpers.rel_err(lse, ref_lse) < 1e-5
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_cache_without_values_reads_them_as_the_keys_leading_columns(helpers, mesh, sharded):
+  """MLA's latent cache: v_cache None attends as a value cache holding the keys' first columns, int8 included."""
+  q, k, _ = helpers.make_qkv(5, B, 2, S, H, 1, D)  # one latent head that every query head reads
+  # One head: tensor cannot split it (the model's cache passes the axes its KV spec has, none here).
+  fast = jax.jit(functools.partial(pk.decode_attention, block_kv=24, mesh=mesh if sharded else None, head_axes=()),
+                 static_argnames="values_width")
+  out, lse = fast(q, k, None, lengths=LENGTHS, starts=STARTS, values_width=10)
+  want, want_lse = fast(q, k, k[..., :10], lengths=LENGTHS, starts=STARTS)
+  assert out.shape == (B, 2, H, 10)
+  # The same values in the same order of sums: equal.
+  assert jnp.array_equal(out, want) and jnp.array_equal(lse, want_lse)
+  k8 = jax.random.randint(jax.random.key(6), k.shape, -127, 128).astype(jnp.int8)
+  scale = jax.random.uniform(jax.random.key(7), k.shape[:3], minval=0.001, maxval=0.05)
+  out8, _ = fast(q, k8, None, k_scale=scale, lengths=LENGTHS, starts=STARTS, values_width=10)
+  dequantised = k8.astype(jnp.float32) * scale[..., None]
+  # As test_int8_cache_dequantises_per_block: the product of the dequantised block, float32 rounding.
+  assert helpers.rel_err(out8, fast(q, dequantised, dequantised[..., :10], lengths=LENGTHS, starts=STARTS)[0]) < 1e-5
+  with pytest.raises(ValueError, match="values_width must be in .1, 16."):
+    pk.decode_attention(q, k, None, lengths=LENGTHS, values_width=17)
+
+
 def test_blocks_past_the_fill_are_never_read(helpers):
   # NaN beyond max(lengths) would poison any block that touched it.
   q, k, v = helpers.make_qkv(4, B, 1, S, H, KV, D)

@@ -103,3 +103,29 @@ def test_int8_pages_read_as_their_dequantised_values():
   with pytest.raises(ValueError, match="read by impl='xla' only"):
     pk.paged_attention(q, k8, v8, k_scales=k_scales, v_scales=v_scales, impl="pallas_gpu", interpret=True,
                        **common)
+
+
+def test_a_pool_without_values_reads_them_as_the_keys_leading_columns():
+  """MLA's latent pages: v_pages None attends exactly as a value pool holding the keys' first columns, int8 too."""
+  rng, k_pages, _, tables, lengths = _case(2)
+  k_pages = k_pages[:, :1]  # one latent head that every query head reads
+  q = rng.normal(size=(4, 2, H, D)).astype(np.float32)
+  q_positions = np.maximum(lengths[:, None] - 2 + np.arange(2)[None], 0).astype(np.int32)
+  rows, pages, index = _pairs(tables, pad=1)
+  common = dict(rows=rows, pages=pages, index=index, lengths=lengths, q_positions=q_positions, block_pairs=2)
+  out, lse = pk.paged_attention(q, k_pages, None, values_width=5, **common)
+  want, want_lse = pk.paged_attention(q, k_pages, k_pages[..., :5], **common)
+  assert out.shape == (4, 2, H, 5)
+  # The same values in the same order of sums: equal.
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+  k8 = rng.integers(-127, 128, size=k_pages.shape).astype(np.int8)
+  scales = rng.uniform(0.001, 0.05, size=k_pages.shape[:3]).astype(np.float32)
+  out8, _ = pk.paged_attention(q, k8, None, k_scales=scales, values_width=5, **common)
+  dequantised = k8.astype(np.float32) * scales[..., None]
+  want8, _ = pk.paged_attention(q, dequantised, dequantised[..., :5], **common)
+  np.testing.assert_allclose(np.asarray(out8), np.asarray(want8), atol=ATOL, rtol=0)
+  with pytest.raises(ValueError, match="values_width must be in .1, 8."):
+    pk.paged_attention(q, k_pages, None, values_width=9, **common)
+  with pytest.raises(ValueError, match="read by impl='xla' only"):
+    pk.paged_attention(q, k_pages, None, values_width=5, impl="pallas_gpu", interpret=True, **common)

@@ -1,5 +1,6 @@
-"""Multi-head latent attention: its config, weights, naive forward under every attention implementation, and the
-refusal of KV-cache sampling (not built yet). HF parity is in test_hf_deepseek.py."""
+"""Multi-head latent attention: its config, weights, naive forward under every attention implementation, the absorbed
+decode over a latent cache and GRPO through it. HF parity is in test_hf_deepseek.py; the latent pages of the rollout
+engine are tested in tests/sampling/test_engine.py."""
 
 import contextlib
 import dataclasses
@@ -10,18 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_variants import mla_like
+import grpo_steps
+from model_variants import mla_like, moe_like
 from tolerances import assert_close_to_scale
 from ptx import config_rules
-from ptx.config import Config, ConfigError, MeshConfig
+from ptx.config import Config, GRPOConfig, MeshConfig
 from ptx.model_config import MlaConfig, RopeScaling
 from ptx.models import count_params, forward, init_params
-from ptx.models import kv_cache, mla, paged_kv_cache
+from ptx.models import kv_cache, mla
 from ptx.models.attention import interpret_pallas
-from ptx.models.decoder import hidden_with_cache
+from ptx.models.decoder import forward_with_cache
 from ptx.models.memory_floor import training_floor_bytes
 from ptx.models.params import abstract_params
-from ptx.sampling.generation import generate
+from ptx.sampling.rules import SamplingConfig
 from ptx.sharding import make_mesh
 
 # As tests/models/test_attention.py: the kernels sum the softmax in another order than the XLA reference, float32
@@ -103,22 +105,42 @@ def test_every_attention_implementation_takes_the_narrower_values(tiny_config, i
   jax.tree.map(lambda a, b: assert_close_to_scale(a, b, GRADS_REL), g_got, g_want)
 
 
-def test_sampling_with_a_kv_cache_is_refused_naming_the_field(tiny_config):
-  cfg = mla_like(tiny_config)
+def test_the_absorbed_decode_over_a_latent_cache_gives_the_naive_forwards_logits(tiny_config):
+  cfg = mla_like(tiny_config)  # latent 12 + rotary key 4; 8 heads of query/key 14 and values 6
   params = init_params(cfg, jax.random.key(0))
-  with pytest.raises(ValueError, match="model.mla .kv_lora_rank=12.: sampling with a KV cache is not built yet"):
-    kv_cache.init_cache(cfg, 2, 8)
-  with pytest.raises(ValueError, match="model.mla .* KV cache is not built yet"):
-    paged_kv_cache.init_pool(cfg, 4, 16)
-  cache = kv_cache.init_cache(tiny_config, 1, 8)
-  with pytest.raises(ValueError, match="model.mla .* KV cache is not built yet"):
-    hidden_with_cache(params, jnp.zeros((1, 2), jnp.int32), cfg, cache, positions=jnp.zeros((1, 2), jnp.int32))
-  with pytest.raises(ValueError, match="model.mla .* KV cache is not built yet"):
-    generate(params, [[1, 2, 3]], cfg=cfg, max_new_tokens=2, rng=jax.random.key(0))
-  # A GRPO job says so before anything compiles (config_rules.check, as every Job builder calls it).
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+  want = forward(params, tokens, cfg)
+  step = jax.jit(forward_with_cache, static_argnames=("cfg",))
+
+  def prefill_then_decode(cache):
+    logits, cache = step(params, tokens[:, :8], cfg, cache, positions=positions[:, :8])
+    out = [logits]
+    for t in range(8, 12):
+      logits, cache = step(params, tokens[:, t:t + 1], cfg, cache, positions=positions[:, t:t + 1])
+      out.append(logits)
+    return jnp.concatenate(out, axis=1)
+
+  exact = kv_cache.init_cache(cfg, 2, 16)
+  # One KV head: the latent and the rotary key, no values (they are its first 12 columns).
+  assert exact.k[0].shape == (2, 1, 16, 12 + 4) and exact.v is None and exact.v_scale is None
+  # The same scores and outputs re-associated (W_UK on the query, W_UV after attention), float32: 1.2e-6 seen on
+  # logits of scale 3.
+  np.testing.assert_allclose(prefill_then_decode(exact), want, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+  # Int8 latents round each element by up to absmax / 254 of its slot: 0.017 seen; a wrong scale moves logits by
+  # whole units.
+  np.testing.assert_allclose(prefill_then_decode(kv_cache.init_cache(cfg, 2, 16, int8=True)), want, atol=0.1)
+
+
+def test_grpo_samples_through_the_latent_cache_and_its_trainer_agrees(tiny_config):
+  # DeepSeek's shape in miniature: MLA and experts, one layer. The sampler decodes in the absorbed form, the update
+  # scores in the naive one; float32 log-probs of the same tokens agree to rounding.
+  cfg = mla_like(moe_like(grpo_steps.MODEL, shared_mlp_dim=0))
   rl = Config(model=cfg, data=dataclasses.replace(Config().data, kind="rl", pack=False))
-  with pytest.raises(ConfigError, match="model.mla .kv_lora_rank=12.: grpo samples its rollouts with a KV cache"):
-    config_rules.check(rl, "grpo")
+  config_rules.check(rl, "grpo")  # a GRPO job of an MLA model passes the checks every Job builder runs
+  grpo = GRPOConfig(group_size=2, beta=0.04, sampling=SamplingConfig(temperature=0.8), max_staleness=0)
+  _, history = grpo_steps.build(cfg, grpo, grpo_steps.even_tokens).run(1)
+  assert np.isfinite(history[0]["loss"]) and history[0]["rollout/logp_diff_max"] < 1e-5, history[0]
 
 
 def test_the_memory_floor_counts_queries_and_keys_at_their_width_and_values_at_theirs(tiny_config):

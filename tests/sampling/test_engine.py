@@ -1,5 +1,6 @@
 """The rollout engine: greedy == `generate` under any admission order, page size and mesh; log-probs == training's;
-shared prompt pages == copied ones; the same seed gives the same tokens; multi-turn extends; bad requests are named."""
+shared prompt pages == copied ones; the same seed gives the same tokens; multi-turn extends; MLA's latent pages decode
+the full forward's tokens; bad requests are named."""
 
 import dataclasses
 import functools
@@ -7,11 +8,11 @@ import functools
 import jax
 import numpy as np
 import pytest
-from engine_setup import (BUDGETS, ENGINE_VS_TRAINER_ATOL, GREEDY, LONG_BUDGET, PROMPTS, SAMPLED, SHORT, SMALL, TIGHT,
-                          check_greedy, check_on_demand_greedy, forward_jit, greedy_case, greedy_tokens,
-                          grouped_equals_copied, perturbed_params, right_padded, run_requests)
+from engine_setup import (BUDGETS, ENGINE_VS_TRAINER_ATOL, GREEDY, LONG_BUDGET, N_NEW, PROMPTS, SAMPLED, SHORT, SMALL,
+                          TIGHT, argmax_reference, check_greedy, check_on_demand_greedy, forward_jit, greedy_case,
+                          greedy_tokens, grouped_equals_copied, perturbed_params, right_padded, run_requests)
 
-from model_variants import gemma_like, moe_like
+from model_variants import gemma_like, mla_like, moe_like
 from ptx.models.decoder import token_log_probs
 from ptx.models.params import param_shardings
 from ptx.sampling import LENGTH, STOP
@@ -215,6 +216,31 @@ def test_a_restored_snapshot_goes_on_as_the_engine_would_have(tiny_config):
   with pytest.raises(ValueError, match="empty engine"):
     restored.submit(PROMPTS[0], max_new_tokens=1)
     restored.restore(saved)
+
+
+def test_the_latent_pages_decode_the_full_forwards_tokens_on_one_device_and_in_int8_on_a_mesh(tiny_config, mesh):
+  cfg, params, stops, _ = greedy_case(mla_like(tiny_config))
+  want = argmax_reference(params, cfg, PROMPTS, N_NEW)  # the naive forward, re-run over each grown sequence
+  exact = RolloutEngine(cfg, SMALL, sampling=GREEDY)
+  got = run_requests(exact, params, range(len(PROMPTS)), [[]] * len(PROMPTS))
+  for row, budget in enumerate(BUDGETS):
+    np.testing.assert_array_equal(got[row][0].tokens, want[row, :budget], err_msg=f"request {row}")
+  int8_config = dataclasses.replace(SMALL, kv_dtype="int8")
+  int8 = RolloutEngine(cfg, int8_config, sampling=GREEDY, mesh=mesh)  # data 2 x tensor 4: one KV head, unsplit
+  # Per slot and layer one latent of 12 + 4: 16 float32s, or 16 int8s and a scale, where expanded K/V would take
+  # 8 heads x (14 + 6).
+  slots = SMALL.pages * SMALL.page_size * cfg.n_layers
+  assert exact.pool_bytes == slots * 16 * 4 and int8.pool_bytes == slots * (16 + 4)
+  placed = jax.device_put(params, param_shardings(cfg, mesh))
+  quantised = run_requests(int8, placed, range(len(PROMPTS)), [[]] * len(PROMPTS))
+  same = compared = 0
+  for row in range(len(PROMPTS)):
+    (x,), (y,) = got[row], quantised[row]
+    n = next((i for i, (s, t) in enumerate(zip(x.tokens, y.tokens)) if s != t), len(x.tokens))
+    # As tests/sampling/test_int8_pages.py: int8 moves the log-probs of the same tokens by hundredths of a nat.
+    np.testing.assert_allclose(y.log_probs[:n], x.log_probs[:n], atol=0.1, rtol=0, err_msg=f"request {row}")
+    same, compared = same + n, compared + len(x.tokens)
+  assert same >= 0.8 * compared, (same, compared)
 
 
 def test_bad_requests_name_what_is_wrong(tiny_config):

@@ -389,5 +389,6 @@ def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement, i
 
   `placement` is one layer's (`paged_kv_cache.pool_sharding`), or None.
   """
-  out = None if placement is None else ((placement,) * cfg.n_layers,) * 2
+  layers = None if placement is None else (placement,) * cfg.n_layers
+  out = None if placement is None else (layers, None if cfg.mla.enabled else layers)  # MLA pages hold no values
   return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size, int8), out_shardings=out)
