@@ -14,6 +14,7 @@ from ptx_kernels.dense import dense_attention
 from ptx_kernels.flash import flash_attention
 from ptx_kernels.implementation import default_tiles
 from ptx_kernels.lse import merge_lse
+from ptx_kernels.lse import with_sinks
 from ptx_kernels.paged import paged_attention
 from ptx_kernels.reference import reference_attention
 from ptx_kernels.ring import from_zigzag
@@ -32,4 +33,5 @@ __all__ = [
     "reference_attention",
     "ring_attention",
     "to_zigzag",
+    "with_sinks",
 ]

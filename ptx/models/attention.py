@@ -24,6 +24,13 @@ Shapes: q [B, T, H, K]; k [B, S, N, K], v [B, S, N, Kv] with H a multiple of N
 implementation takes values of another width than queries and keys (Kv != K,
 multi-head latent attention) as they are, unpadded.
 
+Attention sinks (`sinks`, gpt-oss): one learned logit per query head that joins
+every softmax's denominator and carries no value. Every implementation applies
+them the same way, to its finished (out, lse) through `ptx_kernels.with_sinks`:
+the kernels' backward passes already take the lse's cotangent, so the gradients
+reach q, k, v and the sinks with no kernel of its own; the ring applies them
+once per row, after its hops are merged. Without sinks the program is unchanged.
+
 Under a mesh, blockwise and pallas run per device inside `shard_map` (batch
 and heads sharded as the activation rules say, the sequence whole): their
 tile loops have trip counts that depend on each row's positions and segments,
@@ -41,6 +48,7 @@ import jax.numpy as jnp
 import ptx_kernels
 from jax.sharding import PartitionSpec
 from ptx_kernels import implementation
+from ptx_kernels import lse as lse_lib
 
 from ptx import sharding
 
@@ -138,6 +146,7 @@ def attention(
     scale: float | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     ring_heads_per_pass: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Causal grouped-query attention with packing, windows and soft-capping.
 
@@ -156,10 +165,14 @@ def attention(
     scale: logit scale; defaults to K ** -0.5.
     rules: the activation rules that say how batch and heads are sharded.
     ring_heads_per_pass: query heads per ring pass (`ptx_kernels.ring_attention`).
+    sinks: float32 [H] attention-sink logits of this layer's query heads
+      (`ptx_kernels.with_sinks`); None: no sinks.
 
   Returns:
     The attention output [B, T, H, Kv] in the dtype of `q`.
   """
+  if sinks is not None:  # before any shard_map splits them
+    lse_lib.check_sinks(sinks, q.shape[2])
   impl = resolve(impl, q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1], v_head_dim=v.shape[-1],
                  rules=rules)
   masks = dict(q_segment_ids=segment_ids, q_positions=positions,
@@ -167,7 +180,7 @@ def attention(
                kv_positions=positions if kv_positions is None else kv_positions,
                causal=True, window=window, softcap=softcap, scale=scale)
   if impl == "xla":
-    return ptx_kernels.dense_attention(q, k, v, **masks)[0]
+    return _output(ptx_kernels.dense_attention(q, k, v, **masks), sinks)
   platform = platform_kernel()
   if impl == "pallas" and platform is None:
     raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {jax.default_backend()!r}; use 'blockwise' "
@@ -176,17 +189,23 @@ def attention(
   if impl == "ring":
     if jax.sharding.get_abstract_mesh().empty:
       raise ValueError("attention impl 'ring' runs over the `seq` axis of the current mesh; none is set")
-    return ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, impl=kernel.name,
-                                      interpret=kernel.interpret, **masks)[0]
-  return _per_device(kernel, q, k, v, masks, rules)
+    return _output(ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, impl=kernel.name,
+                                              interpret=kernel.interpret, **masks), sinks)
+  return _per_device(kernel, q, k, v, masks, rules, sinks)
 
 
-def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.Rules) -> jax.Array:
+def _output(out_lse: tuple[jax.Array, jax.Array], sinks: jax.Array | None) -> jax.Array:
+  """The attention output of an implementation's (out, lse), with the sinks applied where there are any."""
+  out, lse = out_lse
+  return out if sinks is None else ptx_kernels.with_sinks(out, lse, sinks)[0]
+
+
+def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.Rules, sinks) -> jax.Array:
   """Runs the flash `kernel` on each device's rows and heads under shard_map (whole sequences)."""
   flash = functools.partial(ptx_kernels.flash_attention, impl=kernel.name, interpret=kernel.interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return flash(q, k, v, **masks)[0]
+    return _output(flash(q, k, v, **masks), sinks)
   spec = lambda names, x: sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
   q_spec = spec(("batch", None, "heads", None), q)
   kv_spec = spec(("batch", None, "kv_heads", None), k)
@@ -198,8 +217,10 @@ def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.R
   static = {name: x for name, x in masks.items() if name not in arrays}
   specs = {name: PartitionSpec() if name == "window" else PartitionSpec(q_spec[0], None) for name in arrays}
 
-  def local(q, k, v, arrays):
-    return flash(q, k, v, **arrays, **static)[0]
+  sinks_spec = PartitionSpec(q_spec[2])  # split like q's heads; None (no sinks) is an empty tree
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs), out_specs=q_spec,
-                       check_vma=kernel.checks_vma)(q, k, v, arrays)
+  def local(q, k, v, arrays, sinks):
+    return _output(flash(q, k, v, **arrays, **static), sinks)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs, sinks_spec), out_specs=q_spec,
+                       check_vma=kernel.checks_vma)(q, k, v, arrays, sinks)
