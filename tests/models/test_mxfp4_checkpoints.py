@@ -19,6 +19,9 @@ from ptx.models.hf_config import HFConfigError
 from ptx.models.hf_load import CheckpointError, read_tensor
 from ptx.sharding import make_mesh
 
+# The extreme exponents take some values past float32 to inf, as the format defines; numpy warns of each.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in ldexp:RuntimeWarning")
+
 E, D, F = 4, 96, 32  # experts; hidden and expert MLP widths, multiples of the block of 32 (D splits mid-block on 2)
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"  # [E, D, 2F] in the bf16 hub layout
 DOWN = "model.layers.0.mlp.experts.down_proj"  # [E, F, D]
@@ -35,8 +38,11 @@ def e2m1(codes):
 
 
 def reference(blocks, scales):
-  """The format: [..., R, G * 32] float32, element 2j (2j + 1) of a block in byte j's low (high) nibble, times
-  2^(s - 127) (E8M0; 255 is NaN); each product formed exactly in float64, then rounded to float32 once."""
+  """The format's values, float32 [..., R, G * 32], of blocks [..., R, G, 16] and scales [..., R, G].
+
+  Element 2j (2j + 1) of a block is byte j's low (high) nibble, times 2^(s - 127) (E8M0; 255 is NaN); each product
+  is formed exactly in float64, then rounded to float32 once.
+  """
   elements = np.stack([e2m1(blocks & 0x0F), e2m1(blocks >> 4)], axis=-1).reshape(*scales.shape, 32)
   scale = np.where(scales == 255, np.nan, 2.0 ** (scales.astype(np.int64) - 127))
   with np.errstate(over="ignore"):  # 2^127 * 2 and above is past float32: inf, as in the reading under test
@@ -59,8 +65,7 @@ def bits(x):
 
 def test_every_code_and_exponent_dequantises_as_the_spec_defines():
   blocks, scales = packed(np.random.default_rng(0), 2 * F, D)
-  with np.errstate(over="ignore"):
-    got = mxfp4.dequantise(blocks, scales)
+  got = mxfp4.dequantise(blocks, scales)
   assert got.dtype == np.float32 and got.shape == (E, 2 * F, D)
   np.testing.assert_array_equal(bits(got), bits(reference(blocks, scales)))
   assert np.isnan(got).any() and np.isinf(got).any() and np.abs(got[np.isfinite(got) & (got != 0)]).min() == 2.0 ** -128
@@ -72,8 +77,7 @@ def test_every_code_and_exponent_dequantises_as_the_spec_defines():
 def test_bfloat16_holds_every_finite_value():
   """The loader casts the float32 values to the parameter dtype: for bfloat16 that rounds nothing."""
   blocks, scales = packed(np.random.default_rng(1), 2 * F, D, exponents=range(255))
-  with np.errstate(over="ignore"):
-    values = mxfp4.dequantise(blocks, scales)
+  values = mxfp4.dequantise(blocks, scales)
   values = values[np.isfinite(values)]
   np.testing.assert_array_equal(bits(values.astype(jax.numpy.bfloat16).astype(np.float32)), bits(values))
 
@@ -89,8 +93,7 @@ def test_dequantisation_matches_transformers():
     blocks, scales = packed(np.random.default_rng(rows), rows, cols, exponents=range(255))
     theirs = integration.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                                     dtype=torch.float32).numpy()
-    with np.errstate(over="ignore"):
-      ours = mxfp4.read_slice(blocks.__getitem__, scales.__getitem__, (slice(0, E), slice(0, cols), slice(0, rows)))
+    ours = mxfp4.read_slice(blocks.__getitem__, scales.__getitem__, (slice(0, E), slice(0, cols), slice(0, rows)))
     assert ours.shape == theirs.shape == (E, cols, rows)
     np.testing.assert_array_equal(bits(ours), bits(theirs))
 
@@ -122,7 +125,7 @@ def checkpoint(tmp_path_factory):
   rng = np.random.default_rng(3)
   tensors, want = {ROUTER: rng.normal(size=(E, D)).astype(np.float32)}, {}
   for name, rows, cols in [(GATE_UP, 2 * F, D), (DOWN, D, F)]:
-    blocks, scales = packed(rng, rows, cols, exponents=range(110, 140))
+    blocks, scales = packed(rng, rows, cols, exponents=range(255))
     tensors |= {name + "_blocks": blocks, name + "_scales": scales}
     want[name] = reference(blocks, scales).swapaxes(-1, -2)
   want[ROUTER] = tensors[ROUTER]
@@ -137,10 +140,33 @@ def test_the_loader_reads_packed_tensors_in_their_hub_layout(checkpoint):
     np.testing.assert_array_equal(bits(got), bits(want[name]), err_msg=name)
 
 
+@pytest.mark.slow
+def test_transformers_loads_the_same_experts(checkpoint, tmp_path):
+  """transformers' own loading of a gpt-oss MXFP4 directory (dequantised on CPU) gives the same tensors."""
+  torch = pytest.importorskip("torch", reason="HF parity tests need torch (`make test`)")
+  transformers = pytest.importorskip("transformers", reason="HF parity tests need transformers (`make test`)")
+  from safetensors.numpy import load_file, save_file
+
+  config = transformers.GptOssConfig(vocab_size=64, hidden_size=D, intermediate_size=F, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=E,
+                                     num_experts_per_tok=2, layer_types=["full_attention"])
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+  tensors = load_file(tmp_path / "model.safetensors")
+  assert tensors.pop(GATE_UP).shape == (E, D, 2 * F) and tensors.pop(DOWN).shape == (E, F, D)
+  save_file(tensors | load_file(checkpoint[0] / "model.safetensors"), tmp_path / "model.safetensors",
+            metadata={"format": "pt"})
+  hf = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": MXFP4}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+  theirs = model.state_dict()
+  for name in (GATE_UP, DOWN, ROUTER):
+    np.testing.assert_array_equal(bits(theirs[name].numpy()), bits(read_tensor(checkpoint[0], name)), err_msg=name)
+
+
 @pytest.mark.parametrize("spec", [P("expert", None, None), P("expert", "tensor", None)])
 def test_a_sharded_read_reads_each_devices_experts(checkpoint, spec, monkeypatch):
-  """Experts split over `expert`, and with `tensor` the columns too: gate_up's D = 96 in halves of 48 starts a
-  device's slice mid-block."""
+  """Experts split over `expert`, and with `tensor` the columns too (gate_up's D in halves of 48: mid-block)."""
   path, want = checkpoint
   read, read_slice = [], mxfp4.read_slice
   monkeypatch.setattr(mxfp4, "read_slice", lambda *args: read.append(args[-1]) or read_slice(*args))
