@@ -38,34 +38,31 @@ SCALE_SUFFIX = "_scale_inv"
 Index = tuple[slice, slice]
 
 
-def block_size(hf: dict[str, Any], where: str) -> tuple[int, int] | None:
-  """The weight block size of a config.json's FP8 `quantization_config`.
+def block_size(quantization: dict[str, Any], where: str) -> tuple[int, int]:
+  """The weight block size of a config.json's FP8 `quantization_config` (quant_method "fp8").
 
   Args:
-    hf: the parsed config.json.
+    quantization: config.json's `quantization_config`.
     where: the file, for error messages.
 
   Returns:
-    (rows, columns) of a scale block, or None when the checkpoint is not quantised.
+    (rows, columns) of a scale block.
 
   Raises:
-    HFConfigError: naming the field, for any other quantisation: another method or float8 format,
-      static activation scales (calibrated to quantise activations, which a dequantised model would
-      drop silently), or per-tensor scales (no `weight_block_size`).
+    HFConfigError: naming the field, for FP8 that ptx does not read: another float8 format, static activation
+      scales (calibrated to quantise activations, which a dequantised model would drop silently), or per-tensor
+      scales (no `weight_block_size`).
   """
-  q = hf.get("quantization_config")
-  if q is None:
-    return None
   # transformers' FP8 config has no `fmt`: e4m3 is the only format it reads.
-  method, fmt = q.get("quant_method"), q.get("fmt", "e4m3")
-  if method != "fp8" or fmt != "e4m3":
-    raise HFConfigError(f"{where}: quantization_config quant_method={method!r}, fmt={fmt!r} is not supported; ptx "
-                        "reads quant_method 'fp8' with fmt 'e4m3' (float8 weights with block scales)")
-  scheme = q.get("activation_scheme", "dynamic")
+  fmt = quantization.get("fmt", "e4m3")
+  if fmt != "e4m3":
+    raise HFConfigError(f"{where}: quantization_config fmt={fmt!r} is not supported; ptx reads quant_method 'fp8' "
+                        "with fmt 'e4m3' (float8 weights with block scales)")
+  scheme = quantization.get("activation_scheme", "dynamic")
   if scheme != "dynamic":
     raise HFConfigError(f"{where}: quantization_config activation_scheme={scheme!r} is not supported; ptx reads "
                         "'dynamic' (weights alone quantised)")
-  block = q.get("weight_block_size")
+  block = quantization.get("weight_block_size")
   if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
     raise HFConfigError(f"{where}: quantization_config weight_block_size={block!r} is not two positive integers "
                         "(per-tensor FP8 scales are not supported)")

@@ -24,7 +24,11 @@ load dequantised: each float8 e4m3 weight is multiplied by the blocks of its
 `weight_scale_inv` that cover the device's slice (`ptx.models.fp8_blocks`),
 then cast to the parameter dtype; unquantised tensors load as they are. The
 scales' shapes are checked with the other tensors', and `save_hf` writes such
-a model unquantised, without a quantization_config.
+a model unquantised, without a quantization_config. MXFP4 checkpoints
+(quant_method "mxfp4", as gpt-oss ships its MoE experts) load the same way: a
+tensor stored as `X_blocks` and `X_scales` is read in X's bf16 hub layout, each
+device dequantising the experts, rows and column blocks its slice covers
+(`ptx.models.mxfp4`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import functools
 import json
 import os
 import pathlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +46,9 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ptx import paths, sharding
 from ptx.model_config import ModelConfig
-from ptx.models import fp8_blocks, hf_layout
+from ptx.models import fp8_blocks, hf_layout, mxfp4
 from ptx.models.decoder import Decoder
-from ptx.models.hf_config import HFFamily, family_of, interleaved_rope_rows, model_config
+from ptx.models.hf_config import HFConfigError, HFFamily, family_of, interleaved_rope_rows, model_config
 from ptx.models.params import ParamSpec, param_shardings, param_specs
 
 # Buffers that old checkpoints saved and that hold nothing to load.
@@ -65,8 +69,20 @@ class _Tensor(NamedTuple):
   offset: int  # its first byte in the file
 
 
-# An HF tensor to read and its FP8 scale grid (None: stored unquantised).
-_Source = tuple[_Tensor, _Tensor | None]
+class _Quantization(NamedTuple):
+  """How config.json's `quantization_config` says the quantised tensors are stored."""
+
+  method: str  # its quant_method: "fp8" or "mxfp4"
+  block: tuple[int, int] | None  # FP8's weight_block_size; None for MXFP4 (blocks of 32 along a row)
+
+
+class _Source(NamedTuple):
+  """An HF tensor, by its name in the hub layout, and the tensors that store it."""
+
+  shape: tuple[int, ...]  # its hub layout's shape
+  values: _Tensor  # itself, or its float8 values (FP8) or its packed FP4 `X_blocks` (MXFP4)
+  scales: _Tensor | None  # FP8's `X_scale_inv` or MXFP4's `X_scales`; None: stored unquantised
+  stored: tuple[str, ...]  # the (canonical) names of the tensors it is read from
 
 
 def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = None,
@@ -92,7 +108,7 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     FileNotFoundError: when the directory holds no config or weights.
   """
   path = paths.path(path)
-  cfg, family, block, hf = _config(path, dtype)
+  cfg, family, quantization, hf = _config(path, dtype)
   rows = interleaved_rope_rows(hf, family, cfg)
   extra = (hf.get(family.extra_layers_key) or 0) if family.extra_layers_key else 0
   skipped = tuple(f"model.layers.{i}." for i in range(cfg.n_layers, cfg.n_layers + extra))
@@ -103,11 +119,12 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     shardings = param_shardings(cfg, mesh, rules)
   np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
   with paths.local_copy(path) as local:
-    sources = _match(specs, cfg, family, _headers(local), local, block, skipped)
+    sources = _match(specs, cfg, family, _headers(local), local, quantization, skipped)
     params = {
-        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype, block,
-                           rows.get(f"{key}/{leaf}")) for leaf in specs[key]} if isinstance(specs[key], dict) else
-              _load(specs[key], key, sources[key], shardings[key], np_dtype, block))
+        key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype,
+                           quantization, rows.get(f"{key}/{leaf}")) for leaf in specs[key]}
+              if isinstance(specs[key], dict) else
+              _load(specs[key], key, sources[key], shardings[key], np_dtype, quantization))
         for key in specs
     }
   return Decoder(cfg, params=params, rules=rules)
@@ -123,18 +140,73 @@ def read_model_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelCon
   return _config(paths.path(path), dtype)[0]
 
 
-def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, tuple[int, int] | None, dict[str, Any]]:
-  """The config, family, FP8 weight block size (None: unquantised) and parsed dict of a directory's config.json."""
+def read_tensor(path: str | os.PathLike, name: str, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+  """Reads one tensor of a local HF model directory in its hub layout, dequantised as config.json says.
+
+  Args:
+    path: a local directory with `config.json` and safetensors; only its quantization_config is read.
+    name: the tensor's name in the hub layout, also when it is stored quantised (FP8 `X` with `X_scale_inv`,
+      MXFP4 `X_blocks` with `X_scales`).
+    sharding: its placement, each device reading only its slice; None puts it on this process's first device.
+
+  Returns:
+    The tensor: float32 when it is stored quantised, else in its stored dtype.
+
+  Raises:
+    HFConfigError: for a quantization_config that ptx does not read.
+    CheckpointError: when the directory does not hold the tensor, or holds its quantised form wrongly.
+  """
+  path = pathlib.Path(path)
+  quantization = _quantization(_config_json(path), str(path / "config.json"))
+  headers = _headers(path)
+  if name not in headers and name + mxfp4.BLOCKS_SUFFIX not in headers:
+    raise CheckpointError(f"{path}: missing tensor {name!r}")
+  source, handles = _source(name, headers, quantization), {}
+  read = _reader(source, quantization, handles)
+  index_of = lambda index: tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, source.shape))
+  if sharding is None:
+    sharding = SingleDeviceSharding(jax.local_devices()[0])
+  try:
+    return jax.make_array_from_callback(source.shape, sharding, lambda index: read(index_of(index)))
+  finally:
+    handles.clear()
+
+
+def _config(path: paths.Path, dtype: Any) -> tuple[ModelConfig, HFFamily, _Quantization | None, dict[str, Any]]:
+  """The config, family, quantisation (None: unquantised) and parsed dict of a directory's config.json."""
+  hf = _config_json(path)
+  where = str(path / "config.json")
+  family = family_of(hf, where)
+  cfg = model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, where)
+  return cfg, family, _quantization(hf, where), hf
+
+
+def _config_json(path: paths.Path) -> dict[str, Any]:
+  """The parsed config.json of an HF model directory."""
   where = path / "config.json"
   if not where.is_file():
     raise FileNotFoundError(f"{where}: no such file (an HF model directory holds config.json and safetensors)")
   try:
-    hf = json.loads(where.read_text())
+    return json.loads(where.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: not valid JSON ({e})") from e
-  family = family_of(hf, str(where))
-  cfg = model_config(hf, family, None if dtype is None else jnp.dtype(dtype).name, str(where))
-  return cfg, family, fp8_blocks.block_size(hf, str(where)), hf
+
+
+def _quantization(hf: dict[str, Any], where: str) -> _Quantization | None:
+  """How a config.json's `quantization_config` stores the quantised tensors; None when it has none.
+
+  Raises HFConfigError naming the field for a quantisation ptx does not read.
+  """
+  q = hf.get("quantization_config")
+  if q is None:
+    return None
+  method = q.get("quant_method")
+  if method == "fp8":
+    return _Quantization(method, fp8_blocks.block_size(q, where))
+  if method == "mxfp4":  # its other fields (modules_to_not_convert) name what the tensors themselves show
+    return _Quantization(method, None)
+  raise HFConfigError(f"{where}: quantization_config quant_method={method!r} is not supported; ptx reads 'fp8' "
+                      "(float8 weights with block scales) and 'mxfp4' (FP4 blocks with power-of-two scales)")
 
 
 def _headers(path: pathlib.Path) -> dict[str, _Tensor]:
@@ -196,9 +268,9 @@ def _open(file: pathlib.Path) -> Any:
 
 
 def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: dict[str, _Tensor],
-           path: pathlib.Path, block: tuple[int, int] | None,
+           path: pathlib.Path, quantization: _Quantization | None,
            skipped: tuple[str, ...] = ()) -> dict[str, list[list[_Source]]]:
-  """Pairs every ptx parameter with its per-layer HF tensors (and FP8 scales); checks names and shapes.
+  """Pairs every ptx parameter with its per-layer HF tensors (and their quantised forms); checks names and shapes.
 
   Tensors whose names start with a prefix of `skipped` (extra layers the decoder does not run) are left out.
   """
@@ -223,17 +295,17 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: d
     want = hf_layout.hf_shape(leaf, axes, shape)
     layers = cfg.stack_layers(key.split("/")[0]) if stacked else (0,)
     names = [family.names[key].format(i=i, e=e) for i in layers for e in range(experts)]
-    missing = [n for n in names if n not in found]
+    missing = [n for n in names if n not in found and n + mxfp4.BLOCKS_SUFFIX not in found]
     if missing:
       raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (ptx {key}; {len(missing)} missing for it)")
-    for n in names:
-      if found[n].shape != want:
-        raise CheckpointError(f"{found[n].file}: tensor {found[n].name!r} has shape {list(found[n].shape)}, "
-                              f"expected {list(want)} for ptx {key} of the config")
-    pairs = [(found[n], _scale(found[n], found.get(n + fp8_blocks.SCALE_SUFFIX), block)) for n in names]
-    sources[key] = [pairs[i:i + experts] for i in range(0, len(pairs), experts)]
-    expected.update(names)
-    expected.update(n + fp8_blocks.SCALE_SUFFIX for n, (_, scale) in zip(names, pairs) if scale is not None)
+    layer_sources = [_source(n, found, quantization) for n in names]
+    for source in layer_sources:
+      if source.shape != want:
+        packed = "" if source.shape == source.values.shape else f" (MXFP4 blocks of {list(source.shape)})"
+        raise CheckpointError(f"{source.values.file}: tensor {source.values.name!r} has shape "
+                              f"{list(source.values.shape)}{packed}, expected {list(want)} for ptx {key} of the config")
+    sources[key] = [layer_sources[i:i + experts] for i in range(0, len(layer_sources), experts)]
+    expected.update(stored for source in layer_sources for stored in source.stored)
   for canonical, tensor in found.items():
     if canonical not in expected:
       raise CheckpointError(f"{tensor.file}: unexpected tensor {tensor.name!r} for {family.model_type} with this "
@@ -241,16 +313,48 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: d
   return sources
 
 
-def _scale(weight: _Tensor, scale: _Tensor | None, block: tuple[int, int] | None) -> _Tensor | None:
+def _source(name: str, found: dict[str, _Tensor], quantization: _Quantization | None) -> _Source:
+  """How HF tensor `name` (canonical, in `found` itself or as MXFP4 blocks) is stored, its scales checked."""
+  if name not in found:
+    return _mxfp4_source(name, found[name + mxfp4.BLOCKS_SUFFIX], found.get(name + mxfp4.SCALES_SUFFIX), quantization)
+  weight = found[name]
+  scale = _fp8_scale(weight, found.get(name + fp8_blocks.SCALE_SUFFIX), quantization)
+  stored = (name,) if scale is None else (name, name + fp8_blocks.SCALE_SUFFIX)
+  return _Source(weight.shape, weight, scale, stored)
+
+
+def _mxfp4_source(name: str, blocks: _Tensor, scales: _Tensor | None, quantization: _Quantization | None) -> _Source:
+  """The MXFP4 `X_blocks` and `X_scales` of HF tensor `name`, checked against each other."""
+  if quantization is None or quantization.method != "mxfp4":
+    raise CheckpointError(f"{blocks.file}: tensor {blocks.name!r} holds {name!r} in MXFP4 blocks, but config.json has "
+                          f"{_described(quantization)}: quantization_config quant_method 'mxfp4' says how they are "
+                          "stored")
+  if scales is None:
+    raise CheckpointError(f"{blocks.file}: MXFP4 tensor {blocks.name!r} has no scales {name + mxfp4.SCALES_SUFFIX!r}")
+  shape = mxfp4.hub_shape(blocks.shape)
+  if blocks.dtype != mxfp4.PACKED_DTYPE or shape is None:
+    raise CheckpointError(f"{blocks.file}: tensor {blocks.name!r} is {blocks.dtype} of shape {list(blocks.shape)}, "
+                          f"expected {mxfp4.PACKED_DTYPE} of shape [experts, rows, columns / {mxfp4.BLOCK}, "
+                          f"{mxfp4.BLOCK_BYTES}] (config.json quantization_config quant_method 'mxfp4')")
+  if scales.dtype != mxfp4.PACKED_DTYPE or scales.shape != blocks.shape[:-1]:
+    raise CheckpointError(f"{scales.file}: tensor {scales.name!r} is {scales.dtype} of shape {list(scales.shape)}, "
+                          f"expected {mxfp4.PACKED_DTYPE} of shape {list(blocks.shape[:-1])}: a scale per block of "
+                          f"{blocks.name!r} {list(blocks.shape)}")
+  return _Source(shape, blocks, scales, (name + mxfp4.BLOCKS_SUFFIX, name + mxfp4.SCALES_SUFFIX))
+
+
+def _fp8_scale(weight: _Tensor, scale: _Tensor | None, quantization: _Quantization | None) -> _Tensor | None:
   """The FP8 scale grid of `weight`, checked against it; None for an unquantised weight."""
+  block = quantization.block if quantization is not None else None
   if weight.dtype != fp8_blocks.E4M3:
     if scale is not None and block is not None:
       raise CheckpointError(f"{scale.file}: tensor {scale.name!r} scales {weight.name!r}, which is {weight.dtype}, "
                             f"not float8 ({fp8_blocks.E4M3})")
-    return None  # unquantised; without a quantization_config, a scale is named as an unexpected tensor
+    return None  # unquantised; a scale without an FP8 quantization_config is named as an unexpected tensor
   if block is None:
-    raise CheckpointError(f"{weight.file}: tensor {weight.name!r} is float8 ({weight.dtype}), but config.json has no "
-                          "quantization_config (quant_method 'fp8', weight_block_size) to say how it is scaled")
+    raise CheckpointError(f"{weight.file}: tensor {weight.name!r} is float8 ({weight.dtype}), but config.json has "
+                          f"{_described(quantization)}: quantization_config quant_method 'fp8' with a "
+                          "weight_block_size says how it is scaled")
   if scale is None:
     raise CheckpointError(f"{weight.file}: float8 tensor {weight.name!r} has no scales "
                           f"{weight.name + fp8_blocks.SCALE_SUFFIX!r}")
@@ -263,12 +367,17 @@ def _scale(weight: _Tensor, scale: _Tensor | None, block: tuple[int, int] | None
   return scale
 
 
+def _described(quantization: _Quantization | None) -> str:
+  """config.json's quantisation, as an error message names it."""
+  return "no quantization_config" if quantization is None else f"quant_method {quantization.method!r}"
+
+
 def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.sharding.Sharding, dtype: np.dtype,
-          block_size: tuple[int, int] | None, rows: np.ndarray | None = None) -> jax.Array:
+          quantization: _Quantization | None, rows: np.ndarray | None = None) -> jax.Array:
   """Builds one parameter on its sharding, reading each distinct device block once.
 
   `sources[i]` lists layer i's HF tensors: one, or one per expert, of which a
-  block reads only the experts it holds; each with its FP8 scales, or None.
+  block reads only the experts it holds; each as stored or quantised.
   `rows` reorders the HF tensors' first axis (`hf_config.interleaved_rope_rows`).
   """
   stacked = spec.logical_axes[0] == "layers"
@@ -276,20 +385,8 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
   handles: dict[pathlib.Path, Any] = {}
   blocks: dict[tuple, np.ndarray] = {}
 
-  def tensor_slice(tensor: _Tensor) -> Any:
-    if tensor.file not in handles:
-      handles[tensor.file] = _open(tensor.file)
-    return handles[tensor.file].get_slice(tensor.name)
-
   def read_tensor(source: _Source, axes, shape, block: tuple[slice, ...]) -> np.ndarray:
-    weight, scale = source
-    if scale is None:
-      data = tensor_slice(weight)
-      read = data.__getitem__
-    else:
-      values = functools.partial(fp8_blocks.read_e4m3, weight.file, weight.offset, weight.shape)
-      scales = tensor_slice(scale)
-      read = lambda index: fp8_blocks.read_slice(values, scales.__getitem__, index, block_size)
+    read = _reader(source, quantization, handles)
     return hf_layout.read_block(read if rows is None else _reordered(read, rows), leaf, axes, shape, block)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
@@ -316,6 +413,27 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
   finally:
     handles.clear()
     blocks.clear()
+
+
+def _reader(source: _Source, quantization: _Quantization | None,
+            handles: dict[pathlib.Path, Any]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+  """The function that reads a slice of an HF tensor in its hub layout: as stored, or dequantised to float32.
+
+  `handles` keeps the files it opens (one `_open` a file), for the caller to close.
+  """
+
+  def tensor_slice(tensor: _Tensor) -> Any:
+    if tensor.file not in handles:
+      handles[tensor.file] = _open(tensor.file)
+    return handles[tensor.file].get_slice(tensor.name)
+
+  if source.scales is None:
+    return tensor_slice(source.values).__getitem__
+  scales = tensor_slice(source.scales).__getitem__
+  if quantization.method == "mxfp4":
+    return functools.partial(mxfp4.read_slice, tensor_slice(source.values).__getitem__, scales)
+  values = functools.partial(fp8_blocks.read_e4m3, source.values.file, source.values.offset, source.values.shape)
+  return lambda index: fp8_blocks.read_slice(values, scales, index, quantization.block)
 
 
 def _reordered(read: Any, rows: np.ndarray) -> Any:
