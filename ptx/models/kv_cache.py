@@ -233,7 +233,8 @@ def _write_slots(store_BNS: jax.Array, new_BNT: jax.Array, index: jax.Array, seq
 
 def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_BTNK: jax.Array, *,
            positions: jax.Array, window: jax.Array | int | None, softcap: float | None, scale: float,
-           rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, KVCache]:
+           rules: sharding.Rules = sharding.DEFAULT_RULES,
+           sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
   """Writes T new tokens' K/V into layer `layer`, then attends their queries over the filled slots.
 
   A cache with a shared `prefix` (`share_prefix`) also attends over each
@@ -251,6 +252,8 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
     softcap: tanh soft-cap on the logits.
     scale: logit scale.
     rules: the sharding rules; a `seq`-sharded cache is attended in place.
+    sinks: float32 [H] attention-sink logits of the layer's query heads (`ptx_kernels.with_sinks`), applied
+      once, after the slots' shards and the prefix are merged; None: none.
 
   Returns:
     (the attention output [B, T, H, Kv] in q's dtype, the cache with the K/V written).
@@ -271,11 +274,12 @@ def attend(cache: KVCache, layer: int, q_BTHK: jax.Array, k_BTNK: jax.Array, v_B
 
   cache = dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), k_scale=put(cache.k_scale, k_scale),
                               v_scale=put(cache.v_scale, v_scale))
-  if cache.prefix is None:
-    return out, cache
-  out_prefix, lse_prefix = _attend_prefix(cache.prefix, cache.group, layer, q_BTHK, positions, window=window,
-                                          softcap=softcap, scale=scale, values_width=values_width, rules=rules)
-  out, _ = ptx_kernels.merge_lse([out, out_prefix], [lse, lse_prefix])
+  if cache.prefix is not None:
+    out_prefix, lse_prefix = _attend_prefix(cache.prefix, cache.group, layer, q_BTHK, positions, window=window,
+                                            softcap=softcap, scale=scale, values_width=values_width, rules=rules)
+    out, lse = ptx_kernels.merge_lse([out, out_prefix], [lse, lse_prefix])
+  if sinks is not None:
+    out, _ = ptx_kernels.with_sinks(out, lse, sinks)
   return out.astype(q_BTHK.dtype), cache
 
 

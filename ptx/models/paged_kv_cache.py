@@ -106,7 +106,8 @@ class PagedKVCache:
 
   def attend(self, layer: int, q_RTHK: jax.Array, k_RTNK: jax.Array, v_RTNK: jax.Array, *, positions: jax.Array,
              window: jax.Array | int | None, softcap: float | None, scale: float,
-             rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[jax.Array, PagedKVCache]:
+             rules: sharding.Rules = sharding.DEFAULT_RULES,
+             sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
     """Writes the real new tokens' K/V into their pages, then attends every query over its row's cached positions.
 
     Args:
@@ -121,6 +122,7 @@ class PagedKVCache:
       softcap: tanh soft-cap on the logits.
       scale: logit scale.
       rules: the sharding rules (under a mesh: which axes split pages and heads).
+      sinks: float32 [H] attention-sink logits of the layer's query heads (`ptx_kernels.with_sinks`); None: none.
 
     Returns:
       (the attention output [R, T, H, Kv] in q's dtype, the cache with the pages written).
@@ -131,7 +133,7 @@ class PagedKVCache:
                                      values_width=None if self.v is not None else v_RTNK.shape[-1])
     v_pool = None if self.v is None else self.v[layer]
     args = (self.k[layer], v_pool, self.page_table, self.lengths, self.new_tokens, self.pairs, q_RTHK,
-            k_RTNK, v_RTNK, positions, window)
+            k_RTNK, v_RTNK, positions, window, sinks)
     if page_axes is None:
       out, k, v = attend_local(*args)
     else:
@@ -140,7 +142,7 @@ class PagedKVCache:
       new = PartitionSpec(page_axes, None, head_axes, None)
       pairs = Pairs(rows, rows, rows)
       in_specs = (pool, v_spec, rows, rows, rows, pairs, new, new, new, rows,
-                  None if window is None else PartitionSpec())
+                  None if window is None else PartitionSpec(), None if sinks is None else PartitionSpec(head_axes))
       out, k, v = jax.shard_map(attend_local, mesh=mesh, in_specs=in_specs, out_specs=(new, pool, v_spec),
                                 check_vma=False)(*args)
     put = lambda stack, x: None if stack is None else stack[:layer] + (x,) + stack[layer + 1:]  # noqa: E731
@@ -244,7 +246,7 @@ def copy_pages(k: Arrays, v: Arrays | None, sources: jax.Array, targets: jax.Arr
 
 
 def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_RTNK, v_RTNK, positions_RT, window,
-                  *, softcap, scale, kernel, values_width):
+                  sinks, *, softcap, scale, kernel, values_width):
   """`PagedKVCache.attend` on one block of pages and rows: (out, k_pool, v_pool; v_pool None without values)."""
   R, T, N, K = k_RTNK.shape
   S = _values(k_pool).shape[2]
@@ -267,11 +269,13 @@ def _attend_local(k_pool, v_pool, table_RM, lengths_R, new_R, pairs, q_RTHK, k_R
   v_pool = None if v_pool is None else write(v_pool, v_RTNK)
   scales = lambda pool: pool.scales if isinstance(pool, Int8Pages) else None  # noqa: E731
   impl = dict(impl="xla") if kernel is None else dict(impl=kernel.name, interpret=kernel.interpret)
-  out, _ = ptx_kernels.paged_attention(q_RTHK, _values(k_pool), _values(v_pool), k_scales=scales(k_pool),
-                                       v_scales=scales(v_pool), rows=pairs.rows, pages=pairs.pages,
-                                       index=pairs.index, lengths=lengths_R + new_R, q_positions=positions_RT,
-                                       window=window, softcap=softcap, scale=scale, values_width=values_width,
-                                       **impl)
+  out, lse = ptx_kernels.paged_attention(q_RTHK, _values(k_pool), _values(v_pool), k_scales=scales(k_pool),
+                                         v_scales=scales(v_pool), rows=pairs.rows, pages=pairs.pages,
+                                         index=pairs.index, lengths=lengths_R + new_R, q_positions=positions_RT,
+                                         window=window, softcap=softcap, scale=scale, values_width=values_width,
+                                         **impl)
+  if sinks is not None:
+    out, _ = ptx_kernels.with_sinks(out, lse, sinks)
   return out, k_pool, v_pool
 
 
