@@ -37,6 +37,7 @@ PODS = {
     ("grpo_moe", "qwen3_30b_a3b"): ("v5p-64", "grpo_host", None, ()),
     ("sft_chat", "qwen3_235b_a22b"): ("v5p-128", "sft", None, ()),
     ("sft_chat", "kimi_k2"): ("v5p-1024", "sft", None, ()),
+    ("grpo_moe", "kimi_k2"): ("v5p-1024", "grpo_host", None, ()),
 }
 
 
