@@ -62,6 +62,8 @@ class MoeConfig:
   # experts chosen by score + a correction bias that the optimizer never changes (DeepSeek-V3, Kimi K2: their
   # auxiliary-loss-free balancing), gate weights the unbiased scores.
   router: Literal["softmax", "sigmoid"] = "softmax"
+  # Biases on each routed expert's gate, up and down projections (gpt-oss).
+  expert_bias: bool = False
   # Sigmoid routing, group-limited: the experts split into n_groups groups, each scored by its two best experts'
   # biased scores (HF `n_group`; 1: no groups).
   n_groups: int = 1
@@ -154,8 +156,11 @@ class ModelConfig:
   head_dim: int = 32
   # Hidden width of the gated MLP.
   mlp_dim: int = 384
-  # MLP gate activation: "silu" (SwiGLU: Llama, Qwen) or "gelu_tanh" (GeGLU: Gemma).
-  activation: Literal["silu", "gelu_tanh"] = "silu"
+  # MLP gate activation: "silu" (SwiGLU: Llama, Qwen), "gelu_tanh" (GeGLU: Gemma) or "clamped_swiglu" (gpt-oss:
+  # gate and up clamped at swiglu_limit, `ptx.models.gated_mlp`).
+  activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
+  # activation "clamped_swiglu": the gate is clamped above at this, the up projection to +-this (HF `swiglu_limit`).
+  swiglu_limit: float = 7.0
   # RMSNorm epsilon.
   norm_eps: float = 1e-5
   # Gemma-style RMSNorm that scales by (1 + w) with w initialised at 0.
@@ -164,6 +169,10 @@ class ModelConfig:
   post_norms: bool = False
   # Qwen2/2.5: biases on the q, k and v projections.
   qkv_bias: bool = False
+  # gpt-oss: a bias on the attention's output projection.
+  o_bias: bool = False
+  # gpt-oss: a learned logit per head and layer that joins each query's softmax denominator (`sinks` [L, H]).
+  attention_sinks: bool = False
   # Qwen3/Gemma 3: RMSNorm over head_dim on queries and keys.
   qk_norm: bool = False
   # Gemma: multiply embeddings by sqrt(d_model).
@@ -244,6 +253,8 @@ class ModelConfig:
                        f"{self.moe_z_coef}")
     if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
       raise ValueError(f"model.moe_capacity_factor must be > 0 (None: no copy dropped), got {self.moe_capacity_factor}")
+    if not self.swiglu_limit > 0:
+      raise ValueError(f"model.swiglu_limit must be > 0, got {self.swiglu_limit}")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be >= 0 (0: every token at once), got {self.logits_chunk}")
     dense = self.moe.dense_layers

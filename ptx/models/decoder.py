@@ -44,7 +44,7 @@ from ptx.models import params as params_lib
 from ptx.models import rope
 from ptx.models.attention import attention
 from ptx.models.dense import dense
-from ptx.models.gated_mlp import gated_mlp
+from ptx.models.gated_mlp import activation_of, gated_mlp
 from ptx.models.rms_norm import rms_norm
 
 Params = dict[str, Any]
@@ -250,6 +250,10 @@ def hidden_with_cache(
   other tokens share its device's batch. (The shared-prompt loss path, `shared_prefix.grouped_stats`, runs here
   too, dropless as well.)
   """
+  if cfg.attention_sinks:
+    raise ValueError("model.attention_sinks: sampling with a KV cache is not built yet for attention sinks "
+                     "(gpt-oss): a forward against a cache would leave them out; training and log-prob passes "
+                     "without a cache run")
   cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
   x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
@@ -432,6 +436,8 @@ def block(
     if cfg.mla.enabled:
       out = mla.latent_values(p, out, cfg)
   out = lora.project("bthk,hkd->btd", out, p["o"], dtype)
+  if cfg.o_bias:
+    out = out + p["o_bias"].astype(dtype)[None, None]
   if cfg.post_norms:
     out = rms_norm(out, p["attn_post_norm"], cfg)
   x = sharding.constrain(x + out, ("batch", "seq", "embed"), rules)
@@ -442,9 +448,9 @@ def block(
     out, *layer_trace = moe.moe_mlp(p, h, cfg, token_mask=segment_ids != 0, rules=rules, replay=replay)
     trace = moe.Trace(*layer_trace)
     if "gate" in p:  # shared experts
-      out = out + gated_mlp(p, h, cfg.activation, dtype, rules)
+      out = out + gated_mlp(p, h, activation_of(cfg), dtype, rules)
   else:
-    out = gated_mlp(p, h, cfg.activation, dtype, rules)
+    out = gated_mlp(p, h, activation_of(cfg), dtype, rules)
   if cfg.post_norms:
     out = rms_norm(out, p["mlp_post_norm"], cfg)
   return sharding.constrain(x + out, ("batch", "seq", "embed"), rules), cache, trace

@@ -15,7 +15,9 @@ tokens (N of them, split over the batch and sequence axes as everywhere):
   3. `all_to_all` over the EP axes: device j receives every device's copies
      for its own experts, [EP sources, E_local, C, D];
   4. runs its experts' gated MLPs on them (batched einsums over E_local; the
-     hidden units split over `tensor` as the dense MLP's are);
+     hidden units split over `tensor` as the dense MLP's are; expert biases,
+     with `moe.expert_bias`, added per slot, the down projection's on the
+     first `tensor` slice only, so that step 6's sum adds it once);
   5. `all_to_all` back, so each device holds its own copies' outputs;
   6. gathers each copy's output from its slot (a dropped copy's is zero) and
      sums a token's k outputs weighted by its gate weights, in float32; with
@@ -61,21 +63,22 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ptx import sharding
-from ptx.models.gated_mlp import gated_activation
+from ptx.models.gated_mlp import Activation, gated_activation, summed_once
 
 Params = dict[str, Any]
 MeshAxes = str | tuple[str, ...] | None
 
 
-def experts(h: jax.Array, routes: tuple[jax.Array, jax.Array], w: Params, activation: str,
+def experts(h: jax.Array, routes: tuple[jax.Array, jax.Array], w: Params, activation: Activation,
             capacity_factor: float | None, rules: sharding.Rules) -> tuple[jax.Array, jax.Array]:
   """The routed experts on tokens h [B, T, D], run where their weights live (module docstring).
 
   Args:
     h: the normed residual stream [B, T, D] in the compute dtype.
     routes: each token's experts, int32 [B, T, k], and gate weights, float32 [B, T, k] (`moe.Routes`).
-    w: expert_gate, expert_up [E, D, F] and expert_down [E, F, D] in the compute dtype.
-    activation: the gated MLP's activation ("silu", "gelu_tanh").
+    w: expert_gate, expert_up [E, D, F] and expert_down [E, F, D] in the compute dtype (and, with
+      `moe.expert_bias`, expert_gate_bias, expert_up_bias [E, F] and expert_down_bias [E, D]).
+    activation: the gated MLP's activation (`ptx.models.gated_mlp`).
     capacity_factor: `ModelConfig.moe_capacity_factor` (None: no copy dropped).
     rules: the sharding rules: the parameter rules name the EP axes (`experts`) and those of the experts' hidden
       units (`mlp`), the activation rules the token axes.
@@ -93,7 +96,11 @@ def experts(h: jax.Array, routes: tuple[jax.Array, jax.Array], w: Params, activa
   tokens = sharding.logical_to_spec(("batch", "seq", None), rules, shape=h.shape, mesh=mesh)
   w_specs = {"expert_gate": PartitionSpec(ep_axes, None, tensor_axes),
              "expert_up": PartitionSpec(ep_axes, None, tensor_axes),
-             "expert_down": PartitionSpec(ep_axes, tensor_axes, None)}
+             "expert_down": PartitionSpec(ep_axes, tensor_axes, None),
+             "expert_gate_bias": PartitionSpec(ep_axes, tensor_axes),
+             "expert_up_bias": PartitionSpec(ep_axes, tensor_axes),
+             "expert_down_bias": PartitionSpec(ep_axes, None)}
+  w_specs = {name: spec for name, spec in w_specs.items() if name in w}
   split = {axis for axes in tokens for axis in sharding.as_tuple(axes)}
   unsplit = tuple(axis for axis in sharding.as_tuple(ep_axes) if axis not in split)
 
@@ -128,7 +135,7 @@ def capacity(tokens: int, k: int, n_experts: int, capacity_factor: float | None)
   return max(1, min(tokens, math.ceil(capacity_factor * tokens * k / n_experts)))
 
 
-def _local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activation: str,
+def _local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activation: Activation,
            capacity_factor: float | None, ep_axes: MeshAxes, tensor_axes: MeshAxes) -> tuple[jax.Array, jax.Array]:
   """Steps 1-6 of the module docstring on one device's tokens h [b, t, D]: ([b, t, D] float32, dropped [b, t])."""
   b, t, D = h.shape
@@ -146,9 +153,15 @@ def _local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activ
   source = jnp.full((E * C,), N, jnp.int32).at[slot].set(jnp.arange(N * k, dtype=jnp.int32) // k, mode="drop")
   send = jnp.take(h.reshape(N, D), source, axis=0, mode="fill", fill_value=0).reshape(ep, E_local, C, D)
   received = send if ep_axes is None else jax.lax.all_to_all(send, ep_axes, 0, 0)  # [EP sources, E_local, C, D]
-  gate = jnp.einsum("secd,edf->secf", received, w["expert_gate"])
-  up = jnp.einsum("secd,edf->secf", received, w["expert_up"])
+
+  def per_slot(bias: str, summed_over: MeshAxes = None) -> jax.Array | int:
+    """Each slot's row of its expert's bias [E_local, X], as [1, E_local, 1, X] (0 without biases)."""
+    return summed_once(w[bias], summed_over)[None, :, None, :] if bias in w else 0
+
+  gate = jnp.einsum("secd,edf->secf", received, w["expert_gate"]) + per_slot("expert_gate_bias")
+  up = jnp.einsum("secd,edf->secf", received, w["expert_up"]) + per_slot("expert_up_bias")
   out = jnp.einsum("secf,efd->secd", gated_activation(activation, gate, up), w["expert_down"])
+  out = out + per_slot("expert_down_bias", tensor_axes)
   back = out if ep_axes is None else jax.lax.all_to_all(out, ep_axes, 0, 0)  # [EP owners, E_local, C, D]
   copies = jnp.take(back.reshape(E * C, D), slot, axis=0, mode="fill", fill_value=0).reshape(b, t, k, D)
   y = jnp.einsum("btkd,btk->btd", copies.astype(jnp.float32), weights)

@@ -3,6 +3,8 @@
 One MoE layer's parameters (`ptx.models.params`; E experts, D d_model, F `moe.expert_mlp_dim`):
   router [D, E] (+ router_bias [E] with `moe.router_bias`, router_correction [E] with the sigmoid router);
   expert_gate, expert_up [E, D, F]; expert_down [E, F, D]
+  (+ expert_gate_bias, expert_up_bias [E, F] and expert_down_bias [E, D] with `moe.expert_bias`: each copy of a
+  token adds its expert's row, in every implementation's layout)
 and, with shared experts (`moe.shared_mlp_dim`), the dense MLP's gate, up and down, run on every token.
 
 Routing (`route`) from the E float32 router logits, by `moe.router`:
@@ -52,7 +54,7 @@ from ptx import sharding
 from ptx.model_config import ModelConfig, MoeConfig
 from ptx.models import expert_parallel
 from ptx.models.dense import dense
-from ptx.models.gated_mlp import gated_activation
+from ptx.models.gated_mlp import Activation, activation_of, gated_activation, summed_once
 
 Params = dict[str, Any]
 # Statistic name -> float32 value: one layer's scalars, or [L] stacked over a model's layers (empty when dense).
@@ -85,6 +87,10 @@ class Routes(NamedTuple):
 
   ids: jax.Array  # int32 [B, T, k]
   weights: jax.Array  # float32 [B, T, k]
+
+
+# A layer's routed-expert parameters, in the compute dtype inside the layer (the biases with `moe.expert_bias`).
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
 
 
 def resolve_impl(impl: str) -> str:
@@ -200,14 +206,14 @@ def moe_mlp(
   else:
     routes, flips = _token_local(lambda lg, rp, c: _replayed(lg, rp, cfg.moe, c), (logits, replay),
                                  replicated=correction, rules=rules)
-  experts = {name: p[name].astype(cfg.compute_dtype) for name in ("expert_gate", "expert_up", "expert_down")}
-  dropped = None
+  experts = {name: p[name].astype(cfg.compute_dtype) for name in EXPERT_WEIGHTS if name in p}
+  activation, dropped = activation_of(cfg), None
   if resolve_impl(cfg.moe_impl) == "dense":
-    y = _dense_experts(h, routes, experts, cfg.activation)
+    y = _dense_experts(h, routes, experts, activation)
   elif resolve_impl(cfg.moe_impl) == "expert_parallel":
-    y, dropped = expert_parallel.experts(h, routes, experts, cfg.activation, cfg.moe_capacity_factor, rules)
+    y, dropped = expert_parallel.experts(h, routes, experts, activation, cfg.moe_capacity_factor, rules)
   else:
-    y = _ragged_on_devices(h, routes, experts, cfg.activation, rules)
+    y = _ragged_on_devices(h, routes, experts, activation, rules)
   y = sharding.constrain(y.astype(h.dtype), ("batch", "seq", "embed"), rules)
   stats = statistics(logits, routes, token_mask, cfg.moe)
   if dropped is not None:
@@ -314,17 +320,20 @@ def _token_local(fn, tokens: tuple[jax.Array, ...], *, replicated: Any, rules: s
                        out_specs=spec)(*tokens, replicated)
 
 
-def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: str) -> jax.Array:
+def _dense_experts(h: jax.Array, routes: Routes, w: Params, activation: Activation) -> jax.Array:
   """Every expert on every token [B, T, D], combined by the gate weights (zero off the route): float32 [B, T, D]."""
   E = w["expert_gate"].shape[0]
-  gate = jnp.einsum("btd,edf->ebtf", h, w["expert_gate"])
-  up = jnp.einsum("btd,edf->ebtf", h, w["expert_up"])
+  per_expert = lambda name: w[name][:, None, None, :] if name in w else 0  # a bias [E, X] on [E, B, T, X]
+  gate = jnp.einsum("btd,edf->ebtf", h, w["expert_gate"]) + per_expert("expert_gate_bias")
+  up = jnp.einsum("btd,edf->ebtf", h, w["expert_up"]) + per_expert("expert_up_bias")
   out = jnp.einsum("ebtf,efd->ebtd", gated_activation(activation, gate, up), w["expert_down"])
+  out = out + per_expert("expert_down_bias")
   combine = jnp.einsum("btke,btk->bte", jax.nn.one_hot(routes.ids, E, dtype=jnp.float32), routes.weights)
   return jnp.einsum("bte,ebtd->btd", combine, out.astype(jnp.float32))
 
 
-def _ragged_on_devices(h: jax.Array, routes: Routes, w: Params, activation: str, rules: sharding.Rules) -> jax.Array:
+def _ragged_on_devices(h: jax.Array, routes: Routes, w: Params, activation: Activation,
+                       rules: sharding.Rules) -> jax.Array:
   """`_ragged_local` on each device's tokens under the current mesh (or on all of them without one): [B, T, D].
 
   Tokens split over the batch and sequence axes stay where they are; the
@@ -339,12 +348,15 @@ def _ragged_on_devices(h: jax.Array, routes: Routes, w: Params, activation: str,
   spec = lambda names, x: sharding.logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
   tokens = spec(("batch", "seq", None), h)
   hidden = spec((None, None, "mlp"), w["expert_gate"])
-  w_specs = {"expert_gate": hidden, "expert_up": hidden, "expert_down": PartitionSpec(None, hidden[2], None)}
+  w_specs = {"expert_gate": hidden, "expert_up": hidden, "expert_down": PartitionSpec(None, hidden[2], None),
+             "expert_gate_bias": PartitionSpec(None, hidden[2]), "expert_up_bias": PartitionSpec(None, hidden[2]),
+             "expert_down_bias": PartitionSpec()}
+  w_specs = {name: spec for name, spec in w_specs.items() if name in w}
   return jax.shard_map(functools.partial(local, tensor_axis=hidden[2]), mesh=mesh,
                        in_specs=(tokens, tokens, tokens, w_specs), out_specs=tokens)(h, ids, weights, w)
 
 
-def _ragged_local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activation: str,
+def _ragged_local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *, activation: Activation,
                   tensor_axis: str | tuple[str, ...] | None) -> jax.Array:
   """Sorted token copies through grouped matmuls, on one device's tokens h [B, T, D]: [B, T, D] float32.
 
@@ -357,9 +369,15 @@ def _ragged_local(h: jax.Array, ids: jax.Array, weights: jax.Array, w: Params, *
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   copies = _permute(jnp.repeat(h.reshape(B * T, D), k, axis=0), order, inverse)
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-  gate = jax.lax.ragged_dot(copies, w["expert_gate"], sizes)
-  up = jax.lax.ragged_dot(copies, w["expert_up"], sizes)
+
+  def per_copy(bias: str, summed_over: str | tuple[str, ...] | None = None) -> jax.Array | int:
+    """Each sorted copy's row of its expert's bias [E, X] (0 without biases)."""
+    return jnp.take(summed_once(w[bias], summed_over), flat[order], axis=0) if bias in w else 0
+
+  gate = jax.lax.ragged_dot(copies, w["expert_gate"], sizes) + per_copy("expert_gate_bias")
+  up = jax.lax.ragged_dot(copies, w["expert_up"], sizes) + per_copy("expert_up_bias")
   out = jax.lax.ragged_dot(gated_activation(activation, gate, up), w["expert_down"], sizes)
+  out = out + per_copy("expert_down_bias", tensor_axis)
   out = _permute(out, inverse, order).reshape(B, T, k, D)
   y = jnp.einsum("btkd,btk->btd", out.astype(jnp.float32), weights)
   return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)

@@ -10,11 +10,14 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
   layers: attn_norm [L, D]; q [L, D, H, K]; k, v [L, D, N, K]; o [L, H, K, D];
           mlp_norm [L, D]; gate, up [L, D, F]; down [L, F, D]
           + q_bias [L, H, K], k_bias, v_bias [L, N, K]   (qkv_bias)
+          + o_bias [L, D]                                 (o_bias)
+          + sinks [L, H]                                  (attention_sinks)
           + q_norm, k_norm [L, K]                         (qk_norm)
           + attn_post_norm, mlp_post_norm [L, D]          (post_norms)
   Mixture-of-Experts layers (moe.n_experts E > 0, F' moe.expert_mlp_dim, ptx.models.moe) replace gate, up and
   down with router [L, D, E]; expert_gate, expert_up [L, E, D, F']; expert_down [L, E, F', D]
           + router_bias [L, E]                            (moe.router_bias)
+          + expert_gate_bias, expert_up_bias [L, E, F']; expert_down_bias [L, E, D]   (moe.expert_bias)
           + router_correction [L, E], not trainable       (moe.router "sigmoid")
           + gate, up [L, D, S]; down [L, S, D]            (the shared experts, S moe.shared_mlp_dim > 0)
   Multi-head latent attention layers (mla.kv_lora_rank C > 0, Q mla.q_lora_rank, Kn mla.qk_nope_head_dim, K
@@ -110,6 +113,10 @@ def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamS
     layers["expert_gate"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_up"] = layer((E, D, F), ("experts", "embed", "mlp"))
     layers["expert_down"] = layer((E, F, D), ("experts", "mlp", "embed"))
+    if moe.expert_bias:
+      layers["expert_gate_bias"] = layer((E, F), ("experts", "mlp"), zeros)
+      layers["expert_up_bias"] = layer((E, F), ("experts", "mlp"), zeros)
+      layers["expert_down_bias"] = layer((E, D), ("experts", "embed"), zeros)
   if not moe_mlp or moe.shared_mlp_dim:
     S = moe.shared_mlp_dim if moe_mlp else F
     layers["gate"] = layer((D, S), ("embed", "mlp"))
@@ -119,6 +126,10 @@ def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamS
     layers["q_bias"] = layer((H, K), ("heads", "head_dim"), zeros)
     layers["k_bias"] = layer((N, K), ("kv_heads", "head_dim"), zeros)
     layers["v_bias"] = layer((N, K), ("kv_heads", "head_dim"), zeros)
+  if cfg.o_bias:
+    layers["o_bias"] = layer((D,), ("embed",), zeros)
+  if cfg.attention_sinks:  # a sink of logit 0 at first; HF draws them like weights, but trained ones are O(1)
+    layers["sinks"] = layer((H,), ("heads",), zeros)
   if cfg.qk_norm:
     layers["q_norm"] = layer((K,), ("head_dim",), norm)
     layers["k_norm"] = layer((K,), ("head_dim",), norm)
@@ -229,10 +240,13 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def count_active_params(cfg: ModelConfig) -> int:
-  """Parameters one token runs through: all of them, less the routed experts it is not sent to."""
+  """Parameters one token runs through: all of them, less the routed experts (weights and biases) it is not sent to."""
   moe = cfg.moe
-  idle = moe.n_experts - moe.experts_per_token if moe.enabled else 0
-  return count_params(cfg) - cfg.n_moe_layers * idle * 3 * cfg.d_model * moe.expert_mlp_dim
+  if not moe.enabled:
+    return count_params(cfg)
+  routed = sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec)
+               if "experts" in s.logical_axes)
+  return count_params(cfg) - (moe.n_experts - moe.experts_per_token) * routed // moe.n_experts
 
 
 def trainable_mask(cfg: ModelConfig) -> Params | None:
@@ -242,10 +256,13 @@ def trainable_mask(cfg: ModelConfig) -> Params | None:
 
 
 def weight_decay_mask(cfg: ModelConfig) -> Params:
-  """True for trainable matrices (decayed), False for norms, biases and what is not trainable (not decayed)."""
+  """True for trainable matrices (decayed), False for norms, biases and what is not trainable (not decayed).
+
+  A routed expert's bias [E, F] is a vector per expert, as a layer's is a vector per layer: not a matrix.
+  """
 
   def is_matrix(spec: ParamSpec) -> bool:
-    return spec.trainable and sum(a not in ("layers", "head_dim") for a in spec.logical_axes) >= 2
+    return spec.trainable and sum(a not in ("layers", "head_dim", "experts") for a in spec.logical_axes) >= 2
 
   return jax.tree.map(is_matrix, param_specs(cfg), is_leaf=_is_spec)
 

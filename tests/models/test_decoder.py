@@ -263,12 +263,12 @@ def test_cpu_forward_computes_rope_trig_once(tiny_config):
       assert output and math.prod(int(n) for n in output.group(1).split(",")) <= table_size, block[:500]
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "clamped_swiglu"])
 def test_gated_activation_gradients_equal_autodiff(activation):
-  """The written-out backward of act(gate) * up gives autodiff's gradients."""
+  """The written-out backward of act(gate, up) gives autodiff's gradients (clamped past a limit of 2 here)."""
   gate, up, d_out = jax.random.normal(jax.random.key(4), (3, 2, 5, 16)) * 3
-  plain = lambda g, u: gated_mlp._ACTIVATIONS[activation](g) * u
-  fused = functools.partial(gated_mlp.gated_activation, activation)
+  plain = lambda g, u: gated_mlp._ACTIVATIONS[activation](g, u, 2.0)
+  fused = functools.partial(gated_mlp.gated_activation, gated_mlp.Activation(activation, 2.0))
   np.testing.assert_array_equal(jax.jit(fused)(gate, up), jax.jit(plain)(gate, up))  # the same elementwise ops
   want = jax.jit(lambda g, u, d: jax.vjp(plain, g, u)[1](d))(gate, up, d_out)
   got = jax.jit(lambda g, u, d: jax.vjp(fused, g, u)[1](d))(gate, up, d_out)

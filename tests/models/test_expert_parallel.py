@@ -17,6 +17,7 @@ from ptx.model_config import ModelConfig, MoeConfig
 from ptx.models import expert_parallel, init_params, moe
 from ptx.models.chunked_logits import token_stats
 from ptx.models.decoder import forward, hidden_states, hidden_with_cache
+from ptx.models.gated_mlp import activation_of
 from ptx.models.kv_cache import init_cache
 from ptx.models.params import param_specs
 from ptx.sampling.generation import generate_padded
@@ -41,27 +42,27 @@ def _mesh(name):
   return sharding.make_mesh(MeshConfig(seq=1, **MESHES[name]))
 
 
-def _layer(seed=0):
+def _layer(seed=0, cfg=CFG):
   """One MoE layer's parameters, perturbed so that the router bias matters and the experts differ."""
-  layer = jax.tree.map(lambda w: w[0], init_params(CFG, jax.random.key(seed))["layers"])
-  layer = {name: layer[name] for name in ("router", "router_bias", "expert_gate", "expert_up", "expert_down")}
+  layer = jax.tree.map(lambda w: w[0], init_params(cfg, jax.random.key(seed))["layers"])
+  layer = {name: layer[name] for name in ("router", "router_bias", *moe.EXPERT_WEIGHTS) if name in layer}
   keys = jax.random.split(jax.random.key(seed + 1), len(layer))
   return {name: w + 0.3 * jax.random.normal(key, w.shape) for (name, w), key in zip(sorted(layer.items()), keys)}
 
 
-def _placed(p, h, mesh):
-  axes = {name: spec.logical_axes[1:] for name, spec in param_specs(CFG)["layers"].items() if name in p}
+def _placed(p, h, mesh, cfg=CFG):
+  axes = {name: spec.logical_axes[1:] for name, spec in param_specs(cfg)["layers"].items() if name in p}
   tokens = sharding.named_shardings(("batch", "seq", None), h, mesh, kind="activations")
   return jax.device_put(p, sharding.named_shardings(axes, p, mesh)), jax.device_put(h, tokens)
 
 
-def _mlp(p, h, impl, capacity_factor=None):
-  cfg = dataclasses.replace(CFG, moe_impl=impl, moe_capacity_factor=capacity_factor)
+def _mlp(p, h, impl, capacity_factor=None, cfg=CFG):
+  cfg = dataclasses.replace(cfg, moe_impl=impl, moe_capacity_factor=capacity_factor)
   return moe.moe_mlp(p, h, cfg, token_mask=jnp.ones(h.shape[:2], bool), rules=sharding.DEFAULT_RULES)
 
 
-def _value_and_grad(impl):
-  return jax.jit(jax.value_and_grad(lambda p, h: jnp.sum(jnp.sin(_mlp(p, h, impl)[0])), argnums=(0, 1)))
+def _value_and_grad(impl, cfg=CFG):
+  return jax.jit(jax.value_and_grad(lambda p, h: jnp.sum(jnp.sin(_mlp(p, h, impl, cfg=cfg)[0])), argnums=(0, 1)))
 
 
 @pytest.mark.parametrize("mesh_name, batch", [(None, B), *((name, B) for name in MESHES), ("data2_expert4", 2)],
@@ -82,6 +83,25 @@ def test_expert_parallel_equals_dense_forward_and_gradients(mesh_name, batch):
     assert got[1][0]["expert_gate"].sharding.spec[0] == "expert"  # each device holds 2 of the 8 experts
   assert_close(got, want)
   assert float(jnp.abs(got[1][0]["router"]).sum()) > 0  # the router learns through the gate weights
+
+
+# gpt-oss's experts: a bias on each projection and the SwiGLU clamped (at 1: these weights pass it).
+GPT_OSS_EXPERTS = dataclasses.replace(CFG, activation="clamped_swiglu", swiglu_limit=1.0,
+                                      moe=dataclasses.replace(CFG.moe, expert_bias=True))
+
+
+@pytest.mark.parametrize("mesh_name", ["data2_expert4", "expert4_tensor2"])
+def test_expert_biases_and_the_clamped_swiglu_equal_dense(mesh_name):
+  """Each slot adds its expert's bias rows; with hidden units over tensor, the down projection's on one slice only."""
+  cfg = GPT_OSS_EXPERTS
+  p, h = _layer(cfg=cfg), jax.random.normal(jax.random.key(2), (B, T, CFG.d_model))
+  want = _value_and_grad("dense", cfg)(p, h)
+  mesh = _mesh(mesh_name)
+  with jax.set_mesh(mesh):
+    got = _value_and_grad("expert_parallel", cfg)(*_placed(p, h, mesh, cfg))
+  assert got[1][0]["expert_down_bias"].sharding.spec[0] == "expert"
+  assert_close(got, want)
+  assert float(jnp.abs(want[1][0]["expert_down_bias"]).sum(axis=-1).min()) > 0  # every expert's bias learns
 
 
 def test_auto_is_expert_parallel_where_the_mesh_has_an_expert_axis():
@@ -116,7 +136,7 @@ def test_a_lowered_capacity_drops_copies_counts_them_and_leaves_the_rest_exact()
   assert 0 < dropped.sum() < dropped.size
   assert float(stats["tokens_dropped"]) == pytest.approx(dropped.mean(), rel=1e-6)
   # A dropped copy adds nothing: the dense reference with those copies' gate weights zeroed.
-  want = moe._dense_experts(h, moe.Routes(routes.ids, routes.weights * ~dropped), p, CFG.activation)
+  want = moe._dense_experts(h, moe.Routes(routes.ids, routes.weights * ~dropped), p, activation_of(CFG))
   assert_close(y, want)
 
 

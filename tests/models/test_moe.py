@@ -106,6 +106,32 @@ def test_implementations_on_eight_devices_equal_one_device(moe_cfg, axes):
     assert_close(got, want)
 
 
+def gpt_oss_experts(cfg):
+  """`cfg` with gpt-oss's experts: a bias on each projection, the SwiGLU clamped (at 1: these weights pass it)."""
+  return dataclasses.replace(cfg, activation="clamped_swiglu", swiglu_limit=1.0,
+                             moe=dataclasses.replace(cfg.moe, expert_bias=True))
+
+
+def test_expert_biases_and_the_clamped_swiglu_agree_in_every_implementation(moe_cfg):
+  """Ragged adds each sorted copy's bias rows, dense each expert's; with hidden units over tensor the down
+  projection's bias is added on one slice only, so that the sum over tensor counts it once."""
+  cfg = gpt_oss_experts(moe_cfg)
+  p = _layer(cfg)
+  h = jax.random.normal(jax.random.key(4), (4, 8, cfg.d_model))
+  loss = lambda impl: jax.jit(jax.value_and_grad(lambda p, h: jnp.sum(jnp.sin(_mlp(p, h, cfg, impl)[0]))))
+  want = loss("dense")(p, h)
+  for name in ("expert_gate_bias", "expert_up_bias", "expert_down_bias"):  # every expert's biases learn
+    assert float(jnp.abs(want[1][name]).sum(axis=-1).min()) > 0, name
+  assert_close(loss("ragged")(p, h), want)
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2, seq=1))
+  layer_axes = {name: spec.logical_axes[1:] for name, spec in param_specs(cfg)["layers"].items()}
+  placed = jax.device_put(p, sharding.named_shardings(layer_axes, p, mesh))
+  assert placed["expert_gate_bias"].sharding.spec[1] == "tensor"
+  for impl in ("dense", "ragged"):
+    with jax.set_mesh(mesh):
+      assert_close(loss(impl)(placed, jax.device_put(h, sharding.batch_sharding(mesh, 3))), want)
+
+
 def test_ragged_on_a_mesh_sorts_each_devices_tokens_in_place(moe_cfg):
   """No collective moves tokens: with tokens over data and experts whole, the ragged forward has no all-gather."""
   p = _layer(moe_cfg)

@@ -12,6 +12,7 @@ from scripted_episodes import MODEL
 from ptx import sharding
 from ptx.model_config import MoeConfig
 from ptx.models import moe
+from ptx.models.gated_mlp import activation_of
 from ptx.models.params import init_params
 from ptx.models.shared_prefix import rollout_stats
 from ptx.sampling.generation import generate_padded
@@ -66,7 +67,7 @@ def test_replayed_experts_are_used_with_live_gate_weights_and_the_router_still_l
   routes = moe.Routes(jnp.asarray(want_ids, jnp.int32), moe.gate_weights(logits, jnp.asarray(want_ids, jnp.int32),
                                                                          cfg.moe))
   experts = {name: p[name] for name in ("expert_gate", "expert_up", "expert_down")}
-  np.testing.assert_allclose(y, moe._dense_experts(h, routes, experts, cfg.activation), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y, moe._dense_experts(h, routes, experts, activation_of(cfg)), rtol=1e-5, atol=1e-6)
   # Flips: the copies of the router's own choice missing from the record, over the recorded tokens (9 of 10):
   # token (0, 0) misses 1 of 2, the 8 others 2 of 2.
   assert float(stats["route_flips"]) == pytest.approx((0.5 + 8) / 9)
