@@ -16,14 +16,18 @@ bias, a layer pattern that is not "every p-th layer global") raises
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import json
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
 from ptx.model_config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
+from ptx.models.hf_layout import HF_LAYOUTS, Layout
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# config.json keys whose value the decoder fixes for every family (unless `HFFamily.fixed` says otherwise).
+_FIXED = {"mlp_bias": False, "attention_bias": False, "use_bidirectional_attention": False}
 # ModelConfig field -> config.json key, for the Gemma-only attention options.
 _GEMMA_KEYS = (("attn_logit_softcap", "attn_logit_softcapping"), ("final_logit_softcap", "final_logit_softcapping"),
                ("query_pre_attn_scalar", "query_pre_attn_scalar"))
@@ -69,6 +73,13 @@ class HFFamily:
   # config.json key counting extra layers after the last, whose tensors the decoder skips (DeepSeek-V3's
   # multi-token prediction modules, `num_nextn_predict_layers`, as transformers skips them).
   extra_layers_key: str | None = None
+  # ModelConfig field -> the config.json key of this family that holds it (gpt-oss's `swiglu_limit`), read and written.
+  keys: dict[str, str] = dataclasses.field(default_factory=dict)
+  # config.json keys whose value the decoder fixes for this family beyond `_FIXED` (gpt-oss's attention_bias true):
+  # a file with another value is refused; written as they are.
+  fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Where each parameter's axes sit in its HF tensor (`ptx.models.hf_layout`; gpt-oss: `FUSED_EXPERTS`).
+  layouts: Mapping[str, Layout] = dataclasses.field(default_factory=lambda: HF_LAYOUTS)
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -116,9 +127,10 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
       raise HFConfigError(f"{where}: missing {key!r}")
     return c[key]
 
-  for key in ("mlp_bias", "attention_bias", "use_bidirectional_attention"):
-    if c.get(key):
-      raise HFConfigError(f"{where}: {key}=true is not supported by the ptx decoder")
+  for key, value in {**_FIXED, **family.fixed}.items():
+    if c.get(key) is not None and c[key] != value:
+      raise HFConfigError(f"{where}: {key}={json.dumps(c[key])} is not supported by the ptx decoder for "
+                          f"{family.model_type} (only {json.dumps(value)})")
   activation = c.get("hidden_activation") or c.get("hidden_act")
   if activation not in _ACTIVATIONS:
     raise HFConfigError(f"{where}: hidden activation {activation!r} is not one of {sorted(_ACTIVATIONS)}")
@@ -141,6 +153,7 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
       final_logit_softcap=c.get("final_logit_softcapping"), param_dtype=dtype, compute_dtype=dtype)
   if "query_pre_attn_scalar" in c:
     cfg = dataclasses.replace(cfg, query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
+  cfg = dataclasses.replace(cfg, **{field: need(key) for field, key in family.keys.items()})
   try:
     if family.moe_keys:
       cfg = dataclasses.replace(cfg, moe=_moe(c, family, n_layers, where))
@@ -192,6 +205,11 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     if getattr(cfg, field) != value:
       raise HFConfigError(f"{family.model_type} needs model.{field}={value!r}, got {getattr(cfg, field)!r}")
   name = family.model_type
+  if cfg.activation not in _ACTIVATIONS.values() and "activation" not in family.features:
+    raise HFConfigError(f"{name} has no model.activation={cfg.activation!r}")
+  for field in ("o_bias", "attention_sinks"):
+    if getattr(cfg, field) and not family.features.get(field):
+      raise HFConfigError(f"{name} has no model.{field}; got {getattr(cfg, field)}")
   if cfg.mla.enabled != family.mla:
     raise HFConfigError(f"{name} {'has' if family.mla else 'has no'} multi-head latent attention; got "
                         f"model.mla.kv_lora_rank={cfg.mla.kv_lora_rank}")
@@ -239,6 +257,8 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants int
   out.update({keys[0]: getattr(cfg.moe, field) for field, keys in family.moe_keys.items()})
+  out.update({key: getattr(cfg, field) for field, key in family.keys.items()})
+  out.update(family.fixed)
   if "n_shared_experts" in out:
     if cfg.moe.shared_mlp_dim % cfg.moe.expert_mlp_dim:
       raise HFConfigError(f"{name} counts shared experts in routed experts' widths: model.moe.shared_mlp_dim="

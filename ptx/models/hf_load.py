@@ -37,7 +37,7 @@ import functools
 import json
 import os
 import pathlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,9 +122,9 @@ def load_hf(path: str | os.PathLike, *, mesh: Mesh | None = None, dtype: Any = N
     sources = _match(specs, cfg, family, _headers(local), local, quantization, skipped)
     params = {
         key: ({leaf: _load(specs[key][leaf], leaf, sources[f"{key}/{leaf}"], shardings[key][leaf], np_dtype,
-                           quantization, rows.get(f"{key}/{leaf}")) for leaf in specs[key]}
+                           quantization, rows.get(f"{key}/{leaf}"), family.layouts) for leaf in specs[key]}
               if isinstance(specs[key], dict) else
-              _load(specs[key], key, sources[key], shardings[key], np_dtype, quantization))
+              _load(specs[key], key, sources[key], shardings[key], np_dtype, quantization, layouts=family.layouts))
         for key in specs
     }
   return Decoder(cfg, params=params, rules=rules)
@@ -289,10 +289,10 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: d
     stacked = spec.logical_axes[0] == "layers"
     leaf = key.split("/")[-1]
     axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
-    experts = shape[0] if hf_layout.per_expert(axes) else 1
-    if hf_layout.per_expert(axes):  # one HF tensor per expert
+    experts = shape[0] if hf_layout.per_expert(leaf, axes, family.layouts) else 1
+    if hf_layout.per_expert(leaf, axes, family.layouts):  # one HF tensor per expert
       axes, shape = axes[1:], shape[1:]
-    want = hf_layout.hf_shape(leaf, axes, shape)
+    want = hf_layout.hf_shape(leaf, axes, shape, family.layouts)
     layers = cfg.stack_layers(key.split("/")[0]) if stacked else (0,)
     names = [family.names[key].format(i=i, e=e) for i in layers for e in range(experts)]
     missing = [n for n in names if n not in found and n + mxfp4.BLOCKS_SUFFIX not in found]
@@ -373,12 +373,13 @@ def _described(quantization: _Quantization | None) -> str:
 
 
 def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.sharding.Sharding, dtype: np.dtype,
-          quantization: _Quantization | None, rows: np.ndarray | None = None) -> jax.Array:
+          quantization: _Quantization | None, rows: np.ndarray | None = None,
+          layouts: Mapping[str, hf_layout.Layout] = hf_layout.HF_LAYOUTS) -> jax.Array:
   """Builds one parameter on its sharding, reading each distinct device block once.
 
   `sources[i]` lists layer i's HF tensors: one, or one per expert, of which a
   block reads only the experts it holds; each as stored or quantised.
-  `rows` reorders the HF tensors' first axis (`hf_config.interleaved_rope_rows`).
+  `rows` reorders the HF tensors' first axis (`hf_config.interleaved_rope_rows`); `layouts` is the family's.
   """
   stacked = spec.logical_axes[0] == "layers"
   axes, shape = (spec.logical_axes[1:], spec.shape[1:]) if stacked else (spec.logical_axes, spec.shape)
@@ -387,10 +388,10 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
 
   def read_tensor(source: _Source, axes, shape, block: tuple[slice, ...]) -> np.ndarray:
     read = _reader(source, quantization, handles)
-    return hf_layout.read_block(read if rows is None else _reordered(read, rows), leaf, axes, shape, block)
+    return hf_layout.read_block(read if rows is None else _reordered(read, rows), leaf, axes, shape, block, layouts)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
-    if not hf_layout.per_expert(axes):
+    if not hf_layout.per_expert(leaf, axes, layouts):
       return read_tensor(sources[i][0], axes, shape, block)
     return np.stack([read_tensor(sources[i][e], axes[1:], shape[1:], block[1:])
                      for e in range(block[0].start, block[0].stop)])

@@ -84,6 +84,8 @@ def infer_model_type(cfg: ModelConfig) -> str:
   """The HF model_type whose architecture has exactly the config's features."""
   if cfg.mla.enabled:
     return "deepseek_v3"
+  if cfg.attention_sinks:
+    return "gpt_oss"
   if cfg.moe.enabled:
     return "qwen3_moe" if cfg.qk_norm else "mixtral"
   if cfg.post_norms:
@@ -155,9 +157,27 @@ def save_safetensors(tensors: dict[str, np.ndarray], file: paths.Path) -> None:
 
 
 def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (HF name, array) per layer and parameter, fetching one parameter at a time."""
+  """Yields (HF name, array) per layer and parameter, fetching one parameter at a time.
+
+  A tensor that fuses several parameters (`hf_layout.Part`: gpt-oss's gate_up_proj) is yielded once its last part is
+  written into it, so host memory then holds the earlier parts' tensors as well.
+  """
   specs = param_specs(cfg)
   rows = interleaved_rope_rows({}, family, cfg)  # save_hf writes rope_interleave=true where the family has it
+  fused: dict[str, tuple[np.ndarray, int]] = {}  # HF name -> (the tensor, parts written into it)
+
+  def tensor(name: str, x: np.ndarray, leaf: str, axes: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]:
+    parts = [a.count for group in family.layouts[leaf] for a in group if isinstance(a, hf_layout.Part)]
+    if not parts:
+      yield name, hf_layout.to_hf(x, leaf, axes, family.layouts)
+      return
+    into, written = fused.pop(name, (None, 0))
+    into = hf_layout.to_hf(x, leaf, axes, family.layouts, into=into)
+    if written + 1 == parts[0]:
+      yield name, into
+    else:
+      fused[name] = (into, written + 1)
+
   for key, value in specs.items():
     for leaf, spec in (value.items() if isinstance(value, dict) else [(key, value)]):
       array = params[key][leaf] if isinstance(value, dict) else params[key]
@@ -167,15 +187,17 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
         continue
       path = f"{key}/{leaf}" if isinstance(value, dict) else key
       if spec.logical_axes[0] != "layers":
-        yield family.names[path], hf_layout.to_hf(host, leaf, spec.logical_axes)
+        yield from tensor(family.names[path], host, leaf, spec.logical_axes)
         continue
       layers = cfg.stack_layers(key)  # the stack's position j holds layer layers[j]
-      if hf_layout.per_expert(spec.logical_axes[1:]):  # one HF tensor per layer and expert
+      axes = spec.logical_axes[1:]
+      if hf_layout.per_expert(leaf, axes, family.layouts):  # one HF tensor per layer and expert
         for j, e in np.ndindex(*host.shape[:2]):
-          yield family.names[path].format(i=layers[j], e=e), hf_layout.to_hf(host[j, e], leaf, spec.logical_axes[2:])
+          yield from tensor(family.names[path].format(i=layers[j], e=e), host[j, e], leaf, axes[1:])
+      elif path in rows:  # the checkpoint's row rows[r] holds ptx's row r
+        for j, i in enumerate(layers):
+          hf = hf_layout.to_hf(host[j], leaf, axes, family.layouts)
+          yield family.names[path].format(i=i), hf[np.argsort(rows[path])]
       else:
         for j, i in enumerate(layers):
-          tensor = hf_layout.to_hf(host[j], leaf, spec.logical_axes[1:])
-          if path in rows:  # the checkpoint's row rows[r] holds ptx's row r
-            tensor = tensor[np.argsort(rows[path])]
-          yield family.names[path].format(i=i), tensor
+          yield from tensor(family.names[path].format(i=i), host[j], leaf, axes)

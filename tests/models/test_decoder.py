@@ -207,6 +207,9 @@ PUBLISHED = {
     "deepseek_v3_671b": 671_026_419_200,
     # Kimi K2's model card says "1T"; this is the sum over its config.json's shapes (ptx/models/deepseek.py).
     "kimi_k2": 1_026_408_232_448,
+    # gpt-oss's model card: 20.91B and 116.83B (the hub checkpoints' shapes, bf16 as before MXFP4 packing).
+    "gpt_oss_20b": 20_914_757_184,
+    "gpt_oss_120b": 116_829_156_672,
 }
 # Active parameters of the Mixtures of Experts, as Qwen's model card rounds them ("3.3B activated", "22B") and as
 # the dense count of Mixtral's embeddings, attention and two of eight experts ("12.9B").

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hf_parity import hf_logits as _hf_logits
+from hf_parity import ptx_logits as _ptx_logits
+from hf_parity import randomize as _randomize
 from ptx.config import MeshConfig
 from ptx.models import hf_config, load_hf, save_hf
 from ptx.models.hf_load import CheckpointError
@@ -50,23 +53,6 @@ FAMILIES = {
     "qwen3_moe_mixed": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
                                           norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=2)),
 }
-
-
-def _randomize(model, seed):
-  torch.manual_seed(seed)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.copy_(torch.randn_like(p) * 0.2)
-  return model.eval()
-
-
-def _hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
-
-
-def _ptx_logits(model, tokens):
-  return np.asarray(model(jnp.asarray(tokens, jnp.int32)))
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -9,10 +9,12 @@ in ptx and to the same logits in transformers.
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hf_parity import hf_logits as _hf_logits
+from hf_parity import ptx_logits as _ptx_logits
+from hf_parity import randomize
 from ptx.config import MeshConfig
 from ptx.models import hf_config, load_hf, save_hf
 from ptx.models.params import param_shardings
@@ -35,24 +37,13 @@ _CONFIG = dict(vocab_size=264, hidden_size=40, intermediate_size=96, moe_interme
 VARIANTS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}}
 
 
-def _hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
-
-
-def _ptx_logits(model, tokens):
-  return np.asarray(model(jnp.asarray(tokens, jnp.int32)))
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory):
   """(name, directory, tokens, transformers logits) of a saved tiny random DeepSeek-V3."""
   config = transformers.DeepseekV3Config(**{**_CONFIG, **VARIANTS[request.param]})
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-  torch.manual_seed(0)
+  randomize(model, 0)  # norms included, so that their weights matter
   with torch.no_grad():
-    for p in model.parameters():  # norms included, so that their weights matter
-      p.copy_(torch.randn_like(p) * 0.2)
     for layer in model.model.layers[config.first_k_dense_replace:]:  # a buffer, zero in a fresh model
       layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts))
   model.eval()
