@@ -427,9 +427,11 @@ def block(
   k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
   v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
   if cache is None:
+    # The sinks join a float32 softmax's denominator, whatever the parameters' dtype.
+    sinks = p["sinks"].astype(jnp.float32) if cfg.attention_sinks else None
     out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
                     window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
-                    ring_heads_per_pass=cfg.ring_heads_per_pass)
+                    ring_heads_per_pass=cfg.ring_heads_per_pass, sinks=sinks)
   else:
     out, cache = cache.attend(layer_index, q, k, v, positions=positions, window=window,
                               softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)

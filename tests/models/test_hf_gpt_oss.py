@@ -3,9 +3,10 @@ a clamped SwiGLU) against transformers.
 
 A tiny GptOssForCausalLM with every weight redrawn (biases, sinks, the router's bias and the norms included; a
 fresh model has zero expert biases) and a swiglu_limit low enough that the clamps bite, saved by transformers, loaded
-by ptx: logits within 1e-4 of transformers' in float32, as tests/models/test_hf.py asks of every family; saved back,
-the directory holds transformers' own tensors bit for bit (gate and up interleaved again) and loads in both; loaded
-onto 8 devices with the experts split over `expert`, it computes the same logits through the expert-parallel layer.
+by ptx: logits within 1e-4 of transformers' in float32, as tests/models/test_hf.py asks of every family, and every
+weight's gradient as torch's autograd gives it; saved back, the directory holds transformers' own tensors bit for bit
+(gate and up interleaved again) and loads in both; loaded onto 8 devices with the experts split over `expert`, it
+computes the same logits through the expert-parallel layer. The hub's MXFP4 experts load to transformers' logits too.
 """
 
 import json
@@ -18,7 +19,7 @@ import pytest
 from hf_parity import hf_logits, ptx_logits, randomize
 from ptx.config import MeshConfig
 from ptx.model_config import MODEL_PRESETS, ModelConfig
-from ptx.models import hf_config, load_hf, moe, save_hf
+from ptx.models import Decoder, forward, hf_config, load_hf, moe, save_hf
 from ptx.models.decoder import forward_with_cache
 from ptx.models.gated_mlp import Activation, gated_activation
 from ptx.models.kv_cache import init_cache
@@ -90,6 +91,27 @@ def test_save_hf_writes_transformers_tensors_and_loads_back_bit_exact(checkpoint
     np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
+def test_gradients_match_transformers(checkpoint, tmp_path):
+  """Every weight's gradient of a loss on the logits, in HF's names and layout (written by save_hf), against torch's
+  autograd: the sinks', the biases', the router's through its top-k softmax, the clamped SwiGLU's backward."""
+  path, tokens, expected = checkpoint
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+  probe = np.random.default_rng(2).normal(size=expected.shape).astype(np.float32)
+  (hf(torch.tensor(tokens)).logits * torch.tensor(probe)).sum().backward()
+  model = load_hf(path)
+  loss = lambda params: jnp.sum(forward(params, jnp.asarray(tokens, jnp.int32), model.cfg) * probe)
+  save_hf(Decoder(model.cfg, params=jax.grad(loss)(model.params)), tmp_path)
+  from safetensors.numpy import load_file
+
+  ours = load_file(tmp_path / "model.safetensors")
+  assert ours.keys() == {name for name, _ in hf.named_parameters()}
+  for name, p in hf.named_parameters():
+    want = p.grad.numpy()
+    # Sums over 48 tokens and 4 layers in float32, in another order: 1e-4 of the leaf's largest entry, as the
+    # expert-parallel tests bound a gradient.
+    np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-4 * float(np.abs(want).max()), err_msg=name)
+
+
 def test_loads_with_the_experts_split_over_expert_and_runs_them_expert_parallel(checkpoint):
   path, tokens, expected = checkpoint
   mesh = make_mesh(MeshConfig(data=1, fsdp=1, expert=4, tensor=2))
@@ -108,6 +130,38 @@ def test_loads_with_the_experts_split_over_expert_and_runs_them_expert_parallel(
   # Sharded vs one device: float32 sums over devices in another order, logits of O(1).
   np.testing.assert_allclose(got, unsharded, atol=1e-5, rtol=0)
   np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)  # HF parity, as above
+
+
+def test_an_mxfp4_checkpoint_gives_transformers_logits(tmp_path):
+  """The hub's form: the experts as MXFP4 blocks and scales (quantization_config "mxfp4"), dequantised by ptx's
+  loader and by transformers' (dequantize=True) into the fused layout: the same logits."""
+  from safetensors.numpy import load_file, save_file
+
+  # Widths that are multiples of MXFP4's blocks of 32: gate_up_proj contracts D = 64, down_proj F = 32.
+  D, F, E = 64, 32, _CONFIG["num_local_experts"]
+  config = transformers.GptOssConfig(**{**_CONFIG, "hidden_size": D, "intermediate_size": F, "num_hidden_layers": 2})
+  randomize(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"), 0).save_pretrained(
+      tmp_path)
+  tensors, rng = load_file(tmp_path / "model.safetensors"), np.random.default_rng(4)
+  for i in range(config.num_hidden_layers):
+    for name, rows, contracted in (("gate_up_proj", 2 * F, D), ("down_proj", D, F)):
+      stem = f"model.layers.{i}.mlp.experts.{name}"
+      del tensors[stem]  # blocks [E, rows, contracted / 32, 16] of random codes, scales 2^-9 .. 2^-4
+      tensors[stem + "_blocks"] = rng.integers(0, 256, (E, rows, contracted // 32, 16), dtype=np.uint8)
+      tensors[stem + "_scales"] = rng.integers(118, 124, (E, rows, contracted // 32), dtype=np.uint8)
+  save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+  hf = json.loads((tmp_path / "config.json").read_text())
+  hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                    "model.layers.*.mlp.router",
+                                                                                    "model.embed_tokens", "lm_head"]}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+      attn_implementation="eager")
+  tokens = np.random.default_rng(1).integers(0, _CONFIG["vocab_size"], (2, T))
+  # HF parity in float32, as above (the dequantised weights are exact in both).
+  np.testing.assert_allclose(ptx_logits(load_hf(tmp_path), tokens), hf_logits(theirs.eval(), tokens), atol=1e-4,
+                             rtol=0)
 
 
 def test_router_is_transformers_top_k_of_logits_then_softmax():
