@@ -132,6 +132,18 @@ def test_expert_biases_and_the_clamped_swiglu_agree_in_every_implementation(moe_
       assert_close(loss(impl)(placed, jax.device_put(h, sharding.batch_sharding(mesh, 3))), want)
 
 
+def test_biases_and_sinks_are_not_decayed_and_idle_experts_biases_are_not_active(moe_cfg):
+  from ptx.models.params import count_active_params, count_params, weight_decay_mask
+
+  cfg = dataclasses.replace(gpt_oss_experts(moe_cfg), o_bias=True, attention_sinks=True)
+  decay = weight_decay_mask(cfg)["layers"]
+  assert decay["expert_gate"] and decay["expert_down"] and decay["o"]
+  assert not any(decay[name] for name in ("expert_gate_bias", "expert_up_bias", "expert_down_bias", "o_bias",
+                                          "sinks"))
+  D, F, idle = cfg.d_model, cfg.moe.expert_mlp_dim, cfg.moe.n_experts - cfg.moe.experts_per_token
+  assert count_active_params(cfg) == count_params(cfg) - cfg.n_layers * idle * (3 * D * F + 2 * F + D)
+
+
 def test_ragged_on_a_mesh_sorts_each_devices_tokens_in_place(moe_cfg):
   """No collective moves tokens: with tokens over data and experts whole, the ragged forward has no all-gather."""
   p = _layer(moe_cfg)
