@@ -250,10 +250,6 @@ def hidden_with_cache(
   other tokens share its device's batch. (The shared-prompt loss path, `shared_prefix.grouped_stats`, runs here
   too, dropless as well.)
   """
-  if cfg.attention_sinks:
-    raise ValueError("model.attention_sinks: sampling with a KV cache is not built yet for attention sinks "
-                     "(gpt-oss): a forward against a cache would leave them out; training and log-prob passes "
-                     "without a cache run")
   cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
   x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
@@ -426,15 +422,15 @@ def block(
   q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), rules)
   k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"), rules)
   v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"), rules)
+  # The sinks join a float32 softmax's denominator, whatever the parameters' dtype.
+  sinks = p["sinks"].astype(jnp.float32) if cfg.attention_sinks else None
   if cache is None:
-    # The sinks join a float32 softmax's denominator, whatever the parameters' dtype.
-    sinks = p["sinks"].astype(jnp.float32) if cfg.attention_sinks else None
     out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
                     window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
                     ring_heads_per_pass=cfg.ring_heads_per_pass, sinks=sinks)
   else:
     out, cache = cache.attend(layer_index, q, k, v, positions=positions, window=window,
-                              softcap=cfg.attn_logit_softcap, scale=scale, rules=rules)
+                              softcap=cfg.attn_logit_softcap, scale=scale, rules=rules, sinks=sinks)
     if cfg.mla.enabled:
       out = mla.latent_values(p, out, cfg)
   out = lora.project("bthk,hkd->btd", out, p["o"], dtype)

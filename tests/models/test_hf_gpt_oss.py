@@ -6,9 +6,11 @@ fresh model has zero expert biases) and a swiglu_limit low enough that the clamp
 by ptx: logits within 1e-4 of transformers' in float32, as tests/models/test_hf.py asks of every family, and every
 weight's gradient as torch's autograd gives it; saved back, the directory holds transformers' own tensors bit for bit
 (gate and up interleaved again) and loads in both; loaded onto 8 devices with the experts split over `expert`, it
-computes the same logits through the expert-parallel layer. The hub's MXFP4 experts load to transformers' logits too.
+computes the same logits through the expert-parallel layer; decoding through the KV cache gives the same logits and
+transformers' greedy tokens. The hub's MXFP4 experts load to transformers' logits too.
 """
 
+import functools
 import json
 
 import jax
@@ -164,6 +166,35 @@ def test_an_mxfp4_checkpoint_gives_transformers_logits(tmp_path):
                              rtol=0)
 
 
+def test_decoding_through_the_kv_cache_attends_with_the_sinks(checkpoint):
+  """Prefill 8 tokens, then one at a time through the KV cache, past the sliding window: the full forward's logits
+  (HF's, to HF parity); and fed its own argmax, the cache continues the prompts as transformers' greedy `generate`."""
+  path, tokens, expected = checkpoint
+  model, prompt = load_hf(path), 8
+  step = jax.jit(functools.partial(forward_with_cache, cfg=model.cfg))
+
+  def decode(feed):
+    """Logits [2, T, V] of the prompt and then of `feed(t, logits of token t - 1)`'s token at each position t."""
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    logits, cache = step(model.params, jnp.asarray(tokens[:, :prompt], jnp.int32), cache=init_cache(model.cfg, 2, T),
+                         positions=positions[:, :prompt])
+    out = [logits]
+    for t in range(prompt, T):
+      logits, cache = step(model.params, feed(t, logits[:, -1]), cache=cache, positions=positions[:, t:t + 1])
+      out.append(logits)
+    return np.asarray(jnp.concatenate(out, axis=1))
+
+  # HF parity, as above (the cache's softmax sums its slots in another order than the forward's).
+  np.testing.assert_allclose(decode(lambda t, _: jnp.asarray(tokens[:, t:t + 1], jnp.int32)), expected, atol=1e-4,
+                             rtol=0)
+  greedy = decode(lambda t, last: jnp.argmax(last, axis=-1)[:, None].astype(jnp.int32))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+  with torch.no_grad():
+    want = hf.generate(torch.tensor(tokens[:, :prompt]), do_sample=False, max_new_tokens=T - prompt + 1,
+                       min_new_tokens=T - prompt + 1, pad_token_id=0).numpy()[:, prompt:]
+  np.testing.assert_array_equal(np.argmax(greedy[:, prompt - 1:], axis=-1), want)
+
+
 def test_router_is_transformers_top_k_of_logits_then_softmax():
   """gpt-oss's router (top-k of the logits, a softmax over those k) is ptx's softmax router renormalised."""
   config = transformers.GptOssConfig(**_CONFIG)
@@ -195,7 +226,7 @@ def test_clamped_swiglu_is_transformers_apply_gate():
 
 
 def test_refusals_name_the_field(checkpoint, tmp_path):
-  path, tokens, _ = checkpoint
+  path, _, _ = checkpoint
   config = json.loads((path / "config.json").read_text())
   for change, message in (({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5 is not supported"),
                           ({"attention_bias": False}, "attention_bias=false is not supported")):
@@ -205,10 +236,6 @@ def test_refusals_name_the_field(checkpoint, tmp_path):
   for field, value in (("o_bias", True), ("attention_sinks", True), ("activation", "clamped_swiglu")):
     with pytest.raises(hf_config.HFConfigError, match=f"model.{field}"):  # llama would drop it
       hf_config.hf_config(ModelConfig(**{field: value}), hf_config.FAMILIES["llama"])
-  model = load_hf(path)
-  with pytest.raises(ValueError, match="model.attention_sinks"):  # no sampling until the caches take sinks
-    forward_with_cache(model.params, jnp.asarray(tokens[:, :4], jnp.int32), model.cfg,
-                       init_cache(model.cfg, 2, 8), positions=jnp.broadcast_to(jnp.arange(4), (2, 4)))
 
 
 # The model card's active counts, 3.61B and 5.13B, leave out the embedding table (a token reads one row of it) and
