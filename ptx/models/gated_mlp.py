@@ -37,6 +37,7 @@ def activation_of(cfg: ModelConfig) -> Activation:
 
 
 def _clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+  """gpt-oss's activation (module docstring), as transformers' `GptOssExperts._apply_gate` computes it."""
   gate = jnp.minimum(gate, limit)
   return gate * jax.nn.sigmoid(CLAMPED_SWIGLU_ALPHA * gate) * (jnp.clip(up, -limit, limit) + 1)
 

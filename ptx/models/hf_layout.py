@@ -94,6 +94,7 @@ def per_expert(leaf: str, axes: tuple[str | None, ...], layouts: Mapping[str, La
 
 
 def _size(axis: str | None | Part, sizes: dict) -> int:
+  """A layout entry's size: its axis's in `sizes`, or a Part's interleave count."""
   return axis.count if isinstance(axis, Part) else sizes[axis]
 
 

@@ -167,6 +167,7 @@ def _hf_tensors(params: dict, cfg: ModelConfig, family: HFFamily, writer: bool) 
   fused: dict[str, tuple[np.ndarray, int]] = {}  # HF name -> (the tensor, parts written into it)
 
   def tensor(name: str, x: np.ndarray, leaf: str, axes: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]:
+    """HF tensor `name` of one layer's `x`, or nothing yet while a fused tensor waits for its other parts."""
     parts = [a.count for group in family.layouts[leaf] for a in group if isinstance(a, hf_layout.Part)]
     if not parts:
       yield name, hf_layout.to_hf(x, leaf, axes, family.layouts)
