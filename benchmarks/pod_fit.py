@@ -38,6 +38,7 @@ PODS = {
     ("sft_chat", "qwen3_235b_a22b"): ("v5p-128", "sft", None, ()),
     ("sft_chat", "kimi_k2"): ("v5p-1024", "sft", None, ()),
     ("grpo_moe", "kimi_k2"): ("v5p-1024", "grpo_host", None, ()),
+    ("grpo_moe", "gpt_oss_20b"): ("v5p-8", "grpo_host", None, ()),
 }
 
 

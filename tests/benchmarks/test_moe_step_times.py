@@ -34,7 +34,8 @@ def test_pod_fit_lines_are_pod_fit_py_records_of_the_moe_pod_presets(import_benc
   monkeypatch.syspath_prepend(str(RECIPES))  # as benchmarks/pod_fit.py would put it, but for this test only
   presets = moe.moe_pod_presets()
   assert presets == [("grpo_moe", "qwen3_30b_a3b"), ("sft_chat", "qwen3_235b_a22b"),
-                     ("sft_chat", "kimi_k2"), ("grpo_moe", "kimi_k2")]  # the dense presets left out
+                     ("sft_chat", "kimi_k2"), ("grpo_moe", "kimi_k2"),
+                     ("grpo_moe", "gpt_oss_20b")]  # the dense presets left out
   assert ("sft_chat", "llama3_8b") in moe.pod_fit.PODS
   runs = []
 
