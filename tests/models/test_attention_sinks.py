@@ -8,6 +8,7 @@ distinct. Gradients are taken in q, k, v and the sinks. The Pallas kernels run t
 
 import contextlib
 import dataclasses
+import functools
 import types
 
 import jax
@@ -147,13 +148,16 @@ def test_the_caches_attend_with_sinks_as_attention_does():
   positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
   want = attention(q[:, :n], k[:, :n], v[:, :n], segment_ids=jnp.ones((B, n), jnp.int32), positions=positions,
                    impl="xla", sinks=sinks)
-  calls = [(0, prompt), (prompt, prompt + 1), (prompt + 1, n)]  # prefill, one decode step, a chunk of three
+  calls = ((0, prompt), (prompt, prompt + 1), (prompt + 1, n))  # prefill, one decode step, a chunk of three
 
-  def run(cache, rows):
+  @functools.partial(jax.jit, static_argnums=1)  # one program per cache: eager, each op would compile alone
+  def run(cache, calls):
     outs = []
     for start, stop in calls:
-      out, cache = cache.attend(0, q[rows, start:stop], k[rows, start:stop], v[rows, start:stop],
-                                positions=positions[rows, start:stop], window=None, softcap=None, scale=D ** -0.5,
+      if isinstance(cache, paged_kv_cache.PagedKVCache):  # its rows take this call's tokens
+        cache = dataclasses.replace(cache, new_tokens=jnp.full((B,), stop - start, jnp.int32))
+      out, cache = cache.attend(0, q[:, start:stop], k[:, start:stop], v[:, start:stop],
+                                positions=positions[:, start:stop], window=None, softcap=None, scale=D ** -0.5,
                                 sinks=sinks)
       outs.append(out)
       cache = cache.advance(stop - start)
@@ -162,28 +166,18 @@ def test_the_caches_attend_with_sinks_as_attention_does():
   cfg = types.SimpleNamespace(n_layers=1, cache_kv_heads=N, cache_head_dim=D, compute_dtype=jnp.float32,
                               mla=types.SimpleNamespace(enabled=False))
   # As REL: the same float32 softmax in another order of sums.
-  np.testing.assert_allclose(run(kv_cache.init_cache(cfg, B, 16), slice(None)), want, atol=REL, rtol=REL)
+  np.testing.assert_allclose(run(kv_cache.init_cache(cfg, B, 16), calls), want, atol=REL, rtol=REL)
   # The prompt once in a prefix cache of one row, each row's own tokens in a cache of two.
   prefix = kv_cache.init_cache(cfg, 1, 16)
   _, prefix = prefix.attend(0, q[:1, :prompt], k[:1, :prompt], v[:1, :prompt], positions=positions[:1, :prompt],
                             window=None, softcap=None, scale=D ** -0.5)
   shared = kv_cache.share_prefix(prefix.advance(prompt), group=2, slots=8)
-  calls = calls[1:]
-  np.testing.assert_allclose(run(shared, slice(None)), want[:, prompt:], atol=REL, rtol=REL)
+  np.testing.assert_allclose(run(shared, calls[1:]), want[:, prompt:], atol=REL, rtol=REL)
   # Pages of 4 slots: row 0 on pages 1-3, row 1 on 4-6, read as (row, page) pairs that split each row's softmax.
-  calls = [(0, prompt), (prompt, prompt + 1), (prompt + 1, n)]
   table = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
   pairs = paged_kv_cache.Pairs(rows=jnp.repeat(jnp.arange(2, dtype=jnp.int32), 3), pages=table.reshape(-1),
                                index=jnp.tile(jnp.arange(3, dtype=jnp.int32), 2))
   pool = jnp.zeros((7, N, 4, D), jnp.float32)  # page 0 is the sink page no row reads
-  cache = paged_kv_cache.PagedKVCache(k=(pool,), v=(pool,), page_table=table, lengths=jnp.zeros((B,), jnp.int32),
+  paged = paged_kv_cache.PagedKVCache(k=(pool,), v=(pool,), page_table=table, lengths=jnp.zeros((B,), jnp.int32),
                                       new_tokens=jnp.zeros((B,), jnp.int32), pairs=pairs)
-  outs = []
-  for start, stop in calls:
-    cache = dataclasses.replace(cache, new_tokens=jnp.full((B,), stop - start, jnp.int32))
-    out, cache = cache.attend(0, q[:, start:stop], k[:, start:stop], v[:, start:stop],
-                              positions=positions[:, start:stop], window=None, softcap=None, scale=D ** -0.5,
-                              sinks=sinks)
-    outs.append(out)
-    cache = cache.advance(stop - start)
-  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=REL, rtol=REL)
+  np.testing.assert_allclose(run(paged, calls), want, atol=REL, rtol=REL)
