@@ -38,9 +38,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array | None, values_width: int
     if x is not None and x.ndim != 4:
       raise ValueError(
           f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
-  if v is None and not (isinstance(values_width, int) and 1 <= values_width <= k.shape[3]):
-    raise ValueError(f"v None reads the values as the first values_width columns of k {k.shape}: values_width must "
-                     f"be in [1, {k.shape[3]}], got {values_width!r}")
+  if v is None:
+    check_values_width(values_width, k.shape[3])
   if v is not None and k.shape[:3] != v.shape[:3]:
     raise ValueError(f"k {k.shape} and v {v.shape} differ in [batch, seq, heads]")
   if q.shape[0] != k.shape[0]:
@@ -50,6 +49,13 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array | None, values_width: int
   if q.shape[2] % k.shape[2]:
     raise ValueError(
         f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+
+
+def check_values_width(values_width, key_width: int) -> None:
+  """Raises ValueError unless values read as the keys' first columns (no value array) have a width in [1, key_width]."""
+  if not (isinstance(values_width, int) and 1 <= values_width <= key_width):
+    raise ValueError(f"without a value array the values are the first values_width columns of the keys: "
+                     f"values_width must be in [1, {key_width}], got {values_width!r}")
 
 
 def _ids(x, name: str, shape: tuple[int, int]) -> jax.Array:

@@ -95,15 +95,14 @@ def paged_attention(
   v_pages = None if v_pages is None else jnp.asarray(v_pages)
   r, t, h, d = q.shape
   kvh = k_pages.shape[1]
-  if v_pages is None and not (isinstance(values_width, int) and 1 <= values_width <= d and v_scales is None):
-    raise ValueError(f"v_pages None reads the values as the first values_width columns of the keys: values_width "
-                     f"must be in [1, {d}] (got {values_width!r}) and v_scales None")
+  if v_pages is None:
+    mask_lib.check_values_width(values_width, d)
   values_width = values_width if v_pages is None else None
   v_shape = k_pages.shape[:3] if v_pages is None else v_pages.shape[:3]
   if q.shape[3] != k_pages.shape[3] or h % kvh or k_pages.shape[:3] != v_shape:
     raise ValueError(f"q {q.shape}, k_pages {k_pages.shape} and v_pages {v_shape} do not fit together")
   scale_shapes = {x.shape for x in (k_scales, v_scales) if x is not None}
-  paired = v_pages is None or (k_scales is None) == (v_scales is None)
+  paired = v_scales is None if v_pages is None else (k_scales is None) == (v_scales is None)
   if not paired or scale_shapes - {k_pages.shape[:3]}:
     raise ValueError(f"k_scales and v_scales must both be None or float32 {k_pages.shape[:3]} (v_scales None for a "
                      "pool without values)")
