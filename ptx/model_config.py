@@ -213,6 +213,12 @@ class ModelConfig:
   # into [L, ...] buffers and slices them back in the backward. With remat, keep the scan: unrolled
   # layers' compiled backward held every layer's activations anyway (XLA:CPU, benchmarks/RESULTS.md).
   scan_layers: bool = True
+  # How a decode step (one token against a KV cache: `generate` and the rollout engine) runs the layers: "unroll"
+  # (one copy of each layer in the program, weights sliced out of the stack once before the loop: XLA:CPU copies a
+  # layer's weights out of a stack on every token otherwise), "scan" (one lax.scan over the stacked layers and a
+  # stacked cache: a few kernels per layer, so an accelerator's decode is not bound by kernel launches), "auto"
+  # (unroll on CPU, scan on GPU and TPU). Equal tokens and log-probs either way.
+  decode_loop: Literal["auto", "scan", "unroll"] = "auto"
   # Attention: "auto", "xla", "blockwise", "pallas" or "ring" (`ptx.models.attention`). "auto" is ring
   # where the mesh splits the sequence, Pallas on GPU/TPU, and on CPU xla for short sequences, blockwise for long.
   attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "auto"
@@ -322,8 +328,9 @@ def _check_mla(cfg: ModelConfig) -> None:
 
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
 # field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
-EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention_impl", "ring_heads_per_pass",
-                    "seq_layout", "moe_impl", "moe_capacity_factor", "moe_balance_coef", "moe_z_coef", "logits_chunk")
+EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "decode_loop", "attention_impl",
+                    "ring_heads_per_pass", "seq_layout", "moe_impl", "moe_capacity_factor", "moe_balance_coef", "moe_z_coef",
+                    "logits_chunk")
 
 
 def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:
