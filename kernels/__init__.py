@@ -9,6 +9,7 @@ natural-log lse [B, H, T] in float32.
 """
 
 from ptx_kernels.block_sizes import BlockSizes
+from ptx_kernels.cudnn import cudnn_attention
 from ptx_kernels.decode import decode_attention
 from ptx_kernels.dense import dense_attention
 from ptx_kernels.flash import flash_attention
@@ -23,6 +24,7 @@ from ptx_kernels.ring import to_zigzag
 
 __all__ = [
     "BlockSizes",
+    "cudnn_attention",
     "decode_attention",
     "default_tiles",
     "dense_attention",

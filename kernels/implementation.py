@@ -28,8 +28,9 @@ from ptx_kernels.block_sizes import BlockSizes
 IMPLS = ("auto", "blockwise", "pallas_gpu", "pallas_tpu")
 PALLAS = ("pallas_gpu", "pallas_tpu")
 _PALLAS = dict(zip(PALLAS, (pallas_gpu, pallas_tpu)))
-_BACKEND = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
-_AUTO = {backend: name for name, backend in _BACKEND.items()}
+# The platform each Pallas kernel compiles for.
+PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+_AUTO = {backend: name for name, backend in PLATFORM.items()}
 # Triton's tensor-core dots need tiles of at least 16 rows; TPU tiles are
 # (8, 128) vregs.
 _MIN_TILE = {"blockwise": 1, "pallas_gpu": 16, "pallas_tpu": 128}
@@ -141,7 +142,7 @@ def choose(impl: str, interpret: bool = False, portable: str = "blockwise") -> K
   backend = jax.default_backend()
   if impl == "auto":
     impl = _AUTO.get(backend, "blockwise")
-  needs = _BACKEND.get(impl)
+  needs = PLATFORM.get(impl)
   if needs is not None and not interpret and backend != needs:
     raise ValueError(
         f"impl {impl!r} runs on a {needs.upper()}, not on {backend!r}: pass "

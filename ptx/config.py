@@ -147,6 +147,15 @@ class DataConfig:
     if self.pack and self.kind != "sft":
       raise ValueError(f"DataConfig: packing is for sft records; set pack=False for {self.kind!r}")
 
+  @property
+  def rows(self) -> str:
+    """What a training row's segment ids hold (`ptx.models.attention_choice.RowLayout`), which picks its kernel.
+
+    Packed SFT rows hold several sequences; unpacked SFT and preference rows one sequence from column 0, then
+    padding; RL rows a left-padded prompt, then its completion, which only segment ids can describe.
+    """
+    return "padded_right" if self.kind == "preference" or (self.kind == "sft" and not self.pack) else "packed"
+
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:

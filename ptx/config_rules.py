@@ -82,6 +82,9 @@ def _check_grpo_kind(cfg: Config, algorithm: str) -> None:
 def check_attention(model: ModelConfig, backend: str) -> None:
   """An attention implementation named outright must run on `backend` ("auto" always does: it picks one that can).
 
+  cuDNN and splash, whose rules depend on the rows and the model's attention, are checked with the job
+  (`ptx.train.job.check_attention_kernel`).
+
   Raises:
     ConfigError: naming model.attention_impl (and model.head_dim) when it cannot.
   """

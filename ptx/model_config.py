@@ -219,9 +219,11 @@ class ModelConfig:
   # stacked cache: a few kernels per layer, so an accelerator's decode is not bound by kernel launches), "auto"
   # (unroll on CPU, scan on GPU and TPU). Equal tokens and log-probs either way.
   decode_loop: Literal["auto", "scan", "unroll"] = "auto"
-  # Attention: "auto", "xla", "blockwise", "pallas" or "ring" (`ptx.models.attention`). "auto" is ring
-  # where the mesh splits the sequence, Pallas on GPU/TPU, and on CPU xla for short sequences, blockwise for long.
-  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "ring"] = "auto"
+  # Attention: "auto", "xla", "blockwise", "pallas", "cudnn", "splash" or "ring" (`ptx.models.attention`). "auto"
+  # is the row of `ptx.models.attention_choice.TABLE` for each call, printed at the start of a run: ring where the
+  # mesh splits the sequence, cuDNN on GPU and splash on TPU where they compute the call exactly, else ptx's Pallas
+  # kernel; on CPU xla for short sequences, blockwise for long. A name outright runs that one or is refused.
+  attention_impl: Literal["auto", "xla", "blockwise", "pallas", "cudnn", "splash", "ring"] = "auto"
   # Ring attention: query heads per ring pass (None: one kv head's group); fewer heads per pass
   # keep smaller float32 accumulators and send each kv head around the ring more often.
   ring_heads_per_pass: int | None = None
@@ -329,8 +331,8 @@ def _check_mla(cfg: ModelConfig) -> None:
 # ModelConfig fields that say how the model runs, not what it computes: loading a checkpoint replaces every other
 # field by the checkpoint's and keeps these as the preset or the command line chose them (`with_architecture`).
 EXECUTION_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "decode_loop", "attention_impl",
-                    "ring_heads_per_pass", "seq_layout", "moe_impl", "moe_capacity_factor", "moe_balance_coef", "moe_z_coef",
-                    "logits_chunk")
+                    "ring_heads_per_pass", "seq_layout", "moe_impl", "moe_capacity_factor", "moe_balance_coef",
+                    "moe_z_coef", "logits_chunk")
 
 
 def with_architecture(execution: ModelConfig, architecture: ModelConfig) -> ModelConfig:

@@ -46,8 +46,9 @@ def sequence_logps(params: Any, batch: Batch, model: ModelConfig,
     ConfigError: for a model whose MoE layers can drop token copies (`config_rules.check_preference_model`).
   """
   config_rules.check_preference_model(model)
+  # Preference rows hold one sequence each from column 0 (`DataConfig.rows`), which cuDNN can attend over.
   stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
-                                 segment_ids=batch["segment_ids"], rules=rules)
+                             segment_ids=batch["segment_ids"], rules=rules, rows="padded_right")
   _, weights = next_token_targets(batch)
   return (stats.log_probs[:, 1:] * weights).sum(axis=-1), weights.sum(axis=-1), trace.stats
 

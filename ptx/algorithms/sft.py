@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ptx import sharding
 from ptx.model_config import ModelConfig
 from ptx.models import moe
+from ptx.models.attention_choice import RowLayout
 from ptx.models.chunked_logits import token_stats
 
 Batch = dict[str, jax.Array]
@@ -38,6 +39,7 @@ def loss(
     *,
     model: ModelConfig,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    rows: RowLayout = "packed",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Mean next-token cross-entropy over the target tokens of `batch` (+ a Mixture of Experts' auxiliary losses).
 
@@ -47,6 +49,7 @@ def loss(
     rng: unused (SFT is deterministic); part of the loss-function contract.
     model: the model config.
     rules: sharding rules for activation constraints.
+    rows: what the batch's segment ids hold (`DataConfig.rows`; `ptx.models.attention_choice.RowLayout`).
 
   Returns:
     (loss, metrics): `loss` (the cross-entropy), `accuracy` (argmax ==
@@ -58,7 +61,7 @@ def loss(
   """
   del rng
   stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
-                                 segment_ids=batch["segment_ids"], rules=rules)
+                             segment_ids=batch["segment_ids"], rules=rules, rows=rows)
   weights = moe.undropped(next_token_targets(batch)[1], trace)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0

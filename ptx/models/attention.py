@@ -10,11 +10,21 @@ sees no key returns zeros, never NaN.
 Implementations (`impl`):
   xla        materialised [T, S] logits (`dense_attention`): fastest for short sequences
   blockwise  pure-JAX flash attention with an O(T) custom VJP (the CPU choice)
-  pallas     the Pallas kernel of the backend (GPU: Triton-style, TPU: Mosaic)
+  pallas     ptx's Pallas kernel of the backend (GPU: Triton-style, TPU: Mosaic)
+  cudnn      cuDNN's flash attention (GPU, bf16/fp16; causal rows of one sequence each, right-padded:
+             `ptx_kernels.cudnn_attention`)
+  splash     JAX's splash attention (TPU; self-attention with segments, windows, soft-caps:
+             `ptx_kernels.splash_attention`)
   ring       context parallelism: K/V blocks rotate over the `seq` mesh axis, and each
              hop runs the backend's Pallas kernel (blockwise on CPU)
-  auto       (the default) ring where the mesh splits the sequence, else pallas on GPU
-             and TPU, else xla for short sequences and blockwise for long ones (`resolve`)
+  auto       (the default) the row of `ptx.models.attention_choice.TABLE` for the call: ring where the mesh
+             splits the sequence, cuDNN on GPU and splash on TPU where they compute the call exactly, ptx's
+             Pallas kernel where they cannot, xla or blockwise on CPU by length
+
+Which calls cuDNN computes depends on what the segment ids hold, which
+traced ids cannot say: the caller declares it (`rows`, "packed" by default,
+`attention_choice.RowLayout`). An implementation named outright that cannot
+compute a call is refused, naming it and the table's reason.
 
 `interpret_pallas` lets CPU tests run the model's Pallas paths: inside it the
 platform's Pallas kernel is one of the two, run through the Pallas interpreter.
@@ -45,22 +55,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import ptx_kernels
 from jax.sharding import PartitionSpec
 from ptx_kernels import implementation
 from ptx_kernels import lse as lse_lib
 
 from ptx import sharding
+from ptx.models import attention_choice
+from ptx.models.attention_choice import RowLayout
 
-IMPLEMENTATIONS = ("xla", "blockwise", "pallas", "ring", "auto")
+IMPLEMENTATIONS = ("xla", "blockwise", "pallas", "cudnn", "splash", "ring", "auto")
 _TOKEN_MASKS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 # The Pallas kernel that `interpret_pallas` puts in the platform's place. A jit cache key: a program traced inside
 # the block is never reused outside it, nor one traced outside reused inside.
 _INTERPRETED = jax.make_user_context(None)
-# On CPU "auto" keeps the materialised logits while one row and head's [T, S] block stays small (1K x 1K: 4 MiB of
-# float32), where they are the fastest (blockwise took 14% more CPU time on the short-sequence model, step and
-# sampler tests); longer sequences take the blockwise kernel and its O(T) memory.
-AUTO_DENSE_MAX_PAIRS = 1024 * 1024
 
 
 def interpret_pallas(kernel: str = "pallas_gpu"):
@@ -81,15 +90,14 @@ def interpret_pallas(kernel: str = "pallas_gpu"):
 
 
 def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int, v_head_dim: int | None = None,
-            rules: sharding.Rules = sharding.DEFAULT_RULES) -> str:
-  """The implementation `impl` runs as here: "auto" made concrete, any other name itself.
+            rules: sharding.Rules = sharding.DEFAULT_RULES, rows: RowLayout = "packed", dtype=jnp.float32,
+            softcap: bool = False, sinks: bool = False, window=None) -> str:
+  """The implementation `impl` runs as here: "auto" made concrete (`attention_choice.choose`), any other name itself.
 
-  "auto" is "ring" where the activation rules split the sequence over the current mesh into blocks the ring
-  takes (self-attention, a length that is a multiple of twice the shards; a per-device kernel would gather
-  the sequence), else "pallas" where the backend has a Pallas kernel that takes `head_dim` (the GPU kernel
-  needs a power of two >= 16; "xla" otherwise), else, on CPU, "xla" up to AUTO_DENSE_MAX_PAIRS query-key pairs
-  and "blockwise" above. Every reader of `ModelConfig.attention_impl` asks this, so the attention that runs and
-  the layout and routing chosen around it agree.
+  Every reader of `ModelConfig.attention_impl` asks this, so the attention that runs and the layout and routing
+  chosen around it agree. "ring" (the mesh splits the sequence into blocks the ring takes: self-attention, a length
+  that is a multiple of twice the shards) is decided by the sequence alone, so callers that only ask whether the
+  ring runs may leave the other facts at their defaults.
 
   Args:
     impl: one of IMPLEMENTATIONS.
@@ -98,22 +106,48 @@ def resolve(impl: str, *, q_len: int, kv_len: int, head_dim: int, v_head_dim: in
     head_dim: the query and key head width.
     v_head_dim: the value head width (None: head_dim; multi-head latent attention's is narrower).
     rules: the activation rules (where the sequence is sharded).
+    rows: what the segment ids hold (`attention_choice.RowLayout`).
+    dtype: the inputs' dtype.
+    softcap: whether the logits are soft-capped.
+    sinks: whether the call has attention sinks.
+    window: the sliding window (None, a Python int, or a traced scalar).
 
   Returns:
-    "xla", "blockwise", "pallas" or "ring".
+    "xla", "blockwise", "pallas", "cudnn", "splash" or "ring".
+
+  Raises:
+    ValueError: for an unknown name, or "cudnn" or "splash" named for a call they cannot compute (the reason).
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention impl {impl!r} is not one of {IMPLEMENTATIONS}")
-  if impl != "auto":
-    return impl
+  need = need_of(q_len=q_len, kv_len=kv_len, head_dim=head_dim, v_head_dim=v_head_dim, rules=rules, rows=rows,
+                 dtype=dtype, softcap=softcap, sinks=sinks, window=window)
+  if impl == "auto":
+    return attention_choice.choose(need).impl
+  refusal = attention_choice.refusal(impl, need)
+  if refusal is not None:
+    raise ValueError(f"attention impl {impl!r} cannot run this call: {refusal}; use 'auto'")
+  return impl
+
+
+def need_of(*, q_len: int, kv_len: int, head_dim: int, v_head_dim: int | None = None,
+            rules: sharding.Rules = sharding.DEFAULT_RULES, rows: RowLayout = "packed", dtype=jnp.float32,
+            softcap: bool = False, sinks: bool = False, window=None) -> attention_choice.Need:
+  """The facts of a call that choose its kernel (`resolve`'s arguments), on this backend and mesh."""
+  v_head_dim = v_head_dim or head_dim
   shards = sequence_shards(rules)
-  if shards > 1 and q_len == kv_len and q_len % (2 * shards) == 0:  # the ring's blocks, in either layout
-    return "ring"
   platform = platform_kernel()
+  backend = jax.default_backend()
   if platform is not None:
-    takes = all(platform.takes_head_dim(d) for d in (head_dim, v_head_dim or head_dim))
-    return "pallas" if takes else "xla"
-  return "xla" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
+    backend = implementation.PLATFORM[platform.name]
+  return attention_choice.Need(
+      platform=backend if backend in ("gpu", "tpu") else "cpu",
+      interpreted=platform is not None and platform.interpret,
+      ring=shards > 1 and q_len == kv_len and q_len % (2 * shards) == 0,  # the ring's blocks, in either layout
+      rows=rows, self_attention=q_len == kv_len, pairs=q_len * kv_len, head_dim=head_dim, v_head_dim=v_head_dim,
+      half_precision=jnp.dtype(dtype).itemsize == 2, softcap=softcap, sinks=sinks,
+      window=None if window is None else "static" if isinstance(window, (int, np.integer)) else "traced",
+      pallas_takes_heads=platform is None or all(platform.takes_head_dim(d) for d in (head_dim, v_head_dim)))
 
 
 def sequence_shards(rules: sharding.Rules) -> int:
@@ -147,6 +181,7 @@ def attention(
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     ring_heads_per_pass: int | None = None,
     sinks: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> jax.Array:
   """Causal grouped-query attention with packing, windows and soft-capping.
 
@@ -167,6 +202,8 @@ def attention(
     ring_heads_per_pass: query heads per ring pass (`ptx_kernels.ring_attention`).
     sinks: float32 [H] attention-sink logits of this layer's query heads
       (`ptx_kernels.with_sinks`); None: no sinks.
+    rows: what the segment ids hold (`attention_choice.RowLayout`): "padded_right" promises one sequence per row
+      from column 0 with positions 0, 1, ..., which lets cuDNN compute it.
 
   Returns:
     The attention output [B, T, H, Kv] in the dtype of `q`.
@@ -174,7 +211,8 @@ def attention(
   if sinks is not None:  # before any shard_map splits them
     lse_lib.check_sinks(sinks, q.shape[2])
   impl = resolve(impl, q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1], v_head_dim=v.shape[-1],
-                 rules=rules)
+                 rules=rules, rows=rows, dtype=q.dtype, softcap=softcap is not None, sinks=sinks is not None,
+                 window=window)
   masks = dict(q_segment_ids=segment_ids, q_positions=positions,
                kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids,
                kv_positions=positions if kv_positions is None else kv_positions,
@@ -182,6 +220,9 @@ def attention(
   if impl == "xla":
     return _output(ptx_kernels.dense_attention(q, k, v, **masks), sinks)
   platform = platform_kernel()
+  if impl in ("cudnn", "splash"):  # `resolve` refused calls they cannot compute, sinks among them
+    vendor = functools.partial(_vendor, impl, interpret=platform is not None and platform.interpret)
+    return _per_device(vendor, q, k, v, masks, rules, None, check_vma=True)
   if impl == "pallas" and platform is None:
     raise ValueError(f"attention impl 'pallas' needs a GPU or TPU, not {jax.default_backend()!r}; use 'blockwise' "
                      "or 'auto'")
@@ -191,7 +232,8 @@ def attention(
       raise ValueError("attention impl 'ring' runs over the `seq` axis of the current mesh; none is set")
     return _output(ptx_kernels.ring_attention(q, k, v, heads_per_pass=ring_heads_per_pass, impl=kernel.name,
                                               interpret=kernel.interpret, **masks), sinks)
-  return _per_device(kernel, q, k, v, masks, rules, sinks)
+  flash = functools.partial(ptx_kernels.flash_attention, impl=kernel.name, interpret=kernel.interpret)
+  return _per_device(flash, q, k, v, masks, rules, sinks, check_vma=kernel.checks_vma)
 
 
 def _output(out_lse: tuple[jax.Array, jax.Array], sinks: jax.Array | None) -> jax.Array:
@@ -200,9 +242,24 @@ def _output(out_lse: tuple[jax.Array, jax.Array], sinks: jax.Array | None) -> ja
   return out if sinks is None else ptx_kernels.with_sinks(out, lse, sinks)[0]
 
 
-def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.Rules, sinks) -> jax.Array:
-  """Runs the flash `kernel` on each device's rows and heads under shard_map (whole sequences)."""
-  flash = functools.partial(ptx_kernels.flash_attention, impl=kernel.name, interpret=kernel.interpret)
+def _vendor(impl: str, q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal, window,
+            softcap, scale, interpret: bool) -> tuple[jax.Array, None]:
+  """(out, no lse) of cuDNN or splash under ptx's masks, on the rows `resolve` let them take."""
+  del kv_positions, causal  # both are by index, as `resolve`'s checks of the call promise
+  if impl == "cudnn":  # right-padded rows: a row's length is its count of non-padding tokens
+    del kv_segment_ids, q_positions, softcap
+    return ptx_kernels.cudnn_attention(q, k, v, lengths=jnp.sum(q_segment_ids != 0, axis=1), window=window,
+                                       scale=scale), None
+  del q_positions
+  return ptx_kernels.splash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                      window=window, softcap=softcap, scale=scale, interpret=interpret), None
+
+
+def _per_device(flash, q, k, v, masks, rules: sharding.Rules, sinks, *, check_vma: bool) -> jax.Array:
+  """Runs `flash(q, k, v, **masks) -> (out, lse)` on each device's rows and heads under shard_map (whole sequences).
+
+  `check_vma`: whether shard_map may check varying manual axes (`implementation.Kernel.checks_vma`).
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return _output(flash(q, k, v, **masks), sinks)
@@ -223,4 +280,4 @@ def _per_device(kernel: implementation.Kernel, q, k, v, masks, rules: sharding.R
     return _output(flash(q, k, v, **arrays, **static), sinks)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, specs, sinks_spec), out_specs=q_spec,
-                       check_vma=kernel.checks_vma)(q, k, v, arrays, sinks)
+                       check_vma=check_vma)(q, k, v, arrays, sinks)

@@ -31,6 +31,7 @@ import ptx_kernels
 from ptx import sharding
 from ptx.model_config import ModelConfig
 from ptx.models.attention import resolve, sequence_shards
+from ptx.models.attention_choice import RowLayout
 from ptx.models import moe
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
@@ -53,6 +54,7 @@ def token_stats(
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     temperature: float = 1.0,
     routes: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> tuple[TokenStats, moe.Trace]:
   """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
 
@@ -66,6 +68,7 @@ def token_stats(
     temperature: score under softmax(logits / temperature) (log-probs and
       entropy; the argmax does not move).
     routes: `moe.ROUTE_DTYPE` [B, T, L, k] experts to replay (`decoder.hidden_states`); None: the routers choose.
+    rows: what `segment_ids` hold (`ptx.models.attention_choice.RowLayout`).
 
   Returns:
     (TokenStats of [B, T] arrays in the natural token order, the MoE layers' trace (`moe.Trace`), its routes and
@@ -81,7 +84,7 @@ def token_stats(
   reorder, restore = _ring_order(cfg, rules, T)
   x, trace = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
                            segment_ids=reorder(segment_ids), rules=rules,
-                           routes=None if routes is None else reorder(routes))
+                           routes=None if routes is None else reorder(routes), rows=rows)
   stats = project(params, x, reorder(targets), cfg, rules, temperature)
   trace = trace._replace(routes=None if trace.routes is None else restore(trace.routes),
                          dropped=None if trace.dropped is None else restore(trace.dropped))

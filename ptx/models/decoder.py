@@ -42,7 +42,9 @@ from ptx.models import moe
 from ptx.models import paged_kv_cache
 from ptx.models import params as params_lib
 from ptx.models import rope
-from ptx.models.attention import attention
+from ptx.models import attention_choice
+from ptx.models.attention import attention, need_of, resolve
+from ptx.models.attention_choice import RowLayout
 from ptx.models.dense import dense
 from ptx.models.gated_mlp import activation_of, gated_mlp
 from ptx.models.rms_norm import rms_norm
@@ -67,6 +69,31 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
   if cfg.sliding_window_pattern == 1:
     is_global[:] = False
   return np.where(is_global, np.iinfo(np.int32).max, cfg.sliding_window).astype(np.int32)
+
+
+def attention_facts(cfg: ModelConfig, length: int, rows: RowLayout,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict[str, Any]:
+  """The facts `block` gives `ptx.models.attention.resolve` for rows of `length` tokens without a cache.
+
+  From the config alone: a stack's windows are traced in a scan over the layers, numpy ints unrolled.
+  """
+  window = None if cfg.sliding_window is None else jnp.int32(0) if cfg.scan_layers else np.int32(cfg.sliding_window)
+  return dict(q_len=length, kv_len=length, head_dim=cfg.qk_head_dim, v_head_dim=cfg.v_head_dim, rules=rules,
+              rows=rows, dtype=cfg.compute_dtype, softcap=cfg.attn_logit_softcap is not None,
+              sinks=cfg.attention_sinks, window=window)
+
+
+def attention_row(cfg: ModelConfig, length: int, rows: RowLayout, rules: sharding.Rules) -> tuple[str, str]:
+  """(implementation, reason) of the attention a layer runs over rows of `length` tokens without a cache.
+
+  "auto" is the row of `attention_choice.TABLE` for `attention_facts`; a name is itself, or its refusal
+  (ValueError). Call under the mesh.
+  """
+  facts = attention_facts(cfg, length, rows, rules)
+  if cfg.attention_impl != "auto":
+    return resolve(cfg.attention_impl, **facts), "model.attention_impl names it"
+  row = attention_choice.choose(need_of(**facts))
+  return row.impl, row.reason
 
 
 # ((sin, cos) of global layers, (sin, cos) of local sliding-window layers), each float32 [B, T, head_dim // 2].
@@ -108,6 +135,7 @@ def forward(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    rows: RowLayout = "packed",
 ) -> jax.Array:
   """Runs the decoder on int32 tokens [B, T] and returns float32 logits [B, T, V].
 
@@ -119,11 +147,13 @@ def forward(
     segment_ids: int32 [B, T]; tokens attend only within their segment and
       0 marks padding; defaults to a single segment per row.
     rules: the sharding rules for activation constraints (used under a mesh).
+    rows: what `segment_ids` hold (`ptx.models.attention_choice.RowLayout`; None ids are one whole sequence per
+      row, which every layout describes).
 
   Returns:
     float32 logits [B, T, V].
   """
-  x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules)
+  x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules, rows=rows)
   return unembed(params, x, cfg, rules)
 
 
@@ -136,6 +166,7 @@ def hidden_states(
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     routes: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> tuple[jax.Array, moe.Trace]:
   """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE trace.
 
@@ -146,7 +177,8 @@ def hidden_states(
   recorded experts (`moe.moe_mlp`'s `replay`).
   """
   x = embed(params, tokens, cfg, rules)
-  return decode_layers(params, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, routes=routes)
+  return decode_layers(params, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, routes=routes,
+                       rows=rows)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
@@ -266,17 +298,19 @@ def decode_layers(
     segment_ids: jax.Array | None,
     rules: sharding.Rules,
     routes: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> tuple[jax.Array, moe.Trace]:
   """Runs the layers of `params` (its layer stacks; others are ignored) over the residual stream x [B, T, D].
 
   The stacks run under scans, or unrolled (`cfg.scan_layers`). Returns (x, the MoE layers' trace,
-  `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]).
+  `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]); `rows` says what `segment_ids` hold
+  (`ptx.models.attention_choice.RowLayout`).
   """
   layers = {stack: params[stack] for stack in params_lib.STACKS if stack in params}
   if not cfg.scan_layers:
     layers = unstack_layers(layers, cfg)["layers"]
   x, _, trace = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None,
-                            routes=routes)
+                            routes=routes, rows=rows)
   return x, trace
 
 
@@ -304,6 +338,7 @@ def _run_layers(
     cache: Cache | None,
     angles: RopeAngles | None = None,
     routes: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> tuple[jax.Array, Cache | None, moe.Trace]:
   """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE trace).
 
@@ -328,7 +363,7 @@ def _run_layers(
     is_local = False if window is None else window < jnp.iinfo(jnp.int32).max
     sin, cos = (jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, global_rope))
     return block(layer, x, cfg, sin=sin, cos=cos, window=window, positions=positions,
-                 segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index, replay=replay)
+                 segment_ids=segment_ids, rules=rules, cache=cache, layer_index=index, replay=replay, rows=rows)
 
   unrolled = isinstance(layers, tuple)
   if cfg.remat != "none":
@@ -399,6 +434,7 @@ def block(
     cache: Cache | None = None,
     layer_index: int | None = None,
     replay: jax.Array | None = None,
+    rows: RowLayout = "packed",
 ) -> tuple[jax.Array, Cache | None, moe.Trace]:
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
@@ -427,7 +463,7 @@ def block(
   if cache is None:
     out = attention(q, k, v, segment_ids=segment_ids, positions=positions, impl=cfg.attention_impl,
                     window=window, softcap=cfg.attn_logit_softcap, scale=scale, rules=rules,
-                    ring_heads_per_pass=cfg.ring_heads_per_pass, sinks=sinks)
+                    ring_heads_per_pass=cfg.ring_heads_per_pass, sinks=sinks, rows=rows)
   else:
     out, cache = cache.attend(layer_index, q, k, v, positions=positions, window=window,
                               softcap=cfg.attn_logit_softcap, scale=scale, rules=rules, sinks=sinks)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import jax
 import optax
 
 from ptx import config as config_lib
@@ -40,6 +41,9 @@ from ptx.algorithms import dpo, sft
 from ptx.config import Config, OptimizerConfig
 from ptx.model_config import ModelConfig
 from ptx.data.tokenizer import Tokenizer, check_fits
+from ptx.models import attention_choice
+from ptx.models import decoder
+from ptx.models.attention import need_of
 from ptx.models.params import trainable_mask, weight_decay_mask
 from ptx.train.grpo import token_rewards
 from ptx.envs.base import Environment
@@ -82,6 +86,8 @@ class Job:
       mini-batches).
     total_updates: the learning-rate schedule's length: train.steps x
       updates_per_step.
+    rows: what a training row's segment ids hold (`DataConfig.rows`), which picks the attention kernel.
+    row_tokens: tokens of a training row (GRPO: the prompt width plus the longest response).
   """
 
   algorithm: Algorithm
@@ -92,6 +98,12 @@ class Job:
   optim: OptimizerConfig
   updates_per_step: int
   total_updates: int
+  rows: str
+  row_tokens: int
+
+  def attention(self) -> tuple[str, str]:
+    """(implementation, reason) of the attention the training forward runs (`decoder.attention_row`); under the mesh."""
+    return decoder.attention_row(self.model, self.row_tokens, self.rows, self.rules)
 
   @property
   def lora(self):
@@ -120,8 +132,8 @@ class Job:
 def sft_job(cfg: Config, tokenizer: Tokenizer) -> Job:
   """The SFT job of `cfg` (records of `data.kind="sft"`)."""
   rules = _check(cfg, "sft", tokenizer)
-  step = SupervisedStep(loss=Bound.of(sft.loss, model=cfg.model, rules=rules), grad_accum=cfg.train.grad_accum,
-                        lora=_lora(cfg))
+  step = SupervisedStep(loss=Bound.of(sft.loss, model=cfg.model, rules=rules, rows=cfg.data.rows),
+                        grad_accum=cfg.train.grad_accum, lora=_lora(cfg))
   return _job(cfg, "sft", step, rules, with_reference=False, updates_per_step=1)
 
 
@@ -205,11 +217,34 @@ def _engine_config(cfg: Config, *, ahead: int) -> EngineConfig:
 def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:
   """Every rule of `cfg` for `algorithm` and `tokenizer`; returns the config's sharding rules."""
   config_rules.check(cfg, algorithm)
+  check_attention_kernel(cfg.model, jax.default_backend(), cfg.data.rows, cfg.data.seq_len)
   try:
     check_fits(tokenizer, cfg.model.vocab_size, "model.vocab_size")
     return sharding.rules_of(cfg.mesh)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
+
+
+def check_attention_kernel(model: ModelConfig, backend: str, rows: str, length: int) -> None:
+  """cuDNN or splash, named outright (`model.attention_impl`), must compute the job's attention.
+
+  Args:
+    model: the model config.
+    backend: "cpu", "gpu" or "tpu".
+    rows: what the training rows' segment ids hold (`DataConfig.rows`).
+    length: tokens per training row.
+
+  Raises:
+    ConfigError: naming model.attention_impl and the reason of `ptx.models.attention_choice.refusal`.
+  """
+  if model.attention_impl not in ("cudnn", "splash"):
+    return
+  need = need_of(**decoder.attention_facts(model, length, rows))
+  reason = attention_choice.refusal(model.attention_impl, dataclasses.replace(
+      need, platform=backend if backend in ("gpu", "tpu") else "cpu", interpreted=False))
+  if reason is not None:
+    raise config_lib.ConfigError(f"model.attention_impl={model.attention_impl!r} cannot run this job: {reason}; "
+                                 "use 'auto'")
 
 
 def _lora(cfg: Config):
@@ -224,6 +259,8 @@ def _rl_spec(cfg: Config, tokenizer: Tokenizer, rules: sharding.Rules) -> RLSpec
 
 def _job(cfg: Config, algorithm: Algorithm, step: Any, rules: sharding.Rules, *, with_reference: bool,
          updates_per_step: int) -> Job:
+  response = cfg.grpo.max_response_tokens if algorithm.startswith("grpo") else 0
   return Job(algorithm=algorithm, model=cfg.model, rules=rules, step=step,
              with_reference=with_reference, optim=cfg.optim, updates_per_step=updates_per_step,
-             total_updates=cfg.train.steps * updates_per_step)
+             total_updates=cfg.train.steps * updates_per_step, rows=cfg.data.rows,
+             row_tokens=cfg.data.seq_len + response)

@@ -169,6 +169,10 @@ def fit(
     print(textwrap.fill(" ".join(changed) or "(none)", 118, initial_indent="  ", subsequent_indent="  ",
                         break_on_hyphens=False), flush=True)
   mesh = make_mesh(cfg.mesh)
+  if primary:
+    with jax.set_mesh(mesh):
+      impl, reason = job.attention()
+    print(f"attention: {impl} ({reason})", flush=True)
   batch_axes = sharding.as_tuple(sharding.logical_to_spec(("batch",), job.rules, mesh=mesh)[0])
   batch_devices = math.prod(mesh.shape[axis] for axis in batch_axes)
   if cfg.data.batch_size % batch_devices:

@@ -185,6 +185,9 @@ def test_an_attention_kernel_named_outright_must_run_on_the_backend():
     config_rules.check_attention(dataclasses.replace(pallas, head_dim=80), "gpu")
   for impl in ("auto", "xla", "blockwise", "ring"):  # auto picks what runs; the others run everywhere
     config_rules.check_attention(dataclasses.replace(pallas, attention_impl=impl, head_dim=80), "gpu")
+  cudnn = dataclasses.replace(cfg.model, attention_impl="cudnn")  # the job's own check (`check_attention_kernel`)
+  with pytest.raises(ConfigError, match="model.attention_impl='cudnn' cannot run this job: cudnn runs on a GPU only"):
+    grpo_job(dataclasses.replace(cfg, model=cudnn), TOK)
 
 
 def test_fit_refuses_a_job_built_for_another_config(tmp_path):
