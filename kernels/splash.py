@@ -15,6 +15,7 @@ by token index, not by position. ptx's rule (`mask.py`) maps onto it as follows:
 - soft-cap and scale: splash has no scale and caps the raw q.k (`attn_logits_soft_cap`), so q is scaled first:
   cap * tanh(scale * q.k / cap), ptx's rule.
 - lengths that are not a multiple of the tiles are padded with segment id 0 and cropped back.
+- values may be narrower or wider than keys (Dv != D): splash's kernels carry the value width apart.
 
 Precondition, which holds for every training and prefill layout of ptx but cannot be checked on traced ids:
 self-attention over one sequence (q_len == kv_len, checked; q_segment_ids and kv_segment_ids the same ids), each

@@ -1,4 +1,4 @@
-"""JAX's splash attention under the TPU interpreter == ptx's reference with ptx's masks, forward and gradients.
+"""JAX's splash attention in the Pallas interpreter == ptx's reference with ptx's masks, forward and gradients.
 
 The reference masks by position and is given positions that restart at each segment, as ptx's packer writes them;
 splash masks by index. Equal results show the mapping of `ptx_kernels.splash` (precondition in its docstring).
