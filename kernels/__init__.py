@@ -5,7 +5,7 @@ Installed from the folder `kernels/` under the import name `ptx_kernels`
 
 Layout everywhere: q [B, T, H, D], k/v [B, S, KV, D] with H a multiple of KV
 (head h reads kv head h // (H // KV)); every function returns (out, lse) with a
-natural-log lse [B, H, T] in float32.
+natural-log lse [B, H, T] in float32, but splash_attention (out only).
 """
 
 from ptx_kernels.block_sizes import BlockSizes
@@ -21,6 +21,7 @@ from ptx_kernels.reference import reference_attention
 from ptx_kernels.ring import from_zigzag
 from ptx_kernels.ring import ring_attention
 from ptx_kernels.ring import to_zigzag
+from ptx_kernels.splash import splash_attention
 
 __all__ = [
     "BlockSizes",
@@ -34,6 +35,7 @@ __all__ = [
     "paged_attention",
     "reference_attention",
     "ring_attention",
+    "splash_attention",
     "to_zigzag",
     "with_sinks",
 ]
