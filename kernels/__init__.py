@@ -5,7 +5,8 @@ Installed from the folder `kernels/` under the import name `ptx_kernels`
 
 Layout everywhere: q [B, T, H, D], k/v [B, S, KV, D] with H a multiple of KV
 (head h reads kv head h // (H // KV)); every function returns (out, lse) with a
-natural-log lse [B, H, T] in float32, but splash_attention (out only).
+natural-log lse [B, H, T] in float32, but cudnn_attention and splash_attention
+(out only).
 """
 
 from ptx_kernels.block_sizes import BlockSizes

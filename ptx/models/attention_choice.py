@@ -129,7 +129,6 @@ TABLE: tuple[Row, ...] = (
         "splash masks by index, for queries and keys that are the same tokens"),
     Row("tpu", lambda n: n.window == "traced", "pallas",
         "splash's masks are fixed at compile time; a scanned per-layer window is traced"),
-    Row("tpu", lambda n: n.head_dim != n.v_head_dim, "pallas", "splash needs values as wide as keys"),
     Row("tpu", _always, "splash",
         "JAX's splash attention is proven at scale (MaxText, Tunix); ptx's TPU kernel has only run interpreted"),
 )

@@ -42,7 +42,7 @@ CASES = [
     ("tpu", dict(sinks=True), "pallas"),
     ("tpu", dict(window="traced"), "pallas"),
     ("tpu", dict(self_attention=False), "pallas"),
-    ("tpu", dict(head_dim=192, v_head_dim=128), "pallas"),
+    ("tpu", dict(head_dim=192, v_head_dim=128), "splash"),  # splash carries the value width apart
     ("tpu", dict(ring=True), "ring"),
     ("cpu", dict(pairs=1024 * 1024), "xla"),
     ("cpu", {}, "blockwise"),
@@ -78,7 +78,7 @@ def test_a_vendor_kernel_named_outright_is_refused_with_the_tables_reason():
   assert "soft-cap" in refusal("cudnn", _need("gpu", dict(softcap=True)))
   assert "bf16 and fp16" in refusal("cudnn", _need("gpu", dict(half_precision=False)))
   assert "sinks" in refusal("splash", _need("tpu", dict(sinks=True)))
-  assert "as wide as keys" in refusal("splash", _need("tpu", dict(head_dim=192, v_head_dim=128)))
+  assert "traced" in refusal("splash", _need("tpu", dict(window="traced")))
   for impl in ("xla", "blockwise", "pallas", "ring"):  # checked where they run
     assert refusal(impl, _need("cpu", {})) is None
   with pytest.raises(ValueError, match="impl 'cudnn' cannot run this call: cudnn runs on a GPU only"):
@@ -166,3 +166,27 @@ def test_a_run_prints_the_attention_row_of_its_training_rows(tiny_config):
   assert (impl, reason) == (choose(Need("cpu", pairs=64 * 64)).impl, choose(Need("cpu", pairs=64 * 64)).reason)
   named = dataclasses.replace(tiny_config, attention_impl="blockwise")
   assert decoder.attention_row(named, 64, "packed", attention_lib.sharding.DEFAULT_RULES)[0] == "blockwise"
+
+
+def test_the_splash_branch_in_the_model_equals_the_reference(tiny_config):
+  # Splash in the Pallas interpreter, named outright: packed rows with left padding, a window and a soft-cap of
+  # their own, per device under a data x fsdp mesh.
+  cfg = dataclasses.replace(tiny_config, n_layers=1, sliding_window=5, sliding_window_pattern=1,
+                            attn_logit_softcap=3.0, scan_layers=False)
+  params = init_params(cfg, jax.random.key(0))
+  segments = np.tile([[0, 0, 0] + [1] * 7 + [2] * 6, [1] * 9 + [2] * 7], (4, 1)).astype(np.int32)
+  positions = np.zeros_like(segments)
+  for row in range(len(segments)):
+    for s in (1, 2):
+      positions[row, segments[row] == s] = np.arange((segments[row] == s).sum())
+  tokens = jax.random.randint(jax.random.key(1), segments.shape, 0, cfg.vocab_size)
+  run = jax.jit(lambda c: forward(params, tokens, c, positions=jnp.asarray(positions),
+                                  segment_ids=jnp.asarray(segments)), static_argnums=0)
+  want = run(dataclasses.replace(cfg, attention_impl="xla"))
+  from ptx.config import MeshConfig
+  from ptx.sharding import make_mesh
+  with attention_lib.interpret_pallas("pallas_tpu"), jax.set_mesh(make_mesh(MeshConfig(data=2, fsdp=4))):
+    got = run(dataclasses.replace(cfg, attention_impl="splash"))
+  real = segments > 0
+  # float32 both sides, the softmax summed in another order: ~1e-6 of O(1) logits.
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
