@@ -437,8 +437,9 @@ def block(
 
   Without a cache the tokens attend to each other; with one, their K/V are
   written into layer `layer_index` of the cache first (an int, or traced under a scan over a stacked cache) and
-  they attend over its filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE trace: its statistics, experts [B, T, k]
-  and dropped tokens [B, T] (`moe.moe_mlp`, which `replay` is passed to); {}, None, None for a dense MLP).
+  they attend over its filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE trace: its
+  statistics, experts [B, T, k] and dropped tokens [B, T] (`moe.moe_mlp`, which `replay` is passed to); {}, None,
+  None for a dense MLP).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)
