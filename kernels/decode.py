@@ -8,7 +8,10 @@ a traced trip count runs an online softmax over them, so a decode step at
 fill f costs O(f), not O(S_max). XLA:CPU copies each block out of the
 cache before its products, so there the ptx sampler reads a single token's
 cache in one block and keeps it near the fill (`xla_cpu_workarounds`).
-An int8 cache is dequantised a block at a time. A cache without values
+An int8 cache is dequantised a block at a time. A cache of every layer
+stacked ([L, B, S_max, KV, D], `layer` naming the one attended: a decode
+step that scans the layers) is read a block at a time out of the stack, never
+copied a layer at a time. A cache without values
 (`v_cache` None) reads each block's values as the first `values_width`
 columns of its keys: multi-head latent attention's absorbed decode, whose
 one latent per slot is both. With a mesh, the cache is sharded along `axis_name`: every device runs
@@ -27,27 +30,35 @@ from ptx_kernels import mask as mask_lib
 from ptx_kernels import partition
 
 
-def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, *, causal, softcap, scale, block_kv,
-                      values_width):
+def _filled_attention(q_BKGTD, cache, starts, lengths, q_pos, window, offset, layer, *, causal, softcap, scale,
+                      block_kv, values_width):
   """Online softmax over the filled blocks of one cache slice (k, v, k_scale, v_scale; v None: values in k).
 
-  Returns (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T], the cache). The
+  The arrays are [B, KV, S, ...], or every layer's stacked, [L, B, KV, S, ...], of which `layer` is read (else
+  None). Returns (out [B, KV, G, T, Dv] f32, lse [B, KV, G, T], the cache). The
   loop threads the cache through its carry untouched: a loop operand that
   stays live after the loop is copied into it by XLA, a carried one is not,
   so a caller that goes on with the returned cache never copies it.
   """
   b, kvh, g, t, _ = q_BKGTD.shape
   k_BKSD, v_BKSD = cache[:2]
-  s_loc, dv = k_BKSD.shape[2], values_width or v_BKSD.shape[-1]
+  s_loc, dv = k_BKSD.shape[-2], values_width or v_BKSD.shape[-1]
   width = min(block_kv, s_loc)
   n_blocks = -(-s_loc // width)
   columns = jnp.arange(width, dtype=jnp.int32)
 
+  def read_slots(x, start):
+    if layer is None:
+      return lax.dynamic_slice_in_dim(x, start, width, axis=2)
+    # One slice of the stack: the block of the layer, with no copy of the layer's whole cache first.
+    at = (layer, 0, 0, start) + (0,) * (x.ndim - 4)
+    return lax.dynamic_slice(x, at, (1,) + x.shape[1:3] + (width,) + x.shape[4:])[0]
+
   def read(cache, scales, start):
-    block = lax.dynamic_slice_in_dim(cache, start, width, axis=2)
+    block = read_slots(cache, start)
     if scales is None:
       return block
-    return block.astype(jnp.float32) * lax.dynamic_slice_in_dim(scales, start, width, axis=2)[..., None]
+    return block.astype(jnp.float32) * read_slots(scales, start)[..., None]
 
   def step(i, carry):
     (m, l, acc), (k_BKSD, v_BKSD, k_scale, v_scale) = carry
@@ -98,6 +109,7 @@ def decode_attention(
     head_axes: tuple[str, ...] = ("tensor",),
     return_cache: bool = False,
     values_width: int | None = None,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, ...]:
   """Attention of T new tokens per row over the filled part of a (possibly seq-sharded) KV cache.
 
@@ -128,43 +140,51 @@ def decode_attention(
       rather than its inputs, lets XLA update the cache in place; otherwise
       it copies the cache into the loop at every call.
     values_width: Dv of a cache without values (`v_cache` None).
+    layer: None, or the cache arrays hold every layer's stacked before their
+      own axes ([L, B, S_max, KV, D], scales [L, B, S_max, KV]) and this int
+      (traced under a scan over the layers) names the layer attended; its
+      blocks are read out of the stack in place.
 
   Returns:
     (out [B, T, H, Dv] in q.dtype, lse [B, H, T] float32), then the cache
-    arrays with `return_cache`.
+    arrays with `return_cache` (stacked, as given).
   """
-  mask_lib.check_qkv(q, k_cache, v_cache, values_width)
+  stacked = 0 if layer is None else 1  # the axes before a layer's own
+  layer_of = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[stacked:], x.dtype)  # noqa: E731
+  k_layer, v_layer = layer_of(k_cache), layer_of(v_cache)
+  mask_lib.check_qkv(q, k_layer, v_layer, values_width)
   b, t, h, d = q.shape
-  kvh = k_cache.shape[2]
+  kvh = k_layer.shape[2]
   lengths = _row_ints(lengths, "lengths", b)
   starts = jnp.zeros((b,), jnp.int32) if starts is None else _row_ints(starts, "starts", b)
   paired = v_scale is None if v_cache is None else (k_scale is None) == (v_scale is None)
-  if not paired or (k_scale is not None and k_scale.shape != k_cache.shape[:3]):
-    raise ValueError(f"k_scale and v_scale must both be None or {k_cache.shape[:3]} (v_scale None for a cache "
-                     "without values)")
+  if not paired or (k_scale is not None and k_scale.shape != k_cache.shape[:3 + stacked]):
+    raise ValueError(f"k_scale and v_scale must both be None or {k_cache.shape[:3 + stacked]} (v_scale None for a "
+                     "cache without values)")
   if q_positions is None:
     q_positions = (lengths - starts)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
   window = mask_lib.check_window(window)
   n_dev = 1 if mesh is None else mesh.shape[axis_name]
-  if k_cache.shape[1] % n_dev:
-    raise ValueError(f"cache length {k_cache.shape[1]} must split into {n_dev} shards")
+  if k_layer.shape[1] % n_dev:
+    raise ValueError(f"cache length {k_layer.shape[1]} must split into {n_dev} shards")
   settings = dict(causal=causal, softcap=softcap, scale=d ** -0.5 if scale is None else scale, block_kv=block_kv,
                   values_width=values_width if v_cache is None else None)
   # Heads before slots: every block is a batched [G*T, D] x [D, C] product per (row, kv head).
   q_BKGTD = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
-  cache = tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in (k_cache, v_cache, k_scale, v_scale))
+  swap = lambda x: None if x is None else jnp.swapaxes(x, 1 + stacked, 2 + stacked)  # noqa: E731
+  cache = tuple(swap(x) for x in (k_cache, v_cache, k_scale, v_scale))
 
-  def local(q, cache, starts, lengths, q_pos, window, offset):
-    out, lse, cache = _filled_attention(q, cache, starts, lengths, q_pos, window, offset, **settings)
+  def local(q, cache, starts, lengths, q_pos, window, layer, offset):
+    out, lse, cache = _filled_attention(q, cache, starts, lengths, q_pos, window, offset, layer, **settings)
     # To the package layout: out [B, T, H, Dv], lse [B, H, T] (local sizes under shard_map).
     rows, heads = lse.shape[0], lse.shape[1] * lse.shape[2]
     return out.reshape(rows, heads, t, -1).transpose(0, 2, 1, 3), lse.reshape(rows, heads, t), cache
 
-  args = (q_BKGTD, cache, starts, lengths, jnp.asarray(q_positions, jnp.int32), window)
+  args = (q_BKGTD, cache, starts, lengths, jnp.asarray(q_positions, jnp.int32), window, layer)
   if mesh is None:
     out, lse, cache = local(*args, 0)
   else:
-    local_s = k_cache.shape[1] // n_dev
+    local_s = k_layer.shape[1] // n_dev
 
     def sharded(*args):
       out, lse, cache = local(*args, lax.axis_index(axis_name) * local_s)
@@ -176,16 +196,17 @@ def decode_attention(
 
     bax = partition.present_axes(mesh, batch_axes)
     hax = partition.present_axes(mesh, head_axes)
-    cache_specs = (P(bax, hax, axis_name, None),) * 2 + (P(bax, hax, axis_name),) * 2
+    layers = (None,) * stacked
+    cache_specs = (P(*layers, bax, hax, axis_name, None),) * 2 + (P(*layers, bax, hax, axis_name),) * 2
     cache_specs = tuple(None if x is None else spec for x, spec in zip(cache, cache_specs))
     in_specs = (P(bax, hax, None, None, None), cache_specs, P(bax), P(bax), P(bax, None),
-                None if window is None else P())
+                None if window is None else P(), None if layer is None else P())
     out, lse, cache = jax.shard_map(sharded, mesh=mesh, in_specs=in_specs,
                                     out_specs=(P(bax, None, hax, None), P(bax, hax, None), cache_specs),
                                     check_vma=False)(*args)
   if not return_cache:
     return out.astype(q.dtype), lse
-  return out.astype(q.dtype), lse, tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in cache)
+  return out.astype(q.dtype), lse, tuple(swap(x) for x in cache)
 
 
 def _row_ints(x, name: str, b: int) -> jax.Array:

@@ -10,7 +10,10 @@ optionally rematerialised. `Decoder` is the NNX
 module users hold: `model(tokens)` works eagerly, and
 `nnx.split(model)` / `nnx.state(model)` give the same parameter tree that
 training jits over. `forward_with_cache` runs the same layers over new
-tokens against a KV cache (`ptx.models.kv_cache`) for sampling.
+tokens against a KV cache (`ptx.models.kv_cache`) for sampling: unrolled
+over a cache of one array per layer, or under scans over a stacked cache,
+as the cache holds its layers (`kv_cache.decode_scans`, which reads
+`ModelConfig.decode_loop`).
 
 Numerics: parameters are stored in `param_dtype`, activations and matmuls run
 in `compute_dtype`; norms, RoPE, attention softmax and the output logits are
@@ -235,8 +238,11 @@ def forward_with_cache(
   The tokens' K/V are written at slots [cache.index, cache.index + T) and
   every token attends over the filled slots of its row (`kv_cache.attend`):
   prefill is a call with the prompts (or one per chunk of them), decoding a
-  call per token. The layers run unrolled (see `unstack_layers`; a decode
-  loop should pass params unstacked once, outside the loop).
+  call per token. The layers run as the cache holds them
+  (`kv_cache.decode_scans`): over a cache of one array per layer, unrolled
+  (a decode loop passes `decode_params`, unstacked once outside the loop);
+  over a stacked cache, under scans over the stacked weights, the cache in
+  their carry (`decode_params` leaves the weights stacked).
 
   Args:
     params: the parameter tree of `ptx.models.params.param_specs(cfg)`.
@@ -284,9 +290,27 @@ def hidden_with_cache(
   """
   cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
   x = embed(params, tokens, cfg, rules)
-  x, cache, trace = _run_layers(unstack_layers(params, cfg)["layers"], x, cfg, positions=positions,
-                                segment_ids=None, rules=rules, cache=cache, angles=angles, routes=routes)
+  if not cache.stacked:
+    layers = unstack_layers(params, cfg)["layers"]
+  elif isinstance(params["layers"], tuple):
+    raise ValueError(f"a stacked KV cache (model.decode_loop={cfg.decode_loop!r} scans the decode step's layers) "
+                     "runs the stacked weights, got them unstacked: pass `decode_params(params, cfg)`")
+  else:
+    layers = _stacks(params)
+  x, cache, trace = _run_layers(layers, x, cfg, positions=positions, segment_ids=None, rules=rules, cache=cache,
+                                angles=angles, routes=routes)
   return x, cache.advance(tokens.shape[1]), trace
+
+
+def decode_params(params: Params, cfg: ModelConfig) -> Params:
+  """The parameter tree a decode loop passes every step, prepared once before it: as it is for a decode step that
+  scans the layers (`kv_cache.decode_scans`), else unstacked (`unstack_layers`)."""
+  return params if kv_cache_lib.decode_scans(cfg) else unstack_layers(params, cfg)
+
+
+def _stacks(params: Params) -> Params:
+  """The layer stacks of `params` ({stack: stacked weights}), without the other parameters."""
+  return {stack: params[stack] for stack in params_lib.STACKS if stack in params}
 
 
 def decode_layers(
@@ -306,7 +330,7 @@ def decode_layers(
   `moe.Trace`). `routes` replays recorded experts ([B, T, L, k]); `rows` says what `segment_ids` hold
   (`ptx.models.attention_choice.RowLayout`).
   """
-  layers = {stack: params[stack] for stack in params_lib.STACKS if stack in params}
+  layers = _stacks(params)
   if not cfg.scan_layers:
     layers = unstack_layers(layers, cfg)["layers"]
   x, _, trace = _run_layers(layers, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, cache=None,
@@ -343,7 +367,8 @@ def _run_layers(
   """The layers of `decode_layers`, reading and writing `cache` when one is given; (x, cache, MoE trace).
 
   Stacks ({stack: stacked weights}) run as scans, one per run of
-  consecutive layers of one stack (`_runs`; cache None); a tuple of
+  consecutive layers of one stack (`_runs`), a stacked cache (or none) in
+  their carry, each layer's global index scanned beside its weights; a tuple of
   per-layer trees in layer order (`unstack_layers`) runs the same body once
   per layer, unrolled, as a cache of one array per layer requires. `angles`
   are `layer_rope(positions)` when the caller has them already; `routes`
@@ -367,10 +392,13 @@ def _run_layers(
 
   unrolled = isinstance(layers, tuple)
   if cfg.remat != "none":
-    # The layer index stays a Python int: it picks the cache's per-layer arrays. Unrolled, the guard keeps XLA
-    # from merging the backward's recomputation into the forward (CSE), which would undo the remat (JAX's
-    # `jax.checkpoint` docs); a scan cannot merge them, and there the guard only costs.
-    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled, static_argnums=(5,))
+    # The layer index stays a Python int unrolled: it picks the cache's per-layer arrays (a scan over a stacked
+    # cache traces it). Unrolled, the guard keeps XLA from merging the backward's recomputation into the forward
+    # (CSE), which would undo the remat (JAX's `jax.checkpoint` docs); a scan cannot merge them, and there the
+    # guard only costs.
+    traced_index = cache is not None and not unrolled
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=unrolled,
+                          static_argnums=() if traced_index else (5,))
   replays = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]: scanned, or indexed per layer
   moe_layers = cfg.stack_layers("layers") if cfg.moe.enabled else ()
   traces = []  # the MoE layers' traces, stacked: per layer unrolled, per run scanned
@@ -381,18 +409,22 @@ def _run_layers(
       if trace.routes is not None:
         traces.append(jax.tree.map(lambda a: a[None], trace))
   else:
-    def scan_body(x, per_layer):
-      x, _, trace = body(x, None, *per_layer, None)
-      return x, trace
+    def scan_body(carry, per_layer):
+      x, cache, trace = body(*carry, *per_layer)
+      return (x, cache), trace
 
     for stack, start, end in _runs(cfg):
       indices = cfg.stack_layers(stack)[start:end]
       weights = layers[stack]
-      if end - start < len(cfg.stack_layers(stack)):  # a copy of the run's layers: only a pattern that interleaves
+      if end - start < len(cfg.stack_layers(stack)):
+        # A copy of the run's layers, only for a pattern that interleaves stacks (a scanned decode step pays it
+        # every token).
         weights = jax.tree.map(lambda w: w[start:end], weights)
       run_replays = None if replays is None or stack != "layers" else replays[start:end]
-      x, trace = jax.lax.scan(scan_body, x, (weights, None if windows is None else jnp.asarray(
-          windows[list(indices)]), run_replays))
+      # A stacked cache is read and written at each layer's index in it, the layer's place in the model.
+      layer_ids = None if cache is None else jnp.asarray(indices, jnp.int32)
+      (x, cache), trace = jax.lax.scan(scan_body, (x, cache), (weights, None if windows is None else jnp.asarray(
+          windows[list(indices)]), run_replays, layer_ids))
       if trace.routes is not None:
         traces.append(trace)
   if not traces:
@@ -405,9 +437,10 @@ def unstack_layers(params: Params, cfg: ModelConfig) -> Params:
   """The parameter tree with `layers` as a tuple of per-layer trees in layer order (every stack's), for decode loops.
 
   Slicing one layer out of the stacked weights is a copy. Inside a decode
-  loop a scan would repeat it for every token (XLA does not hoist slices out
-  of loops), so samplers slice once before the loop and run the layers
-  unrolled. Already unstacked params are returned as they are.
+  loop XLA:CPU repeats it for every token under a scan (XLA does not hoist
+  slices out of loops), so there samplers slice once before the loop and run
+  the layers unrolled (`decode_params`). Already unstacked params are
+  returned as they are.
   """
   if isinstance(params["layers"], tuple):
     return params
@@ -439,9 +472,10 @@ def block(
   """One pre-norm decoder layer. `cfg` flags select parameters, never values.
 
   Without a cache the tokens attend to each other; with one, their K/V are
-  written into layer `layer_index` of the cache first and they attend over its
-  filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE trace: its statistics, experts [B, T, k]
-  and dropped tokens [B, T] (`moe.moe_mlp`, which `replay` is passed to); {}, None, None for a dense MLP).
+  written into layer `layer_index` of the cache first (an int, or traced under a scan over a stacked cache) and
+  they attend over its filled slots (`kv_cache.attend`). Returns (x, cache, the layer's MoE trace: its
+  statistics, experts [B, T, k] and dropped tokens [B, T] (`moe.moe_mlp`, which `replay` is passed to); {}, None,
+  None for a dense MLP).
   """
   dtype = cfg.compute_dtype
   h = rms_norm(x, p["attn_norm"], cfg)

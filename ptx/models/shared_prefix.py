@@ -23,10 +23,12 @@ cannot promise whole groups, for any attention but "xla" (the cache attends
 through the decode kernel, dense over blocks of slots like "xla": a model
 configured for blockwise, Pallas or ring attention runs that one), and under
 remat. The cache path runs its layers
-unrolled (one cache array per layer), where remat saved nothing measurable:
-its compiled update grew by ~145 MiB a layer with remat as without, where
-the scanned forward grows by 1.5 (XLA:CPU, 8 devices; benchmarks/RESULTS.md),
-so a rematerialised model, which needs its memory, takes the scan.
+as the cache holds them (`kv_cache.decode_scans`: unrolled over one cache
+array per layer on XLA:CPU, scanned over a stacked cache elsewhere), and
+unrolled, remat saved nothing measurable there: its compiled update grew by
+~145 MiB a layer with remat as without, where the scanned forward grows by
+1.5 (XLA:CPU, 8 devices; benchmarks/RESULTS.md), so a rematerialised model,
+which needs its memory, takes the scanned plain forward.
 """
 
 from __future__ import annotations

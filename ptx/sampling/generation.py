@@ -36,7 +36,7 @@ from ptx_kernels import xla_cpu_workarounds
 from ptx import sharding
 from ptx.model_config import ModelConfig
 from ptx.models import kv_cache, moe
-from ptx.models.decoder import Params, hidden_with_cache, layer_rope, tempered, token_log_probs, unembed, unstack_layers
+from ptx.models.decoder import Params, decode_params, hidden_with_cache, layer_rope, tempered, token_log_probs, unembed
 from ptx.models.shared_prefix import prefill_groups, shares_prompt_cache
 from ptx.sampling import buckets
 from ptx.sampling.rules import SamplingConfig, sample_tokens
@@ -139,7 +139,7 @@ def generate_padded(
   P, R = prompt_tokens.shape[1], prompt_tokens.shape[0] * group_size
   if prefill_chunk is not None and P > prefill_chunk and P % prefill_chunk:
     raise ValueError(f"prefill_chunk {prefill_chunk} must divide the padded prompt length {P}")
-  params = unstack_layers(params, cfg)  # once, outside the loop: per-layer weights are not re-sliced per token
+  params = decode_params(params, cfg)  # once, outside the loop
   # The slots before a row's first generated token: its prompt's, unless its group shares them as a prefix.
   offset, seq_devices = (0 if shares_prompt_cache(group_size, P, shared_prompts) else P), _seq_devices(rules)
   phases = _phase_slots(offset, budget, seq_devices)

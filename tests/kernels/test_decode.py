@@ -94,6 +94,22 @@ def test_int8_cache_dequantises_per_block(helpers):
   assert helpers.rel_err(out, _reference(q, *dequantized, LENGTHS, STARTS)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_stacked_cache_attends_the_named_layer_and_comes_back_as_it_went_in(helpers, mesh, sharded):
+  """layer=: every layer's int8 cache stacked [L, ...], the layer traced (as under a scan over the layers)."""
+  layers = [helpers.make_qkv(seed, B, 2, S, H, KV, D)[1:] for seed in (11, 12, 13)]
+  quantize = lambda x: (jnp.round(x / 0.02).astype(jnp.int8), jnp.full(x.shape[:3], 0.02))  # noqa: E731
+  k8, ks, v8, vs = (jnp.stack(arrays) for arrays in zip(*[quantize(k) + quantize(v) for k, v in layers]))
+  q = helpers.make_qkv(14, B, 2, S, H, KV, D)[0]
+  call = jax.jit(functools.partial(pk.decode_attention, block_kv=24, return_cache=True, mesh=mesh if sharded else None,
+                                   window=40, softcap=5.0))
+  out, lse, cache = call(q, k8, v8, k_scale=ks, v_scale=vs, lengths=LENGTHS, starts=STARTS, layer=jnp.int32(1))
+  want, want_lse = call(q, k8[1], v8[1], k_scale=ks[1], v_scale=vs[1], lengths=LENGTHS, starts=STARTS)[:2]
+  # The same blocks in the same order of sums, read out of the stack rather than out of the layer's own array.
+  assert jnp.array_equal(out, want) and jnp.array_equal(lse, want_lse)
+  assert all(jnp.array_equal(x, y) for x, y in zip(cache, (k8, v8, ks, vs)))
+
+
 def test_bf16_cache(helpers):
   q, k, v = helpers.make_qkv(9, B, 1, S, H, KV, D, jnp.bfloat16)
   out, _ = pk.decode_attention(q, k, v, lengths=LENGTHS, block_kv=64)

@@ -32,10 +32,12 @@ def _rollouts(vocab):
   return jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), jnp.asarray(segment_ids), jnp.asarray(loss_mask)
 
 
-@pytest.mark.parametrize("variant", ["llama", "gemma"])
+# "gemma_scanned": the cache path's layers under scans over a stacked cache (`model.decode_loop`, as on GPU and TPU).
+@pytest.mark.parametrize("variant", ["llama", "gemma", "gemma_scanned"])
 def test_scored_logits_and_gradients_match_the_plain_forward(tiny_config, variant):
   """Copied and shared prompts each give the plain forward's log-probs, entropies and gradients."""
-  cfg = tiny_config if variant == "llama" else gemma_like(tiny_config)
+  cfg = {"llama": tiny_config, "gemma": gemma_like(tiny_config),
+         "gemma_scanned": dataclasses.replace(gemma_like(tiny_config), decode_loop="scan")}[variant]
   params = init_params(cfg, jax.random.key(1))
   tokens, positions, segment_ids, loss_mask = _rollouts(cfg.vocab_size)
 

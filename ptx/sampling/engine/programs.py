@@ -30,7 +30,7 @@ from ptx_kernels.implementation import Kernel
 from ptx import sharding
 from ptx.model_config import ModelConfig
 from ptx.models import moe, paged_kv_cache
-from ptx.models.decoder import Params, hidden_with_cache, tempered, token_log_probs, unembed, unstack_layers
+from ptx.models.decoder import Params, decode_params, hidden_with_cache, tempered, token_log_probs, unembed
 from ptx.sampling import buckets
 from ptx.sampling.engine import map_budget
 from ptx.sampling.engine.drafters import DeviceDrafter
@@ -137,7 +137,7 @@ def decode_pages(params: Params, k: tuple, v: tuple, rows: DecodeRows, key: jax.
                  rules: sharding.Rules, kernel: Kernel | None,
                  record_routes: bool = False) -> tuple[tuple, tuple, Decoded]:
   """Up to `steps` tokens for every live row: feed its pending token, sample the next, stop at a stop id or budget."""
-  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
+  params = decode_params(params, cfg)  # once, outside the loop
   R = rows.lengths.shape[0]
   logprob_temperature = sampling.temperature if tempered_log_probs else 1.0
   # Every uniform the call may use, drawn before the loop (threefry is a loop of small ops on CPU): row r's
@@ -208,7 +208,7 @@ def speculate_pages(params: Params, k: tuple, v: tuple, rows: SpeculateRows, dra
   uniforms of their own (`ptx.sampling.engine.acceptance`), drawn by token index
   as decoding's are, so neither depends on how rounds fall into calls.
   """
-  params = unstack_layers(params, cfg)  # once, outside the loop (see `unstack_layers`)
+  params = decode_params(params, cfg)  # once, outside the loop
   R, L = rows.context.shape
   K, T, N = drafts, drafts + 1, rounds * (drafts + 1)
   at_T = jnp.arange(T, dtype=jnp.int32)[None]
@@ -389,6 +389,6 @@ def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement, i
 
   `placement` is one layer's (`paged_kv_cache.pool_sharding`), or None.
   """
-  layers = None if placement is None else (placement,) * cfg.n_layers
+  layers = None if placement is None else paged_kv_cache.pools_sharding(cfg, placement)
   out = None if placement is None else (layers, None if cfg.mla.enabled else layers)  # MLA pages hold no values
   return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size, int8), out_shardings=out)
