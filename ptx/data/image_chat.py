@@ -37,7 +37,7 @@ def has_parts(messages: Any) -> bool:
                                             for m in messages)
 
 
-def validate(messages: Any, key: str = "messages") -> None:
+def validate(messages: Any) -> None:
   """Raises ValueError unless `messages` is a conversation whose contents are strings or lists of parts."""
   validate_messages([{**m, "content": ""} if isinstance(m, dict) and isinstance(m.get("content"), list) else m
                      for m in messages] if isinstance(messages, list) else messages)
@@ -45,9 +45,9 @@ def validate(messages: Any, key: str = "messages") -> None:
     if isinstance(m["content"], str):
       continue
     if not m["content"]:
-      raise ValueError(f"{key}[{i}].content is an empty list of parts")
+      raise ValueError(f"messages[{i}].content is an empty list of parts")
     for j, part in enumerate(m["content"]):
-      where = f"{key}[{i}].content[{j}]"
+      where = f"messages[{i}].content[{j}]"
       if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
         raise ValueError(f"{where} must be an object of type 'text' or 'image'")
       if part["type"] == "text" and not isinstance(part.get("text"), str):
@@ -58,7 +58,7 @@ def validate(messages: Any, key: str = "messages") -> None:
 
 
 def encode(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], template: ChatTemplate | None,
-           cfg: ImageConfig, key: str = "messages") -> dict[str, np.ndarray]:
+           cfg: ImageConfig) -> dict[str, np.ndarray]:
   """Tiles the images of a checked conversation and encodes it with their tokens.
 
   Args:
@@ -66,7 +66,6 @@ def encode(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], template: C
     messages: the conversation, checked by `validate`.
     template: as for `ptx.data.chat.encode_chat`.
     cfg: how images become tiles and tokens.
-    key: the conversation's field, for errors.
 
   Returns:
     The example of the module docstring.
@@ -75,7 +74,7 @@ def encode(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], template: C
     ValueError: an image that cannot be read, a tokenizer without the image
       tokens, or a rendering whose placeholders do not match the images.
   """
-  tiles = [_tiles(part, f"{key}[{i}].content[{j}]", cfg) for i, m in enumerate(messages)
+  tiles = [_tiles(part, f"messages[{i}].content[{j}]", cfg) for i, m in enumerate(messages)
            if isinstance(m["content"], list) for j, part in enumerate(m["content"]) if part["type"] == "image"]
   expansions = [image_tokens.encode_expansion(tokenizer, t.rows, t.cols, cfg.image_seq_len) for t in tiles]
   placed = 0
@@ -87,7 +86,7 @@ def encode(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], template: C
     trainable = [1] * len(ids)
     for piece in pieces[1:]:
       if placed == len(expansions):
-        raise ValueError(f"{key}: the rendering holds more {image_tokens.IMAGE} placeholders than the "
+        raise ValueError(f"messages: the rendering holds more {image_tokens.IMAGE} placeholders than the "
                          f"{len(expansions)} image parts (is {image_tokens.IMAGE} written in a text part?)")
       after = tokenizer.encode(piece)
       ids += expansions[placed] + after
@@ -99,7 +98,7 @@ def encode(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], template: C
               if isinstance(m["content"], list) else m for m in messages]
   ids, mask = encode_chat(tokenizer, rendered, template, encode_text=encode_text)
   if placed != len(expansions):
-    raise ValueError(f"{key}: the chat template rendered {placed} of the {len(expansions)} image parts")
+    raise ValueError(f"messages: the chat template rendered {placed} of the {len(expansions)} image parts")
   tokens = np.asarray(ids, np.int32)
   if not tiles:  # parts of text alone
     return {"tokens": tokens, "loss_mask": np.asarray(mask, np.int32), "image_slots": np.full(len(ids), -1, np.int32),

@@ -89,6 +89,18 @@ def test_an_image_in_a_reply_is_not_trained_on(pngs):
   assert got["loss_mask"][-2] == 1  # <|im_end|> closing the reply, after the image
 
 
+def test_parts_of_text_alone_carry_no_tiles():
+  parts = [{"type": "text", "text": "Describe "}, {"type": "text", "text": "both."}]
+  record = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Two cats."}]}
+  got = encode("sft", TOK, record, "memory[0]", images=CFG)
+  want = encode("sft", TOK, {"messages": [{"role": "user", "content": "Describe both."}, record["messages"][1]]},
+                "memory[0]")
+  np.testing.assert_array_equal(got["tokens"], want["tokens"])
+  np.testing.assert_array_equal(got["loss_mask"], want["loss_mask"])
+  assert (got["image_slots"] == -1).all() and got["pixel_values"].shape == (0, 3, 32, 32)
+  assert fit(got, "sft", len(got["tokens"]) - 1, "truncate", "memory[0]")["status"] == "truncated"
+
+
 def _bad_records(tmp_path, pngs) -> list[tuple[dict, str]]:
   path, data = pngs
   (tmp_path / "empty.png").write_bytes(b"")
