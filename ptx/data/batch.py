@@ -5,6 +5,15 @@ A batch is a dict of int32 arrays of shape [B, T]:
   loss_mask    1 where the token is a training target, else 0
   segment_ids  1.. per packed sequence, 0 for padding
   positions    position of each token within its own sequence
+
+Rows of examples with images (`ptx.data.image_chat`) add, at a fixed tile
+count N per row (`tiles_per_row`):
+  image_slots           int32 [B, T]: the row's feature row of each image
+                        token (its examples' tiles in order), -1 elsewhere
+  pixel_values          float32 [B, N, 3, S, S]: the row's tiles, zero-padded
+  pixel_attention_mask  int32 [B, N, S, S]: 1 on real tiles, 0 on padding
+An example is one segment of its row, so its images' tokens and tiles stay
+together.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ptx.data.images import pad_tiles
 from ptx.data.tokenizer import Tokenizer
 
 
@@ -40,7 +50,7 @@ def pad_batch(examples: Sequence[dict[str, np.ndarray]], seq_len: int, pad_id: i
 
 
 def pack_rows(
-    rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int
+    rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int, tiles_per_row: int | None = None
 ) -> dict[str, np.ndarray]:
   """Lays out each row's examples one after another, then pads to `seq_len`.
 
@@ -48,13 +58,17 @@ def pack_rows(
     rows: per row, the examples packed into it (possibly none: an empty row).
     seq_len: T.
     pad_id: the token id written into padding.
+    tiles_per_row: N, the image tiles of a row, for examples with images.
 
   Returns:
     The batch dict of int32 [len(rows), seq_len] arrays; the k-th example of
-    a row has segment id k + 1 and positions 0..len-1.
+    a row has segment id k + 1 and positions 0..len-1. With images, also the
+    arrays of the module docstring.
 
   Raises:
-    ValueError: when a row's examples are longer than `seq_len` together.
+    ValueError: when a row's examples are longer than `seq_len` together, or
+      have more than `tiles_per_row` tiles; examples with images and no
+      `tiles_per_row`.
   """
   n = len(rows)
   batch = {
@@ -76,4 +90,31 @@ def pack_rows(
       batch["segment_ids"][r, start:end] = segment
       batch["positions"][r, start:end] = np.arange(length)
       start = end
+  images = [ex for row in rows for ex in row if "pixel_values" in ex]
+  if images:
+    if tiles_per_row is None:
+      raise ValueError("examples with images need tiles_per_row, the static tile count of a row")
+    batch.update(_image_rows(rows, seq_len, tiles_per_row, images[0]["pixel_values"].shape[-1]))
   return batch
+
+
+def _image_rows(rows, seq_len: int, tiles_per_row: int, tile_size: int) -> dict[str, np.ndarray]:
+  """The image arrays of `pack_rows`: each example's slots moved past the image tokens before it in its row."""
+  slots = np.full((len(rows), seq_len), -1, np.int32)
+  pixels, masks = [], []
+  for r, row in enumerate(rows):
+    start, before = 0, 0
+    for ex in row:
+      length = len(ex["tokens"])
+      own = ex.get("image_slots", np.full(length, -1, np.int32))
+      slots[r, start:start + length] = np.where(own >= 0, own + before, -1)
+      before += int((own >= 0).sum())
+      start += length
+    tiles = [ex["pixel_values"] for ex in row if "pixel_values" in ex] or [np.zeros((0, 3, tile_size, tile_size))]
+    try:
+      row_pixels, row_mask = pad_tiles(tiles, tiles_per_row)
+    except ValueError as e:
+      raise ValueError(f"row {r}: {e}") from None
+    pixels.append(row_pixels)
+    masks.append(row_mask)
+  return {"image_slots": slots, "pixel_values": np.stack(pixels), "pixel_attention_mask": np.stack(masks)}

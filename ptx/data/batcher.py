@@ -44,7 +44,8 @@ def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str, where: 
 
   Status is "ok", "truncated" (the first `seq_len` tokens kept) or "dropped"
   (policy "drop"; or nothing left to train on after truncation; or an RL
-  prompt, which truncation would cut off before its question ends). A
+  prompt, which truncation would cut off before its question ends; or a cut
+  through an image's tokens, whose tiles go with all of them). A
   dropped element also has "reason" ("where: why") and "needed", the
   seq_len that would keep it.
   """
@@ -61,6 +62,13 @@ def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str, where: 
   if needed > seq_len:
     return _dropped(where, f"{n} tokens, the first {needed - 1} before any target: truncation to "
                     f"data.seq_len={seq_len} leaves no target token", needed)
+  if "image_slots" in example:
+    # An image's tiles go with all of its tokens: a cut keeps its last image token and the marker closing it.
+    image_end = int(np.flatnonzero(example["image_slots"] >= 0)[-1]) + 2 if example["pixel_values"].size else 0
+    if image_end > seq_len:
+      return _dropped(where, f"{n} tokens, the last image's ending at token {image_end}: truncation to "
+                      f"data.seq_len={seq_len} would cut the image", image_end)
+    example["image_slots"] = example["image_slots"][:seq_len]
   for s in streams:
     s["tokens"], s["loss_mask"] = s["tokens"][:seq_len], s["loss_mask"][:seq_len]
   return {"status": "truncated", "example": example}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ptx.data.tokenizer import Tokenizer
 
@@ -42,19 +42,27 @@ class ChatTemplate(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ChatMLTemplate:
-  """`<|im_start|>role\\ncontent<|im_end|>\\n` per turn (Qwen, SmolLM2 style)."""
+  """`<|im_start|>role\\ncontent<|im_end|>\\n` per turn (Qwen, SmolLM2 style).
+
+  A content that is a list of parts (`{"type": "text", "text": ...}`, `{"type": "image", ...}`) renders its text
+  parts as written and each image part as `image_text`, the placeholder the image's tokens replace.
+  """
 
   add_bos: bool = True
+  # What an image part renders as: the placeholder of the Idefics3 / SmolVLM processors (ptx.data.image_tokens).
+  image_text: str = "<image>"
 
   def segments(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> Segments:
     """Segments of the conversation; assistant content plus `<|im_end|>` are targets."""
     out: Segments = []
     for m in messages:
       header = f"<|im_start|>{m['role']}\n"
+      content = m["content"] if isinstance(m["content"], str) else "".join(
+          part["text"] if part["type"] == "text" else self.image_text for part in m["content"])
       if m["role"] == "assistant":
-        out += [(header, False), (m["content"] + "<|im_end|>", True), ("\n", False)]
+        out += [(header, False), (content + "<|im_end|>", True), ("\n", False)]
       else:
-        out.append((header + m["content"] + "<|im_end|>\n", False))
+        out.append((header + content + "<|im_end|>\n", False))
     if add_generation_prompt:
       out.append(("<|im_start|>assistant\n", False))
     return _merge(out)
@@ -133,6 +141,7 @@ def encode_chat(
     messages: Sequence[Message],
     template: ChatTemplate | None = None,
     add_generation_prompt: bool = False,
+    encode_text: Callable[[str], tuple[list[int], list[int]]] | None = None,
 ) -> tuple[list[int], list[int]]:
   """Encodes a conversation; the mask is 1 exactly on assistant-turn tokens.
 
@@ -142,6 +151,9 @@ def encode_chat(
     template: defaults to the tokenizer's `chat_template`, else ChatML.
     add_generation_prompt: end with the header of a new assistant turn (for
       prompts to sample from).
+    encode_text: encodes one segment's text into (ids, trainable): 0 where
+      a token never enters the loss even in an assistant turn (an image's
+      tokens); default `tokenizer.encode`, every token trainable.
 
   Returns:
     (token ids, loss mask), two lists of equal length.
@@ -153,9 +165,9 @@ def encode_chat(
     ids.append(tokenizer.bos_id)
     mask.append(0)
   for text, target in template.segments(messages, add_generation_prompt):
-    piece = tokenizer.encode(text)
+    piece, trainable = encode_text(text) if encode_text else (tokenizer.encode(text), None)
     ids += piece
-    mask += [int(target)] * len(piece)
+    mask += [int(target)] * len(piece) if trainable is None else [int(target) & t for t in trainable]
   return ids, mask
 
 

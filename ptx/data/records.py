@@ -2,7 +2,9 @@
 
 Kinds and their fields:
   sft         `prompt` + `completion` (strings, completion non-empty), or
-              `messages` (role/content list with a non-empty assistant turn)
+              `messages` (role/content list with a non-empty assistant turn;
+              a content may be a list of text and image parts,
+              `ptx.data.image_chat`, given an image config)
   preference  `prompt` (string or messages) + `chosen` + `rejected`
               (non-empty strings: the two assistant replies)
   rl          `prompt` (string or messages) + the task fields the
@@ -15,7 +17,9 @@ Kinds and their fields:
 Every problem with a record raises `RecordError` naming where the record came
 from; the pipeline turns it into an exception or a counted skip. An example is
 a dict of int32 arrays `tokens` and `loss_mask` (preference: one such dict per
-reply under `chosen` and `rejected`; rl: plus the raw record under `task`).
+reply under `chosen` and `rejected`; rl: plus the raw record under `task`;
+sft with images: plus `image_slots` and `pixel_values`). An image that cannot
+be read (a missing file, corrupt bytes, zero size) is a RecordError too.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ptx.data import image_chat
 from ptx.data.batch import sft_example
 from ptx.data.chat import ChatTemplate, encode_chat, validate_messages
+from ptx.data.images import ImageConfig
 from ptx.data.sources import RawRecord
 from ptx.data.tokenizer import Tokenizer
 
@@ -60,7 +66,8 @@ def decode(raw: RawRecord) -> dict[str, Any]:
 
 
 def encode(kind: str, tokenizer: Tokenizer, record: dict[str, Any], where: str,
-           template: ChatTemplate | None = None, task_fields: Sequence[str] = ()) -> dict[str, Any]:
+           template: ChatTemplate | None = None, task_fields: Sequence[str] = (),
+           images: ImageConfig | None = None) -> dict[str, Any]:
   """Validates and tokenizes one decoded record of `kind`.
 
   Args:
@@ -71,6 +78,8 @@ def encode(kind: str, tokenizer: Tokenizer, record: dict[str, Any], where: str,
     template: chat template for `messages` records (default: the
       tokenizer's, else ChatML).
     task_fields: fields an `rl` record must have.
+    images: how `sft` conversations' images become tiles and tokens (None:
+      records with image parts are refused).
 
   Returns:
     The example (see the module docstring).
@@ -79,6 +88,8 @@ def encode(kind: str, tokenizer: Tokenizer, record: dict[str, Any], where: str,
     RecordError: on a missing, wrongly typed or empty field.
   """
   try:
+    if kind == "sft" and image_chat.has_parts(record.get("messages")):
+      return _image_chat_example(tokenizer, record, template, images)
     return _ENCODERS[kind](tokenizer, record, template, task_fields)
   except _FieldError as e:
     raise RecordError(where, str(e)) from None
@@ -129,6 +140,27 @@ def _chat_example(tokenizer, messages, template) -> dict[str, np.ndarray]:
   if not any(mask):
     raise _FieldError("conversation has no non-empty assistant turn to train on")
   return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
+
+
+def _image_chat_example(tokenizer, record, template, images) -> dict[str, np.ndarray]:
+  if images is None:
+    raise _FieldError("field 'messages' holds content parts, which need an image config (ptx.data.images)")
+  try:
+    image_chat.validate(record["messages"])
+  except ValueError as e:
+    raise _FieldError(str(e)) from None
+  for i, m in enumerate(record["messages"]):
+    parts = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+    for part in parts:
+      if part["type"] == "text":
+        _check_utf8(part["text"], f"messages[{i}].content")
+  try:
+    example = image_chat.encode(tokenizer, record["messages"], template, images)
+  except ValueError as e:
+    raise _FieldError(str(e)) from None
+  if not example["loss_mask"].any():
+    raise _FieldError("conversation has no non-empty assistant turn to train on")
+  return example
 
 
 def _messages(record: dict[str, Any], key: str) -> list[dict[str, Any]]:
