@@ -139,6 +139,87 @@ class MlaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """An image encoder before the decoder (`ptx.models.vision`): a SigLIP ViT and the Idefics3 / SmolVLM connector.
+
+  The tower cuts each image (one tile, `image_size` square) into patches, embeds them by a matmul over the flattened
+  patch plus a learned position embedding, and runs `depth` pre-LayerNorm bidirectional layers (GELU-tanh MLPs) and
+  a final LayerNorm. The connector folds each `scale_factor` x `scale_factor` block of patches into one vector (the
+  pixel shuffle) and projects it to `model.d_model`: `tokens_per_image` features, which replace the embeddings of
+  the `image_token_id` positions of the text.
+  """
+
+  # Encoder layers (HF vision_config `num_hidden_layers`); 0: a text-only model, no tower.
+  depth: int = 0
+  # Side of the square image the tower sees, in pixels (HF `image_size`).
+  image_size: int = 224
+  # Side of a square patch in pixels (HF `patch_size`).
+  patch_size: int = 16
+  # Colour channels of a pixel (HF `num_channels`).
+  channels: int = 3
+  # Width of the tower's residual stream (HF vision_config `hidden_size`).
+  width: int = 768
+  # Attention heads of each encoder layer; each is width / n_heads wide (HF `num_attention_heads`).
+  n_heads: int = 12
+  # Hidden width of each encoder layer's GELU-tanh MLP (HF vision_config `intermediate_size`).
+  mlp_dim: int = 3072
+  # LayerNorm epsilon of the tower (HF `layer_norm_eps`).
+  norm_eps: float = 1e-6
+  # Pixel shuffle: each scale_factor x scale_factor block of patches becomes one feature (HF `scale_factor`).
+  scale_factor: int = 2
+  # The token id whose positions take the image features (HF `image_token_id`, `<image>`).
+  image_token_id: int = 0
+  # Train the tower (patch and position embeddings, layers, final norm); False: frozen, no optimizer state.
+  train_tower: bool = False
+  # Train the connector's projection; False: frozen, no optimizer state.
+  train_connector: bool = False
+
+  def __post_init__(self):
+    if self.depth < 0:
+      raise ValueError(f"model.vision.depth must be >= 0 (0: no vision tower), got {self.depth}")
+    if not self.depth:
+      return
+    for name in ("image_size", "patch_size", "channels", "width", "n_heads", "mlp_dim", "scale_factor"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.vision.{name} must be >= 1, got {getattr(self, name)}")
+    if self.image_size % self.patch_size:
+      raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of model.vision.patch_size="
+                       f"{self.patch_size}")
+    if self.patches_per_side % self.scale_factor:
+      raise ValueError(f"model.vision.scale_factor={self.scale_factor} must divide the {self.patches_per_side} "
+                       f"patches per side (model.vision.image_size / patch_size)")
+    if self.width % self.n_heads:
+      raise ValueError(f"model.vision.width={self.width} must be a multiple of model.vision.n_heads={self.n_heads}")
+    if self.image_token_id < 0:
+      raise ValueError(f"model.vision.image_token_id must be >= 0, got {self.image_token_id}")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the model has a vision tower."""
+    return self.depth > 0
+
+  @property
+  def patches_per_side(self) -> int:
+    """Patches along each side of an image."""
+    return self.image_size // self.patch_size
+
+  @property
+  def n_patches(self) -> int:
+    """Patches of an image: the tower's sequence length and the rows of its position embedding."""
+    return self.patches_per_side ** 2
+
+  @property
+  def patch_dim(self) -> int:
+    """Values of a flattened patch: channels x patch_size x patch_size."""
+    return self.channels * self.patch_size ** 2
+
+  @property
+  def tokens_per_image(self) -> int:
+    """Features the connector makes of one image: the image tokens it fills in the text."""
+    return self.n_patches // self.scale_factor ** 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer covering Llama 3, Qwen2/2.5/3, Gemma 2/3 and Mixture-of-Experts MLPs."""
 
@@ -187,6 +268,8 @@ class ModelConfig:
   moe: MoeConfig = MoeConfig()
   # Multi-head latent attention in every layer (mla.kv_lora_rank 0: ordinary grouped-query attention).
   mla: MlaConfig = MlaConfig()
+  # An image encoder whose features replace the image tokens' embeddings (vision.depth 0: a text-only model).
+  vision: VisionConfig = VisionConfig()
   # Gemma 3: RoPE base of the sliding-window layers (None: same as rope_theta).
   rope_local_theta: float | None = None
   # Sliding-window size of local layers in tokens (None: every layer is global).
@@ -274,6 +357,9 @@ class ModelConfig:
 
     if self.mla.enabled:
       _check_mla(self)
+    if self.vision.enabled and not 0 <= self.vision.image_token_id < self.vocab_size:
+      raise ValueError(f"model.vision.image_token_id={self.vision.image_token_id} must be a token below "
+                       f"model.vocab_size={self.vocab_size}")
 
   @property
   def qk_head_dim(self) -> int:
@@ -307,12 +393,14 @@ class ModelConfig:
     """The layers, in order, whose weights parameter stack `stack` holds (`ptx.models.params`).
 
     "layers" holds every layer of a dense model and the MoE layers of a Mixture of Experts; "dense_layers" the
-    layers of `moe.dense_layers`.
+    layers of `moe.dense_layers`; "vision" the vision tower's encoder layers (its stacked leaves).
     """
     if stack == "dense_layers":
       return self.moe.dense_layers
+    if stack == "vision":
+      return tuple(range(self.vision.depth))
     if stack != "layers":
-      raise ValueError(f"no parameter stack {stack!r}: 'layers' or 'dense_layers'")
+      raise ValueError(f"no parameter stack {stack!r}: 'layers', 'dense_layers' or 'vision'")
     return tuple(i for i in range(self.n_layers) if i not in self.moe.dense_layers)
 
 

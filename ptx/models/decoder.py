@@ -45,6 +45,7 @@ from ptx.models import moe
 from ptx.models import paged_kv_cache
 from ptx.models import params as params_lib
 from ptx.models import rope
+from ptx.models import vision
 from ptx.models import attention_choice
 from ptx.models.attention import attention, need_of, resolve
 from ptx.models.attention_choice import RowLayout
@@ -139,6 +140,8 @@ def forward(
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     rows: RowLayout = "packed",
+    image_features: jax.Array | None = None,
+    image_slots: jax.Array | None = None,
 ) -> jax.Array:
   """Runs the decoder on int32 tokens [B, T] and returns float32 logits [B, T, V].
 
@@ -152,11 +155,15 @@ def forward(
     rules: the sharding rules for activation constraints (used under a mesh).
     rows: what `segment_ids` hold (`ptx.models.attention_choice.RowLayout`; None ids are one whole sequence per
       row, which every layout describes).
+    image_features: [N, tokens_per_image, D] (`ptx.models.vision.encode_images`), with `image_slots`.
+    image_slots: int32 [B, T]: the row of the flattened image features that replaces each position's embedding,
+      -1 for text (`ptx.models.vision.merge_features`).
 
   Returns:
     float32 logits [B, T, V].
   """
-  x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules, rows=rows)
+  x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules, rows=rows,
+                       image_features=image_features, image_slots=image_slots)
   return unembed(params, x, cfg, rules)
 
 
@@ -170,6 +177,8 @@ def hidden_states(
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     routes: jax.Array | None = None,
     rows: RowLayout = "packed",
+    image_features: jax.Array | None = None,
+    image_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, moe.Trace]:
   """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE trace.
 
@@ -180,6 +189,10 @@ def hidden_states(
   recorded experts (`moe.moe_mlp`'s `replay`).
   """
   x = embed(params, tokens, cfg, rules)
+  if (image_features is None) != (image_slots is None):
+    raise ValueError("pass image_features and image_slots together, or neither")
+  if image_features is not None:  # shape-static: a program with images or one without
+    x = vision.merge_features(x, image_features, image_slots, rules)
   return decode_layers(params, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, routes=routes,
                        rows=rows)
 

@@ -27,6 +27,14 @@ Tree (L layers, D d_model, H heads, N kv heads, K head_dim, F mlp, V vocab):
   (a latent's rank is sharded like `embed` where it is a weight's input, and not sharded where it is its output)
   dense_layers: the layers of `moe.dense_layers` in a Mixture of Experts, with the dense MLP's weights: a stack
           of its own, run in its layers' places (`ModelConfig.stack_layers`); `layers` then holds the MoE layers.
+  A vision tower (vision.depth Lv > 0, `ptx.models.vision`; Dv vision.width, Hv heads of Kv = Dv / Hv, Fv
+  vision.mlp_dim, Np patches, Pd = channels x patch_size^2, s vision.scale_factor) adds, on the text model's axes
+  (its width is `embed`), not trainable unless vision.train_tower / train_connector:
+  vision: patch [Pd, Dv]; patch_bias [Dv]; pos [Np, Dv]; post_norm, post_norm_bias [Dv]
+          attn_norm, attn_norm_bias [Lv, Dv]; q [Lv, Dv, Hv, Kv]; k, v [Lv, Dv, Hv, Kv] (kv_heads); o [Lv, Hv, Kv, Dv]
+          q_bias, k_bias, v_bias [Lv, Hv, Kv]; o_bias [Lv, Dv]; mlp_norm, mlp_norm_bias [Lv, Dv]
+          up [Lv, Dv, Fv]; up_bias [Lv, Fv]; down [Lv, Fv, Dv]; down_bias [Lv, Dv]
+  connector: proj [s^2 Dv, D]
 """
 
 from __future__ import annotations
@@ -80,6 +88,10 @@ def param_specs(cfg: ModelConfig) -> Params:
     specs["dense_layers"] = _layer_specs(cfg, len(cfg.moe.dense_layers), moe_mlp=False)
   if not cfg.tie_embeddings:
     specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), weight)
+  if cfg.vision.enabled:
+    specs["vision"] = _vision_specs(cfg)
+    specs["connector"] = {"proj": ParamSpec((cfg.vision.scale_factor ** 2 * cfg.vision.width, D), (None, "embed"),
+                                            weight, trainable=cfg.vision.train_connector)}
   return specs
 
 
@@ -137,6 +149,45 @@ def _layer_specs(cfg: ModelConfig, L: int, *, moe_mlp: bool) -> dict[str, ParamS
     layers["attn_post_norm"] = layer((D,), ("embed",), norm)
     layers["mlp_post_norm"] = layer((D,), ("embed",), norm)
   return layers
+
+
+def _vision_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+  """The vision tower's ParamSpecs: embeddings, final norm, and its encoder layers stacked on `layers`."""
+  vc = cfg.vision
+  L, D, H, F = vc.depth, vc.width, vc.n_heads, vc.mlp_dim
+  K = D // H
+  weight = jax.nn.initializers.normal(cfg.init_std)
+  zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
+
+  def spec(shape, axes, init=weight):
+    return ParamSpec(shape, axes, init, trainable=vc.train_tower)
+
+  def layer(shape, axes, init=weight):
+    return spec((L,) + shape, ("layers",) + axes, init)
+
+  return {
+      "patch": spec((vc.patch_dim, D), (None, "embed")),
+      "patch_bias": spec((D,), ("embed",), zeros),
+      "pos": spec((vc.n_patches, D), (None, "embed")),
+      "attn_norm": layer((D,), ("embed",), ones),
+      "attn_norm_bias": layer((D,), ("embed",), zeros),
+      "q": layer((D, H, K), ("embed", "heads", "head_dim")),
+      "k": layer((D, H, K), ("embed", "kv_heads", "head_dim")),
+      "v": layer((D, H, K), ("embed", "kv_heads", "head_dim")),
+      "o": layer((H, K, D), ("heads", "head_dim", "embed")),
+      "q_bias": layer((H, K), ("heads", "head_dim"), zeros),
+      "k_bias": layer((H, K), ("kv_heads", "head_dim"), zeros),
+      "v_bias": layer((H, K), ("kv_heads", "head_dim"), zeros),
+      "o_bias": layer((D,), ("embed",), zeros),
+      "mlp_norm": layer((D,), ("embed",), ones),
+      "mlp_norm_bias": layer((D,), ("embed",), zeros),
+      "up": layer((D, F), ("embed", "mlp")),
+      "up_bias": layer((F,), ("mlp",), zeros),
+      "down": layer((F, D), ("mlp", "embed")),
+      "down_bias": layer((D,), ("embed",), zeros),
+      "post_norm": spec((D,), ("embed",), ones),
+      "post_norm_bias": spec((D,), ("embed",), zeros),
+  }
 
 
 def _mla_specs(cfg: ModelConfig, layer: Callable[..., ParamSpec], norm: Initializer) -> dict[str, ParamSpec]:
