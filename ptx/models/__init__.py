@@ -1,6 +1,8 @@
-"""Flax NNX decoder for the Llama 3, Qwen2/2.5/3, Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss and Gemma 2/3 families."""
+"""Flax NNX decoder for the Llama 3, Qwen2/2.5/3, Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss, Gemma 2/3, Idefics3 and
+SmolVLM families."""
 
-from ptx.models import deepseek, gemma, gpt_oss, llama, mixtral, qwen  # noqa: F401  (registers presets, HF families)
+# Imported to register their presets and HF families.
+from ptx.models import deepseek, gemma, gpt_oss, idefics3, llama, mixtral, qwen  # noqa: F401
 from ptx.models.attention import attention
 from ptx.models.decoder import Decoder, forward
 from ptx.models.hf_load import load_hf

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from ptx.model_config import MlaConfig, ModelConfig, MoeConfig, RopeScaling
+from ptx.model_config import MlaConfig, ModelConfig, MoeConfig, RopeScaling, VisionConfig
 from ptx.models.hf_layout import HF_LAYOUTS, Layout
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -80,6 +80,10 @@ class HFFamily:
   fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
   # Where each parameter's axes sit in its HF tensor (`ptx.models.hf_layout`; gpt-oss: `FUSED_EXPERTS`).
   layouts: Mapping[str, Layout] = dataclasses.field(default_factory=lambda: HF_LAYOUTS)
+  # A SigLIP vision tower and pixel-shuffle connector (Idefics3, SmolVLM; `model.vision`): the transformers
+  # class's defaults of config.json's top level (`scale_factor`, `image_token_id`) and of its `vision_config`,
+  # nested under "vision_config"; None: a text model.
+  vision: dict[str, Any] | None = None
 
 
 FAMILIES: dict[str, HFFamily] = {}
@@ -118,6 +122,7 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
     HFConfigError: naming the key that ptx cannot represent.
   """
   dtype = dtype or _DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype")), "float32")
+  outer = hf
   if family.nested:
     hf = hf.get(family.nested) or {}
   c = {**family.defaults, **hf}
@@ -161,11 +166,28 @@ def model_config(hf: dict[str, Any], family: HFFamily, dtype: str | None = None,
       cfg = dataclasses.replace(cfg, mla=MlaConfig(
           q_lora_rank=c.get("q_lora_rank") or 0, kv_lora_rank=need("kv_lora_rank"),
           qk_nope_head_dim=need("qk_nope_head_dim"), v_head_dim=need("v_head_dim")))
+    if family.vision is not None:
+      cfg = dataclasses.replace(cfg, vision=_vision(outer, family.vision, where))
     return dataclasses.replace(cfg, **family.features)
   except HFConfigError:
     raise
   except ValueError as e:
     raise HFConfigError(f"{where}: {e}") from None
+
+
+def _vision(hf: dict[str, Any], defaults: dict[str, Any], where: str) -> VisionConfig:
+  """The VisionConfig of an Idefics3 / SmolVLM config.json (its `vision_config`, `scale_factor`, `image_token_id`)."""
+  top = {**defaults, **hf}
+  v = {**defaults["vision_config"], **(hf.get("vision_config") or {})}
+  if v["hidden_act"] != "gelu_pytorch_tanh":
+    raise HFConfigError(f"{where}: vision_config hidden_act={v['hidden_act']!r} is not supported (gelu_pytorch_tanh)")
+  for key in ("image_size", "patch_size"):
+    if not isinstance(v[key], int):
+      raise HFConfigError(f"{where}: vision_config {key}={v[key]!r} must be one int (square images and patches)")
+  return VisionConfig(depth=v["num_hidden_layers"], image_size=v["image_size"], patch_size=v["patch_size"],
+                      channels=v["num_channels"], width=v["hidden_size"], n_heads=v["num_attention_heads"],
+                      mlp_dim=v["intermediate_size"], norm_eps=v["layer_norm_eps"], scale_factor=top["scale_factor"],
+                      image_token_id=top["image_token_id"])
 
 
 def _moe(c: dict[str, Any], family: HFFamily, n_layers: int, where: str) -> MoeConfig:
@@ -210,6 +232,9 @@ def hf_config(cfg: ModelConfig, family: HFFamily) -> dict[str, Any]:
   for field in ("o_bias", "attention_sinks"):
     if getattr(cfg, field) and not family.features.get(field):
       raise HFConfigError(f"{name} has no model.{field}; got {getattr(cfg, field)}")
+  if cfg.vision.enabled != (family.vision is not None):
+    raise HFConfigError(f"{name} {'has' if family.vision is not None else 'has no'} vision tower; got "
+                        f"model.vision.depth={cfg.vision.depth}")
   if cfg.mla.enabled != family.mla:
     raise HFConfigError(f"{name} {'has' if family.mla else 'has no'} multi-head latent attention; got "
                         f"model.mla.kv_lora_rank={cfg.mla.kv_lora_rank}")

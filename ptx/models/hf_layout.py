@@ -72,7 +72,23 @@ HF_LAYOUTS: dict[str, Layout] = {
     "expert_gate": (("mlp",), ("embed",)),
     "expert_up": (("mlp",), ("embed",)),
     "expert_down": (("embed",), ("mlp",)),
+    # A vision tower (`ptx.models.vision`): the patch embedding's HF tensor is a Conv2d kernel [Dv, C, P, P], whose
+    # trailing axes ptx flattens into one (`CONV_KERNELS`); LayerNorm and linear biases; the connector's projection.
+    "patch": (("embed",), (None,)),
+    "patch_bias": (("embed",),),
+    "pos": ((None,), ("embed",)),
+    "attn_norm_bias": (("embed",),),
+    "mlp_norm_bias": (("embed",),),
+    "up_bias": (("mlp",),),
+    "down_bias": (("embed",),),
+    "post_norm": (("embed",),),
+    "post_norm_bias": (("embed",),),
+    "proj": (("embed",), (None,)),
 }
+
+# Parameters whose HF tensor is a convolution kernel [out, in, kernel...]: ptx holds its trailing axes flattened into
+# the last group's one axis (in, kernel... in order), the weight of a matmul over flattened patches.
+CONV_KERNELS = frozenset({"patch"})
 
 
 # gpt-oss: each layer's experts in one tensor, [E, in, out]; gate_up_proj [E, D, 2F] and its bias [E, 2F] hold the gate
@@ -86,6 +102,13 @@ FUSED_EXPERTS: dict[str, Layout] = {
     "expert_up_bias": (("experts",), ("mlp", Part(1, 2))),
     "expert_down_bias": (("experts",), ("embed",)),
 }
+
+
+def flattened(leaf: str, hf_tensor_shape: tuple[int, ...]) -> tuple[int, ...]:
+  """An HF tensor's shape as `leaf`'s layout groups see it: a convolution kernel's trailing axes as one."""
+  if leaf not in CONV_KERNELS:
+    return hf_tensor_shape
+  return (hf_tensor_shape[0], math.prod(hf_tensor_shape[1:]))
 
 
 def per_expert(leaf: str, axes: tuple[str | None, ...], layouts: Mapping[str, Layout] = HF_LAYOUTS) -> bool:

@@ -300,7 +300,7 @@ def _match(specs: dict[str, Any], cfg: ModelConfig, family: HFFamily, headers: d
       raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (ptx {key}; {len(missing)} missing for it)")
     layer_sources = [_source(n, found, quantization) for n in names]
     for source in layer_sources:
-      if source.shape != want:
+      if hf_layout.flattened(leaf, source.shape) != want:
         packed = "" if source.shape == source.values.shape else f" (MXFP4 blocks of {list(source.shape)})"
         raise CheckpointError(f"{source.values.file}: tensor {source.values.name!r} has shape "
                               f"{list(source.values.shape)}{packed}, expected {list(want)} for ptx {key} of the config")
@@ -388,6 +388,8 @@ def _load(spec: ParamSpec, leaf: str, sources: list[list[_Source]], target: jax.
 
   def read_tensor(source: _Source, axes, shape, block: tuple[slice, ...]) -> np.ndarray:
     read = _reader(source, quantization, handles)
+    if leaf in hf_layout.CONV_KERNELS:
+      read = _flattened_kernel(read)
     return hf_layout.read_block(read if rows is None else _reordered(read, rows), leaf, axes, shape, block, layouts)
 
   def read_layer(i: int, block: tuple[slice, ...]) -> np.ndarray:
@@ -435,6 +437,19 @@ def _reader(source: _Source, quantization: _Quantization | None,
     return functools.partial(mxfp4.read_slice, tensor_slice(source.values).__getitem__, scales)
   values = functools.partial(fp8_blocks.read_e4m3, source.values.file, source.values.offset, source.values.shape)
   return lambda index: fp8_blocks.read_slice(values, scales, index, quantization.block)
+
+
+def _flattened_kernel(read: Any) -> Any:
+  """`read` of a convolution kernel [out, in, kernel...] seen as [out, in x kernel...] (`hf_layout.CONV_KERNELS`).
+
+  Reads the output rows asked for with every trailing axis whole, flattens those, then cuts the columns asked for.
+  """
+
+  def read_rows(index: tuple[slice, ...]) -> np.ndarray:
+    rows = read((index[0],))
+    return rows.reshape(rows.shape[0], -1)[:, index[1]]
+
+  return read_rows
 
 
 def _reordered(read: Any, rows: np.ndarray) -> Any:
