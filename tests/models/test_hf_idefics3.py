@@ -4,9 +4,10 @@ A tiny random `Idefics3ForConditionalGeneration` and `SmolVLMForConditionalGener
 biases, the connector and the position embedding included: `hf_parity.randomize`), saved by transformers and loaded
 by ptx: text+image logits within 1e-4 of transformers' in float32 for two rows with one image each, its image tokens
 expanded as the processor does for one tile (the <image> run of tokens_per_image ids between
-<fake_token_around_image> markers; any ids serve for the markers here). The same check fails when the connector's
-pixel shuffle takes a block's patches column by column or the patch kernel is read in another order, so it cannot
-pass by accident.
+<fake_token_around_image> markers; any ids serve for the markers here). The same check fails when the tower's query
+projections are read transposed, the patch kernel in another order or the connector's pixel shuffle takes a block's
+patches column by column, so it cannot pass by accident (measured: 3.6e-7 against logits of 1.2; a transposed query
+projection moves them 0.23).
 """
 
 import numpy as np
@@ -55,6 +56,10 @@ def checkpoint(request, tmp_path_factory):
   config_class, model_class = classes[request.param]
   config = config_class(text_config=_TEXT, vision_config=_VISION, scale_factor=2, image_token_id=IMAGE_TOKEN)
   model = randomize(model_class(config), 0)
+  with torch.no_grad():  # the tower's LayerNorm scales about 1, not 0: else its attention is nearly uniform
+    for name, p in model.named_parameters():
+      if name.startswith("model.vision_model.") and "layernorm" in name.replace("_", "") and name.endswith("weight"):
+        p.add_(1.0)
   path = tmp_path_factory.mktemp(request.param)
   model.save_pretrained(path)
   rng = np.random.default_rng(1)
@@ -86,16 +91,22 @@ def test_load_matches_transformers(checkpoint):
   np.testing.assert_allclose(_ptx_logits(model, tokens, pixels), expected, atol=_ATOL, rtol=0)
 
 
-def test_a_wrong_pixel_shuffle_or_patch_order_fails_the_comparison(checkpoint, monkeypatch):
+def test_a_transposed_weight_or_a_wrong_patch_or_shuffle_order_fails_the_comparison(checkpoint, monkeypatch):
   """Each mistake moves the logits far past the tolerance: the parity test above can fail."""
   path, tokens, pixels, expected = checkpoint
   model = load_hf(path)
-  patch = model.params["vision"]["patch"]
-  # The kernel read as (row, column, channel) patches instead of the Conv2d's (channel, row, column).
-  swapped = patch.reshape(3, 4, 4, -1).transpose(1, 2, 0, 3).reshape(patch.shape)
-  params = {**model.params, "vision": {**model.params["vision"], "patch": swapped}}
-  wrong = _ptx_logits(type(model)(model.cfg, params=params), tokens, pixels)
-  assert np.abs(wrong - expected).max() > 100 * _ATOL
+  tower = model.params["vision"]
+  patch, q = tower["patch"], tower["q"]
+  mistakes = {
+      # The kernel read as (row, column, channel) patches instead of the Conv2d's (channel, row, column).
+      "patch": patch.reshape(3, 4, 4, -1).transpose(1, 2, 0, 3).reshape(patch.shape),
+      # The query projections [D, H x K] of the tower's layers read transposed (square here: 20 x 20).
+      "q": q.reshape(2, 20, 20).transpose(0, 2, 1).reshape(q.shape),
+  }
+  for leaf, wrong in mistakes.items():
+    params = {**model.params, "vision": {**tower, leaf: wrong}}
+    logits = _ptx_logits(type(model)(model.cfg, params=params), tokens, pixels)
+    assert np.abs(logits - expected).max() > 100 * _ATOL, leaf
 
   def column_major(x, scale):  # each block's patches column by column
     n, s, e = x.shape
