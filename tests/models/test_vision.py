@@ -13,6 +13,8 @@ from ptx.config import OptimizerConfig
 from ptx.model_config import ModelConfig, VisionConfig
 from ptx.models import vision
 from ptx.models import decoder
+from ptx.models.hf_config import HFConfigError
+from ptx.models.hf_save import check_exportable
 from ptx.models.params import init_params, param_shardings, param_specs, trainable_mask, weight_decay_mask
 from ptx.train.optimizer import make_optimizer
 
@@ -63,6 +65,8 @@ def test_a_text_model_has_no_vision_parameters_and_bad_shapes_are_refused(cfg, p
     VisionConfig(depth=1, image_size=20, patch_size=5, scale_factor=3)
   with pytest.raises(ValueError, match="model.vision.image_token_id=300"):
     dataclasses.replace(cfg, vision=dataclasses.replace(_VISION, image_token_id=300))
+  with pytest.raises(HFConfigError, match="llama has no vision tower; got model.vision.depth=2"):
+    check_exportable(cfg)  # save_hf writes text families only: it refuses rather than drop the tower
 
 
 def test_encode_images_gives_tokens_per_image_features_of_d_model(cfg, params):
