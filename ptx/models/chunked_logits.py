@@ -33,6 +33,7 @@ from ptx.model_config import ModelConfig
 from ptx.models.attention import resolve, sequence_shards
 from ptx.models.attention_choice import RowLayout
 from ptx.models import moe
+from ptx.models import vision
 from ptx.models.decoder import Params, hidden_states, tempered, token_log_probs, unembed
 
 
@@ -55,8 +56,7 @@ def token_stats(
     temperature: float = 1.0,
     routes: jax.Array | None = None,
     rows: RowLayout = "packed",
-    image_features: jax.Array | None = None,
-    image_slots: jax.Array | None = None,
+    images: vision.Images | None = None,
 ) -> tuple[TokenStats, moe.Trace]:
   """Runs the decoder on int32 tokens [B, T] and scores every next token, `cfg.logits_chunk` at a time.
 
@@ -71,8 +71,7 @@ def token_stats(
       entropy; the argmax does not move).
     routes: `moe.ROUTE_DTYPE` [B, T, L, k] experts to replay (`decoder.hidden_states`); None: the routers choose.
     rows: what `segment_ids` hold (`ptx.models.attention_choice.RowLayout`).
-    image_features: [N, tokens_per_image, D] image features, with `image_slots` int32 [B, T] (`decoder.forward`).
-    image_slots: the feature row of each image-token position, -1 for text.
+    images: image features and their slots (`ptx.models.vision.Images`); None: text only.
 
   Returns:
     (TokenStats of [B, T] arrays in the natural token order, the MoE layers' trace (`moe.Trace`), its routes and
@@ -89,8 +88,7 @@ def token_stats(
   x, trace = hidden_states(params, reorder(tokens), cfg, positions=reorder(positions),
                            segment_ids=reorder(segment_ids), rules=rules,
                            routes=None if routes is None else reorder(routes), rows=rows,
-                           image_features=image_features,
-                           image_slots=None if image_slots is None else reorder(image_slots))
+                           images=None if images is None else images._replace(slots=reorder(images.slots)))
   stats = project(params, x, reorder(targets), cfg, rules, temperature)
   trace = trace._replace(routes=None if trace.routes is None else restore(trace.routes),
                          dropped=None if trace.dropped is None else restore(trace.dropped))

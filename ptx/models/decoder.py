@@ -140,8 +140,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     rows: RowLayout = "packed",
-    image_features: jax.Array | None = None,
-    image_slots: jax.Array | None = None,
+    images: vision.Images | None = None,
 ) -> jax.Array:
   """Runs the decoder on int32 tokens [B, T] and returns float32 logits [B, T, V].
 
@@ -150,20 +149,17 @@ def forward(
     tokens: int32 token ids [B, T].
     cfg: the model config.
     positions: int32 [B, T]; defaults to 0..T-1 on every row.
-    segment_ids: int32 [B, T]; tokens attend only within their segment and
-      0 marks padding; defaults to a single segment per row.
+    segment_ids: int32 [B, T]; tokens attend only within their segment and 0 marks padding; defaults to one per row.
     rules: the sharding rules for activation constraints (used under a mesh).
     rows: what `segment_ids` hold (`ptx.models.attention_choice.RowLayout`; None ids are one whole sequence per
       row, which every layout describes).
-    image_features: [N, tokens_per_image, D] (`ptx.models.vision.encode_images`), with `image_slots`.
-    image_slots: int32 [B, T]: the row of the flattened image features that replaces each position's embedding,
-      -1 for text (`ptx.models.vision.merge_features`).
+    images: image features that replace the image tokens' embeddings (`ptx.models.vision.Images`); None: text.
 
   Returns:
     float32 logits [B, T, V].
   """
   x, _ = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, rules=rules, rows=rows,
-                       image_features=image_features, image_slots=image_slots)
+                       images=images)
   return unembed(params, x, cfg, rules)
 
 
@@ -177,8 +173,7 @@ def hidden_states(
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     routes: jax.Array | None = None,
     rows: RowLayout = "packed",
-    image_features: jax.Array | None = None,
-    image_slots: jax.Array | None = None,
+    images: vision.Images | None = None,
 ) -> tuple[jax.Array, moe.Trace]:
   """The residual stream [B, T, D] after the last layer, before the final norm (`forward`'s args), and the MoE trace.
 
@@ -188,11 +183,7 @@ def hidden_states(
   (`ptx.models.moe.Trace`). `routes` (`moe.ROUTE_DTYPE` [B, T, L, k]) replays
   recorded experts (`moe.moe_mlp`'s `replay`).
   """
-  x = embed(params, tokens, cfg, rules)
-  if (image_features is None) != (image_slots is None):
-    raise ValueError("pass image_features and image_slots together, or neither")
-  if image_features is not None:  # shape-static: a program with images or one without
-    x = vision.merge_features(x, image_features, image_slots, rules)
+  x = vision.merge_features(embed(params, tokens, cfg, rules), images, rules)
   return decode_layers(params, x, cfg, positions=positions, segment_ids=segment_ids, rules=rules, routes=routes,
                        rows=rows)
 

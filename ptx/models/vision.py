@@ -1,7 +1,7 @@
 """The image encoder: a SigLIP ViT and the Idefics3 / SmolVLM connector, and where its features enter the decoder.
 
-`encode_images(params, pixel_values, cfg)` turns images [N, C, H, W] (one tile each, `model.vision.image_size`
-square, normalised as the family's processor does) into features [N, tokens_per_image, d_model]:
+`encode_images(params, pixel_values, cfg)` turns images [..., C, H, W] (tiles, `model.vision.image_size` square,
+normalised as the family's processor does: `ptx.data.images`) into features [..., tokens_per_image, d_model]:
 
   patches    each P x P patch flattened in (channel, row, column) order, the order of HF's Conv2d kernel
              [Dv, C, P, P], times `patch` [C P P, Dv], + `patch_bias` + the learned `pos` of its index (row-major)
@@ -11,17 +11,18 @@ square, normalised as the family's processor does) into features [N, tokens_per_
   connector  the pixel shuffle (each scale x scale block of patches concatenated into one vector, as transformers'
              `Idefics3Connector.pixel_shuffle` orders it) and a linear projection to d_model (`proj`, no bias)
 
-`merge_features(x, features, image_slots)` puts the features into the decoder's embeddings: position t of row b takes
-feature row `image_slots[b, t]` of the flattened [N x tokens_per_image, D] features where that is >= 0 and keeps its
-token's embedding where it is -1: a gather and a select, with static shapes (no scatter). The host computes the slots
-from the expanded image tokens (`model.vision.image_token_id`).
+`merge_features(x, Images(features, slots))` puts the features into the decoder's embeddings: position t of row b
+takes row `slots[b, t]` of row b's own features [N x tokens_per_image, D] (its N tiles, padding tiles included, in
+order) where that is >= 0 and keeps its token's embedding where it is -1: a gather within the row and a select, with
+static shapes (no scatter), so features stay with their row's batch shard. The host computes the slots from the
+expanded image tokens (`ptx.data.image_tokens.image_slots`, `ptx.data.batch`).
 
 Numerics: matmuls in `model.compute_dtype`; LayerNorm statistics and the attention softmax in float32.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,18 +37,28 @@ Params = dict[str, Any]
 _UNSTACKED = ("patch", "patch_bias", "pos", "post_norm", "post_norm_bias")
 
 
+class Images(NamedTuple):
+  """The images of a batch as the decoder takes them (`decoder.forward`'s `images`)."""
+
+  # [B, N, tokens_per_image, D] features of each row's N tiles (`encode_images` of the batch's pixel_values).
+  features: jax.Array
+  # int32 [B, T]: the row of the row's flattened [N x tokens_per_image, D] features at each image token, -1 for text.
+  slots: jax.Array
+
+
 def encode_images(params: Params, pixel_values: jax.Array, cfg: ModelConfig,
                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.Array:
   """Runs the vision tower and the connector on a batch of images.
 
   Args:
     params: the model's parameter tree, with its `vision` and `connector` subtrees (`ptx.models.params`).
-    pixel_values: float [N, channels, image_size, image_size] images, normalised (HF's `pixel_values` of one tile).
+    pixel_values: float [..., channels, image_size, image_size] tiles, normalised (HF's `pixel_values`; a batch's
+      [B, N, ...] tiles per row, as `ptx.data.batch` lays them out).
     cfg: the model config; `cfg.vision` describes the tower.
     rules: the sharding rules for activation constraints (used under a mesh).
 
   Returns:
-    Features [N, tokens_per_image, d_model] in the compute dtype, one row per image token.
+    Features [..., tokens_per_image, d_model] in the compute dtype, one row per image token.
 
   Raises:
     ValueError: for a model without a vision tower, or images of another shape than `cfg.vision` says.
@@ -56,11 +67,12 @@ def encode_images(params: Params, pixel_values: jax.Array, cfg: ModelConfig,
   if not vc.enabled:
     raise ValueError("encode_images: the model has no vision tower (model.vision.depth is 0)")
   want = (vc.channels, vc.image_size, vc.image_size)
-  if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != want:
-    raise ValueError(f"encode_images: pixel_values {tuple(pixel_values.shape)} must be [N, "
+  if pixel_values.ndim < 4 or tuple(pixel_values.shape[-3:]) != want:
+    raise ValueError(f"encode_images: pixel_values {tuple(pixel_values.shape)} must be [..., "
                      f"{', '.join(map(str, want))}] (model.vision.channels, image_size, image_size)")
   p = params["vision"]
-  x = _embed_patches(p, pixel_values, cfg, rules)
+  leading = pixel_values.shape[:-3]
+  x = _embed_patches(p, pixel_values.reshape((-1,) + want), cfg, rules)
   layers = {name: w for name, w in p.items() if name not in _UNSTACKED}
 
   def body(x, layer):
@@ -68,7 +80,8 @@ def encode_images(params: Params, pixel_values: jax.Array, cfg: ModelConfig,
 
   x, _ = jax.lax.scan(body, x, layers)
   x = _layer_norm(x, p["post_norm"], p["post_norm_bias"], vc.norm_eps)
-  return connect(params["connector"], x, cfg, rules)
+  features = connect(params["connector"], x, cfg, rules)
+  return features.reshape(leading + features.shape[1:])
 
 
 def connect(connector: Params, x: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:
@@ -91,25 +104,31 @@ def pixel_shuffle(x: jax.Array, scale: int) -> jax.Array:
   return x.transpose(0, 1, 3, 2, 4, 5).reshape(n, blocks * blocks, scale * scale * e)
 
 
-def merge_features(x: jax.Array, features: jax.Array, image_slots: jax.Array,
-                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.Array:
-  """The embeddings x [B, T, D] with image-token positions replaced by their features.
+def merge_features(x: jax.Array, images: Images | None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.Array:
+  """The embeddings x [B, T, D] with image-token positions replaced by their features (none: x itself).
 
   Args:
     x: the token embeddings [B, T, D].
-    features: [N, tokens_per_image, D] (`encode_images`), read as N x tokens_per_image rows.
-    image_slots: int32 [B, T]: the feature row of each image-token position, -1 at text positions.
+    images: each row's features and the slots of its image tokens; None for a text-only batch (a program without
+      images, chosen by the arguments' structure, not inside the trace).
     rules: the sharding rules for activation constraints.
 
   Returns:
     [B, T, D] in x's dtype.
+
+  Raises:
+    ValueError: when the slots or the features are not laid out per row of x.
   """
-  if image_slots is None or image_slots.shape != x.shape[:2]:
-    raise ValueError(f"image_slots must be int32 {list(x.shape[:2])} (the tokens' shape) with image features, got "
-                     f"{None if image_slots is None else list(image_slots.shape)}")
-  rows = features.reshape(-1, features.shape[-1]).astype(x.dtype)
-  picked = jnp.take(rows, jnp.maximum(image_slots, 0), axis=0)
-  return sharding.constrain(jnp.where(image_slots[..., None] >= 0, picked, x), ("batch", "seq", "embed"), rules)
+  if images is None:
+    return x
+  B, T, D = x.shape
+  features, slots = images
+  if slots.shape != (B, T) or features.shape[0] != B or features.shape[-1] != D:
+    raise ValueError(f"images: slots {list(slots.shape)} must be int32 [{B}, {T}] (the tokens' shape) and features "
+                     f"{list(features.shape)} [{B}, N, tokens_per_image, {D}]")
+  rows = features.reshape(B, -1, D).astype(x.dtype)
+  picked = jnp.take_along_axis(rows, jnp.maximum(slots, 0)[..., None], axis=1)
+  return sharding.constrain(jnp.where(slots[..., None] >= 0, picked, x), ("batch", "seq", "embed"), rules)
 
 
 def _embed_patches(p: Params, pixel_values: jax.Array, cfg: ModelConfig, rules: sharding.Rules) -> jax.Array:

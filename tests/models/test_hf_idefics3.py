@@ -15,6 +15,7 @@ import pytest
 import jax.numpy as jnp
 
 from hf_parity import randomize
+from ptx.data.image_tokens import image_slots
 from ptx.models import load_hf, vision
 from ptx.models.decoder import forward
 
@@ -42,12 +43,6 @@ def _prompt(rng) -> np.ndarray:
   return np.stack(rows)
 
 
-def image_slots(tokens: np.ndarray) -> np.ndarray:
-  """The feature row of each <image> token (the images in row order, their tokens in order), -1 for text."""
-  is_image = tokens == IMAGE_TOKEN
-  return np.where(is_image, np.cumsum(is_image.reshape(-1)).reshape(tokens.shape) - 1, -1).astype(np.int32)
-
-
 @pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
 def checkpoint(request, tmp_path_factory):
   """(directory, tokens, pixel values [rows, 1, C, H, W], transformers' logits) of a saved tiny random model."""
@@ -71,9 +66,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _ptx_logits(model, tokens, pixels):
-  features = vision.encode_images(model.params, jnp.asarray(pixels[:, 0]), model.cfg)
-  return np.asarray(forward(model.params, jnp.asarray(tokens, jnp.int32), model.cfg, image_features=features,
-                            image_slots=jnp.asarray(image_slots(tokens))))
+  features = vision.encode_images(model.params, jnp.asarray(pixels), model.cfg)  # [rows, 1 image, 9, D]
+  images = vision.Images(features, jnp.asarray(image_slots(tokens, IMAGE_TOKEN)))
+  return np.asarray(forward(model.params, jnp.asarray(tokens, jnp.int32), model.cfg, images=images))
 
 
 # HF parity in float32, as tests/models/test_hf.py asks of every family: reordered float32 sums through 2 tower and 2

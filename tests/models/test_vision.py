@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from ptx.config import OptimizerConfig
+from ptx.data.image_tokens import image_slots
 from ptx.model_config import ModelConfig, VisionConfig
 from ptx.models import vision
 from ptx.models import decoder
@@ -70,11 +71,12 @@ def test_a_text_model_has_no_vision_parameters_and_bad_shapes_are_refused(cfg, p
 
 
 def test_encode_images_gives_tokens_per_image_features_of_d_model(cfg, params):
-  features = encode_images(params, _pixels(3), cfg)
-  assert features.shape == (3, _VISION.tokens_per_image, cfg.d_model) == (3, 4, 40)
+  features = encode_images(params, _pixels(6).reshape(2, 3, 3, 20, 20), cfg)  # 2 rows of 3 tiles
+  assert features.shape == (2, 3, _VISION.tokens_per_image, cfg.d_model) == (2, 3, 4, 40)
   assert features.dtype == jnp.float32
-  # Images are encoded independently (bidirectional inside an image, nothing across images).
-  np.testing.assert_allclose(encode_images(params, _pixels(3)[1:2], cfg), features[1:2], rtol=0, atol=1e-6)
+  # Images are encoded independently (bidirectional inside an image, nothing across images); float32 rounding of
+  # another batch size's program is all that may differ.
+  np.testing.assert_allclose(encode_images(params, _pixels(6)[4:5], cfg), features[1, 1:2], rtol=0, atol=1e-6)
 
 
 def test_the_tower_shards_like_the_text_model_and_computes_the_same(cfg, params, mesh):
@@ -118,37 +120,36 @@ def test_a_frozen_tower_gets_no_update_no_moments_and_no_decay(cfg, params):
   assert weight_decay_mask(trained_tower)["vision"]["q"] and not weight_decay_mask(trained_tower)["vision"]["q_bias"]
 
 
-def _slots(tokens):
-  is_image = tokens == IMAGE_TOKEN
-  return jnp.where(is_image, jnp.cumsum(is_image.reshape(-1)).reshape(tokens.shape) - 1, -1).astype(jnp.int32)
+def _images(features, tokens):
+  return vision.Images(features, jnp.asarray(image_slots(np.asarray(tokens), IMAGE_TOKEN)))
 
 
-def test_merge_puts_each_feature_at_its_slot_and_keeps_text_embeddings():
+def test_merge_puts_each_feature_at_its_slot_of_its_row_and_keeps_text_embeddings():
   x = jax.random.normal(jax.random.key(3), (2, 7, 5))
-  features = jax.random.normal(jax.random.key(4), (3, 2, 5))
+  features = jax.random.normal(jax.random.key(4), (2, 3, 2, 5))  # per row: 3 tiles of 2 tokens
   slots = jnp.array([[-1, 4, 5, -1, -1, 0, -1], [1, -1, -1, 2, 3, -1, -1]], jnp.int32)
-  merged = np.asarray(vision.merge_features(x, features, slots))
-  rows = np.asarray(features).reshape(6, 5)
+  merged = np.asarray(vision.merge_features(x, vision.Images(features, slots)))
+  rows = np.asarray(features).reshape(2, 6, 5)
   for b, t in np.ndindex(2, 7):
-    want = rows[slots[b, t]] if slots[b, t] >= 0 else np.asarray(x)[b, t]
+    want = rows[b, slots[b, t]] if slots[b, t] >= 0 else np.asarray(x)[b, t]
     np.testing.assert_array_equal(merged[b, t], want)
-  with pytest.raises(ValueError, match=r"image_slots must be int32 \[2, 7\]"):
-    vision.merge_features(x, features, slots[:, :5])
+  assert vision.merge_features(x, None) is x
+  with pytest.raises(ValueError, match=r"slots \[2, 5\] must be int32 \[2, 7\]"):
+    vision.merge_features(x, vision.Images(features, slots[:, :5]))
+  with pytest.raises(ValueError, match=r"features \[6, 2, 5\] \[2, N, tokens_per_image, 5\]"):
+    vision.merge_features(x, vision.Images(features.reshape(6, 2, 5), slots))
 
 
 def test_text_before_the_image_sees_the_text_only_forward_and_the_image_changes_what_follows(cfg, params):
   tokens = jax.random.randint(jax.random.key(5), (2, 12), 0, 200)
   tokens = tokens.at[0, 3:7].set(IMAGE_TOKEN).at[1, 6:10].set(IMAGE_TOKEN)
-  features = encode_images(params, _pixels(2), cfg)
-  with_images = forward(params, tokens, cfg, image_features=features, image_slots=_slots(tokens))
+  features = encode_images(params, _pixels(2)[:, None], cfg)  # one image per row
+  with_images = forward(params, tokens, cfg, images=_images(features, tokens))
   text_only = forward(params, tokens, cfg)
   # Causal: positions before a row's first image token read the same inputs; float32 rounding of one program or the
   # other is all that may differ.
   np.testing.assert_allclose(with_images[0, :3], text_only[0, :3], rtol=0, atol=1e-6)
   np.testing.assert_allclose(with_images[1, :6], text_only[1, :6], rtol=0, atol=1e-6)
   assert np.abs(with_images[0, 3:] - text_only[0, 3:]).min(axis=-1).max() > 1e-3
-  other = encode_images(params, _pixels(2, seed=6), cfg)
-  other_logits = forward(params, tokens, cfg, image_features=other, image_slots=_slots(tokens))
-  assert np.abs(other_logits - with_images).max() > 1e-3
-  with pytest.raises(ValueError, match="together"):
-    forward(params, tokens, cfg, image_features=features)
+  other = encode_images(params, _pixels(2, seed=6)[:, None], cfg)
+  assert np.abs(forward(params, tokens, cfg, images=_images(other, tokens)) - with_images).max() > 1e-3
