@@ -242,7 +242,8 @@ def write_layer(cache: KVCache, layer: int | jax.Array, k_BTNK: jax.Array, v_BTN
   k_BNTK, v_BNTK = jnp.swapaxes(k_BTNK, 1, 2), jnp.swapaxes(v_BTNK, 1, 2)
   if not cache.quantized:
     return dataclasses.replace(cache, k=put(cache.k, k_BNTK, KV_NAMES), v=put(cache.v, v_BNTK, KV_NAMES))
-  (k8, k_scale), (v8, v_scale) = quantize(k_BNTK), quantize(v_BNTK)
+  # A cache without values (multi-head latent attention's) quantises no values.
+  (k8, k_scale), (v8, v_scale) = quantize(k_BNTK), (None, None) if cache.v is None else quantize(v_BNTK)
   return dataclasses.replace(
       cache, k=put(cache.k, k8, KV_NAMES), v=put(cache.v, v8, KV_NAMES),
       k_scale=put(cache.k_scale, k_scale, SCALE_NAMES), v_scale=put(cache.v_scale, v_scale, SCALE_NAMES))
