@@ -385,6 +385,11 @@ class ModelConfig:
     return self.mla.kv_lora_rank + self.head_dim if self.mla.enabled else self.head_dim
 
   @property
+  def cache_values(self) -> bool:
+    """Whether a KV cache holds values beside its keys (not MLA's, whose values are its latent keys' columns)."""
+    return not self.mla.enabled
+
+  @property
   def n_moe_layers(self) -> int:
     """The layers whose MLP is a Mixture of Experts: the L of recorded routes [B, T, L, k] (0 for a dense model)."""
     return self.n_layers - len(self.moe.dense_layers) if self.moe.enabled else 0

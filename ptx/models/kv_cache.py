@@ -150,7 +150,7 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, *, starts: jax.Array | 
     (`decode_scans`), else one array each.
   """
   shape = (batch, cfg.cache_kv_heads, slots, cfg.cache_head_dim)
-  values = not cfg.mla.enabled
+  values = cfg.cache_values
 
   def zeros(shape, dtype, names):
     if decode_scans(cfg):

@@ -207,7 +207,7 @@ def kernel_for(cfg: ModelConfig, page_size: int, int8: bool = False) -> implemen
   if int8:
     raise ValueError("ModelConfig.attention_impl='pallas' reads float pages only; EngineConfig.kv_dtype='int8' "
                      "pages are read by the pure-JAX path ('auto')")
-  if cfg.mla.enabled:
+  if not cfg.cache_values:
     raise ValueError("ModelConfig.attention_impl='pallas': the Pallas paged kernels read separate K and V pages; "
                      "model.mla's latent pages (values inside the keys) are read by the pure-JAX path ('auto')")
   for name, n in (("head_dim", cfg.head_dim), ("EngineConfig.page_size", page_size)):
@@ -233,7 +233,7 @@ def init_pool(cfg: ModelConfig, pages: int, page_size: int, int8: bool = False) 
   def pools() -> Arrays:
     return empty(cfg.n_layers) if decode_scans(cfg) else tuple(empty() for _ in range(cfg.n_layers))
 
-  values = None if cfg.mla.enabled else pools()
+  values = pools() if cfg.cache_values else None
   return pools(), values
 
 

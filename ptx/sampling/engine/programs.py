@@ -390,5 +390,5 @@ def init_pool_program(cfg: ModelConfig, pages: int, page_size: int, placement, i
   `placement` is one layer's (`paged_kv_cache.pool_sharding`), or None.
   """
   layers = None if placement is None else paged_kv_cache.pools_sharding(cfg, placement)
-  out = None if placement is None else (layers, None if cfg.mla.enabled else layers)  # MLA pages hold no values
+  out = None if placement is None else (layers, layers if cfg.cache_values else None)
   return jax.jit(functools.partial(paged_kv_cache.init_pool, cfg, pages, page_size, int8), out_shardings=out)
