@@ -15,8 +15,8 @@ are reported as JSON lines instead of stopping the run. Goal: Pallas forward
 
 benchmarks/device_check.py reuses the pieces: `check` for the kernel checks,
 `bench` over other kernels (ptx's default attention as a model runs it,
-`model_default`; a candidate rewrite of the GPU kernel run in the kernel's
-place, `gpu_kernel`) and `peers`.
+`model_default`, for each row layout a model declares; a candidate rewrite
+of the GPU kernel run in the kernel's place, `gpu_kernel`) and `peers`.
 """
 
 import argparse
@@ -201,19 +201,26 @@ def _best_seconds(program, args, repeats):
   return best
 
 
-def model_default(q, k, v):
+def model_default(rows: str):
   """ptx's default attention as a model calls it (`ptx.models.attention.attention`, impl "auto"), causal, one
-  document per row; returns (out, None) like the kernels."""
+  document per row, declared as `rows` ("packed" or "padded_right": `ptx.models.attention_choice.RowLayout`,
+  which decides whether cuDNN may take the call); the function returns (out, None) like the kernels."""
   from ptx.models.attention import attention  # here: the kernel checks run without ptx.models (and qwix)
-  b, t = q.shape[:2]
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  return attention(q, k, v, segment_ids=jnp.ones((b, t), jnp.int32), positions=positions, impl="auto"), None
+
+  def default(q, k, v):
+    b, t = q.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return attention(q, k, v, segment_ids=jnp.ones((b, t), jnp.int32), positions=positions, impl="auto",
+                     rows=rows), None
+
+  return default
 
 
-def default_impl(t: int, head_dim: int) -> str:
-  """What "auto" runs for `model_default` at length t (`ptx.models.attention.resolve`): the name its figures are."""
+def default_impl(t: int, head_dim: int, rows: str) -> str:
+  """What "auto" runs for `model_default(rows)` on bfloat16 inputs of length t (`ptx.models.attention.resolve`,
+  given what `attention` gives it for that call): the name its figures are."""
   from ptx.models.attention import resolve
-  return resolve("auto", q_len=t, kv_len=t, head_dim=head_dim)
+  return resolve("auto", q_len=t, kv_len=t, head_dim=head_dim, rows=rows, dtype=jnp.bfloat16)
 
 
 def bench(seq_lens, heads, repeats, kernels, reference=None):

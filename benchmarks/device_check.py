@@ -16,16 +16,19 @@ comment says which run by default and why):
              sections never import); exit 3 when nothing else can run
   attention  causal GQA bfloat16 TFLOP/s at 4K and 16K tokens, forward and
              forward+backward, of ptx's default attention as a model runs it
-             (`ptx.models.attention.attention`, impl "auto"; each row names
-             what "auto" resolved to, `default_impl`) against cuDNN through
+             (`ptx.models.attention.attention`, impl "auto") over rows
+             declared packed and right-padded (each row names what "auto"
+             resolved to for each, `default_<rows>_impl`: ptx's Pallas kernel
+             and cuDNN by today's table) against cuDNN through
              jax.nn.dot_product_attention (attention_gpu.bench); then at 16K,
              MHA, ptx's Pallas kernel beside JAX's Pallas Triton and Mosaic
              GPU kernels and cuDNN (attention_gpu.peers). On a TPU the
              reference would be JAX's splash attention; the check runs on
              GPUs only (env), so no line names it
   sft        the SFT step of the SmolLM2-135M shape, random weights, bfloat16
-             compute, the default attention: median tokens/s and MFU after
-             warm-up (train.measure)
+             compute, the default attention for packed rows (DataConfig's
+             default; the row names the table's choice and reason): median
+             tokens/s and MFU after warm-up (train.measure)
   sft_1b     the same at the Llama-3.2-1B shape (its preset: bfloat16
              parameters and compute), 4 x 2,048 tokens a step (`LLAMA_1B`)
   grpo       the fused GRPO step (sample, reward, update) of the SmolLM2
@@ -249,14 +252,17 @@ def attention(smoke: bool):
   import attention_gpu
   import jax
   import ptx_kernels as pk
+  from ptx.models.attention_choice import ROW_LAYOUTS
   seq_lens, heads, repeats = ([128], 8, 1) if smoke else ([4096, 16384], 16, 5)
-  kernels = {"default": attention_gpu.model_default}
+  # The default for each row layout a model declares (DataConfig.rows): packed rows (packed SFT, the default, and
+  # GRPO) and right-padded ones (unpacked SFT, DPO), which cuDNN may take.
+  kernels = {f"default_{rows}": attention_gpu.model_default(rows) for rows in ROW_LAYOUTS}
   on_gpu = jax.default_backend() == "gpu"
   if on_gpu:
     kernels["cudnn"] = attention_gpu.cudnn
   for row in attention_gpu.bench(seq_lens, heads, repeats, kernels, reference="cudnn"):
-    yield {**row, "default_impl": attention_gpu.default_impl(row["seq_len"], row["head_dim"]),
-           **({} if on_gpu else {"cudnn": "skipped: no GPU"})}
+    yield {**row, **{f"default_{rows}_impl": attention_gpu.default_impl(row["seq_len"], row["head_dim"], rows)
+                     for rows in ROW_LAYOUTS}, **({} if on_gpu else {"cudnn": "skipped: no GPU"})}
   if on_gpu:
     # The H200 run of 12-04 had ptx's kernel at 0.15-0.45 of cuDNN's forward: is it the kernel or Pallas?
     yield attention_gpu.peers(16384, heads=16, repeats=3, tiles=pk.BlockSizes(128, 64))
@@ -283,10 +289,15 @@ def _model(shape: Shape, smoke: bool, attention_impl: str):
   return dataclasses.replace(cfg, **SMOKE_WIDTHS) if smoke else cfg
 
 
-def _resolved(cfg, seq_len: int) -> str:
-  """The attention `cfg.attention_impl` runs as in a training step of `seq_len` tokens on one device."""
-  from ptx.models.attention import resolve
-  return resolve(cfg.attention_impl, q_len=seq_len, kv_len=seq_len, head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim)
+def _attention_row(cfg, seq_len: int) -> dict:
+  """The attention a training step of `seq_len` tokens runs on one device, and the dispatch table's reason.
+
+  train.measure's and grpo.ptx_round's rows are "packed" (sft.loss's default and DataConfig's, and GRPO's).
+  """
+  from ptx import sharding
+  from ptx.models import decoder
+  impl, reason = decoder.attention_row(cfg, seq_len, "packed", sharding.DEFAULT_RULES)
+  return {"attention_resolved": impl, "attention_reason": reason}
 
 
 def _impls(smoke: bool, fallback: str) -> tuple[str, ...]:
@@ -304,7 +315,7 @@ def sft(smoke: bool, shape: Shape = SMOLLM2):
     cfg = _model(shape, smoke, impl)
     record = train.measure(cfg, batch, seq_len, warmup, steps, PEAK_TFLOPS * 1e3)
     figures = record["sft"]
-    return dict(model=shape.preset, n_layers=cfg.n_layers, attention_resolved=_resolved(cfg, seq_len),
+    return dict(model=shape.preset, n_layers=cfg.n_layers, **_attention_row(cfg, seq_len),
                 param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, batch=batch, seq_len=seq_len,
                 n_params=record["n_params"], tokens_per_s=round(figures["tokens_per_s_median"]),
                 step_s_median=round(figures["step_s_median"], 4), step_s_min=round(figures["step_s_min"], 4),
@@ -338,7 +349,7 @@ def grpo(smoke: bool, shape: Shape = SMOLLM2):
     record = grpo_bench.ptx_round(steps, warmup, cfg, prompts, group, prompt_len, new, phases=False)
     seconds = record["step_s_median"]
     flops = train.flops_per_token(cfg, length) * rows * length * 5 / 3  # see the module docstring
-    return dict(model=shape.preset, n_layers=cfg.n_layers, attention_resolved=_resolved(cfg, length),
+    return dict(model=shape.preset, n_layers=cfg.n_layers, **_attention_row(cfg, length),
                 param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, prompts=prompts, group=group,
                 prompt_len=prompt_len, new_tokens=new, step_s_median=seconds, step_s_min=record["step_s_min"],
                 first_step_s=record["first_step_s"], tokens_per_s=round(rows * length / seconds),

@@ -22,10 +22,11 @@ DEFAULT = ("env", "attention", "sft", "sft_1b", "grpo", "grpo_1b", "decode", "ti
 # Sections a call names in DEVICE_CHECK_SECTIONS, the default run leaving them out.
 OPT_IN = ("decode_1b", "kernels", "memory", "rollout", "fast", "agent", "stops", "moe")
 # The 1B shape's sections run their SmolLM2 section's function on another Shape; in smoke mode both shapes are
-# 1-layer cuts, so grpo_1b's smoke run covers the 1B cut, and the other two are checked by their wiring alone.
+# 1-layer cuts, so sft_1b's smoke run covers the 1B cut (the cheapest), and the other two are checked by their wiring
+# alone.
 AT_1B = {"sft_1b": "sft", "grpo_1b": "grpo", "decode_1b": "decode"}
 # The sections of the smoke run below; stops and moe, slower, have tests of their own.
-SMOKE = tuple(name for name in DEFAULT + OPT_IN if name not in ("sft_1b", "decode_1b", "stops", "moe"))
+SMOKE = tuple(name for name in DEFAULT + OPT_IN if name not in ("grpo_1b", "decode_1b", "stops", "moe"))
 # ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
 NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
@@ -66,7 +67,7 @@ def _without(tmp_path, *packages: str) -> str:
 
 @pytest.fixture(scope="module")
 def smoke_lines(tmp_path_factory):
-  """The JSON lines of one smoke run of the SMOKE sections (92 s of CPU, 12-08), as on the GPU image's packages."""
+  """The JSON lines of one smoke run of the SMOKE sections (~90 s of CPU, 12-08), as on the GPU image's packages."""
   tmp_path = tmp_path_factory.mktemp("smoke")
   return _run(tmp_path, sys.executable, "--smoke", PYTHONPATH=_without(tmp_path, *NOT_ON_THE_GPU_IMAGE),
               XLA_FLAGS=SMOKE_XLA_FLAGS, DEVICE_CHECK_SECTIONS=" ".join(f"{name}:300" for name in SMOKE),
@@ -113,15 +114,18 @@ def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_line
   assert [line["case"] for line in flash] == ["gqa_causal"]
   assert len(paged) + len(flash) == len(by["kernels"]) and all(line["ok"] for line in by["kernels"])
   [attention] = by["attention"]
-  # On the CPU "auto" is the materialised logits up to 1K x 1K (ptx.models.attention.resolve); no cuDNN to face.
-  assert attention["default_impl"] == "xla" and attention["default_fwd_bwd_s"] > 0
-  assert attention["cudnn"] == "skipped: no GPU" and "default_fwd_vs_cudnn" not in attention
-  for name, model in (("sft", "smollm2_135m"), ("grpo", "smollm2_135m"), ("grpo_1b", "llama3_2_1b")):
+  # On the CPU "auto" is the materialised logits up to 1K x 1K for either row layout (ptx.models.attention_choice);
+  # no cuDNN to face.
+  for rows in ("packed", "padded_right"):
+    assert attention[f"default_{rows}_impl"] == "xla" and attention[f"default_{rows}_fwd_bwd_s"] > 0, attention
+    assert f"default_{rows}_fwd_vs_cudnn" not in attention
+  assert attention["cudnn"] == "skipped: no GPU"
+  for name, model in (("sft", "smollm2_135m"), ("sft_1b", "llama3_2_1b"), ("grpo", "smollm2_135m")):
     [line] = by[name]
     assert line["model"] == model and line["attention_impl"] == "auto" and line["attention_resolved"] == "xla"
     assert line["tokens_per_s"] > 0 and line["mfu"] >= 0, line
   # The 1B's cut keeps its preset's bfloat16 parameters; SmolLM2's preset stores float32.
-  assert by["grpo_1b"][0]["param_dtype"] == "bfloat16" and by["grpo"][0]["param_dtype"] == "float32"
+  assert by["sft_1b"][0]["param_dtype"] == "bfloat16" and by["sft"][0]["param_dtype"] == "float32"
   lines = by["decode"]
   assert [(line["decode_loop"], line["rows"]) for line in lines] == [("unroll", 2), ("scan", 2)]
   for line in lines:
