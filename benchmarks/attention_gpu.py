@@ -9,12 +9,18 @@ kernel also with packed segments, a sliding window and a soft-cap), then times
 causal forward and forward+backward at each length (batch 1, head_dim 128,
 GQA 8:1, bf16) and
 prints TFLOP/s (causal FLOPs: fwd 2*B*H*T*T*D, fwd+bwd 3.5x that) and the
-compiled memory of the Pallas forward+backward. Errors (e.g. out of memory)
+compiled memory of each forward+backward. Errors (e.g. out of memory)
 are reported as JSON lines instead of stopping the run. Goal: Pallas forward
 >= 60% of cuDNN's TFLOP/s, and the 1M-token forward+backward fits.
+
+benchmarks/device_check.py reuses the pieces: `check` for the kernel checks,
+`bench` over other kernels (ptx's default attention as a model runs it,
+`model_default`, for each row layout a model declares; a candidate rewrite
+of the GPU kernel run in the kernel's place, `gpu_kernel`) and `peers`.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ptx_kernels as pk
+from ptx_kernels import implementation
 
 
 def _emit(**row):
@@ -32,26 +39,53 @@ def _emit(**row):
   print(json.dumps(row), flush=True)
 
 
-def _cudnn(q, k, v):
+def cudnn(q, k, v):
   """jax.nn's cuDNN flash attention (causal), shaped like ptx_kernels'."""
   out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation="cudnn")
   return out, None
 
 
-def _pallas(tiles, q, k, v, interpret=False, **masks):
+def pallas(tiles, q, k, v, interpret=False, **masks):
   """The ptx GPU kernel with the given tiles (interpreted on CPU when `interpret`)."""
   return pk.flash_attention(q, k, v, impl="pallas_gpu", block_sizes=tiles, interpret=interpret, **masks)
 
 
+# The correctness check's cases, in the order it runs them: GQA, packing, window + soft-cap (`_cases`).
+CASES = ("gqa_causal", "gqa_packed", "mqa_window_softcap")
+
+
 def _cases(b, t):
-  """(name, q heads, kv heads, mask arguments) of the correctness check: GQA, packing, window + soft-cap."""
+  """{name: (q heads, kv heads, mask arguments)} of each of CASES at batch b and length t."""
   # Three documents of t/2, t/4 and t/8 tokens, then padding (segment 0), in every row.
   lengths = [t // 2, t // 4, t // 8, t - t // 2 - t // 4 - t // 8]
   seg = jnp.asarray(np.broadcast_to(np.repeat([1, 2, 3, 0], lengths), (b, t)), jnp.int32)
-  return (("gqa_causal", 8, 2, {}),
-          ("gqa_packed", 8, 2, dict(q_segment_ids=seg, kv_segment_ids=seg)),
-          ("mqa_window_softcap", 8, 1, dict(window=t // 8, softcap=5.0)))
+  return {"gqa_causal": (8, 2, {}),
+          "gqa_packed": (8, 2, dict(q_segment_ids=seg, kv_segment_ids=seg)),
+          "mqa_window_softcap": (8, 1, dict(window=t // 8, softcap=5.0))}
+
+
+@contextlib.contextmanager
+def gpu_kernel(module):
+  """Inside the block, ptx_kernels' "pallas_gpu" kernel is `module`: a candidate rewrite with pallas_gpu's functions.
+
+  The kernel module is looked up when a call is traced, so a program traced inside the block runs `module`, its
+  backward too (the custom VJP it traced is `module`'s), and one traced outside runs ptx_kernels.pallas_gpu.
+  """
+  saved = implementation._PALLAS["pallas_gpu"]
+  implementation._PALLAS["pallas_gpu"] = module
+  try:
+    yield
+  finally:
+    implementation._PALLAS["pallas_gpu"] = saved
+
+
+def with_gpu_kernel(module, attention):
+  """`attention` traced with `module` as the "pallas_gpu" kernel (`gpu_kernel`), for `bench`."""
+  def traced(*args):
+    with gpu_kernel(module):
+      return attention(*args)
+  return traced
 
 
 def _fwd_bwd(attention):
@@ -75,19 +109,22 @@ def _rel_err(got, want) -> float:
 TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
-def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
+def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES), cases=CASES, with_cudnn=True):
   """Yields one row per case, dtype and kernel: max relative errors against the f32 reference, fwd and bwd.
 
-  `tiles` None checks the kernel's default tiles per dtype (`pk.default_tiles`), what a model runs.
+  `tiles` None checks the kernel's default tiles per dtype (`pk.default_tiles`), what a model runs. `cases` names
+  those of CASES to check, in this order; `with_cudnn` adds cuDNN's rows on a GPU.
 
   Every Pallas row comes before the cuDNN ones, so a cuDNN call that hangs (one did on the H200 on 12-04, the
   section's limit cutting the rest) costs no Pallas row; each check says on stderr what it starts.
   """
   keys = jax.random.split(jax.random.key(0), 4)
   # cuDNN flash attention takes fp16/bf16 only, and jax.nn's call has no segment ids or soft-cap.
-  on_gpu = jax.default_backend() == "gpu"
-  runs = [("pallas_gpu", case) for case in _cases(b, t)] + [("cudnn", case) for case in _cases(b, t) if on_gpu]
-  for name, (case, h, kv, masks) in runs:
+  cudnn_rows = with_cudnn and jax.default_backend() == "gpu"
+  table = _cases(b, t)
+  runs = [("pallas_gpu", case) for case in cases] + [("cudnn", case) for case in cases if cudnn_rows]
+  for name, case in runs:
+    h, kv, masks = table[case]
     for dtype in dtypes:
       if name == "cudnn" and (dtype != "bfloat16" or masks):
         continue
@@ -99,7 +136,7 @@ def check(tiles, b=2, t=1024, d=128, interpret=False, dtypes=tuple(TOLERANCES)):
       dout = jax.random.normal(keys[3], q.shape, dtype)
       f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
       want_grads, want = _fwd_bwd(functools.partial(pk.reference_attention, **masks))(*f32)
-      attention = _cudnn if name == "cudnn" else functools.partial(_pallas, tiles, interpret=interpret, **masks)
+      attention = cudnn if name == "cudnn" else functools.partial(pallas, tiles, interpret=interpret, **masks)
       row = dict(bench="attention_gpu_check", case=case, impl=name, dtype=dtype, batch=b,
                  seq_len=t, heads=h, kv_heads=kv, head_dim=d)
       if name == "pallas_gpu":
@@ -164,12 +201,43 @@ def _best_seconds(program, args, repeats):
   return best
 
 
-def bench(seq_lens, heads, repeats, tiles, interpret=False):
-  """Yields causal fwd and fwd+bwd TFLOP/s of Pallas and cuDNN (on a GPU only), one row per sequence length."""
+def model_default(rows: str):
+  """ptx's default attention as a model calls it (`ptx.models.attention.attention`, impl "auto"), causal, one
+  document per row, declared as `rows` ("packed" or "padded_right": `ptx.models.attention_choice.RowLayout`,
+  which decides whether cuDNN may take the call); the function returns (out, None) like the kernels."""
+  from ptx.models.attention import attention  # here: the kernel checks run without ptx.models (and qwix)
+
+  def default(q, k, v):
+    b, t = q.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return attention(q, k, v, segment_ids=jnp.ones((b, t), jnp.int32), positions=positions, impl="auto",
+                     rows=rows), None
+
+  return default
+
+
+def default_impl(t: int, head_dim: int, rows: str) -> str:
+  """What "auto" runs for `model_default(rows)` on bfloat16 inputs of length t (`ptx.models.attention.resolve`,
+  given what `attention` gives it for that call): the name its figures are."""
+  from ptx.models.attention import resolve
+  return resolve("auto", q_len=t, kv_len=t, head_dim=head_dim, rows=rows, dtype=jnp.bfloat16)
+
+
+def bench(seq_lens, heads, repeats, kernels, reference=None):
+  """Yields causal fwd and fwd+bwd TFLOP/s of each of `kernels`, one row per sequence length.
+
+  Args:
+    seq_lens: sequence lengths; batch 1, head_dim 128, bfloat16, heads / 8 KV heads (at least one).
+    heads: query heads.
+    repeats: timed calls per figure (the best is kept), after one warm-up.
+    kernels: {name: attention(q, k, v) -> (out, _)}, timed in this order; a kernel's error (out of memory, a shape
+      it does not take) goes in the row as `<name>_error` and the others still run.
+    reference: the name in `kernels` that each other's TFLOP/s is divided by (`<name>_fwd_vs_<reference>`).
+
+  Each forward+backward is compiled once, ahead of time, and its compiled memory (arguments, outputs, temporaries)
+  reported as `<name>_fwd_bwd_gib`.
+  """
   h, kv, d = heads, max(heads // 8, 1), 128
-  impls = [("pallas_gpu", functools.partial(_pallas, tiles, interpret=interpret))]
-  if jax.default_backend() == "gpu":
-    impls.append(("cudnn", _cudnn))
   for t in seq_lens:
     keys = jax.random.split(jax.random.key(t), 4)
     q = jax.random.normal(keys[0], (1, t, h, d), jnp.bfloat16)
@@ -177,31 +245,24 @@ def bench(seq_lens, heads, repeats, tiles, interpret=False):
     v = jax.random.normal(keys[2], (1, t, kv, d), jnp.bfloat16)
     dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
     fwd_flops = 2.0 * h * t * t * d  # 4*H*T*T*D halved by causality.
-    row = dict(bench="attention_gpu", seq_len=t, heads=h, kv_heads=kv,
-               head_dim=d, dtype="bfloat16", block_q=tiles.block_q,
-               block_kv=tiles.block_kv)
-    if len(impls) == 1:
-      row["cudnn"] = "skipped: no GPU"
-    for name, attention in impls:
+    row = dict(bench="attention_gpu", seq_len=t, heads=h, kv_heads=kv, head_dim=d, dtype="bfloat16")
+    seconds = {}  # (name, "fwd" or "fwd_bwd"): best seconds, unrounded for the ratios
+    for name, attention in kernels.items():
       try:
         fwd = jax.jit(lambda q, k, v, a=attention: a(q, k, v)[0])
-        seconds = _best_seconds(fwd, (q, k, v), repeats)
-        row[f"{name}_fwd_s"] = round(seconds, 5)
-        row[f"{name}_fwd_tflops"] = round(fwd_flops / seconds / 1e12, 1)
-        grad = _fwd_bwd(attention)
-        if name == "pallas_gpu":
-          mem = grad.lower(q, k, v, dout).compile().memory_analysis()
-          row["pallas_gpu_fwd_bwd_gib"] = round(
-              (mem.argument_size_in_bytes + mem.output_size_in_bytes
-               + mem.temp_size_in_bytes) / 2**30, 2)
-        seconds = _best_seconds(grad, (q, k, v, dout), repeats)
-        row[f"{name}_fwd_bwd_s"] = round(seconds, 5)
-        row[f"{name}_fwd_bwd_tflops"] = round(3.5 * fwd_flops / seconds / 1e12, 1)
+        seconds[name, "fwd"] = _best_seconds(fwd, (q, k, v), repeats)
+        grad = _fwd_bwd(attention).lower(q, k, v, dout).compile()
+        mem = grad.memory_analysis()
+        row[f"{name}_fwd_bwd_gib"] = round(
+            (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 2**30, 2)
+        seconds[name, "fwd_bwd"] = _best_seconds(grad, (q, k, v, dout), repeats)
       except Exception as e:  # OOM or an unsupported shape: report, go on.
         row[f"{name}_error"] = repr(e)[:300]
-    if "pallas_gpu_fwd_tflops" in row and "cudnn_fwd_tflops" in row:
-      row["fwd_vs_cudnn"] = round(
-          row["pallas_gpu_fwd_tflops"] / row["cudnn_fwd_tflops"], 3)
+    for (name, part), s in seconds.items():
+      row[f"{name}_{part}_s"] = round(s, 5)
+      row[f"{name}_{part}_tflops"] = round((3.5 if part == "fwd_bwd" else 1.0) * fwd_flops / s / 1e12, 1)
+      if name != reference and (reference, part) in seconds:
+        row[f"{name}_{part}_vs_{reference}"] = round(seconds[reference, part] / s, 3)
     yield row
 
 
@@ -230,8 +291,8 @@ def peers(t, heads, repeats, tiles):
   fwd_flops = 2.0 * heads * t * t * 128
   row = dict(bench="attention_gpu_peers", seq_len=t, heads=heads, kv_heads=heads, head_dim=128, dtype="bfloat16",
              block_q=tiles.block_q, block_kv=tiles.block_kv)
-  kernels = (("ptx_pallas", functools.partial(_pallas, tiles), True), ("jax_triton", _jax_triton, True),
-             ("jax_mosaic", _jax_mosaic, False), ("cudnn", _cudnn, True))
+  kernels = (("ptx_pallas", functools.partial(pallas, tiles), True), ("jax_triton", _jax_triton, True),
+             ("jax_mosaic", _jax_mosaic, False), ("cudnn", cudnn, True))
   for name, attention, backward in kernels:
     print(f"peers: {name}", file=sys.stderr, flush=True)
     try:
@@ -260,8 +321,9 @@ def main():
   tiles = pk.BlockSizes(args.block_q, args.block_kv)
   for row in check(None):
     _emit(**row)
-  for row in bench(args.seq_lens, args.heads, args.repeats, tiles):
-    _emit(**row)
+  for row in bench(args.seq_lens, args.heads, args.repeats,
+                   {"pallas_gpu": functools.partial(pallas, tiles), "cudnn": cudnn}, reference="cudnn"):
+    _emit(**row, block_q=tiles.block_q, block_kv=tiles.block_kv)
 
 
 if __name__ == "__main__":

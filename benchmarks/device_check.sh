@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One-shot accelerator check (issues #25, #26, #27 and #29): every section of benchmarks/device_check.py in a process of
-# its own, each under a hard time limit, all of them within DEVICE_CHECK_TOTAL_S (570 s: the whole run stays
-# under 10 minutes, one device call, #27's sections under 8). Prints JSON lines to stdout and, when $OUT is set, also to
-# $OUT/device_check.jsonl. Exits 0 whatever the sections do: a failure is a JSON line with an "error" field, and
-# the next section runs.
+# One-shot accelerator check (issue #58 item 4 by default; #25, #26, #27, #29 and #54 on request): sections of
+# benchmarks/device_check.py, each in a process of its own under a hard time limit, all of them within
+# DEVICE_CHECK_TOTAL_S (570 s: the whole run stays under 10 minutes, one device call). Prints JSON lines to stdout
+# and, when $OUT is set, also to $OUT/device_check.jsonl. Exits 0 whatever the sections do: a failure is a JSON line
+# with an "error" field, and the next section runs.
 #
 #   bash benchmarks/device_check.sh            # on the GPU machine
 #   bash benchmarks/device_check.sh --smoke    # tiny shapes on the CPU (or DEVICE_CHECK_SMOKE=1)
@@ -20,18 +20,26 @@ SMOKE=${DEVICE_CHECK_SMOKE:-0}
 [ "${1:-}" = "--smoke" ] && SMOKE=1
 TOTAL_S=${DEVICE_CHECK_TOTAL_S:-570}
 # name:seconds in running order. A section may use its own seconds plus whatever earlier ones left unused,
-# never the seconds reserved for the sections after it. GRPO runs last of #27's: it compiles the most. Another list
-# runs some sections alone (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or
-# the GPU is missing. rollout (#25's uniform anchor), agent (#26's) and fast (#29's rollout modes) run after #27's
-# sections, on what they leave: rollout and agent first, as they need a known time (rollout: the tiny model's
-# static and engine programs, never run on a device, guessed at ~40 s; agent: 1,024 episodes, ~100 s with its
-# warm-ups), and fast last, as it prints a row per mode and uses whatever is left. The seconds follow the H200 runs
-# of 12-04 (env ~10 s, attention ~35, sft ~25, memory ~15, grpo ~40; kernels ~110 with float32 at its 64 x 32
-# default tiles, the Pallas checks first, and ~20 more for the paged kernel's checks, never run yet; fast ~55 per
-# mode), each with 5 s or more to spare. stops (#25's stop-ended workload) is not in the list: it trains a model and
-# compiles the engine's many buckets, minutes that the default run has no room for, so a call runs it alone;
-# so does moe (#54's dense-vs-MoE step times: four models compiled, SFT and GRPO each).
-SECTIONS=${DEVICE_CHECK_SECTIONS:-env:15 kernels:140 attention:45 sft:40 memory:30 grpo:50 rollout:60 agent:100 fast:90}
+# never the seconds reserved for the sections after it. Another list runs some sections alone
+# (DEVICE_CHECK_SECTIONS="kernels:100 attention:150"); env stops the run where JAX or the GPU is missing.
+#
+# The default run is issue #58 item 4's, what a GPU user gets by default: attention (ptx's default against cuDNN,
+# then #27's peers at 16K: ~35 s on the H200 for three lengths, two here), SFT and GRPO at the SmolLM2 shape (~25 s
+# and ~40 s there) and at Llama-3.2-1B's (not run yet: half the layers to compile, 8,192 tokens a step; ~35 s
+# guessed for each), the engine's decode against the roofline (8 engine programs: a decode per row count and loop,
+# a prefill per loop, at ~15 s each as fast mode's compiled there, 12-04), and last the reverted kernel rewrite
+# (six checks at 5-31 s each, as the current kernel's took, then ~25 s of timing), whose per-case limit makes a
+# hang cost one case and whose timing may use what the others left. Each budget has 10 s or more to spare.
+#
+# Out of the default run, each still runnable alone (or all in a second call, DEVICE_CHECK_SECTIONS="env:15
+# kernels:140 memory:30 rollout:60 agent:100 fast:90 decode_1b:120", 555 s): kernels (#27's checks of the current
+# kernel, every case passed on the H200 12-04, third run; ~130 s with the paged kernel's never-run checks), memory
+# (#27's 1M-token compile, measured in the second run: 1.66x the floor), rollout (#25's uniform anchor), agent
+# (#26's, measured in the third run) and fast (#29's modes, measured twice), none of them #58's, and decode_1b
+# (decode at the 1B shape: eight more programs, past the default run's seconds). stops (#25's stop-ended workload)
+# and moe (#54's dense-vs-MoE step times) were never in it: they train or compile for minutes, so a call runs each
+# alone.
+SECTIONS=${DEVICE_CHECK_SECTIONS:-env:15 attention:45 sft:35 sft_1b:55 grpo:45 grpo_1b:60 decode:140 tile_runs:175}
 
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT

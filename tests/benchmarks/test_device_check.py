@@ -1,10 +1,11 @@
 """benchmarks/device_check.sh, the one-shot GPU check, keeps running where no GPU is: its smoke mode on the CPU.
 
 The smoke run goes through every section as the GPU run does (the wrapper, one process per section, the same
-benchmark functions) with tiny shapes, so an API change that would break the device run fails here first. It runs
-without grain and tensorboardX, as the GPU image does (a module-level import of grain cost the H200 run of 12-04
-its memory section). The
-wrapper's own failure paths (a section past its time limit, a crash, no JAX) run on stand-in interpreters.
+benchmark functions) with tiny shapes, so an API change that would break the device run fails here first; the two
+1B sections whose code another section's smoke run covers are checked by their wiring, stops and moe by tests of
+their own. It runs without grain and tensorboardX, as the GPU image does (a module-level import of grain cost the
+H200 run of 12-04 its memory section). The wrapper's own failure paths (a section past its time limit, a crash, no
+JAX) run on stand-in interpreters, and the tile_runs section's per-case limit on stand-in children.
 """
 
 import json
@@ -17,8 +18,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
-SECTIONS = ("env", "kernels", "attention", "sft", "memory", "grpo", "rollout", "fast", "agent")
-OPT_IN = ("stops", "moe")  # sections a call names in DEVICE_CHECK_SECTIONS; the default run leaves them out
+DEFAULT = ("env", "attention", "sft", "sft_1b", "grpo", "grpo_1b", "decode", "tile_runs")  # the wrapper's default run
+# Sections a call names in DEVICE_CHECK_SECTIONS, the default run leaving them out.
+OPT_IN = ("decode_1b", "kernels", "memory", "rollout", "fast", "agent", "stops", "moe")
+# The 1B shape's sections run their SmolLM2 section's function on another Shape; in smoke mode both shapes are
+# 1-layer cuts, so sft_1b's smoke run covers the 1B cut (the cheapest), and the other two are checked by their wiring
+# alone.
+AT_1B = {"sft_1b": "sft", "grpo_1b": "grpo", "decode_1b": "decode"}
+# The sections of the smoke run below; stops and moe, slower, have tests of their own.
+SMOKE = tuple(name for name in DEFAULT + OPT_IN if name not in ("grpo_1b", "decode_1b", "stops", "moe"))
 # ptx dependencies the GPU image lacks; the smoke run makes them unimportable.
 NOT_ON_THE_GPU_IMAGE = ("grain", "tensorboardX")
 CONTEXT = ("section", "device", "backend", "jax", "load")
@@ -59,15 +67,35 @@ def _without(tmp_path, *packages: str) -> str:
 
 @pytest.fixture(scope="module")
 def smoke_lines(tmp_path_factory):
-  """The JSON lines of one smoke run of every section (under a minute of CPU), as on the GPU image's packages."""
+  """The JSON lines of one smoke run of the SMOKE sections (~90 s of CPU, 12-08), as on the GPU image's packages."""
   tmp_path = tmp_path_factory.mktemp("smoke")
   return _run(tmp_path, sys.executable, "--smoke", PYTHONPATH=_without(tmp_path, *NOT_ON_THE_GPU_IMAGE),
-              XLA_FLAGS=SMOKE_XLA_FLAGS)[1]
+              XLA_FLAGS=SMOKE_XLA_FLAGS, DEVICE_CHECK_SECTIONS=" ".join(f"{name}:300" for name in SMOKE),
+              DEVICE_CHECK_TOTAL_S=str(300 * len(SMOKE)))[1]
+
+
+def test_the_default_run_is_issue_58s_sections_within_one_device_call():
+  [line] = [line for line in SCRIPT.read_text().splitlines() if line.startswith("SECTIONS=")]
+  entries = line.split(":-", 1)[1].rstrip("}").split()
+  assert tuple(entry.split(":")[0] for entry in entries) == DEFAULT
+  # Within the wrapper's DEVICE_CHECK_TOTAL_S (570 s, one device call of at most 600 s), or a section is skipped.
+  assert sum(int(entry.split(":")[1]) for entry in entries) <= 570
+
+
+def test_the_1b_sections_measure_as_the_smollm2_ones_do_at_a_model_of_over_a_billion_parameters(import_benchmark):
+  from ptx.model_config import MODEL_PRESETS
+  from ptx.models import count_params
+  device_check = import_benchmark("device_check")
+  assert set(device_check.SECTIONS) == set(DEFAULT + OPT_IN)
+  for name, twin in AT_1B.items():
+    section = device_check.SECTIONS[name]
+    assert section.func is device_check.SECTIONS[twin] and section.keywords == {"shape": device_check.LLAMA_1B}
+  assert count_params(MODEL_PRESETS[device_check.LLAMA_1B.preset]()) >= 10**9
 
 
 @pytest.mark.slow
 def test_every_section_prints_its_figures_without_an_error(smoke_lines):
-  assert {line["section"] for line in smoke_lines} == set(SECTIONS)
+  assert {line["section"] for line in smoke_lines} == set(SMOKE)
   for line in smoke_lines:
     assert not [key for key in line if "error" in key], line
     assert all(key in line for key in CONTEXT), line
@@ -76,20 +104,43 @@ def test_every_section_prints_its_figures_without_an_error(smoke_lines):
 
 @pytest.mark.slow
 def test_the_smoke_run_checks_each_kernel_case_and_measures_each_step(smoke_lines):
-  by = {name: [line for line in smoke_lines if line["section"] == name] for name in SECTIONS}
+  by = {name: [line for line in smoke_lines if line["section"] == name] for name in SMOKE}
   [env] = by["env"]
-  assert env["devices"] == 1 and env["imports"] == dict.fromkeys(SECTIONS[1:] + OPT_IN, "ok")
+  assert env["devices"] == 1 and env["imports"] == dict.fromkeys(DEFAULT[1:] + OPT_IN, "ok")
   assert all(env["versions"][name] is None for name in NOT_ON_THE_GPU_IMAGE), env["versions"]
   paged = [line for line in by["kernels"] if line["bench"] == "paged_attention_check"]
   assert {line["case"] for line in paged} == {"gqa", "mqa_window_softcap"}
   flash = [line for line in by["kernels"] if line["bench"] == "attention_gpu_check"]
-  assert {line["case"] for line in flash} == {"gqa_causal", "gqa_packed", "mqa_window_softcap"}
+  assert [line["case"] for line in flash] == ["gqa_causal"]
   assert len(paged) + len(flash) == len(by["kernels"]) and all(line["ok"] for line in by["kernels"])
   [attention] = by["attention"]
-  assert attention["cudnn"] == "skipped: no GPU" and attention["pallas_gpu_fwd_bwd_s"] > 0
-  for name in ("sft", "grpo"):
+  # On the CPU "auto" is the materialised logits up to 1K x 1K for either row layout (ptx.models.attention_choice);
+  # no cuDNN to face.
+  for rows in ("packed", "padded_right"):
+    assert attention[f"default_{rows}_impl"] == "xla" and attention[f"default_{rows}_fwd_bwd_s"] > 0, attention
+    assert f"default_{rows}_fwd_vs_cudnn" not in attention
+  assert attention["cudnn"] == "skipped: no GPU"
+  for name, model in (("sft", "smollm2_135m"), ("sft_1b", "llama3_2_1b"), ("grpo", "smollm2_135m")):
     [line] = by[name]
+    assert line["model"] == model and line["attention_impl"] == "auto" and line["attention_resolved"] == "xla"
     assert line["tokens_per_s"] > 0 and line["mfu"] >= 0, line
+  # The 1B's cut keeps its preset's bfloat16 parameters; SmolLM2's preset stores float32.
+  assert by["sft_1b"][0]["param_dtype"] == "bfloat16" and by["sft"][0]["param_dtype"] == "float32"
+  lines = by["decode"]
+  assert [(line["decode_loop"], line["rows"]) for line in lines] == [("unroll", 2), ("scan", 2)]
+  for line in lines:
+    # 8 new tokens a row in calls of 4 steps; one decode and one prefill program compiled, none while timed.
+    assert line["decode_tokens"] == 2 * 8 and line["decode_calls"] == 2 and line["step_s"] > 0, line
+    assert line["programs_compiled"] == 2 and line["compiled_in_timed_run"] == 0, line
+    # A step reads the bfloat16 weights and the K/V of 1 layer x 2 KV heads x 32 wide per position; the CPU has no
+    # bandwidth in the table, so no roofline.
+    assert line["kv_bytes_per_position"] == 2 * 1 * 2 * 32 * 2 and line["hbm_bytes_per_s"] is None, line
+    assert line["step_bytes"] == line["weight_bytes"] + line["kv_bytes_per_position"] * 2 * (24 + 3.5)
+  *checks, timing = by["tile_runs"]
+  assert [(line["case"], line["dtype"]) for line in checks] == [
+      ("gqa_causal", "float32"), ("gqa_packed", "float32"), ("mqa_window_softcap", "float32")]
+  assert all(line["impl"] == "tile_runs" and line["ok"] for line in checks), checks
+  assert timing["tile_runs_fwd_vs_pallas_gpu"] > 0 and timing["tile_runs_fwd_bwd_vs_pallas_gpu"] > 0
   [memory] = by["memory"]
   # The floor counts only what a training step cannot avoid holding, so the compiled step is at least that.
   assert memory["per_device_mib"] >= memory["floor_mib"]["total"] > 0
@@ -120,6 +171,28 @@ def test_a_section_past_its_limit_or_crashing_gets_an_error_line_and_the_next_st
   assert lines[0]["error"].startswith("timed out after 5 s")
   assert lines[1]["error"].startswith("exit code 1") and "boom" in lines[1]["error"]
   assert "== attention (exit 1)" in (tmp_path / "out" / "device_check.stderr").read_text()
+
+
+def test_a_check_case_that_hangs_or_crashes_gets_an_error_row_and_the_cases_after_it_still_run(import_benchmark):
+  # The tile_runs section's children: each prints a row per case it is given, in order.
+  device_check = import_benchmark("device_check")
+  child = ("import json, sys, time\n"
+           "for name in sys.argv[1:]:\n"
+           "  time.sleep(60) if name == 'hang' else sys.exit(5) if name == 'crash' else None\n"
+           "  print(json.dumps({'case': name}), flush=True)\n")
+  started = []
+
+  def argv(pending):
+    started.append(list(pending))
+    return [sys.executable, "-c", child, *pending]
+
+  rows = list(device_check._each_within(argv, ["a", "hang", "b", "crash", "c"], 2, dict(os.environ)))
+  assert [name for name, _ in rows] == ["a", "hang", "b", "crash", "c"]
+  assert [row for _, row in rows[::2]] == [{"case": "a"}, {"case": "b"}, {"case": "c"}]
+  assert rows[1][1]["error"].startswith("no result within 2 s: killed")
+  assert "exit code 5" in rows[3][1]["error"]
+  # A new child after each, for the cases still to run.
+  assert started == [["a", "hang", "b", "crash", "c"], ["b", "crash", "c"], ["c"]]
 
 
 def test_without_jax_one_line_says_so_and_nothing_else_runs(tmp_path):
