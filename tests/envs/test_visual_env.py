@@ -4,8 +4,13 @@ import re
 
 import pytest
 
+from ptx.data import splits
+from ptx.envs import handwritten_digits, suites
 from ptx.envs.base import Outcome
-from ptx.envs.visual import VisualEnv, canonical, score
+from ptx.envs.handwritten_digits import DigitSums
+from ptx.envs.visual import VisualEnv, VisualTasks, canonical, score
+from ptx.envs.visual_tasks import GENERATORS
+from ptx.episodes import evaluation
 from ptx.verifiers import math_answer, text_answer
 
 OK, WRONG, NO_ANSWER = Outcome.OK, Outcome.WRONG, Outcome.NO_ANSWER
@@ -109,3 +114,32 @@ def test_bad_records_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=f"visual task .*{message}"):
       env.validate(record)
 
+
+VISUAL_SUITES = {f"visual_{family}": make for family, make in {**GENERATORS, "digit_sums": DigitSums}.items()}
+
+
+def _wrong(answer: str, kind: str) -> str:
+  """Another answer of the same kind."""
+  if kind == "time":
+    hour, minute = answer.split(":")
+    return f"{int(hour) % 12 + 1}:{minute}"
+  return "Z" if kind == "label" else str(int(answer) + 1)
+
+
+@pytest.mark.parametrize("name", sorted(VISUAL_SUITES))
+def test_each_visual_suite_is_held_out_and_scores_right_and_wrong_replies(name):
+  env, tasks = suites.load(name, n=4, seed=1)
+  assert tasks == [VisualTasks(VISUAL_SUITES[name](), 1, "held_out")[i] for i in range(4)]
+  if name == "visual_digit_sums":
+    shown = {int(k) for t in tasks for k in t["identity"].split()[1].split(",")}
+    assert shown <= set(handwritten_digits.indices("held_out"))
+  else:
+    assert {splits.split_of(t["identity"]) for t in tasks} == {"held_out"}
+
+  def reply(answer):  # replies in task order, k alike
+    return lambda prompts, k: [[f"So it is \\boxed{{{answer(t)}}}"] * k for t in tasks]
+
+  right = evaluation.evaluate(reply(lambda t: t["answer"]), env, tasks, k=2)
+  wrong = evaluation.evaluate(reply(lambda t: _wrong(t["answer"], t["answer_kind"])), env, tasks, k=2)
+  assert right["pass@k"]["1"] == 1.0 and wrong["pass@k"]["1"] == 0.0, (right, wrong)
+  assert suites.label(name, env, tasks, right)["suite"] == name

@@ -14,7 +14,7 @@ from PIL import Image
 from scipy import ndimage
 
 from ptx.data import image_chat, images, splits
-from ptx.envs import handwritten_digits
+from ptx.envs import handwritten_digits, suites
 from ptx.envs.handwritten_digits import DigitSums
 from ptx.envs.visual import VisualEnv, VisualTasks
 from ptx.envs.visual_tasks import COLOURS, GENERATORS, BarChart, Clock, Counting, Grid, Table
@@ -139,6 +139,8 @@ def test_the_digits_task_is_refused_by_name_without_scikit_learn(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else find_spec(name, *a))
   with pytest.raises(ModuleNotFoundError, match=r"digit_sums task .*pip install 'ptx\[digits\]'"):
     DigitSums()
+  with pytest.raises(ModuleNotFoundError, match="digit_sums"):
+    suites.load("visual_digit_sums", n=1)
 
 
 # Knobs small enough that a train stream repeats its problems: disjointness below is not the luck of a large space.
