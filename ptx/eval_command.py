@@ -33,7 +33,9 @@ def add_command(sub) -> None:
                   "retrieval), reasoning_gym (held-out problems of reasoning-gym families, see --families), bfcl "
                   "(function calls, BFCL's held-out split), humaneval (all 164 problems; "
                   "completion form, or a request with --chat), humaneval_held_out (the 32 ptx grpo --env code never "
-                  "trains on), math, code, exact (prompts as written); multi-turn, played as episodes: calculator "
+                  "trains on), math, code, exact (prompts as written); questions about an image (image chat records): "
+                  "visual_counting, visual_clock, visual_bar_chart, visual_table, visual_grid, visual_digit_sums "
+                  "(handwritten digits, the digits extra); multi-turn, played as episodes: calculator "
                   "(a calculator tool), terminal (fix a bug with shell commands in the sandbox), docqa (questions "
                   "about a long document through search tools), shell (your records); scored by log-likelihood: "
                   "choice (multiple-choice records: acc, acc_norm), perplexity (text: bits per byte)")

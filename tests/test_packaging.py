@@ -65,7 +65,7 @@ def test_make_install_is_the_library_and_make_test_adds_the_extras():
   assert [line.split(" -e ")[1] for line in installs("install")] == ["."]
   assert installs("demo") == installs("install")  # the demo needs the library's own dependencies only
   extras = set(re.search(r'-e "\.\[([^]]+)\]"', installs("test")[-1])[1].split(","))
-  assert {"test", "parity", "gguf", "hf", "rl"} <= extras
+  assert {"test", "parity", "gguf", "hf", "rl", "digits"} <= extras
 
 
 # Runs without the optional packages: an import of any of them fails as if it were not installed.

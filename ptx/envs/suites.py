@@ -1,14 +1,18 @@
 """Named evaluation suites: what `ptx eval --task NAME` evaluates.
 
 A suite is an environment plus its task records. The generated suites
-(`arithmetic`, `countdown`, `needle`, `calculator`, `terminal`, `docqa`) need no
+(`arithmetic`, `countdown`, `needle`, `calculator`, `terminal`, `docqa`, and the visual questions
+`visual_counting`, `visual_clock`, `visual_bar_chart`, `visual_table`, `visual_grid`, `visual_digit_sums`) need no
 files: records 0..n-1 of a seeded stream of the task's held-out problems
 (`ptx.data.splits`: no training stream of the task draws them; `needle`
 cycles over its (length, depth) grid, and its report is read per cell;
 `terminal` is `ShellEnv` on the buggy projects of
 `ptx.envs.terminal`; `docqa` asks about generated documents none
 of whose questions a training stream asks, its budgets counted in the
-policy's tokens, so it needs the tokenizer).
+policy's tokens, so it needs the tokenizer; a visual suite's records are image chats (`ptx.envs.visual`), its held-out
+problems never posed in training (`visual_digit_sums` shows only held-out images, and needs scikit-learn's digits);
+evaluation samples an episode's prompt text, so a model sees a visual suite's image only once sampling takes image
+prompts.
 The benchmark suites read the data an installed package ships, the first n records in a fixed order:
 `humaneval` (all 164 problems, as published) and `humaneval_held_out` (the last 32, which `ptx grpo --env code`
 never trains on), in completion form or, with `chat`, as a request for the whole function (`ptx.envs.humaneval`);
@@ -52,6 +56,9 @@ from ptx.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymTasks
 from ptx.envs.shell import ShellEnv
 from ptx.envs.terminal import TerminalTasks
 from ptx.envs.tools import family_format
+from ptx.envs import visual_tasks
+from ptx.envs.handwritten_digits import DigitSums
+from ptx.envs.visual import VisualEnv, VisualTasks
 
 _BOXED = " Put the final answer in \\boxed{}."
 # name: (the environment for the policy's tokenizer, the task stream of a seed).
@@ -63,6 +70,8 @@ _GENERATED: dict[str, tuple[Callable[[Tokenizer], Environment], Callable[[int], 
     "calculator": (lambda _: CalculatorEnv(), lambda seed: CalculatorTasks(seed=seed, split="held_out")),
     "terminal": (lambda _: ShellEnv(), lambda seed: TerminalTasks(seed=seed, split="held_out")),
     "docqa": (DocQAEnv, lambda seed: DocQATasks(seed=seed, split="held_out")),
+    **{f"visual_{family}": (lambda _: VisualEnv(), lambda seed, make=make: VisualTasks(make(), seed, "held_out"))
+       for family, make in {**visual_tasks.GENERATORS, DigitSums.family: DigitSums}.items()},
 }
 # The suites whose environment counts the policy's tokens, or writes tool calls in its family's form: they need its
 # tokenizer.
