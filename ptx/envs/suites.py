@@ -11,8 +11,8 @@ cycles over its (length, depth) grid, and its report is read per cell;
 of whose questions a training stream asks, its budgets counted in the
 policy's tokens, so it needs the tokenizer; a visual suite's records are image chats (`ptx.envs.visual`), its held-out
 problems never posed in training (`visual_digit_sums` shows only held-out images, and needs scikit-learn's digits);
-evaluation samples an episode's prompt text, so a model sees a visual suite's image only once sampling takes image
-prompts.
+until sampling takes images, evaluation refuses their image prompts (`ptx.episodes.evaluation`) rather than score a
+model that never saw the picture.
 The benchmark suites read the data an installed package ships, the first n records in a fixed order:
 `humaneval` (all 164 problems, as published) and `humaneval_held_out` (the last 32, which `ptx grpo --env code`
 never trains on), in completion form or, with `chat`, as a request for the whole function (`ptx.envs.humaneval`);

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ptx import paths
+from ptx.data import image_chat
 from ptx.episodes import loop
 from ptx.envs.base import Environment, Episode, Outcome, Step, sandbox_backend
 from ptx.episodes.scoring import run_steps
@@ -180,11 +181,15 @@ def evaluate_episodes(engine: RolloutEngine, params: Any, env: Environment, task
 
 
 def _check(k: int, tasks: Sequence[Mapping[str, Any]]) -> None:
-  """Refuses k < 1 and an empty task list."""
+  """Refuses k < 1, an empty task list, and tasks whose prompts hold images, which the samplers cannot show yet."""
   if k < 1:
     raise ValueError(f"evaluate: k must be >= 1, got {k}")
   if not tasks:
     raise ValueError("evaluate: tasks is empty")
+  with_images = [i for i, task in enumerate(tasks) if image_chat.has_parts(task.get("prompt"))]
+  if with_images:  # sampling their text alone would score a model that never saw the picture
+    raise ValueError(f"evaluate: task {with_images[0]}'s prompt holds content parts (images, e.g. a visual suite); "
+                     "sampling does not take images yet, so the model would not see them")
 
 
 def _report(env_name: str, finals: Sequence[Sequence[Scored]], k: int) -> dict[str, Any]:

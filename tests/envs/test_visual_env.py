@@ -136,10 +136,18 @@ def test_each_visual_suite_is_held_out_and_scores_right_and_wrong_replies(name):
   else:
     assert {splits.split_of(t["identity"]) for t in tasks} == {"held_out"}
 
-  def reply(answer):  # replies in task order, k alike
-    return lambda prompts, k: [[f"So it is \\boxed{{{answer(t)}}}"] * k for t in tasks]
+  def rewards(answer):
+    out = []
+    for t in tasks:
+      episode = env.reset(t)
+      try:
+        out.append(episode.step(f"So it is \\boxed{{{answer(t)}}}").reward)
+      finally:
+        episode.close()
+    return out
 
-  right = evaluation.evaluate(reply(lambda t: t["answer"]), env, tasks, k=2)
-  wrong = evaluation.evaluate(reply(lambda t: _wrong(t["answer"], t["answer_kind"])), env, tasks, k=2)
-  assert right["pass@k"]["1"] == 1.0 and wrong["pass@k"]["1"] == 0.0, (right, wrong)
-  assert suites.label(name, env, tasks, right)["suite"] == name
+  assert rewards(lambda t: t["answer"]) == [1.0] * 4
+  assert rewards(lambda t: _wrong(t["answer"], t["answer_kind"])) == [0.0] * 4
+  # Sampling takes text prompts only so far: evaluating would score a model that never saw the image.
+  with pytest.raises(ValueError, match="task 0's prompt holds content parts"):
+    evaluation.evaluate(lambda prompts, k: [[""] * k for _ in prompts], env, tasks, k=1)
