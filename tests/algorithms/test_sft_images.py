@@ -20,8 +20,9 @@ from ptx.data.global_batch import to_global
 from ptx.data.hf_tokenizer import HFTokenizer
 from ptx.data.image_tokens import FAKE_AROUND_IMAGE, GLOBAL_IMAGE, image_token_id
 from ptx.data.images import image_config
+from ptx.data.pipeline import make_pipeline
 from ptx.data.records import RecordError, encode
-from ptx.data.sources import NoDataError
+from ptx.data.sources import MemorySource, NoDataError
 from ptx.data.tokenizer import ByteTokenizer
 from ptx.model_config import ModelConfig, VisionConfig
 from ptx.models import vision
@@ -110,7 +111,8 @@ def test_the_loss_falls_and_the_image_decides_the_reply(run):
   images = image_config(MODEL.vision, cfg.data)
   # Held-out squares (seeds the records do not use), each with both replies: one row per (image, reply).
   cases = [(colour, seed, reply) for seed in (100, 101) for colour in COLOURS for reply in COLOURS]
-  rows = [[encode("sft", TOK, _record(colour, seed, reply), "held-out", images=images)] for colour, seed, reply in cases]
+  rows = [[encode("sft", TOK, _record(colour, seed, reply), "held-out", images=images)]
+          for colour, seed, reply in cases]
   batch = to_global(pack_rows(rows, cfg.data.seq_len, TOK.pad_id, cfg.data.tiles_per_row, images.tile_size), mesh,
                     job.rules)
   with jax.set_mesh(mesh):
@@ -120,15 +122,25 @@ def test_the_loss_falls_and_the_image_decides_the_reply(run):
 
 
 def test_image_tokens_never_enter_the_loss_through_the_pipeline(run):
-  batch = run[-1]
+  cfg = run[0]
+  # Replies that show an image too: inside an assistant turn, where every other token trains.
+  records = [{"messages": _record(colour, seed)["messages"][:1] + [
+      {"role": "assistant", "content": [{"type": "text", "text": colour},
+                                        {"type": "image", "bytes": _png(colour, 9)}]}]}
+      for seed in range(4) for colour in COLOURS]
+  pipeline = make_pipeline(MemorySource(records), TOK, cfg.data, images=image_config(MODEL.vision, cfg.data))
+  batch = next(iter(pipeline))
   expansion = np.isin(batch["tokens"], TOK.encode(FAKE_AROUND_IMAGE + GLOBAL_IMAGE) + [VISION.image_token_id])
   assert expansion.any() and batch["loss_mask"].any()
   assert not (batch["loss_mask"] * expansion).any()
-  # The slots number each row's image tokens in order: 4 a tile, its two records' tiles after one another.
+  # The slots number each row's image tokens in order: 4 a tile, a row's tiles (each record's two, a row one record
+  # as its tile budget allows) after one another.
   assert ((batch["image_slots"] >= 0) == (batch["tokens"] == VISION.image_token_id)).all()
   for slots in batch["image_slots"]:
     np.testing.assert_array_equal(slots[slots >= 0], np.arange(2 * VISION.tokens_per_image))
   assert batch["pixel_values"].shape == (4, 2, 3, 16, 16) and batch["pixel_attention_mask"].all()
+  # The first step's batch of the run, from the records of _config, holds the same layout.
+  assert ((run[-1]["image_slots"] >= 0) == (run[-1]["tokens"] == VISION.image_token_id)).all()
 
 
 def test_the_frozen_tower_takes_no_gradient_and_no_update(run):

@@ -133,7 +133,8 @@ def test_bad_images_are_errors_at_file_and_line(tmp_path, pngs):
   for i, (_, message) in enumerate(bad, 1):
     with pytest.raises(RecordError, match="^" + re.escape(f"{tmp_path / 'data.jsonl'}:{i + 1}: {message}")):
       encode("sft", TOK, decode(source[i]), source[i].where, SMOLVLM, images=CFG)
-  with pytest.raises(RecordError, match="data.jsonl:1: field 'messages' holds content parts, which need images on: data.tiles_per_row"):
+  with pytest.raises(RecordError, match="data.jsonl:1: field 'messages' holds content parts, which need images on: "
+                                        "data.tiles_per_row"):
     encode("sft", TOK, decode(source[0]), source[0].where, SMOLVLM)
 
 
