@@ -138,10 +138,22 @@ class DataConfig:
   num_threads: int = 2
   # Elements read ahead of the packer.
   prefetch: int = 128
+  # Image tiles of a row (N of its [N, 3, S, S] pixel_values, a static shape), "sft" only; 0: text only, records
+  # with image parts refused. A row packs sequences up to seq_len tokens and tiles_per_row tiles together.
+  tiles_per_row: int = 0
+  # Tiles along an image's longest edge before its global tile (the processor's size["longest_edge"] over the
+  # tile's; the hub's Idefics3 and SmolVLM: 4, up to 4 x 4 + 1 tiles an image); 1: every image one tile.
+  image_tiles_per_edge: int = 4
 
   def __post_init__(self):
     if self.kind not in ("sft", "preference", "rl"):
       raise ValueError(f"DataConfig.kind must be sft, preference or rl, got {self.kind!r}")
+    if self.tiles_per_row < 0 or self.image_tiles_per_edge < 1:
+      raise ValueError(f"DataConfig: tiles_per_row must be >= 0 and image_tiles_per_edge >= 1, got "
+                       f"{self.tiles_per_row}, {self.image_tiles_per_edge}")
+    if self.tiles_per_row and self.kind != "sft":
+      raise ValueError(f"DataConfig: images (tiles_per_row={self.tiles_per_row}) reach sft records only for now; "
+                       f"set tiles_per_row=0 for {self.kind!r}")
     if self.on_error not in ("raise", "skip") or self.overlong not in ("truncate", "drop"):
       raise ValueError(f"DataConfig: bad policy on_error={self.on_error!r} overlong={self.overlong!r}")
     if self.pack and self.kind != "sft":

@@ -61,6 +61,9 @@ def check(cfg: Config, algorithm: Literal["sft", "dpo", "grpo", "grpo_host", "gr
     raise ConfigError(f"train.grad_accum={train.grad_accum} must divide data.batch_size={data.batch_size}")
   if kind == "preference":
     check_preference_model(cfg.model)
+  if data.tiles_per_row and not cfg.model.vision.enabled:
+    raise ConfigError(f"data.tiles_per_row={data.tiles_per_row} feeds images to a model without a vision tower "
+                      "(model.vision.depth=0): set data.tiles_per_row=0 for text, or use a vision model")
 
 
 def _check_grpo_kind(cfg: Config, algorithm: str) -> None:

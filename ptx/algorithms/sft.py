@@ -6,6 +6,11 @@ segment boundary, and the attention mask (segment ids) keeps segments apart.
 The log-probabilities come from `chunked_logits.token_stats`, which projects
 to the vocabulary `model.logits_chunk` tokens at a time (and runs ring
 attention's sequence layout) so long sequences never build [B, T, V] logits.
+
+A batch with images (`pixel_values` [B, N, 3, S, S] and `image_slots` [B, T],
+`ptx.data.batch`) runs the vision tower on its tiles first, and each image
+token takes its feature row (`ptx.models.vision`); image tokens are never
+targets (their loss mask is 0, `ptx.data.image_chat`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 
 from ptx import sharding
 from ptx.model_config import ModelConfig
-from ptx.models import moe
+from ptx.models import moe, vision
 from ptx.models.attention_choice import RowLayout
 from ptx.models.chunked_logits import token_stats
 
@@ -45,7 +50,8 @@ def loss(
 
   Args:
     params: the model's parameter tree.
-    batch: int32 [B, T] `tokens`, `loss_mask`, `segment_ids`, `positions`.
+    batch: int32 [B, T] `tokens`, `loss_mask`, `segment_ids`, `positions`; with images also `image_slots` and
+      `pixel_values` (`ptx.data.batch`).
     rng: unused (SFT is deterministic); part of the loss-function contract.
     model: the model config.
     rules: sharding rules for activation constraints.
@@ -60,8 +66,11 @@ def loss(
     optimised with `model.moe_balance_coef` and `model.moe_z_coef`.
   """
   del rng
+  images = None
+  if "pixel_values" in batch:  # static: the batch's structure (data.tiles_per_row > 0)
+    images = vision.Images(vision.encode_images(params, batch["pixel_values"], model, rules), batch["image_slots"])
   stats, trace = token_stats(params, batch["tokens"], model, positions=batch["positions"],
-                             segment_ids=batch["segment_ids"], rules=rules, rows=rows)
+                             segment_ids=batch["segment_ids"], rules=rules, rows=rows, images=images)
   weights = moe.undropped(next_token_targets(batch)[1], trace)
   n_tokens = weights.sum()
   denominator = jnp.maximum(n_tokens, 1.0)  # an all-masked micro-batch contributes 0

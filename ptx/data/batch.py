@@ -6,14 +6,14 @@ A batch is a dict of int32 arrays of shape [B, T]:
   segment_ids  1.. per packed sequence, 0 for padding
   positions    position of each token within its own sequence
 
-Rows of examples with images (`ptx.data.image_chat`) add, at a fixed tile
-count N per row (`tiles_per_row`):
+Batches of a data stream with images (`ptx.data.image_chat`; `tiles_per_row`
+N > 0) add, at N tiles per row whether or not its examples have images:
   image_slots           int32 [B, T]: the row's feature row of each image
                         token (its examples' tiles in order), -1 elsewhere
   pixel_values          float32 [B, N, 3, S, S]: the row's tiles, zero-padded
   pixel_attention_mask  int32 [B, N, S, S]: 1 on real tiles, 0 on padding
 An example is one segment of its row, so its images' tokens and tiles stay
-together.
+together. `PER_ROW` names the arrays laid out per row rather than per token.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import numpy as np
 
 from ptx.data.images import pad_tiles
 from ptx.data.tokenizer import Tokenizer
+
+# Arrays of a batch laid out per row, not per token ([B, N, ...] tiles): `ptx.data.global_batch` shards their rows only.
+PER_ROW = ("pixel_values", "pixel_attention_mask")
 
 
 def sft_example(tokenizer: Tokenizer, prompt: str, completion: str) -> dict[str, np.ndarray]:
@@ -49,21 +52,21 @@ def pad_batch(examples: Sequence[dict[str, np.ndarray]], seq_len: int, pad_id: i
   return pack_rows([[ex] for ex in examples], seq_len, pad_id)
 
 
-def pack_rows(
-    rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int, tiles_per_row: int | None = None
-) -> dict[str, np.ndarray]:
+def pack_rows(rows: Sequence[Sequence[dict[str, np.ndarray]]], seq_len: int, pad_id: int, tiles_per_row: int = 0,
+              tile_size: int = 0) -> dict[str, np.ndarray]:
   """Lays out each row's examples one after another, then pads to `seq_len`.
 
   Args:
     rows: per row, the examples packed into it (possibly none: an empty row).
     seq_len: T.
     pad_id: the token id written into padding.
-    tiles_per_row: N, the image tiles of a row, for examples with images.
+    tiles_per_row: N, the image tiles of a row (0: text only).
+    tile_size: S, the side of a tile in pixels (with `tiles_per_row`).
 
   Returns:
     The batch dict of int32 [len(rows), seq_len] arrays; the k-th example of
-    a row has segment id k + 1 and positions 0..len-1. With images, also the
-    arrays of the module docstring.
+    a row has segment id k + 1 and positions 0..len-1. With `tiles_per_row`,
+    also the arrays of the module docstring.
 
   Raises:
     ValueError: when a row's examples are longer than `seq_len` together, or
@@ -90,11 +93,12 @@ def pack_rows(
       batch["segment_ids"][r, start:end] = segment
       batch["positions"][r, start:end] = np.arange(length)
       start = end
-  images = [ex for row in rows for ex in row if "pixel_values" in ex]
-  if images:
-    if tiles_per_row is None:
-      raise ValueError("examples with images need tiles_per_row, the static tile count of a row")
-    batch.update(_image_rows(rows, seq_len, tiles_per_row, images[0]["pixel_values"].shape[-1]))
+  if tiles_per_row:
+    if tile_size < 1:
+      raise ValueError(f"tiles_per_row={tiles_per_row} needs the tiles' tile_size, got {tile_size}")
+    batch.update(_image_rows(rows, seq_len, tiles_per_row, tile_size))
+  elif any("pixel_values" in ex for row in rows for ex in row):
+    raise ValueError("examples with images need tiles_per_row, the static tile count of a row")
   return batch
 
 

@@ -39,16 +39,26 @@ def length(example: dict[str, Any]) -> int:
   return len(example["tokens"])
 
 
-def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str, where: str) -> dict[str, Any]:
-  """Applies the overlong policy; returns the element `{"status", "example"}`.
+def tiles(example: dict[str, Any]) -> int:
+  """Image tiles of an example (0 without images)."""
+  return len(example["pixel_values"]) if "pixel_values" in example else 0
+
+
+def fit(example: dict[str, Any], kind: str, seq_len: int, overlong: str, where: str,
+        tiles_per_row: int = 0) -> dict[str, Any]:
+  """Applies the overlong policy and the row's tile budget; returns the element `{"status", "example"}`.
 
   Status is "ok", "truncated" (the first `seq_len` tokens kept) or "dropped"
   (policy "drop"; or nothing left to train on after truncation; or an RL
   prompt, which truncation would cut off before its question ends; or a cut
-  through an image's tokens, whose tiles go with all of them). A
-  dropped element also has "reason" ("where: why") and "needed", the
-  seq_len that would keep it.
+  through an image's tokens, whose tiles go with all of them; or more image
+  tiles than a row's `tiles_per_row`). A dropped element also has "reason"
+  ("where: why") and, when dropped for its length, "needed", the seq_len
+  that would keep it.
   """
+  if tiles(example) > tiles_per_row:
+    return {"status": "dropped", "example": None,
+            "reason": f"{where}: {tiles(example)} image tiles, more than a row's data.tiles_per_row={tiles_per_row}"}
   n = length(example)
   if n <= seq_len:
     return {"status": "ok", "example": example}
@@ -88,11 +98,15 @@ class Batcher:
     pad_id: token id of padding.
     pack: first-fit packing; else one example per row.
     num_bins: open rows of the packer.
+    tiles_per_row: image tiles of a row (0: text only), as `ptx.data.batch.pack_rows` takes them.
+    tile_size: side of a tile in pixels (with `tiles_per_row`).
   """
 
-  def __init__(self, kind: str, seq_len: int, batch_size: int, pad_id: int, pack: bool, num_bins: int):
+  def __init__(self, kind: str, seq_len: int, batch_size: int, pad_id: int, pack: bool, num_bins: int,
+               tiles_per_row: int = 0, tile_size: int = 0):
     self.kind, self.seq_len, self.batch_size, self.pad_id, self.pack = kind, seq_len, batch_size, pad_id, pack
-    self._pool = BinPool(seq_len, num_bins)
+    self.tiles_per_row, self.tile_size = tiles_per_row, tile_size
+    self._pool = BinPool(seq_len, num_bins, tiles_per_row)
     self._examples: dict[int, dict[str, Any]] = {}
     self._ready: list[list[int]] = []
     self._counts = dict.fromkeys(COUNTERS, 0)
@@ -114,7 +128,7 @@ class Batcher:
     self._examples[key] = element["example"]
     if not self.pack:
       self._ready.append([key])
-    elif (closed := self._pool.add(key, length(element["example"]))) is not None:
+    elif (closed := self._pool.add(key, length(element["example"]), tiles(element["example"]))) is not None:
       self._ready.append(closed)
     return True
 
@@ -157,7 +171,7 @@ class Batcher:
       # Source index of each pair (-1: an empty filler row, or a source without indices).
       batch["record_index"] = np.asarray([row[0].get("record_index", -1) if row else -1 for row in rows], np.int32)
       return batch
-    batch: dict[str, Any] = pack_rows(rows, self.seq_len, self.pad_id)
+    batch: dict[str, Any] = pack_rows(rows, self.seq_len, self.pad_id, self.tiles_per_row, self.tile_size)
     if self.kind == "rl":
       # Host-side task fields for the reward; an empty (filler) row has None.
       batch["task"] = [row[0]["task"] if row else None for row in rows]

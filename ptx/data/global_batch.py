@@ -4,8 +4,9 @@ Each host reads `batch_size / process_count` rows (its own shard of the
 stream, see `ptx.data.pipeline`); `to_global` hands them to
 `jax.make_array_from_process_local_data`, which places them on the host's
 devices under `ptx.sharding.batch_sharding(mesh)` (rows over the data axes,
-tokens over `seq`). Each host holds whole rows, so the `seq` mesh axis must
-not span hosts.
+tokens over `seq`; a row's image tiles, `ptx.data.batch.PER_ROW`, stay
+whole with their row). Each host holds whole rows, so the `seq` mesh axis
+must not span hosts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ptx.data.batch import PER_ROW
 from ptx.sharding import DEFAULT_RULES, Rules, batch_sharding
 
 
@@ -36,7 +38,9 @@ def to_global(batch: dict[str, Any], mesh: jax.sharding.Mesh, rules: Rules = DEF
     if isinstance(value, dict):
       out[key] = to_global(value, mesh, rules)
     elif isinstance(value, np.ndarray):
-      out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim, rules), value)
+      # Only the rows of a per-row array split: its second axis counts tiles, not tokens.
+      sharded = batch_sharding(mesh, 1 if key in PER_ROW else value.ndim, rules)
+      out[key] = jax.make_array_from_process_local_data(sharded, value)
     else:
       out[key] = value
   return out

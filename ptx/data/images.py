@@ -26,6 +26,9 @@ import os
 import numpy as np
 from PIL import Image
 
+from ptx.config import DataConfig
+from ptx.model_config import VisionConfig
+
 # The reference's cap on either edge after the first resize (transformers' MAX_IMAGE_SIZE).
 _MAX_EDGE = 4096
 _FILTERS = {f.name.lower(): f for f in Image.Resampling}
@@ -59,6 +62,28 @@ class ImageConfig:
         raise ValueError(f"ImageConfig.{name} needs one value per RGB channel, got {getattr(self, name)}")
     if min(self.std) <= 0:
       raise ValueError(f"ImageConfig.std must be positive, got {self.std}")
+
+
+def image_config(vision: VisionConfig, data: DataConfig) -> ImageConfig | None:
+  """How a job's images become tiles and tokens: tiles the tower's size, a tile's tokens its features.
+
+  Args:
+    vision: the model's vision tower (`model.vision`).
+    data: the data config (`tiles_per_row`, `image_tiles_per_edge`).
+
+  Returns:
+    The image config, or None for text-only data (`data.tiles_per_row` 0).
+
+  Raises:
+    ValueError: for data with images and a model without a vision tower.
+  """
+  if not data.tiles_per_row:
+    return None
+  if not vision.enabled:
+    raise ValueError(f"data.tiles_per_row={data.tiles_per_row} needs a model with a vision tower (model.vision.depth "
+                     "is 0)")
+  return ImageConfig(longest_edge=data.image_tiles_per_edge * vision.image_size, tile_size=vision.image_size,
+                     image_seq_len=vision.tokens_per_image)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,11 @@
       -> decode + validate + tokenize + fit to T   (grain threads)
       -> first-fit packing (or one sequence per row) -> [B / process_count, T]
 
+With images (`images=`, `data.tiles_per_row` > 0), records' image parts are
+tiled in the reader threads, a row packs at most `tiles_per_row` tiles
+beside its T tokens, and every batch carries the image arrays of
+`ptx.data.batch` (a record with more tiles than a row is dropped, counted).
+
 Every stage before packing is a grain `MapDataset`, so element i of a host's
 stream is a pure function of (source, seed, i). The batching iterator's state
 is the reader's position, the keys of the sequences waiting in open rows and
@@ -48,13 +53,14 @@ import numpy as np
 from ptx.config import DataConfig
 from ptx.data.batcher import Batcher, fit
 from ptx.data.chat import ChatTemplate
+from ptx.data.images import ImageConfig
 from ptx.data.records import RecordError, decode, encode
 from ptx.data.sources import RawRecord
 from ptx.data.tokenizer import Tokenizer
 
 
 def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataConfig, *,
-                  template: ChatTemplate | None = None, process_index: int = 0,
+                  template: ChatTemplate | None = None, images: ImageConfig | None = None, process_index: int = 0,
                   process_count: int = 1) -> "BatchDataset":
   """Builds this host's pipeline.
 
@@ -64,6 +70,9 @@ def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataCo
     cfg: the pipeline configuration.
     template: chat template for `messages` records (default: the
       tokenizer's, else ChatML).
+    images: how records' images become tiles and tokens
+      (`ptx.data.images.image_config` of the model); None, with
+      `cfg.tiles_per_row` 0, for text only.
     process_index: this host (`jax.process_index()` on a real job).
     process_count: hosts (`jax.process_count()`).
 
@@ -75,17 +84,20 @@ def make_pipeline(source: Sequence[RawRecord], tokenizer: Tokenizer, cfg: DataCo
     raise ValueError(f"batch_size {cfg.batch_size} does not split over {process_count} processes")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} outside 0..{process_count - 1}")
+  if (images is None) != (cfg.tiles_per_row == 0):
+    raise ValueError(f"data.tiles_per_row={cfg.tiles_per_row} and images={images}: a pipeline with images needs "
+                     "both (ptx.data.images.image_config), a text-only one neither")
   # Each record keeps its source index (a preference pair's `record_index`, the key of precomputed references).
   # Grain passes the index of the outermost access through repeat(), hence the modulo.
   ds = grain.MapDataset.source(source).map_with_index(lambda index, raw: (index % len(source), raw))
   if cfg.shuffle:
     ds = ds.seed(cfg.seed).shuffle()
   ds = ds.repeat(cfg.num_epochs)[process_index::process_count]
-  prepare = functools.partial(_prepare, tokenizer=tokenizer, cfg=cfg, template=template)
+  prepare = functools.partial(_prepare, tokenizer=tokenizer, cfg=cfg, template=template, images=images)
   # Shuffled epochs deal every record to every host in time; in source order a host reads one residue class.
   readable = len(source) if cfg.shuffle else len(source) // math.gcd(len(source), process_count)
   return BatchDataset(ds.map(prepare), cfg, tokenizer.pad_id, cfg.batch_size // process_count,
-                      len(source), readable)
+                      len(source), readable, 0 if images is None else images.tile_size)
 
 
 class BatchDataset(grain.IterDataset):
@@ -98,10 +110,11 @@ class BatchDataset(grain.IterDataset):
     batch_size: rows per host batch.
     num_records: records in the source.
     readable: distinct records this host's stream ever reads.
+    tile_size: side of an image tile in pixels (0: text only).
   """
 
   def __init__(self, examples: grain.MapDataset, cfg: DataConfig, pad_id: int, batch_size: int, num_records: int,
-               readable: int):
+               readable: int, tile_size: int = 0):
     super().__init__()
     self.examples = examples
     self.cfg = cfg
@@ -109,6 +122,7 @@ class BatchDataset(grain.IterDataset):
     self.batch_size = batch_size
     self.num_records = num_records
     self.readable = readable
+    self.tile_size = tile_size
 
   def __iter__(self) -> "BatchIterator":
     return BatchIterator(self)
@@ -122,7 +136,8 @@ class BatchIterator(grain.DatasetIterator):
     super().__init__(iter(ds.examples.to_iter_dataset(options)))
     self._ds = ds
     cfg = ds.cfg
-    self._batcher = Batcher(cfg.kind, cfg.seq_len, ds.batch_size, ds.pad_id, cfg.pack, cfg.num_bins)
+    self._batcher = Batcher(cfg.kind, cfg.seq_len, ds.batch_size, ds.pad_id, cfg.pack, cfg.num_bins,
+                            cfg.tiles_per_row, ds.tile_size)
     self._read = 0
     self._unkept = _UnkeptRecords(ds.num_records)
 
@@ -161,11 +176,11 @@ class BatchIterator(grain.DatasetIterator):
 
 
 def _prepare(indexed: tuple[int, RawRecord], *, tokenizer: Tokenizer, cfg: DataConfig,
-             template: ChatTemplate | None) -> dict[str, Any]:
+             template: ChatTemplate | None, images: ImageConfig | None) -> dict[str, Any]:
   """Decode, validate, tokenize and fit one (source index, record); runs in reader threads."""
   index, raw = indexed
   try:
-    example = encode(cfg.kind, tokenizer, decode(raw), raw.where, template, cfg.task_fields)
+    example = encode(cfg.kind, tokenizer, decode(raw), raw.where, template, cfg.task_fields, images)
     if cfg.kind == "preference":
       example["record_index"] = index
   except RecordError as e:
@@ -173,7 +188,7 @@ def _prepare(indexed: tuple[int, RawRecord], *, tokenizer: Tokenizer, cfg: DataC
       raise
     logging.warning("ptx.data: skipping bad record %s", e)
     return {"status": "skipped", "example": None, "reason": str(e), "index": index}
-  return {**fit(example, cfg.kind, cfg.seq_len, cfg.overlong, raw.where), "index": index}
+  return {**fit(example, cfg.kind, cfg.seq_len, cfg.overlong, raw.where, cfg.tiles_per_row), "index": index}
 
 
 class _UnkeptRecords:

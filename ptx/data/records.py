@@ -144,7 +144,8 @@ def _chat_example(tokenizer, messages, template) -> dict[str, np.ndarray]:
 
 def _image_chat_example(tokenizer, record, template, images) -> dict[str, np.ndarray]:
   if images is None:
-    raise _FieldError("field 'messages' holds content parts, which need an image config (ptx.data.images)")
+    raise _FieldError("field 'messages' holds content parts, which need images on: data.tiles_per_row > 0 and a "
+                      "model with a vision tower (model.vision.depth > 0)")
   try:
     image_chat.validate(record["messages"])
   except ValueError as e:

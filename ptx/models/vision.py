@@ -70,7 +70,10 @@ def encode_images(params: Params, pixel_values: jax.Array, cfg: ModelConfig,
   if pixel_values.ndim < 4 or tuple(pixel_values.shape[-3:]) != want:
     raise ValueError(f"encode_images: pixel_values {tuple(pixel_values.shape)} must be [..., "
                      f"{', '.join(map(str, want))}] (model.vision.channels, image_size, image_size)")
-  p = params["vision"]
+  # A frozen part (`train_tower`, `train_connector` False) takes no gradient: the backward pass skips it, where the
+  # optimizer would only zero its gradient (`params.trainable_mask`), and `grad_norm` counts what trains.
+  p = params["vision"] if vc.train_tower else jax.lax.stop_gradient(params["vision"])
+  connector = params["connector"] if vc.train_connector else jax.lax.stop_gradient(params["connector"])
   leading = pixel_values.shape[:-3]
   x = _embed_patches(p, pixel_values.reshape((-1,) + want), cfg, rules)
   layers = {name: w for name, w in p.items() if name not in _UNSTACKED}
@@ -80,7 +83,7 @@ def encode_images(params: Params, pixel_values: jax.Array, cfg: ModelConfig,
 
   x, _ = jax.lax.scan(body, x, layers)
   x = _layer_norm(x, p["post_norm"], p["post_norm_bias"], vc.norm_eps)
-  features = connect(params["connector"], x, cfg, rules)
+  features = connect(connector, x, cfg, rules)
   return features.reshape(leading + features.shape[1:])
 
 

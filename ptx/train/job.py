@@ -40,6 +40,7 @@ from ptx import sharding
 from ptx.algorithms import dpo, sft
 from ptx.config import Config, OptimizerConfig
 from ptx.model_config import ModelConfig
+from ptx.data import image_tokens
 from ptx.data.tokenizer import Tokenizer, check_fits
 from ptx.models import attention_choice
 from ptx.models import decoder
@@ -220,9 +221,22 @@ def _check(cfg: Config, algorithm: str, tokenizer: Tokenizer) -> sharding.Rules:
   check_attention_kernel(cfg.model, jax.default_backend(), cfg.data.rows, cfg.data.seq_len)
   try:
     check_fits(tokenizer, cfg.model.vocab_size, "model.vocab_size")
+    if cfg.data.tiles_per_row:
+      _check_image_token(tokenizer, cfg.model.vision.image_token_id, cfg.data.tiles_per_row)
     return sharding.rules_of(cfg.mesh)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
+
+
+def _check_image_token(tokenizer: Tokenizer, model_id: int, tiles_per_row: int) -> None:
+  """The tokenizer's `<image>`, whose positions take the features, is one token, the model's image token."""
+  try:
+    found = image_tokens.image_token_id(tokenizer)
+  except ValueError as e:
+    raise ValueError(f"data.tiles_per_row={tiles_per_row}: {e}") from None
+  if found != model_id:
+    raise ValueError(f"data.tiles_per_row={tiles_per_row}: the tokenizer's {image_tokens.IMAGE} is id {found}, but "
+                     f"model.vision.image_token_id={model_id}: use the model's own tokenizer")
 
 
 def check_attention_kernel(model: ModelConfig, backend: str, rows: str, length: int) -> None:

@@ -30,6 +30,7 @@ import jax
 
 from ptx import paths
 from ptx.config import Config, ConfigError
+from ptx.data.images import image_config
 from ptx.data.pipeline import make_pipeline
 from ptx.data.sources import JsonlSource, NoDataError
 from ptx.data.tokenizer import Tokenizer
@@ -60,8 +61,8 @@ def supervised(cfg: Config, tokenizer: Tokenizer, *, out: str | os.PathLike,
   if not data.train_files:
     raise ConfigError("data.train_files is empty: set it to a list of JSONL files "
                       "(--data.train_files='[\"train.jsonl\"]')")
-  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, process_index=jax.process_index(),
-                               process_count=jax.process_count())
+  pipeline = functools.partial(make_pipeline, tokenizer=tokenizer, images=image_config(cfg.model.vision, data),
+                               process_index=jax.process_index(), process_count=jax.process_count())
   sources = {"train": JsonlSource(data.train_files)}
   streams = {"train": pipeline(sources["train"], cfg=data)}
   _first_batch(streams["train"], data.train_files)

@@ -133,7 +133,8 @@ def test_bad_images_are_errors_at_file_and_line(tmp_path, pngs):
   for i, (_, message) in enumerate(bad, 1):
     with pytest.raises(RecordError, match="^" + re.escape(f"{tmp_path / 'data.jsonl'}:{i + 1}: {message}")):
       encode("sft", TOK, decode(source[i]), source[i].where, SMOLVLM, images=CFG)
-  with pytest.raises(RecordError, match="data.jsonl:1: field 'messages' holds content parts, which need an image"):
+  with pytest.raises(RecordError, match="data.jsonl:1: field 'messages' holds content parts, which need images on: "
+                                        "data.tiles_per_row"):
     encode("sft", TOK, decode(source[0]), source[0].where, SMOLVLM)
 
 
@@ -151,16 +152,16 @@ def test_truncation_keeps_an_image_whole_or_drops_the_record(pngs):
   n = len(example["tokens"])
   image_end = int(np.flatnonzero(example["image_slots"] >= 0)[-1]) + 2  # the closing <fake_token_around_image>
   assert example["tokens"][image_end - 1] == TOK.encode("<fake_token_around_image>")[0]
-  cut = fit({k: v.copy() for k, v in example.items()}, "sft", n - 2, "truncate", "memory[0]")
+  cut = fit({k: v.copy() for k, v in example.items()}, "sft", n - 2, "truncate", "memory[0]", 7)
   assert cut["status"] == "truncated" and len(cut["example"]["image_slots"]) == n - 2
-  dropped = fit({k: v.copy() for k, v in example.items()}, "sft", image_end - 1, "truncate", "memory[0]")
+  dropped = fit({k: v.copy() for k, v in example.items()}, "sft", image_end - 1, "truncate", "memory[0]", 7)
   assert dropped["status"] == "dropped" and "would cut the image" in dropped["reason"]
 
 
 def test_packing_moves_slots_past_the_images_before_them(pngs):
   first, second = _example(pngs[0]), _example(pngs[0])
   text = {"tokens": np.arange(5, dtype=np.int32), "loss_mask": np.ones(5, np.int32)}
-  batch = pack_rows([[first, text, second], []], 300, 0, tiles_per_row=15)
+  batch = pack_rows([[first, text, second], []], 300, 0, tiles_per_row=15, tile_size=32)
   a, b = len(first["tokens"]), len(second["tokens"])
   slots = batch["image_slots"]
   np.testing.assert_array_equal(slots[0, :a], first["image_slots"])
@@ -172,6 +173,6 @@ def test_packing_moves_slots_past_the_images_before_them(pngs):
   assert batch["pixel_values"].shape == (2, 15, 3, 32, 32) and not batch["pixel_values"][0, 14:].any()
   np.testing.assert_array_equal(batch["pixel_attention_mask"][:, :, 0, 0], [[1] * 14 + [0], [0] * 15])
   with pytest.raises(ValueError, match="row 0: 2 images have 14 tiles, more than the 13"):
-    pack_rows([[first, second]], 300, 0, tiles_per_row=13)
+    pack_rows([[first, second]], 300, 0, tiles_per_row=13, tile_size=32)
   with pytest.raises(ValueError, match="need tiles_per_row"):
     pack_rows([[first]], 300, 0)

@@ -40,3 +40,18 @@ def test_state_round_trips():
 def test_rejects_sequences_that_cannot_fit():
   with pytest.raises(ValueError, match="outside 1..8"):
     BinPool(8, 2).add(0, 9)
+
+
+def test_a_row_holds_at_most_tiles_per_row_image_tiles():
+  pool = BinPool(20, 2, tiles_per_row=3)
+  assert pool.add(0, 4, tiles=2) is None
+  assert pool.add(1, 4, tiles=2) is None  # room for its tokens in row 0, not for its tiles: a second row
+  assert pool.add(2, 4, tiles=1) is None and pool.add(3, 4) is None  # row 0 takes 1 tile more, then text
+  assert pool.add(4, 5, tiles=3) == [0, 2, 3]  # no row has 3 tiles free: the fullest row leaves
+  restored = BinPool(20, 2, tiles_per_row=3)
+  restored.set_state(pool.get_state())
+  assert restored.add(5, 1, tiles=1) is None and pool.add(5, 1, tiles=1) is None  # row 1 takes its last tile
+  assert restored.drain() == pool.drain() == [[1, 5], [4]]
+  assert pool.drain() == [] and BinPool(20, 2, tiles_per_row=3).add(6, 1, tiles=2) is None
+  with pytest.raises(ValueError, match="4 image tiles, outside 0..3"):
+    pool.add(7, 1, tiles=4)
