@@ -163,8 +163,9 @@ def test_the_caches_attend_with_sinks_as_attention_does():
       cache = cache.advance(stop - start)
     return jnp.concatenate(outs, axis=1)
 
+  # The fields the caches read: one layer of N heads with values, each layer its own arrays (decode_loop "unroll").
   cfg = types.SimpleNamespace(n_layers=1, cache_kv_heads=N, cache_head_dim=D, compute_dtype=jnp.float32,
-                              mla=types.SimpleNamespace(enabled=False))
+                              cache_values=True, decode_loop="unroll")
   # As REL: the same float32 softmax in another order of sums.
   np.testing.assert_allclose(run(kv_cache.init_cache(cfg, B, 16), calls), want, atol=REL, rtol=REL)
   # The prompt once in a prefix cache of one row, each row's own tokens in a cache of two.
