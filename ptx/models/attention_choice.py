@@ -78,9 +78,8 @@ class Need:
 
   @property
   def cudnn_computes(self) -> bool:
-    """Whether cuDNN computes the call exactly: the negation of the GPU rows above its own in `TABLE`."""
-    return (not self.sinks and not self.softcap and self.rows == "padded_right" and self.window != "traced"
-            and self.self_attention and self.half_precision and self.cudnn_takes_heads)
+    """Whether cuDNN computes the call exactly: no GPU row that routes calls away from it holds (`refusal`)."""
+    return refusal("cudnn", dataclasses.replace(self, platform="gpu", interpreted=False)) is None
 
 
 @dataclasses.dataclass(frozen=True)
